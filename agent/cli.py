@@ -1,0 +1,54 @@
+"""The ``rewarm`` command.
+
+Each component owns its subcommands in its own ``cli`` module with one function,
+``register(subparsers)``; this module only lists them, so the CLI never reaches into the core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# One place where every subcommand group is registered.
+COMMAND_MODULES = (
+    "agent.snapshot.cli",    # rewarm snapshot ..., rewarm import
+    "agent.replica.cli",     # rewarm model ..., rewarm build, rewarm replica
+    "agent.node.cli",        # rewarm agent ...
+    "agent.frontdoor.cli",   # rewarm frontdoor, rewarm generate
+    "agent.predictor.cli",   # rewarm predictor
+    "agent.cluster.cli",     # rewarm jobs render
+    "agent.sim.cli",         # rewarm simulate
+    "agent.up",              # rewarm up
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rewarm",
+        description="Scale-to-zero LLM serving: every cold start after the first is a verified restore.")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # that component is not built yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = args.func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

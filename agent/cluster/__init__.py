@@ -1,0 +1,1 @@
+"""The two outside systems behind small interfaces: the registry and the scaler."""

@@ -1,0 +1,67 @@
+"""Extension points for service discovery and scaling.
+
+Two small protocols; implementations are registered in ``agent.cluster.IMPLEMENTATIONS``
+style tables by their modules (local: in-process; consul: py-consul; nomad: python-nomad).
+Code outside ``agent/cluster`` depends only on these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class ServiceInstance:
+    """One registered service instance.
+
+    ``name`` is the service (``rewarm-agent``, ``rewarm-replica``, ``rewarm-frontdoor``);
+    ``id`` is unique per instance; ``address``/``port`` is where it listens; ``tags`` carry
+    ``model=<name>`` and ``version=<v>`` for replicas; ``meta`` carries string values
+    (KV capacity and use, devices free, cached snapshots).
+    """
+
+    name: str
+    id: str
+    address: str
+    port: int
+    tags: list[str] = field(default_factory=list)
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def tag(self, key: str) -> str | None:
+        prefix = key + "="
+        for tag in self.tags:
+            if tag.startswith(prefix):
+                return tag[len(prefix):]
+        return None
+
+
+class Registry(Protocol):
+    """Where instances announce themselves and where routers find healthy ones."""
+
+    def register(self, instance: ServiceInstance, ttl_s: float) -> None:
+        """Add or replace ``instance``; it stays healthy while ``pass_ttl`` is called within ``ttl_s``."""
+        ...
+
+    def pass_ttl(self, instance_id: str, meta: dict[str, str] | None = None) -> None:
+        """Heartbeat: keep ``instance_id`` passing, optionally updating its load meta."""
+        ...
+
+    def deregister(self, instance_id: str) -> None:
+        ...
+
+    def healthy(self, name: str, tag: str | None = None) -> list[ServiceInstance]:
+        """Instances of ``name`` whose check is passing (optionally with ``tag``)."""
+        ...
+
+
+class Scaler(Protocol):
+    """Turns a model's desired warm-pool size into running replicas."""
+
+    def set_target(self, model: str, count: int, *, reason: str) -> None:
+        """Ask for ``count`` replicas of ``model``; idempotent; may act asynchronously."""
+        ...
+
+    def target(self, model: str) -> int:
+        """The last target set (or observed) for ``model``."""
+        ...

@@ -1,0 +1,171 @@
+"""The typed error hierarchy of rewarm.
+
+One base, :class:`RewarmError`, and a handful of subclasses.  Each also inherits the builtin
+that matches it (``SnapshotCorrupt`` is a ``ValueError``), so callers that only know the
+builtins still catch it.  Every error carries the object it is about, the value found and the
+limit or expected value as attributes, and names all three in its message.
+
+Errors that reach a client carry ``code``: the protocol's status code (400, 401, 404, 413,
+429, 503, 504; see docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RewarmError(Exception):
+    """Base of every error rewarm raises on purpose.
+
+    Attributes given as keywords are kept on the instance (``err.path``, ``err.limit``...)
+    so that handlers and tests can read them without parsing the message.
+    """
+
+    code: int = 500
+
+    def __init__(self, message: str, **attrs: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        for key, value in attrs.items():
+            setattr(self, key, value)
+
+
+# --- snapshots -------------------------------------------------------------------------
+
+class SnapshotError(RewarmError):
+    """Something is wrong with a snapshot; the restore fails closed."""
+
+
+class SnapshotCorrupt(SnapshotError, ValueError):
+    """Bytes on disk are not what the manifest promises (checksum, length, framing).
+
+    Attributes: ``path``, ``chunk`` (index or None), ``tensors`` (names covered),
+    ``expected``, ``actual``.
+    """
+
+
+class SnapshotIncompatible(SnapshotError, RuntimeError):
+    """The snapshot was taken on a machine this one does not match.
+
+    Attributes: ``path``, ``mismatches``: ``{pin: (snapshot_value, machine_value)}``.
+    """
+
+
+class SnapshotNotFound(SnapshotError, FileNotFoundError):
+    """No ready snapshot where one was asked for. Attributes: ``path`` or ``model``."""
+
+
+class SnapshotTampered(SnapshotCorrupt):
+    """The manifest's signature or digest does not verify. Attributes: ``path``."""
+
+
+class InvalidCheckpoint(RewarmError, ValueError):
+    """A source checkpoint (config.json, safetensors, GGUF) is malformed.
+
+    Attributes: ``path``, ``field`` (tensor or key), ``value``, ``limit``.
+    """
+
+
+# --- the replica ------------------------------------------------------------------------
+
+class GoldenMismatch(RewarmError, RuntimeError):
+    """A restored replica did not reproduce the recorded tokens; it must not serve.
+
+    Attributes: ``prompt_index``, ``position`` (first differing token), ``expected``, ``actual``.
+    """
+
+
+class TargetMismatch(RewarmError, RuntimeError):
+    """An AOT package was built for another CPU or GPU target. Attributes: ``built``, ``here``."""
+
+
+class CapacityExceeded(RewarmError, MemoryError):
+    """A request cannot fit in the KV cache. Attributes: ``need_tokens``, ``limit_tokens``."""
+
+    code = 413
+
+
+# --- the wire ---------------------------------------------------------------------------
+
+class ProtocolError(RewarmError, ValueError):
+    """A malformed or out-of-limit message; the connection closes after the reply.
+
+    Attributes: ``field``, ``value``, ``limit``.
+    """
+
+    code = 400
+
+
+class MessageTooLarge(ProtocolError):
+    """A message or one of its parts is over a limit (413)."""
+
+    code = 413
+
+
+class Unauthorized(RewarmError, PermissionError):
+    """Missing or wrong tenant token (401)."""
+
+    code = 401
+
+
+class ModelNotFound(RewarmError, LookupError):
+    """No such model is configured (404). Attributes: ``model``."""
+
+    code = 404
+
+
+class Overloaded(RewarmError):
+    """Admission refused: the queue is full or the wait would be too long (429).
+
+    Attributes: ``model``, ``retry_after_ms``, ``depth``, ``limit``.
+    """
+
+    code = 429
+
+
+class NoCapacity(RewarmError):
+    """No replica can be made available for this model (503). Attributes: ``model``."""
+
+    code = 503
+
+
+class DeadlineExceeded(RewarmError, TimeoutError):
+    """The request's deadline passed before it could be served (504).
+
+    Attributes: ``deadline_ms``, ``waited_ms``.
+    """
+
+    code = 504
+
+
+# --- configuration, devices and the outside systems --------------------------------------
+
+class ConfigError(RewarmError, ValueError):
+    """A configuration value is out of range. Attributes: ``name``, ``value``, ``limit``."""
+
+
+class CudaCheckpointError(RewarmError, OSError):
+    """A CUDA checkpoint driver call failed. Attributes: ``call``, ``result``, ``name``."""
+
+
+class DriverUnavailable(CudaCheckpointError):
+    """libcuda.so.1 or the checkpoint symbols (driver r570+) are missing. Attributes: ``missing``."""
+
+
+class ClusterError(RewarmError, ConnectionError):
+    """Consul or Nomad could not be reached or refused. Attributes: ``service``, ``status``."""
+
+
+class AclDenied(ClusterError, PermissionError):
+    """Consul or Nomad refused the token (403). Attributes: ``service``, ``endpoint``."""
+
+
+ERROR_BY_CODE: dict[int, type[RewarmError]] = {
+    400: ProtocolError,
+    401: Unauthorized,
+    404: ModelNotFound,
+    413: MessageTooLarge,
+    429: Overloaded,
+    503: NoCapacity,
+    504: DeadlineExceeded,
+}

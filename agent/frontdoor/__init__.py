@@ -1,0 +1,1 @@
+"""The front door: TCP server, router, admission controller."""

@@ -1,0 +1,1 @@
+"""The node agent: GPU inventory, replica lifecycle, suspend/resume, control API, first-boot capture."""

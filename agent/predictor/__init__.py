@@ -1,0 +1,1 @@
+"""The predictor: Holt forecaster, Little's-law targets, breakeven keep-alive, scale-in guard."""
