@@ -1,0 +1,137 @@
+"""Suspend and resume a replica process with the CUDA checkpoint driver API (GPU nodes).
+
+Suspend = lock + checkpoint: CUDA calls in the replica block, its device memory is parked in
+host RAM by the driver and the GPU is free.  Resume = restore (optionally onto other GPUs, by
+UUID pairs) + unlock.  The driver calls block for as long as the copy takes (many seconds per
+GPU for large models), so each runs on a helper thread bounded by ``toggle_timeout_s``; the
+lock has its own driver-side ``lock_timeout_s``.  Defaults are generous on purpose.
+
+Failures leave the process in a known, reported state:
+
+* lock fails: nothing changed; the replica keeps RUNNING and serving.
+* checkpoint fails: the process is unlocked again (RUNNING) when the driver allows it.
+* restore or unlock fails: :class:`ResumeFailed` carries the driver's state afterwards; the
+  caller (the agent) kills the process and falls back to a snapshot restore.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, TypeVar
+
+from agent.clock import Clock, SystemClock
+from agent.errors import ConfigError, CudaCheckpointError, DriverUnavailable
+from agent.node.cuda_checkpoint import CudaCheckpointDriver, ProcessState
+
+T = TypeVar("T")
+
+DEFAULT_LOCK_TIMEOUT_S = 60.0
+DEFAULT_TOGGLE_TIMEOUT_S = 600.0
+
+
+class ResumeFailed(CudaCheckpointError):
+    """Restore or unlock failed; ``state`` is the driver's view afterwards (or None).
+
+    The process must not serve: kill it and restore from a snapshot.
+    """
+
+
+@dataclass
+class StepTimes:
+    """Seconds each driver step took, by step name (``lock``, ``checkpoint``...)."""
+
+    steps_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.steps_s.values())
+
+
+class Suspender:
+    """Suspend/resume process ids through a :class:`CudaCheckpointDriver`.
+
+    ``lock_timeout_s`` goes to the driver (0 means wait forever); ``toggle_timeout_s`` bounds
+    each blocking checkpoint/restore call.  Raises ConfigError for out-of-range timeouts.
+    """
+
+    def __init__(self, driver: CudaCheckpointDriver, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+                 toggle_timeout_s: float = DEFAULT_TOGGLE_TIMEOUT_S, clock: Clock | None = None) -> None:
+        if lock_timeout_s < 0:
+            raise ConfigError(f"lock_timeout_s={lock_timeout_s} is negative; limit >= 0",
+                              name="lock_timeout_s", value=lock_timeout_s, limit=0)
+        if toggle_timeout_s <= 0:
+            raise ConfigError(f"toggle_timeout_s={toggle_timeout_s} must be > 0",
+                              name="toggle_timeout_s", value=toggle_timeout_s, limit=0)
+        self.driver = driver
+        self.lock_timeout_s = lock_timeout_s
+        self.toggle_timeout_s = toggle_timeout_s
+        self.clock = clock or SystemClock()
+
+    def _timed(self, times: StepTimes, step: str, fn: Callable[[], T]) -> T:
+        start = self.clock.now()
+        try:
+            return _bounded(fn, self.toggle_timeout_s, step)
+        finally:
+            times.steps_s[step] = self.clock.now() - start
+
+    def state(self, pid: int) -> ProcessState | None:
+        """The driver's state for ``pid``, or None when it cannot say."""
+        try:
+            return self.driver.get_state(pid)
+        except CudaCheckpointError:
+            return None
+
+    def suspend(self, pid: int) -> StepTimes:
+        """Lock + checkpoint ``pid``. Raises CudaCheckpointError (process left RUNNING when the
+        driver allows) or DriverUnavailable."""
+        times = StepTimes()
+        self._timed(times, "lock", lambda: self.driver.lock(pid, self.lock_timeout_s))
+        try:
+            self._timed(times, "checkpoint", lambda: self.driver.checkpoint(pid))
+        except CudaCheckpointError:
+            if self.state(pid) == ProcessState.LOCKED:
+                self.driver.unlock(pid)
+            raise
+        return times
+
+    def resume(self, pid: int, gpu_pairs: Sequence[tuple[bytes, bytes]] = ()) -> StepTimes:
+        """Restore + unlock ``pid``. Raises ResumeFailed (state attached) or DriverUnavailable."""
+        times = StepTimes()
+        for step, fn in (("restore", lambda: self.driver.restore(pid, gpu_pairs)),
+                         ("unlock", lambda: self.driver.unlock(pid))):
+            try:
+                self._timed(times, step, fn)
+            except CudaCheckpointError as exc:
+                if isinstance(exc, (ResumeFailed, DriverUnavailable)):
+                    raise
+                state = self.state(pid)
+                raise ResumeFailed(
+                    f"resume of pid {pid} failed at {step}: {exc.message}; process state now "
+                    f"{state.name if state is not None else 'unknown'}; kill it and restore "
+                    "from a snapshot", call=getattr(exc, "call", step),
+                    result=getattr(exc, "result", None), name=getattr(exc, "name", None),
+                    pid=pid, step=step, state=state) from exc
+        return times
+
+
+def _bounded(fn: Callable[[], T], timeout_s: float, step: str) -> T:
+    """Run ``fn`` on a helper thread; raise CudaCheckpointError past ``timeout_s``."""
+    box: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed back to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"cuda-checkpoint-{step}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise CudaCheckpointError(
+            f"{step} did not finish within toggle_timeout_s={timeout_s}",
+            call=step, result=None, name="timeout", value=timeout_s, limit=timeout_s)
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
