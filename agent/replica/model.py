@@ -1,0 +1,290 @@
+"""A Llama-family decoder whose forward is a pure function of its inputs and the KV cache.
+
+The KV cache is an *input*, not module state (the AOT design document, seeds/000: "A compiled
+model can't keep state, so the conversation's memory has to become an input").  Signature::
+
+    forward(tokens, input_pos, cache_batch_idx, k_caches, v_caches) -> logits
+
+    tokens           [B, S]  int64   token ids of B active sequences, S new tokens each
+    input_pos        [B, S]  int64   absolute position of each token in its sequence
+    cache_batch_idx  [B]     int64   the cache slot (row of every cache tensor) of each sequence
+    k_caches         list of num_hidden_layers tensors [C, T, Hkv, D] in ``config.dtype``
+    v_caches         same shapes as k_caches
+    logits           [B, S, vocab_size] float32
+
+Three sizes vary independently: B (active batch), C (cache batch, the number of slots) and S
+(new tokens).  T (``max_seq_len``), Hkv and D are fixed per engine.
+
+**The cache is written in place**: each layer writes its new K and V rows with
+``index_put_`` at ``[cache_batch_idx[b], input_pos[b, s]]``, i.e. the forward mutates its
+``k_caches`` / ``v_caches`` inputs (torch.export records input mutation; AOTInductor performs
+it on the caller's tensors).  Attention then reads the whole slot ``[T]`` of each active
+sequence and masks key positions ``t > input_pos[b, s]`` (causal, and hides whatever a previous
+occupant of the slot left behind, since a sequence always writes positions 0..p in order).
+No Python branch depends on data, so the control flow is fixed for every (B, C, S).
+
+Runtime layout (the tensors a snapshot stores; ``load_hf_weights`` and the load hook produce it):
+Q/K/V fused into ``attention.wqkv`` [n_q + 2 n_kv, hidden] and gate/up fused into
+``feed_forward.w13`` [2 * intermediate, hidden], as gpt-fast does, so each layer runs two
+matmuls instead of five.  Tied embeddings keep one tensor (``tok_embeddings.weight``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agent.replica.config import LlamaConfig
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Hugging Face name (inside a layer) -> runtime name, for the tensors that are not fused.
+_HF_RENAME = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+_HF_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_HF_W13 = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+
+
+def hf_layer_names(i: int) -> list[str]:
+    """The Hugging Face tensor names of layer ``i`` (9 tensors)."""
+    return [f"model.layers.{i}.{n}" for n in (*_HF_QKV, *_HF_W13, *_HF_RENAME)]
+
+
+def hf_expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face Llama checkpoint of this config must hold, with its shape."""
+    h, i = config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h),
+                                          "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (config.n_q, h),
+            p + "self_attn.k_proj.weight": (config.n_kv, h),
+            p + "self_attn.v_proj.weight": (config.n_kv, h),
+            p + "self_attn.o_proj.weight": (h, config.n_q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+    return shapes
+
+
+def hf_to_runtime(hf: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Rename and fuse a (possibly partial) Hugging Face state dict into the runtime layout.
+
+    Works on any subset that holds whole layers (the streaming loader calls it per layer).
+    Tensors are cast to ``dtype`` when given.  Shapes are checked by :func:`check_shapes`.
+    """
+    out: dict[str, torch.Tensor] = {}
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in hf.items():
+        if name == "model.embed_tokens.weight":
+            out["tok_embeddings.weight"] = cast(tensor)
+        elif name == "model.norm.weight":
+            out["norm.weight"] = cast(tensor)
+        elif name == "lm_head.weight":
+            out["output.weight"] = cast(tensor)
+        elif (m := _HF_LAYER.match(name)) is not None:
+            layers.setdefault(int(m.group(1)), {})[m.group(2)] = tensor
+        else:
+            out[name] = cast(tensor)  # already runtime-named; the module will reject strays
+    for i, parts in sorted(layers.items()):
+        p = f"layers.{i}."
+        if all(k in parts for k in _HF_QKV):
+            out[p + "attention.wqkv.weight"] = cast(torch.cat([parts.pop(k) for k in _HF_QKV]))
+        if all(k in parts for k in _HF_W13):
+            out[p + "feed_forward.w13.weight"] = cast(torch.cat([parts.pop(k) for k in _HF_W13]))
+        for k, tensor in parts.items():
+            out[p + _HF_RENAME.get(k, k)] = cast(tensor)
+    return out
+
+
+def runtime_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every runtime-layout tensor name with its shape."""
+    h, i = config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, h),
+                                          "norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["output.weight"] = (config.vocab_size, h)
+    for n in range(config.num_hidden_layers):
+        p = f"layers.{n}."
+        shapes.update({
+            p + "attention_norm.weight": (h,),
+            p + "attention.wqkv.weight": (config.n_q + 2 * config.n_kv, h),
+            p + "attention.wo.weight": (h, config.n_q),
+            p + "ffn_norm.weight": (h,),
+            p + "feed_forward.w13.weight": (2 * i, h),
+            p + "feed_forward.w2.weight": (h, i),
+        })
+    return shapes
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, Hugging Face "rotate half" convention.  x [B, S, H, D], cos/sin [B, S, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.n_q, self.n_kv = config.n_q, config.n_kv
+        self.wqkv = nn.Linear(config.hidden_size, self.n_q + 2 * self.n_kv, bias=False)
+        self.wo = nn.Linear(self.n_q, config.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, input_pos, cache_batch_idx, k_cache, v_cache, mask):
+        # x [B, S, hidden]; k_cache/v_cache [C, T, Hkv, D]; mask [B, 1, S, T] bool
+        bsz, seqlen = x.shape[0], x.shape[1]
+        q, k, v = self.wqkv(x).split([self.n_q, self.n_kv, self.n_kv], dim=-1)
+        q = rope(q.view(bsz, seqlen, self.n_heads, self.head_dim), cos, sin)
+        k = rope(k.view(bsz, seqlen, self.n_kv_heads, self.head_dim), cos, sin)
+        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        # Write the new rows into the caller's cache: slot cache_batch_idx[b], position input_pos[b, s].
+        slot = cache_batch_idx.unsqueeze(1).expand(bsz, seqlen)           # [B, S]
+        k_cache.index_put_((slot, input_pos), k.to(k_cache.dtype))
+        v_cache.index_put_((slot, input_pos), v.to(v_cache.dtype))
+        keys = k_cache.index_select(0, cache_batch_idx)                    # [B, T, Hkv, D]
+        values = v_cache.index_select(0, cache_batch_idx)
+        rep = self.n_heads // self.n_kv_heads                              # GQA: share KV heads
+        keys = keys.repeat_interleave(rep, dim=2).transpose(1, 2)          # [B, H, T, D]
+        values = values.repeat_interleave(rep, dim=2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype),
+                                             values.to(q.dtype), attn_mask=mask)  # [B, H, S, D]
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, self.n_q))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.intermediate, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, h, cos, sin, input_pos, cache_batch_idx, k_cache, v_cache, mask):
+        h = h + self.attention(self.attention_norm(h), cos, sin, input_pos, cache_batch_idx,
+                               k_cache, v_cache, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder.  Parameters only; no buffers, no KV cache (see the module docstring).
+
+    ``load_state_dict`` also accepts the Hugging Face layout: the load pre-hook renames and
+    fuses it (as gpt-fast does in its load hook), so both layouts load the same module.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        self._register_load_state_dict_pre_hook(self._load_hook)
+
+    @staticmethod
+    def _load_hook(state_dict, prefix, *args) -> None:
+        if prefix or not any(k.startswith("model.") or k == "lm_head.weight" for k in state_dict):
+            return
+        converted = hf_to_runtime(dict(state_dict))
+        state_dict.clear()
+        state_dict.update(converted)
+
+    @classmethod
+    def from_weights(cls, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> "Transformer":
+        """Build on the meta device and adopt ``weights`` without copying (``assign=True``).
+
+        ``weights`` is the runtime layout (or Hugging Face layout).  Raises InvalidCheckpoint
+        naming the tensor and both shapes when one does not match ``config``.
+        """
+        from agent.replica.weights import check_shapes  # the shape check lives with the loader
+
+        with torch.device("meta"):
+            model = cls(config)
+        if any(k.startswith("model.") for k in weights):
+            weights = hf_to_runtime(weights)
+        check_shapes(weights, runtime_shapes(config), where="runtime weights")
+        model.load_state_dict(weights, assign=True, strict=True)
+        return model.eval().requires_grad_(False)
+
+    def rope_cos_sin(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, S, 1, D] float32 for positions ``input_pos`` [B, S] (theta from config)."""
+        d = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_theta ** (
+            torch.arange(0, d, 2, dtype=torch.float32, device=input_pos.device) / d))
+        angles = input_pos.unsqueeze(-1).float() * inv_freq                # [B, S, D/2]
+        angles = torch.cat([angles, angles], dim=-1).unsqueeze(2)          # [B, S, 1, D]
+        return angles.cos(), angles.sin()
+
+    @staticmethod
+    def causal_mask(input_pos: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """[B, 1, S, T] bool: key position t is visible to the query at p iff t <= p."""
+        t = torch.arange(max_seq_len, device=input_pos.device)
+        return (t.view(1, 1, 1, -1) <= input_pos.unsqueeze(1).unsqueeze(-1))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: h [B, S, hidden] -> logits [B, S, V] float32."""
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(self.norm(h), weight).float()
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache_batch_idx: torch.Tensor,
+                k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
+        """See the module docstring for shapes.  Mutates ``k_caches``/``v_caches`` in place."""
+        cos, sin = self.rope_cos_sin(input_pos)
+        mask = self.causal_mask(input_pos, k_caches[0].shape[1])
+        h = self.embed(tokens)
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            h = layer(h, cos, sin, input_pos, cache_batch_idx, k_cache, v_cache, mask)
+        return self.head(h)
+
+
+def new_kv_caches(config: LlamaConfig, max_seqs: int, max_seq_len: int,
+                  device: torch.device | str = "cpu") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Zeroed caches: two lists of ``num_hidden_layers`` tensors [max_seqs, max_seq_len, Hkv, D]."""
+    shape = (max_seqs, max_seq_len, config.num_key_value_heads, config.head_dim)
+    make = lambda: [torch.zeros(shape, dtype=config.torch_dtype, device=device)  # noqa: E731
+                    for _ in range(config.num_hidden_layers)]
+    return make(), make()
