@@ -1,0 +1,145 @@
+"""``rewarm model import-gguf``: a llama GGUF file -> the Hugging Face layout.
+
+Dequantizes every tensor with the ``gguf`` package (Q4_1, Q8_0, F32 ...), renames llama.cpp's
+tensor names to Hugging Face's, and **undoes the RoPE permutation** llama.cpp's converter
+applies to the Q and K projections: ``convert_hf_to_gguf.py`` reorders each head's rows from
+Hugging Face's "rotate half" layout (first half, second half) to interleaved pairs, i.e.
+``w.reshape(n_head, 2, d/2, in).swapaxes(1, 2)``; the inverse is
+``w.reshape(n_head, d/2, 2, in).swapaxes(1, 2)``.  (The Paris test proves the direction.)
+
+Writes ``config.json``, ``model.safetensors`` (float32, or ``--dtype``), ``tokenizer.json``,
+``tokenizer_config.json`` and ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from agent.errors import InvalidCheckpoint
+from agent.replica.config import LlamaConfig
+from agent.replica.model import hf_expected_shapes
+from agent.replica.tokenizer import build_from_gguf, save_tokenizer
+from agent.replica.weights import check_shapes
+
+_NAMES = {  # llama.cpp name inside block i -> Hugging Face name inside model.layers.i
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+
+def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's ``permute(w, n_head)``: w [n_head * d, in] -> same shape."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise InvalidCheckpoint(f"GGUF: metadata {key!r} missing", path=None, field=key,
+                                    value=None, limit=None)
+        return default
+    return field.contents()
+
+
+def config_from_gguf(reader, dtype: str = "float32") -> LlamaConfig:
+    """LlamaConfig from the ``llama.*`` metadata.  Raises InvalidCheckpoint for another arch."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise InvalidCheckpoint(f"GGUF: architecture {arch!r} is not 'llama'", path=None,
+                                field="general.architecture", value=arch, limit="llama")
+    names = {t.name for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    return LlamaConfig(
+        hidden_size=int(_field(reader, "llama.embedding_length")),
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, "llama.block_count")),
+        num_attention_heads=int(_field(reader, "llama.attention.head_count")),
+        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv")),
+        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens))),
+        max_position_embeddings=int(_field(reader, "llama.context_length")),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        dtype=dtype,
+        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", -1)),
+        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id", -1)),
+    )
+
+
+def gguf_tensors(reader, config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Dequantized tensors under Hugging Face names, Q/K un-permuted, in ``config.dtype``."""
+    from gguf import quants
+
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        elif t.name.startswith("blk."):
+            _, idx, rest = t.name.split(".", 2)
+            if rest not in _NAMES:
+                raise InvalidCheckpoint(f"GGUF: unknown tensor {t.name!r}", path=None,
+                                        field=t.name, value=None, limit=sorted(_NAMES))
+            name = f"model.layers.{int(idx)}.{_NAMES[rest]}"
+            if rest == "attn_q.weight":
+                w = unpermute_rope(w, config.num_attention_heads)
+            elif rest == "attn_k.weight":
+                w = unpermute_rope(w, config.num_key_value_heads)
+        else:
+            continue  # e.g. rope_freqs: derived from rope_theta here
+        out[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(config.torch_dtype)
+    check_shapes(out, hf_expected_shapes(config), where="GGUF")
+    return out
+
+
+def import_gguf(path: Path | str, out_dir: Path | str, *, dtype: str = "float32") -> Path:
+    """Convert GGUF ``path`` into a Hugging Face directory ``out_dir`` (written atomically).
+
+    Returns ``out_dir``.  Raises InvalidCheckpoint for a non-llama or malformed file.
+    """
+    from gguf import GGUFReader
+
+    path, out_dir = Path(path), Path(out_dir)
+    reader = GGUFReader(str(path))
+    config = config_from_gguf(reader, dtype)
+    tensors = gguf_tensors(reader, config)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config.write(tmp)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    tok = build_from_gguf(tokens, list(_field(reader, "tokenizer.ggml.merges")), types)
+    bos, eos = config.bos_token_id, config.eos_token_id
+    template = reader.fields.get("tokenizer.chat_template")
+    save_tokenizer(tok, tmp, bos=tokens[bos] if 0 <= (bos or -1) < len(tokens) else None,
+                   eos=tokens[eos] if 0 <= (eos or -1) < len(tokens) else None,
+                   chat_template=template.contents() if template is not None else None)
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos, "eos_token_id": eos}) + "\n")
+    (tmp / "SOURCE").write_text(f"imported from {path.name} ({path.stat().st_size} bytes)\n")
+    if out_dir.exists():
+        import shutil
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir

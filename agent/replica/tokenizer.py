@@ -1,0 +1,85 @@
+"""Text in and out: a byte-level BPE (GPT-2 style) from the ``tokenizers`` library.
+
+At import (:func:`build_from_gguf`) the tokenizer is built from the GGUF vocabulary
+(``tokenizer.ggml.tokens``), merges (``tokenizer.ggml.merges``) and token types (type 3 =
+control, i.e. special tokens such as ``<|im_start|>``), and saved as ``tokenizer.json`` in the
+Hugging Face directory; :func:`load_tokenizer` reads it back.  The pre-tokenizer splits digits
+one by one and then applies GPT-2's byte-level regex, as SmolLM2's own tokenizer does
+(llama.cpp's ``smollm`` pre-tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from agent.errors import InvalidCheckpoint
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CONTROL = 3
+"""GGUF token type of control (special) tokens (llama.cpp ``LLAMA_TOKEN_TYPE_CONTROL``)."""
+
+
+def build_from_gguf(tokens: Sequence[str], merges: Sequence[str],
+                    token_types: Sequence[int] | None = None) -> Tokenizer:
+    """A byte-level BPE over ``tokens`` (id = index) and ``merges`` ("a b" strings, ranked).
+
+    Raises InvalidCheckpoint for a duplicate token or a malformed merge.
+    """
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        if tok in vocab:
+            raise InvalidCheckpoint(f"GGUF vocabulary: token {tok!r} at id {i} duplicates id {vocab[tok]}",
+                                    path=None, field="tokenizer.ggml.tokens", value=i, limit=vocab[tok])
+        vocab[tok] = i
+    pairs = []
+    for rank, merge in enumerate(merges):
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            raise InvalidCheckpoint(f"GGUF merges: entry {rank} {merge!r} is not two symbols",
+                                    path=None, field="tokenizer.ggml.merges", value=merge, limit=2)
+        pairs.append((parts[0], parts[1]))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    if token_types is not None:
+        special = [AddedToken(tokens[i], special=True, normalized=False)
+                   for i, kind in enumerate(token_types) if kind == CONTROL]
+        tok.add_special_tokens(special)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, model_dir: Path, *, bos: str | None, eos: str | None,
+                   chat_template: str | None) -> None:
+    """Write ``tokenizer.json`` and a ``tokenizer_config.json`` naming bos/eos and the template."""
+    tok.save(str(model_dir / TOKENIZER_FILE))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+           "add_bos_token": False, "chat_template": chat_template}
+    (model_dir / TOKENIZER_CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def load_tokenizer(model_dir: Path | str) -> Tokenizer:
+    """The ``tokenizers.Tokenizer`` saved in ``model_dir``.  Raises InvalidCheckpoint if absent."""
+    path = Path(model_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise InvalidCheckpoint(f"{path}: no tokenizer.json (import the model with "
+                                "`rewarm model import-gguf`)", path=path, field=TOKENIZER_FILE,
+                                value=None, limit=None)
+    return Tokenizer.from_file(str(path))
+
+
+def chat_prompt(user: str, system: str | None = None) -> str:
+    """SmolLM2's ChatML form of one user turn, ready for the assistant's answer.
+
+    Mirrors the GGUF's ``tokenizer.chat_template`` (saved in tokenizer_config.json).
+    """
+    system = system or "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    return (f"<|im_start|>system\n{system}<|im_end|>\n"
+            f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
