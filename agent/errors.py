@@ -59,6 +59,13 @@ class SnapshotTampered(SnapshotCorrupt):
     """The manifest's signature or digest does not verify. Attributes: ``path``."""
 
 
+class DiskFull(SnapshotError, OSError):
+    """No space left while writing a snapshot; nothing partial is left behind.
+
+    Attributes: ``path``, ``needed_bytes``, ``free_bytes`` (None when the write itself failed).
+    """
+
+
 class InvalidCheckpoint(RewarmError, ValueError):
     """A source checkpoint (config.json, safetensors, GGUF) is malformed.
 
@@ -142,6 +149,13 @@ class DeadlineExceeded(RewarmError, TimeoutError):
 
 class ConfigError(RewarmError, ValueError):
     """A configuration value is out of range. Attributes: ``name``, ``value``, ``limit``."""
+
+
+class InvalidTrace(RewarmError, ValueError):
+    """A request trace (CSV) is malformed or over a limit.
+
+    Attributes: ``path``, ``line`` (1-based, or None), ``field``, ``value``, ``limit``.
+    """
 
 
 class CudaCheckpointError(RewarmError, OSError):

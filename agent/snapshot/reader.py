@@ -1,0 +1,214 @@
+"""Verified restore of a snapshot into one page-aligned host buffer.
+
+Order of a restore: read and check the manifest (digest, signature, schema) → compare the pins
+with this machine → check every data file is long enough → read all chunks in parallel with
+the GIL released (ext/restore.pyx), hashing each as it lands → only if every chunk verified,
+build the tensors as views into the buffer.  A failed restore raises and returns nothing.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agent import _restore
+from agent.errors import ConfigError, SnapshotCorrupt
+from agent.snapshot.format import ALIGN, DTYPES, Manifest, Pins
+from agent.snapshot.manifest import read_manifest
+from agent.snapshot.pins import check_pins, machine_pins, pins_device
+
+__all__ = ["HostBuffer", "Restored", "RestoreStats", "read_manifest", "restore_snapshot",
+           "verify_chunks", "tensor_views"]
+
+
+class HostBuffer:
+    """Page-aligned, anonymous host memory (an mmap) that a restore reads into.
+
+    A zygote allocates one ahead of need (``prefault=True`` also touches every page, so the
+    restore does not pay the page faults).  Tensors restored into it are views: keep the
+    buffer alive as long as they are used, and do not reuse it for another restore meanwhile.
+    """
+
+    def __init__(self, memory: mmap.mmap, capacity_bytes: int) -> None:
+        self.memory = memory
+        self.capacity_bytes = capacity_bytes
+
+    @classmethod
+    def allocate(cls, nbytes: int, *, prefault: bool = False) -> "HostBuffer":
+        """Allocate ``nbytes`` rounded up to ALIGN (at least one page). Raises ConfigError if < 0."""
+        if nbytes < 0:
+            raise ConfigError(f"buffer size {nbytes} bytes must be >= 0", name="nbytes", value=nbytes, limit=0)
+        capacity = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        memory = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if prefault:
+            if hasattr(mmap, "MADV_POPULATE_WRITE"):
+                memory.madvise(mmap.MADV_POPULATE_WRITE)
+            else:
+                torch.frombuffer(memory, dtype=torch.uint8)[::ALIGN].zero_()
+        return cls(memory, capacity)
+
+    def as_tensor(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the buffer as a uint8 tensor [nbytes] (a view, no copy)."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self.memory, dtype=torch.uint8, count=nbytes)
+
+
+@dataclass(frozen=True)
+class RestoreStats:
+    bytes: int              # bytes read (the manifest's total_bytes)
+    seconds: float          # wall time of the chunk reads (and verification)
+    odirect: bool           # True when every chunk was read with O_DIRECT
+    direct_chunks: int      # chunks read with O_DIRECT; the others were buffered reads
+    chunks: int
+    threads: int
+    verified: bool
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (10^9 bytes per second)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass
+class Restored:
+    tensors: dict[str, torch.Tensor]   # views into ``buffer``, in manifest order
+    manifest: Manifest
+    stats: RestoreStats
+    buffer: HostBuffer
+
+
+def _open_files(path: Path, manifest: Manifest) -> dict[str, tuple[int, int]]:
+    """Open each data file buffered and, where allowed, with O_DIRECT; check its length."""
+    need: dict[str, tuple[int, int]] = {}
+    for i, c in enumerate(manifest.chunks):
+        end = c.offset + c.length
+        if end > need.get(c.file, (0, -1))[0]:
+            need[c.file] = (end, i)
+    fds: dict[str, tuple[int, int]] = {}
+    try:
+        for name, (end, last) in need.items():
+            fpath = path / name
+            try:
+                fd_b = os.open(fpath, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError as exc:
+                raise SnapshotCorrupt(f"{fpath}: data file missing (chunk {last} needs {end} bytes)",
+                                      path=fpath, chunk=last, tensors=manifest.chunk_tensors(last),
+                                      expected=end, actual=None) from exc
+            fds[name] = (-1, fd_b)
+            size = os.fstat(fd_b).st_size
+            if size < end:
+                raise SnapshotCorrupt(
+                    f"{fpath}: truncated: expected at least {end} bytes, found {size} "
+                    f"(chunk {last}, tensors {manifest.chunk_tensors(last)[:5]})", path=fpath,
+                    chunk=last, tensors=manifest.chunk_tensors(last), expected=end, actual=size)
+            try:
+                fds[name] = (os.open(fpath, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)), fd_b)
+            except OSError:  # tmpfs and some others refuse O_DIRECT: buffered it is
+                pass
+    except BaseException:
+        _close(fds)
+        raise
+    return fds
+
+
+def _close(fds: dict[str, tuple[int, int]]) -> None:
+    for fd_d, fd_b in fds.values():
+        for fd in (fd_d, fd_b):
+            if fd >= 0:
+                os.close(fd)
+
+
+def _check_results(path: Path, manifest: Manifest, indices: list[int], results: list, verify: bool) -> int:
+    """Raise SnapshotCorrupt naming the first bad chunk (and how many were bad); return direct count."""
+    bad = []
+    for i, (err, short, _direct, actual) in zip(indices, results):
+        c = manifest.chunks[i]
+        if err:
+            bad.append((i, f"read error {os.strerror(err)} (errno {err})", None, err))
+        elif short:
+            bad.append((i, "file ended inside the chunk", c.length, "short read"))
+        elif verify and actual != c.checksum:
+            bad.append((i, "XXH3-64 mismatch", f"{c.checksum:016x}", f"{actual:016x}"))
+    if bad:
+        i, why, expected, actual = bad[0]
+        c = manifest.chunks[i]
+        names = manifest.chunk_tensors(i)
+        raise SnapshotCorrupt(
+            f"{path / c.file}: chunk {i} (file offset {c.offset}, {c.length} bytes) {why}: "
+            f"expected {expected}, actual {actual}; covers tensors {names[:8]}"
+            + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            + (f"; {len(bad) - 1} more bad chunks: {[b[0] for b in bad[1:9]]}" if len(bad) > 1 else ""),
+            path=path / c.file, chunk=i, chunks=[b[0] for b in bad], tensors=names,
+            expected=expected, actual=actual)
+    return sum(r[2] for r in results)
+
+
+def tensor_views(manifest: Manifest, base: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each tensor of ``manifest`` as a view of ``base`` (uint8 [total_bytes], any device)."""
+    out = {}
+    for t in manifest.tensors:
+        flat = base[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype])
+        out[t.name] = flat.view(t.shape)
+    return out
+
+
+def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, verify: bool = True,
+                     key: bytes | None = None, machine: Pins | None = None, threads: int = 2) -> Restored:
+    """Restore the snapshot at ``path`` into host memory; tensors are views into one buffer.
+
+    ``buffer``: preallocated HostBuffer of at least ``total_bytes`` (allocated when None).
+    ``machine``: this machine's pins (read with machine_pins when None).  Raises SnapshotNotFound,
+    SnapshotTampered, SnapshotIncompatible (before any data is read), SnapshotCorrupt (bad or
+    truncated chunk: names the chunk, file and tensors), ConfigError (buffer too small).
+    After a failure the buffer's contents are undefined and no tensors are returned.
+    """
+    path = Path(path)
+    manifest = read_manifest(path, key)
+    check_pins(manifest.pins, machine or machine_pins(pins_device(manifest.pins)), path)
+    total = manifest.total_bytes
+    if buffer is None:
+        buffer = HostBuffer.allocate(total)
+    elif buffer.capacity_bytes < total:
+        raise ConfigError(f"{path}: buffer holds {buffer.capacity_bytes} bytes, snapshot needs {total}",
+                          name="buffer", value=buffer.capacity_bytes, limit=total)
+    fds = _open_files(path, manifest)
+    try:
+        jobs = [(*fds[c.file], c.offset, c.length, c.buffer_offset, c.checksum) for c in manifest.chunks]
+        start = time.perf_counter()
+        results = _restore.read_chunks(buffer.memory, jobs, threads, verify)
+        seconds = time.perf_counter() - start
+    finally:
+        _close(fds)
+    direct = _check_results(path, manifest, list(range(len(jobs))), results, verify)
+    stats = RestoreStats(bytes=total, seconds=seconds, odirect=bool(jobs) and direct == len(jobs),
+                         direct_chunks=direct, chunks=len(jobs), threads=threads, verified=verify)
+    return Restored(tensor_views(manifest, buffer.as_tensor(total)), manifest, stats, buffer)
+
+
+def verify_chunks(path: Path | str, manifest: Manifest, *, threads: int = 2) -> int:
+    """Read and hash every chunk of the snapshot at ``path`` through a small reused buffer.
+
+    Memory: ``threads`` × the largest chunk.  Returns the bytes verified; raises SnapshotCorrupt.
+    """
+    path = Path(path)
+    if not manifest.chunks:
+        return 0
+    step = max(c.length for c in manifest.chunks)
+    buffer = HostBuffer.allocate(step * threads)
+    fds = _open_files(path, manifest)
+    try:
+        for lo in range(0, len(manifest.chunks), threads):
+            idx = list(range(lo, min(lo + threads, len(manifest.chunks))))
+            jobs = [(*fds[manifest.chunks[i].file], manifest.chunks[i].offset, manifest.chunks[i].length,
+                     k * step, manifest.chunks[i].checksum) for k, i in enumerate(idx)]
+            _check_results(path, manifest, idx, _restore.read_chunks(buffer.memory, jobs, threads, True), True)
+    finally:
+        _close(fds)
+        buffer.memory.close()
+    return manifest.total_bytes
