@@ -1,0 +1,227 @@
+"""The engine: batched decode of many sequences over the slot-allocated KV cache.
+
+One step (:meth:`Engine.step`) admits waiting sequences while slots are free (each is
+prefilled alone, in chunks of ``prefill_chunk`` tokens, B=1, S<=chunk), then decodes every
+active sequence together (B=active, S=1).  Every call goes through the same
+``forward(tokens, input_pos, cache_batch_idx, k_caches, v_caches)`` (see agent/replica/model.py),
+either the eager :class:`Transformer` or any callable with that signature (a loaded AOT
+package, a ``torch.compile`` of the module).
+
+Sampling: ``seed=None`` is greedy (argmax); an integer seed samples from
+``softmax(logits / temperature)`` (optionally top-k) with a per-sequence ``torch.Generator``
+seeded with it, so a sequence's tokens do not depend on what else is in the batch's RNG.
+A sequence ends after ``max_tokens`` new tokens or when it samples a stop token (the stop
+token is not returned).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from agent.errors import ProtocolError
+from agent.replica.config import LlamaConfig
+from agent.replica.kv import KVPlan, KVSlotAllocator, plan_kv
+from agent.replica.model import Transformer, new_kv_caches
+
+Forward = Callable[..., torch.Tensor]
+
+
+@dataclasses.dataclass
+class _Seq:
+    seq_id: int
+    prompt: list[int]
+    max_tokens: int
+    stop: frozenset[int]
+    generator: torch.Generator | None
+    slot: int = -1
+    pos: int = 0               # tokens written to the cache so far
+    last: int = -1             # the token to feed next
+    produced: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One generated token (``token`` is -1 on the final event of a stopped sequence)."""
+
+    seq_id: int
+    token: int
+    done: bool
+
+
+class Engine:
+    """Serve one model: ``generate`` for whole batches, ``submit``/``step`` for a server loop.
+
+    ``weights`` are runtime-layout tensors (adopted without a copy); they may be None when
+    ``forward`` is given and carries its own weights.  ``max_seqs`` slots of ``max_seq_len``
+    tokens are allocated at construction: ``2 * max_seqs * max_seq_len *
+    config.kv_bytes_per_token / 2`` bytes per cache list.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor] | None, *,
+                 max_seqs: int, max_seq_len: int, forward: Forward | None = None,
+                 device: str = "cpu", prefill_chunk: int = 256, temperature: float = 1.0,
+                 top_k: int | None = None) -> None:
+        self.config = config
+        self.model = Transformer.from_weights(config, weights) if weights is not None else None
+        if forward is None and self.model is None:
+            raise ProtocolError("Engine needs weights or a forward callable", field="weights",
+                                value=None, limit=None)
+        self.forward: Forward = forward if forward is not None else self.model
+        self.device = torch.device(device)
+        self.kv = KVSlotAllocator(max_seqs, max_seq_len)
+        self.k_caches, self.v_caches = new_kv_caches(config, max_seqs, max_seq_len, self.device)
+        self.prefill_chunk = prefill_chunk
+        self.temperature, self.top_k = temperature, top_k
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._active: dict[int, _Seq] = {}
+        self._next_id = 0
+
+    @classmethod
+    def sized(cls, config: LlamaConfig, weights, *, budget_bytes: int, max_seq_len: int,
+              max_seqs_limit: int | None = None, **kwargs) -> "Engine":
+        """An engine with as many slots as ``budget_bytes`` holds (see agent/replica/kv.py)."""
+        plan = plan_kv(config, budget_bytes, max_seq_len, max_seqs_limit)
+        engine = cls(config, weights, max_seqs=plan.max_seqs, max_seq_len=max_seq_len, **kwargs)
+        engine.plan = plan
+        return engine
+
+    # --- capacity ------------------------------------------------------------------------
+    def capacity(self, context_len: int | None = None) -> dict[str, int]:
+        """KV capacity in tokens and sequences (``seqs_at_context`` for ``context_len``)."""
+        plan = KVPlan(self.config.kv_bytes_per_token,
+                      self.kv.capacity_tokens * self.config.kv_bytes_per_token,
+                      self.kv.max_seq_len, self.kv.max_seqs)
+        out = {"kv_capacity_tokens": self.kv.capacity_tokens, "kv_used_tokens": self.kv.used_tokens,
+               "max_seqs": self.kv.max_seqs, "active_seqs": self.kv.active,
+               "max_seq_len": self.kv.max_seq_len, "kv_bytes_per_token": plan.bytes_per_token,
+               "kv_cache_bytes": plan.cache_bytes, "waiting_seqs": len(self._waiting)}
+        if context_len is not None:
+            out["context_len"] = context_len
+            out["seqs_at_context"] = min(self.kv.max_seqs, plan.seqs_at(context_len)) \
+                if context_len <= self.kv.max_seq_len else 0
+        return out
+
+    # --- the server-loop API ---------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], max_tokens: int, seed: int | None = None,
+               stop: set[int] | frozenset[int] | None = None) -> int:
+        """Queue one sequence; returns its id.  Raises ProtocolError (empty prompt, token id
+        out of [0, vocab_size), max_tokens < 1) or CapacityExceeded (prompt + max_tokens longer
+        than a slot) before anything is allocated."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ProtocolError("prompt has no tokens", field="tokens", value=0, limit=1)
+        bad = next((t for t in prompt if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:
+            raise ProtocolError(f"token id {bad} outside [0, {self.config.vocab_size})",
+                                field="tokens", value=bad, limit=self.config.vocab_size)
+        if max_tokens < 1:
+            raise ProtocolError(f"max_tokens={max_tokens} must be >= 1", field="max_tokens",
+                                value=max_tokens, limit=1)
+        self.kv.check(len(prompt) + max_tokens)
+        gen = None if seed is None else torch.Generator().manual_seed(int(seed))
+        seq = _Seq(self._next_id, prompt, max_tokens, frozenset(stop or ()), gen)
+        self._next_id += 1
+        self._waiting.append(seq)
+        return seq.seq_id
+
+    def cancel(self, seq_id: int) -> None:
+        """Drop a waiting or active sequence (freeing its slot); unknown ids are ignored."""
+        self._waiting = collections.deque(s for s in self._waiting if s.seq_id != seq_id)
+        for slot, seq in list(self._active.items()):
+            if seq.seq_id == seq_id:
+                del self._active[slot]
+                self.kv.free(slot)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._active)
+
+    def step(self) -> list[Event]:
+        """Admit waiting sequences into free slots (prefill), then one batched decode step."""
+        events: list[Event] = []
+        with torch.inference_mode():
+            while self._waiting and self.kv.free_slots:
+                seq = self._waiting.popleft()
+                seq.slot = self.kv.allocate(len(seq.prompt) + seq.max_tokens)
+                logits = self._prefill(seq)
+                self._active[seq.slot] = seq
+                events.append(self._emit(seq, logits))
+            batch = list(self._active.values())
+            if batch:
+                dev = self.device
+                tokens = torch.tensor([[s.last] for s in batch], dtype=torch.int64, device=dev)
+                pos = torch.tensor([[s.pos] for s in batch], dtype=torch.int64, device=dev)
+                idx = torch.tensor([s.slot for s in batch], dtype=torch.int64, device=dev)
+                logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)[:, -1]
+                for row, seq in enumerate(batch):
+                    seq.pos += 1
+                    events.append(self._emit(seq, logits[row]))
+        return events
+
+    def _prefill(self, seq: _Seq) -> torch.Tensor:
+        idx = torch.tensor([seq.slot], dtype=torch.int64, device=self.device)
+        logits = None
+        for start in range(0, len(seq.prompt), self.prefill_chunk):
+            chunk = seq.prompt[start:start + self.prefill_chunk]
+            tokens = torch.tensor([chunk], dtype=torch.int64, device=self.device)
+            pos = torch.arange(start, start + len(chunk), device=self.device).unsqueeze(0)
+            logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)[0, -1]
+        seq.pos = len(seq.prompt)
+        return logits
+
+    def _sample(self, seq: _Seq, logits: torch.Tensor) -> int:
+        if seq.generator is None:
+            return int(logits.argmax())
+        scaled = logits.float() / max(self.temperature, 1e-5)
+        if self.top_k is not None:
+            kth = torch.topk(scaled, self.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1).cpu()
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+    def _emit(self, seq: _Seq, logits: torch.Tensor) -> Event:
+        token = self._sample(seq, logits)
+        seq.produced += 1
+        stopped = token in seq.stop
+        done = stopped or seq.produced >= seq.max_tokens
+        seq.last = token
+        if done:
+            del self._active[seq.slot]
+            self.kv.free(seq.slot)
+        return Event(seq.seq_id, -1 if stopped else token, done)
+
+    # --- whole batches ---------------------------------------------------------------------
+    def generate_stream(self, prompts: list[list[int]], max_tokens: int, seed: int | None = None,
+                        stop: set[int] | None = None) -> Iterator[tuple[int, int]]:
+        """Yield ``(prompt_index, token)`` as tokens are produced.  Prompt ``i`` samples with
+        seed ``seed + i`` (greedy when ``seed`` is None).  More prompts than slots wait their turn.
+        Raises as :meth:`submit` (every prompt is checked before any runs)."""
+        for p in prompts:  # validate all first, so a bad prompt leaves nothing queued
+            self.kv.check(len(p) + max_tokens)
+        ids = {}
+        try:
+            for i, p in enumerate(prompts):
+                ids[self.submit(p, max_tokens, None if seed is None else seed + i, stop)] = i
+            remaining = set(ids)
+            while remaining:
+                for ev in self.step():
+                    if ev.seq_id in remaining:
+                        if ev.token >= 0:
+                            yield ids[ev.seq_id], ev.token
+                        if ev.done:
+                            remaining.discard(ev.seq_id)
+        finally:
+            for seq_id in ids:
+                self.cancel(seq_id)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, seed: int | None = None,
+                 stop: set[int] | None = None) -> list[list[int]]:
+        """Generated token ids for each prompt ([len(prompts)] lists of <= max_tokens ids)."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for i, token in self.generate_stream(prompts, max_tokens, seed, stop):
+            out[i].append(token)
+        return out

@@ -1,0 +1,88 @@
+"""``rewarm model make-synthetic``: deterministic seeded weights in the Hugging Face layout.
+
+For tests and size sweeps, where the real model is too small or too slow.  ``13b-shaped`` is
+the snapshot design document's 13B geometry (seeds/002: 40 layers, 8 KV heads, head dim 128,
+KV 160 KB per token in 16-bit) with hidden size, MLP width and vocabulary scaled down by
+``scale`` so that it fits a development machine; ``scale=1`` is the full 40 x 5120 shape
+(~13 B parameters, 26 GB in bf16).  Weights are N(0, 0.02) from ``torch.Generator(seed)``,
+norms are ones: the same seed gives the same bytes everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from agent.errors import ConfigError
+from agent.replica.config import LlamaConfig
+from agent.replica.model import hf_expected_shapes
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+                 tie_word_embeddings=True, rope_theta=10000.0),
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=4096, max_position_embeddings=1024,
+                  tie_word_embeddings=False, rope_theta=10000.0),
+    # 13B: 40 layers, 40 query heads and 8 KV heads of 128, hidden 5120, MLP 13824, vocab 32000.
+    "13b-shaped": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                       vocab_size=32000, max_position_embeddings=4096,
+                       tie_word_embeddings=False, rope_theta=10000.0, dtype="bfloat16"),
+}
+
+
+def preset_config(preset: str, scale: int = 1, dtype: str | None = None) -> LlamaConfig:
+    """The config of ``preset``; ``scale`` divides hidden size, MLP width, query heads and vocab
+    (13b-shaped only: layers, KV heads and head dim stay).  Raises ConfigError for an unknown
+    preset or a scale that does not divide the shape."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; one of {sorted(PRESETS)}", name="preset",
+                          value=preset, limit=sorted(PRESETS))
+    fields = dict(PRESETS[preset])
+    if scale != 1:
+        heads = fields["num_attention_heads"] // scale
+        if preset != "13b-shaped" or scale < 1 or heads < fields["num_key_value_heads"] \
+                or heads % fields["num_key_value_heads"]:
+            raise ConfigError(f"scale={scale} does not fit preset {preset!r}: only 13b-shaped "
+                              f"scales, and its query heads must stay a multiple of its 8 KV "
+                              f"heads (scale 1 or 5)", name="scale", value=scale,
+                              limit=fields["num_attention_heads"] // fields["num_key_value_heads"])
+        fields.update(num_attention_heads=heads, hidden_size=heads * fields["head_dim"],
+                      intermediate_size=fields["intermediate_size"] // scale,
+                      vocab_size=fields["vocab_size"] // scale)
+    if dtype is not None:
+        fields["dtype"] = dtype
+    return LlamaConfig(**fields)
+
+
+def synthetic_tensors(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Hugging Face-named tensors for ``config``: N(0, 0.02) matrices, ones for norms."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(hf_expected_shapes(config).items()):
+        if len(shape) == 1:
+            out[name] = torch.ones(shape, dtype=config.torch_dtype)
+        else:
+            out[name] = (torch.randn(shape, generator=gen) * 0.02).to(config.torch_dtype)
+    return out
+
+
+def make_synthetic(out_dir: Path | str, preset: str = "tiny", *, seed: int = 0, scale: int = 1,
+                   dtype: str | None = None) -> Path:
+    """Write config.json and model.safetensors for ``preset`` into ``out_dir`` (atomically)."""
+    config = preset_config(preset, scale, dtype)
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config.write(tmp)
+    save_file(synthetic_tensors(config, seed), str(tmp / "model.safetensors"),
+              metadata={"format": "pt", "synthetic_seed": str(seed), "preset": preset})
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
