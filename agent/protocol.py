@@ -48,6 +48,9 @@ class Limits:
     max_array_len: int = 65_536
     max_map_len: int = 64
     max_depth: int = 8
+    max_new_tokens: int = 4096       # generate.max_tokens
+    max_deadline_ms: int = 600_000   # generate.deadline_ms (ten minutes)
+    max_name_bytes: int = 128        # model names, tokens, request ids given as text
 
 
 DEFAULT_LIMITS = Limits()
@@ -100,6 +103,9 @@ class Decoder:
         )
         self._fed = 0       # bytes fed since the stream started
         self._boundary = 0  # stream offset just after the last complete message
+        self._scan_pos = 0      # stream offset of the next header to check (see _scan)
+        self._scan_tail = b""   # bytes from _scan_pos on of a header cut by a read
+        self._scan_stack: list[int] = []  # items still due in each open container
 
     @property
     def buffered_bytes(self) -> int:
@@ -119,9 +125,34 @@ class Decoder:
                     field="message", value=self.buffered_bytes + len(view), limit=limit)
             piece, view = view[:room], view[room:]
             self._unpacker.feed(piece)
+            start = self._fed
             self._fed += len(piece)
             out.extend(self._drain())
+            if self._fed > self._boundary:  # a message is incomplete: check its headers now
+                self._scan(piece, start)
         return out
+
+    def _scan(self, piece: memoryview, piece_start: int) -> None:
+        """Walk the headers of the incomplete message so that a declared length or depth
+        over a limit is refused when its header arrives, not when (or if) its data does.
+
+        msgpack checks ``max_bin_len``/``max_str_len`` only once the payload is buffered and
+        nesting only past its own stack (StackError); this walk costs nothing for messages
+        that arrive whole.
+        """
+        if self._scan_pos < self._boundary:  # a new message starts at the boundary
+            self._scan_pos, self._scan_tail, self._scan_stack = self._boundary, b"", []
+        if self._scan_pos >= piece_start:
+            if self._scan_pos >= self._fed:  # still skipping a payload
+                return
+            data = bytes(piece[self._scan_pos - piece_start:])
+        else:                                # a header was cut by the previous read
+            data = self._scan_tail + bytes(piece)
+        at_start = self._scan_pos == self._boundary
+        pos, tail = scan_headers(data, self._scan_stack, self.limits, at_start=at_start,
+                                 offset=self._scan_pos - self._boundary)
+        self._scan_pos += pos
+        self._scan_tail = tail
 
     def _drain(self) -> Iterator[dict[str, Any]]:
         while True:
@@ -129,16 +160,106 @@ class Decoder:
                 message = self._unpacker.unpack()
             except msgpack.OutOfData:
                 return
+            except msgpack.StackError:  # raised with an empty message
+                raise ProtocolError(
+                    f"bad message: nesting exceeds msgpack's stack and max_depth"
+                    f"({self.limits.max_depth})", field="depth", value=None,
+                    limit=self.limits.max_depth) from None
             except ValueError as exc:  # msgpack's limit errors and invalid UTF-8
                 text = str(exc)
                 cls = MessageTooLarge if "exceeds max" in text else ProtocolError
                 raise cls(f"bad message: {text}", field="message", value=None,
                           limit=None) from None
-            except Exception as exc:  # ExtraData, FormatError, StackError
+            except Exception as exc:  # ExtraData, FormatError
                 raise ProtocolError(f"bad message: {type(exc).__name__}: {exc}",
                                     field="message", value=None, limit=None) from None
             self._boundary = self._unpacker.tell()
             yield validate_envelope(message, self.limits)
+
+
+# msgpack type bytes -> (header bytes, kind); see the msgpack spec's "Formats" table.
+_FIXED = {0xc0: 1, 0xc2: 1, 0xc3: 1, 0xca: 5, 0xcb: 9, 0xcc: 2, 0xcd: 3, 0xce: 5, 0xcf: 9,
+          0xd0: 2, 0xd1: 3, 0xd2: 5, 0xd3: 9}
+_SIZED = {0xd9: (2, "str"), 0xda: (3, "str"), 0xdb: (5, "str"),
+          0xc4: (2, "bin"), 0xc5: (3, "bin"), 0xc6: (5, "bin"),
+          0xdc: (3, "array"), 0xdd: (5, "array"), 0xde: (3, "map"), 0xdf: (5, "map")}
+
+
+def scan_headers(data: bytes, stack: list[int], limits: Limits, *, at_start: bool,
+                 offset: int = 0) -> tuple[int, bytes]:
+    """Check msgpack headers in ``data`` (the start of, or more of, one message).
+
+    ``stack`` holds the items still due in each open container and is updated in place;
+    ``offset`` is where ``data`` starts inside the message.  Returns ``(advanced, tail)``:
+    bytes walked (past ``len(data)`` while a str/bin payload is still to come) and the bytes
+    of a header cut short.  Raises :class:`MessageTooLarge` for a declared length over its
+    limit or past ``max_message_bytes``, and :class:`ProtocolError` for a non-map top level,
+    nesting deeper than ``max_depth``, ext types or the unused byte 0xc1.
+    """
+    pos, end = 0, len(data)
+    while pos < end:
+        if not stack and not (at_start and pos == 0):
+            return pos, b""  # the message is complete; the decoder takes it from here
+        byte = data[pos]
+        n = -1               # container items (-1: not a container)
+        size = 0             # str/bin payload bytes
+        if byte <= 0x7f or byte >= 0xe0:
+            head = 1
+        elif byte <= 0x8f:
+            head, n, kind = 1, byte & 0x0f, "map"
+        elif byte <= 0x9f:
+            head, n, kind = 1, byte & 0x0f, "array"
+        elif byte <= 0xbf:
+            head, size, kind = 1, byte & 0x1f, "str"
+        elif byte in _FIXED:
+            head = _FIXED[byte]
+        elif byte in _SIZED:
+            head, kind = _SIZED[byte]
+            if pos + head > end:
+                return pos, data[pos:]
+            length = int.from_bytes(data[pos + 1:pos + head], "big")
+            if kind in ("map", "array"):
+                n = length
+            else:
+                size = length
+        else:
+            raise ProtocolError(f"bad message: msgpack type byte 0x{byte:02x} is not allowed",
+                                field="type", value=byte, limit="no ext types")
+        if at_start and pos == 0 and not (n >= 0 and kind == "map"):
+            raise ProtocolError("top level must be a map", field="top level",
+                                value=f"0x{byte:02x}", limit="map")
+        if n >= 0:
+            cap = limits.max_map_len if kind == "map" else limits.max_array_len
+            if n > cap:
+                raise MessageTooLarge(
+                    f"bad message: {kind} of {n} items exceeds max_{kind}_len({cap})",
+                    field=kind, value=n, limit=cap)
+            if len(stack) + 1 > limits.max_depth:
+                raise ProtocolError(
+                    f"message nesting depth {len(stack) + 1} exceeds max_depth({limits.max_depth})",
+                    field="depth", value=len(stack) + 1, limit=limits.max_depth)
+        elif size:
+            cap = limits.max_str_bytes if kind == "str" else limits.max_bin_bytes
+            if size > cap:
+                raise MessageTooLarge(
+                    f"bad message: {kind} of {size} bytes exceeds max_{kind}_len({cap})",
+                    field=kind, value=size, limit=cap)
+        total = offset + pos + head + size
+        if total > limits.max_message_bytes:
+            raise MessageTooLarge(
+                f"message of at least {total} bytes exceeds max_message_bytes"
+                f"({limits.max_message_bytes})", field="message", value=total,
+                limit=limits.max_message_bytes)
+        if pos + head > end:
+            return pos, data[pos:]
+        if stack:
+            stack[-1] -= 1
+        if n > 0:
+            stack.append(2 * n if kind == "map" else n)
+        while stack and stack[-1] == 0:
+            stack.pop()
+        pos += head + size
+    return pos, b""
 
 
 def validate_envelope(message: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
@@ -171,3 +292,86 @@ def error_message(request_id: Any, code: int, reason: str, **extra: Any) -> dict
     """The answer for a failed request: ``{"type": "error", "code", "reason", ...}``."""
     return {"v": PROTOCOL_VERSION, "id": request_id, "type": "error", "code": code,
             "reason": reason, **extra}
+
+
+# --- request schemas ---------------------------------------------------------------------
+
+_INT = (int,)
+_NUM = (int, float)
+_ID = (int, str)
+_TOKEN_ID_MAX = (1 << 31) - 1
+
+# op -> {field: (allowed types, required)}; "v" and "op" are always present.  bool is
+# refused where an int is due (msgpack true/false decode to bool, a subclass of int).
+OP_SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "generate": {"id": (_ID, True), "model": ((str,), True), "prompt": ((str,), False),
+                 "tokens": ((list,), False), "max_tokens": (_INT, True),
+                 "seed": (_INT + (type(None),), False), "deadline_ms": (_NUM, False),
+                 "stop": ((list,), False), "token": ((str,), False)},
+    "stats": {"id": (_ID, True), "token": ((str,), False)},
+    "health": {"id": (_ID, True), "token": ((str,), False)},
+    "models": {"id": (_ID, True), "token": ((str,), False)},
+}
+"""The front door's operations and their fields (docs/protocol.md)."""
+
+
+def _bad(field: str, value: Any, limit: Any, why: str) -> ProtocolError:
+    return ProtocolError(f"field {field!r}: {why}", field=field, value=value, limit=limit)
+
+
+def validate_request(message: dict[str, Any], limits: Limits = DEFAULT_LIMITS,
+                     schemas: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = OP_SCHEMAS,
+                     ) -> dict[str, Any]:
+    """Check one decoded request against its op's schema and return it unchanged.
+
+    Raises :class:`ProtocolError` (400) naming the field, the value and the expected type or
+    limit for: an unknown op, an unknown field, a missing field, a value of the wrong type,
+    ``max_tokens`` outside 1..``max_new_tokens``, ``deadline_ms`` outside
+    (0, ``max_deadline_ms``], token ids outside 0..2**31-1, both or neither of ``prompt``
+    and ``tokens`` (generate), names longer than ``max_name_bytes``.
+    """
+    op = message.get("op")
+    schema = schemas.get(op) if isinstance(op, str) else None
+    if schema is None:
+        raise _bad("op", op, sorted(schemas), "unknown operation")
+    for key, value in message.items():
+        if key == "v" or key == "op":
+            continue
+        spec = schema.get(key)
+        if spec is None:
+            raise _bad(key, None, sorted(schema), f"unknown field for op {op!r}")
+        if type(value) not in spec[0]:
+            raise _bad(key, type(value).__name__, [t.__name__ for t in spec[0]],
+                       f"wrong type {type(value).__name__}")
+    for key, (_, required) in schema.items():
+        if required and key not in message:
+            raise _bad(key, None, "required", f"missing for op {op!r}")
+    rid = message["id"]
+    if type(rid) is str and len(rid) > limits.max_name_bytes:
+        raise _bad("id", len(rid), limits.max_name_bytes, "too long")
+    if op == "generate":
+        _check_generate(message, limits)
+    return message
+
+
+def _check_generate(message: dict[str, Any], limits: Limits) -> None:
+    model = message["model"]
+    if not model or len(model) > limits.max_name_bytes:
+        raise _bad("model", len(model), limits.max_name_bytes, "length must be 1..limit")
+    n = message["max_tokens"]
+    if not 1 <= n <= limits.max_new_tokens:
+        raise _bad("max_tokens", n, limits.max_new_tokens, "must be within 1..limit")
+    has_prompt, has_tokens = "prompt" in message, "tokens" in message
+    if has_prompt == has_tokens:
+        raise _bad("prompt", None, "exactly one of prompt, tokens", "give prompt or tokens")
+    for key in ("tokens", "stop"):
+        ids = message.get(key)
+        if ids is not None:
+            for t in ids:
+                if type(t) is not int or not 0 <= t <= _TOKEN_ID_MAX:
+                    raise _bad(key, t, _TOKEN_ID_MAX, "token ids are ints within 0..limit")
+    if has_tokens and not message["tokens"]:
+        raise _bad("tokens", 0, ">= 1", "empty prompt")
+    deadline = message.get("deadline_ms")
+    if deadline is not None and not 0 < deadline <= limits.max_deadline_ms:
+        raise _bad("deadline_ms", deadline, limits.max_deadline_ms, "must be within (0, limit]")

@@ -1,0 +1,138 @@
+"""Deadline-bounded admission: a per-model queue ordered by deadline (earliest first).
+
+Pure and clock-injected, with no asyncio inside: the asyncio server and the simulator
+(agent/sim) drive the very same objects.  Every request has a deadline counted from its
+arrival at the front door; the queue bounds both its depth and the wait it promises.  Past
+either bound :meth:`AdmissionQueue.offer` raises :class:`~agent.errors.Overloaded` (429) with
+``retry_after_ms``; a request whose deadline passes is handed back by :meth:`expire` (504)
+and is never dispatched.  Heap operations are O(log n) (design document, "Deadline-Aware
+Admission Control").
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.clock import Clock
+from agent.errors import ConfigError, Overloaded
+
+
+@dataclass
+class Pending:
+    """One request waiting for capacity.
+
+    ``arrival_s`` and ``deadline_s`` are on the admission clock's scale; ``need_tokens`` is
+    the KV the request needs (prompt + max_tokens); ``payload`` is whatever the caller needs
+    to answer it later (the server keeps its connection and message there).
+    """
+
+    request_id: Any
+    model: str
+    arrival_s: float
+    deadline_s: float
+    need_tokens: int
+    payload: Any = field(default=None, repr=False)
+    give_up_s: float = field(default=float("inf"), repr=False)  # set by AdmissionQueue.offer
+
+
+class AdmissionQueue:
+    """Queue of :class:`Pending` for one model, earliest deadline first (the effective
+    deadline ``give_up_s`` below, which is ``deadline_s`` unless the wait bound is earlier).
+
+    ``max_depth`` bounds the requests held; ``max_wait_s`` bounds how long one is held:
+    a request leaves at ``give_up_s = min(deadline_s, arrival_s + max_wait_s)``.
+    :meth:`expire` hands back those past ``give_up_s``: the caller answers 504 when the
+    request's own deadline has passed (``deadline_s <= now``) and 429 otherwise (the wait
+    bound).  ``expected_wait_s`` may be set by the owner (e.g. the restore p99 while no
+    replica is warm); ``offer`` refuses when it exceeds ``max_wait_s``.  Raises
+    :class:`ConfigError` for a depth below 1 or a wait that is not positive.
+    """
+
+    def __init__(self, model: str, *, clock: Clock, max_depth: int, max_wait_s: float) -> None:
+        if max_depth < 1:
+            raise ConfigError(f"AdmissionQueue max_depth={max_depth} must be >= 1",
+                              name="max_depth", value=max_depth, limit=1)
+        if not max_wait_s > 0:
+            raise ConfigError(f"AdmissionQueue max_wait_s={max_wait_s} must be > 0",
+                              name="max_wait_s", value=max_wait_s, limit=0)
+        self.model = model
+        self.max_depth = max_depth
+        self.max_wait_s = float(max_wait_s)
+        self._clock = clock
+        self._heap: list[tuple[float, int, Pending]] = []
+        self._seq = itertools.count()  # ties keep arrival order
+        self._live = 0
+        self.expected_wait_s = 0.0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def retry_after_ms(self) -> int:
+        """A hint for refused clients: when the earliest queued deadline falls due (ms, >= 1)."""
+        head = self.peek()
+        if head is None:
+            return max(1, int(self.max_wait_s * 1000))
+        return max(1, math.ceil((head.deadline_s - self._clock.now()) * 1000))
+
+    def offer(self, p: Pending) -> None:
+        """Queue ``p``.  Raises :class:`Overloaded` (429) when ``max_depth`` requests are
+        held already or when ``p``'s deadline has no room left (it would expire unserved)."""
+        now = self._clock.now()
+        if self._live >= self.max_depth:
+            raise Overloaded(
+                f"model {self.model!r}: admission queue depth {self._live} is at max_depth"
+                f"({self.max_depth})", model=self.model, retry_after_ms=self.retry_after_ms(),
+                depth=self._live, limit=self.max_depth)
+        if self.expected_wait_s > self.max_wait_s:
+            raise Overloaded(
+                f"model {self.model!r}: expected wait {self.expected_wait_s:.3f} s exceeds "
+                f"max_wait_s({self.max_wait_s})", model=self.model,
+                retry_after_ms=max(1, int(self.expected_wait_s * 1000)), depth=self._live,
+                limit=self.max_wait_s)
+        if p.deadline_s <= now:
+            raise Overloaded(
+                f"model {self.model!r}: request {p.request_id!r} has no time left to wait "
+                f"(deadline {p.deadline_s - now:.3f} s from now)", model=self.model,
+                retry_after_ms=self.retry_after_ms(), depth=self._live, limit=self.max_depth)
+        p.give_up_s = min(p.deadline_s, p.arrival_s + self.max_wait_s)
+        heapq.heappush(self._heap, (p.give_up_s, next(self._seq), p))
+        self._live += 1
+
+    def peek(self) -> Pending | None:
+        """The earliest-deadline request still held, without taking it."""
+        return self._heap[0][2] if self._heap else None
+
+    def pop_earliest(self) -> Pending | None:
+        """Take the earliest-deadline request (None when empty).  Does not check expiry:
+        call :meth:`expire` first."""
+        if self.peek() is None:
+            return None
+        self._live -= 1
+        return heapq.heappop(self._heap)[2]
+
+    def expire(self) -> list[Pending]:
+        """Take every request past its ``give_up_s``, earliest first; none of them may be
+        dispatched.  Answer 504 when ``deadline_s <= now``, else 429 (held ``max_wait_s``)."""
+        now = self._clock.now()
+        out: list[Pending] = []
+        while True:
+            head = self.peek()
+            if head is None or head.give_up_s > now:
+                return out
+            out.append(self.pop_earliest())
+
+    def drain(self) -> list[Pending]:
+        """Take everything (for 503 when no capacity can be made), earliest deadline first."""
+        out = []
+        while (p := self.pop_earliest()) is not None:
+            out.append(p)
+        return out
+
+    def next_deadline_s(self) -> float | None:
+        """The earliest ``give_up_s`` held (when :meth:`expire` next has work), or None."""
+        head = self.peek()
+        return None if head is None else head.give_up_s

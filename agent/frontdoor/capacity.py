@@ -1,0 +1,152 @@
+"""Asking for capacity: restores triggered by queued requests, capped against thundering herds.
+
+:class:`CapacityRequester` is the extension point the server calls (one method).  Two
+implementations: :class:`NodeAgentCapacity` asks node agents' control API (the same msgpack
+framing, op ``restore``) trying nodes that cache the model's snapshot first, and
+:class:`ScalerCapacity` raises a :class:`~agent.cluster.base.Scaler`'s target (Nomad in a
+cluster) and waits for the new replica to turn up warm.  :class:`RestoreGate` is the pure
+bookkeeping that caps restores in flight per model and overall; the simulator uses it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from agent.cluster.base import Scaler
+from agent.errors import ConfigError, NoCapacity
+from agent.frontdoor.router import ReplicaLoad
+from agent.protocol import Decoder, pack
+
+PATHS = ("warm_hit", "suspended_resume", "snapshot_restore", "cold_boot")
+
+
+@dataclass
+class RestoreResult:
+    """A finished restore: the new replica (None when it will appear through the registry),
+    the path it took (one of :data:`PATHS`) and how long it took (ms, None if unknown)."""
+
+    replica: ReplicaLoad | None
+    path: str = "snapshot_restore"
+    restore_ms: float | None = None
+
+
+class CapacityRequester(Protocol):
+    async def request_restore(self, model: str) -> RestoreResult:
+        """Make one more warm replica of ``model``.  Raises :class:`NoCapacity` when no node
+        can (after trying every candidate)."""
+        ...
+
+
+class RestoreGate:
+    """Caps restores in flight: ``per_model`` for each model and ``overall`` in total.
+
+    ``wanted(model, queued, warm)`` says how many more to start now: enough for ``queued``
+    requests at ``requests_per_restore`` each, less those in flight, within both caps.
+    """
+
+    def __init__(self, *, per_model: int = 2, overall: int = 8,
+                 requests_per_restore: int = 8) -> None:
+        for name, value in (("per_model", per_model), ("overall", overall),
+                            ("requests_per_restore", requests_per_restore)):
+            if value < 1:
+                raise ConfigError(f"RestoreGate {name}={value} must be >= 1", name=name,
+                                  value=value, limit=1)
+        self.per_model, self.overall = per_model, overall
+        self.requests_per_restore = requests_per_restore
+        self.in_flight: dict[str, int] = {}
+        self.total = 0
+
+    def wanted(self, model: str, queued: int) -> int:
+        if queued <= 0:
+            return 0
+        need = math.ceil(queued / self.requests_per_restore)
+        have = self.in_flight.get(model, 0)
+        return max(0, min(need - have, self.per_model - have, self.overall - self.total))
+
+    def started(self, model: str) -> None:
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        self.total += 1
+
+    def finished(self, model: str) -> None:
+        left = self.in_flight.get(model, 0) - 1
+        if left > 0:
+            self.in_flight[model] = left
+        else:
+            self.in_flight.pop(model, None)
+        self.total = max(0, self.total - 1)
+
+
+class NodeAgentCapacity:
+    """Restores through node agents' control API: ``{"op": "restore", "model": M}`` answered
+    by ``{"type": "result", "result": {"replica": {...ReplicaLoad fields}, "path",
+    "restore_ms"}}`` or an error.  ``nodes()`` returns candidate ``(host, port)`` pairs, those
+    caching the model's snapshot first; each failure moves on to the next node."""
+
+    def __init__(self, nodes: Callable[[str], list[tuple[str, int]]], *,
+                 timeout_s: float = 120.0) -> None:
+        self._nodes = nodes
+        self._timeout_s = timeout_s
+        self._ids = itertools.count(1)
+
+    async def request_restore(self, model: str) -> RestoreResult:
+        reasons = []
+        for host, port in self._nodes(model):
+            try:
+                return await asyncio.wait_for(self._ask(host, port, model), self._timeout_s)
+            except (OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
+                reasons.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
+        raise NoCapacity(f"model {model!r}: no node could restore a replica "
+                         f"({'; '.join(reasons) or 'no candidate nodes'})", model=model)
+
+    async def _ask(self, host: str, port: int, model: str) -> RestoreResult:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            rid = next(self._ids)
+            writer.write(pack({"op": "restore", "id": rid, "model": model}))
+            decoder = Decoder()
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    raise ConnectionError("node agent closed the connection")
+                for msg in decoder.feed(data):
+                    if msg.get("id") != rid:
+                        continue
+                    if msg.get("type") == "error":
+                        raise ValueError(f"{msg.get('code')}: {msg.get('reason')}")
+                    result = msg["result"]
+                    rep = result.get("replica")
+                    return RestoreResult(ReplicaLoad(**rep) if rep else None,
+                                         result.get("path", "snapshot_restore"),
+                                         result.get("restore_ms"))
+        finally:
+            writer.close()
+
+
+class ScalerCapacity:
+    """Restores by raising a :class:`Scaler`'s target by one and waiting (polling the front
+    door's cached view through ``warm_count``) until a replica more than before is warm.
+    Raises :class:`NoCapacity` when none shows within ``timeout_s``."""
+
+    def __init__(self, scaler: Scaler, warm_count: Callable[[str], int], *,
+                 timeout_s: float = 120.0, poll_s: float = 0.05) -> None:
+        self._scaler, self._warm_count = scaler, warm_count
+        self._timeout_s, self._poll_s = timeout_s, poll_s
+
+    async def request_restore(self, model: str) -> RestoreResult:
+        loop = asyncio.get_running_loop()
+        before = self._warm_count(model)
+        target = max(self._scaler.target(model), before) + 1
+        await asyncio.to_thread(self._scaler.set_target, model, target,
+                                reason="front door: requests queued")
+        start = loop.time()
+        while loop.time() - start < self._timeout_s:
+            if self._warm_count(model) > before:
+                return RestoreResult(None, "snapshot_restore",
+                                     (loop.time() - start) * 1000.0)
+            await asyncio.sleep(self._poll_s)
+        raise NoCapacity(f"model {model!r}: scaler target {target} set but no new replica "
+                         f"within timeout_s({self._timeout_s})", model=model)

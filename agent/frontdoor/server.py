@@ -1,0 +1,475 @@
+"""The front door: one asyncio TCP server that routes, queues or refuses each request.
+
+State machine of one ``generate`` request::
+
+    arrive ──validate/auth──► 400/401/404 (answered)
+       │
+       ├─ warm replica with headroom, nobody queued ─► DISPATCHED ─► tokens…, done
+       │
+       └─ else ─► QUEUED (per-model deadline heap) ─┬─ replica warm/freed ─► DISPATCHED
+                   │ full / wait too long: 429      ├─ deadline passed: 504 (never sent)
+                   └─ asks for a restore (capped)   └─ every restore failed: 503
+
+Routing and admission are the pure :class:`~agent.frontdoor.router.Router` and
+:class:`~agent.frontdoor.admission.AdmissionQueue`; this module only wires them to sockets.
+The registry is polled off the request path into the router's cached view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.clock import Clock, SystemClock
+from agent.cluster.base import Registry, ServiceInstance
+from agent.errors import Overloaded, ProtocolError, RewarmError, Unauthorized
+from agent.frontdoor.admission import AdmissionQueue, Pending
+from agent.frontdoor.auth import TokenAuth
+from agent.frontdoor.capacity import CapacityRequester, RestoreGate
+from agent.frontdoor.links import ClientConn, ReplicaLink, packb
+from agent.frontdoor.router import ReplicaLoad, Router
+from agent.protocol import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, error_message, validate_request
+from agent.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+REPLICA_SERVICE = "rewarm-replica"
+FRONTDOOR_SERVICE = "rewarm-frontdoor"
+
+
+@dataclass
+class FrontDoorConfig:
+    """Knobs, with units in their names.  ``models``: model -> default deadline (ms), which
+    should come from the measured restore p99 plus headroom (design document, "Deadline-Aware
+    Admission Control"); models seen in the registry get ``default_deadline_ms``."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    models: dict[str, float] = field(default_factory=dict)
+    default_deadline_ms: float = 30_000.0
+    max_queue_depth: int = 1024
+    max_wait_s: float = 60.0
+    max_connections: int = 4096
+    idle_timeout_s: float = 300.0
+    frame_deadline_s: float = 30.0
+    tick_s: float = 0.005          # queue expiry resolution
+    sweep_s: float = 0.25          # idle / slow-frame checks
+    registry_poll_s: float = 0.5
+    restores_per_model: int = 2
+    restores_overall: int = 8
+    limits: Limits = DEFAULT_LIMITS
+    replica_limits: Limits = DEFAULT_LIMITS
+    announce: bool = False         # register as rewarm-frontdoor in the registry
+
+
+@dataclass(eq=False)
+class Request:
+    conn: ClientConn
+    client_id: Any
+    message: dict
+    model: str
+    arrival_s: float
+    deadline_s: float
+    need_tokens: int
+    path: str = "warm_hit"
+    restore_ms: float | None = None
+    queue_wait_ms: float = 0.0
+    replica_id: str = ""
+    replica_rid: int = 0
+    ttft_s: float | None = None
+
+
+class FrontDoor:
+    """Owns the router, the admission queues, the replica links and the listening socket."""
+
+    def __init__(self, config: FrontDoorConfig, *, registry: Registry,
+                 capacity: CapacityRequester | None = None, clock: Clock | None = None,
+                 telemetry: Telemetry | None = None, auth: TokenAuth | None = None) -> None:
+        self.config = config
+        self.registry = registry
+        self.capacity = capacity
+        self.clock = clock or SystemClock()
+        self.telemetry = telemetry or Telemetry()
+        self.auth = auth or TokenAuth()
+        self.router = Router()
+        self.gate = RestoreGate(per_model=config.restores_per_model,
+                                overall=config.restores_overall)
+        self.queues: dict[str, AdmissionQueue] = {}
+        self.links: dict[str, ReplicaLink] = {}
+        self.conns: set[ClientConn] = set()
+        self.known_models: set[str] = set(config.models)
+        self.last_restore: dict[str, tuple[float, str, float | None]] = {}
+        self.counts = {"requests": 0, "dispatched": 0, "done": 0, "errors": 0}
+        self.instance_id = f"frontdoor-{uuid.uuid4().hex[:12]}"
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._queued_models: set[str] = set()
+        self._upserted: dict[str, float] = {}  # replica id -> when a restore reported it
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> tuple[str, int]:
+        """Listen and start the background loops; returns the bound ``(host, port)``."""
+        loop = asyncio.get_running_loop()
+        await self.refresh_replicas()
+        self._server = await loop.create_server(
+            lambda: ClientConn(self), self.config.host, self.config.port,
+            backlog=1024, reuse_address=True)
+        self._tasks = [loop.create_task(self._ticker()), loop.create_task(self._sweeper()),
+                       loop.create_task(self._watch_registry())]
+        if self.config.announce:
+            await asyncio.to_thread(self._announce)
+        return self.address
+
+    @property
+    def address(self) -> tuple[str, int]:
+        sock = self._server.sockets[0]
+        return sock.getsockname()[:2]
+
+    def _announce(self) -> None:
+        """Register as ``rewarm-frontdoor``.  A registry offering ``register_tcp(instance,
+        interval_s)`` (Consul: a TCP check on the port) gets that; any other Registry gets a
+        TTL entry kept passing by the registry watcher."""
+        host, port = self.address
+        inst = ServiceInstance(FRONTDOOR_SERVICE, self.instance_id, host, port,
+                               tags=["protocol=msgpack"])
+        if hasattr(self.registry, "register_tcp"):
+            self.registry.register_tcp(inst, interval_s=5.0)
+        else:
+            self.registry.register(inst, ttl_s=max(3 * self.config.registry_poll_s, 5.0))
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stop listening, let dispatched requests finish within ``grace_s``, then close."""
+        if self._server is not None:
+            self._server.close()
+        deadline = self.clock.now() + grace_s
+        while any(link.in_flight for link in self.links.values()) and self.clock.now() < deadline:
+            await asyncio.sleep(0.01)
+        for task in self._tasks:
+            task.cancel()
+        for conn in list(self.conns):
+            conn.close_after_flush()
+        for link in list(self.links.values()):
+            link.closed = True
+            if link.transport is not None:
+                link.transport.close()
+        if self.config.announce:
+            await asyncio.to_thread(self.registry.deregister, self.instance_id)
+        self.telemetry.flush()
+
+    # --- connections -----------------------------------------------------------------
+
+    def accept(self, conn: ClientConn) -> bool:
+        if len(self.conns) >= self.config.max_connections:
+            return False
+        self.conns.add(conn)
+        return True
+
+    def forget(self, conn: ClientConn) -> None:
+        self.conns.discard(conn)
+
+    # --- requests --------------------------------------------------------------------
+
+    def handle(self, conn: ClientConn, message: dict) -> None:
+        """One decoded message from a client."""
+        try:
+            validate_request(message, self.config.limits)
+        except ProtocolError as err:
+            conn.fail(err, message.get("id"))
+            return
+        rid = message["id"]
+        if self.auth.enabled:
+            token = message.get("token")
+            if token is None or token != conn.token:
+                try:
+                    conn.tenant = self.auth.check(token)
+                    conn.token = token
+                except Unauthorized as err:
+                    self._refuse(conn, rid, message.get("model", ""), err.code, err.message)
+                    return
+        op = message["op"]
+        if op == "generate":
+            self._generate(conn, rid, message)
+        else:
+            conn.send(packb({"v": PROTOCOL_VERSION, "id": rid, "type": "result",
+                             "result": self._info(op)}))
+
+    def _generate(self, conn: ClientConn, rid: Any, message: dict) -> None:
+        self.counts["requests"] += 1
+        model = message["model"]
+        if model not in self.known_models:
+            self._refuse(conn, rid, model, 404, f"unknown model {model!r}")
+            return
+        now = self.clock.now()
+        prompt = message.get("tokens")
+        need = (len(prompt) if prompt is not None else len(message["prompt"]) // 3 + 1)
+        need += message["max_tokens"]
+        deadline_ms = message.get("deadline_ms") or self.config.models.get(
+            model, self.config.default_deadline_ms)
+        req = Request(conn, rid, message, model, now, now + deadline_ms / 1000.0, need)
+        queue = self.queues.get(model)
+        if not queue:
+            replica = self.router.choose(model, need)
+            if replica is not None:
+                self._dispatch(req, replica)
+                return
+        if queue is None:
+            queue = self.queues[model] = AdmissionQueue(
+                model, clock=self.clock, max_depth=self.config.max_queue_depth,
+                max_wait_s=self.config.max_wait_s)
+        if self.capacity is None and not self.router.warm(model):
+            self._refuse(conn, rid, model, 503, f"model {model!r}: no warm replica and no "
+                         f"capacity requester configured")
+            return
+        try:
+            queue.offer(Pending(rid, model, now, req.deadline_s, need, req))
+        except Overloaded as err:
+            self._refuse(conn, rid, model, 429, err.message, retry_after_ms=err.retry_after_ms)
+            return
+        conn.in_flight += 1
+        self._queued_models.add(model)
+        self.telemetry.queue_depth(model, len(queue))
+        self._maybe_restore(model)
+
+    def _dispatch(self, req: Request, replica: ReplicaLoad) -> None:
+        link = self.links.get(replica.replica_id)
+        if link is None or link.closed:
+            link = self._connect(replica)
+        req.replica_id = replica.replica_id
+        self.router.on_dispatch(replica.replica_id, req.need_tokens)
+        req.conn.in_flight += 1
+        self.counts["dispatched"] += 1
+        link.dispatch(req)
+
+    def _connect(self, replica: ReplicaLoad) -> ReplicaLink:
+        loop = asyncio.get_running_loop()
+        link = ReplicaLink(self, replica.replica_id)
+        self.links[replica.replica_id] = link
+        host, _, port = replica.address.rpartition(":")
+
+        async def connect() -> None:
+            try:
+                if host:
+                    await loop.create_connection(lambda: link, host, int(port))
+                else:
+                    await loop.create_unix_connection(lambda: link, replica.address)
+            except OSError as exc:
+                link.closed = True
+                self.replica_failed(link, f"cannot connect to replica {replica.address}: {exc}")
+        loop.create_task(connect())
+        return link
+
+    def on_answer(self, link: ReplicaLink, req: Request, message: dict) -> None:
+        """A message from a replica for ``req``: forward it with the client's id."""
+        kind = message.get("type")
+        now = self.clock.now()
+        if req.ttft_s is None:
+            req.ttft_s = now
+        message["id"] = req.client_id
+        if kind == "tokens":
+            req.conn.send(packb(message))
+            return
+        del link.in_flight[req.replica_rid]
+        self.router.on_complete(link.replica_id, req.need_tokens)
+        req.conn.in_flight -= 1
+        ttft_ms = (req.ttft_s - req.arrival_s) * 1000.0
+        if kind == "done":
+            self.counts["done"] += 1
+            message["ttft_ms"] = ttft_ms
+            message["total_ms"] = (now - req.arrival_s) * 1000.0
+            message["path"] = req.path
+            message["replica"] = link.replica_id
+            message["queue_wait_ms"] = req.queue_wait_ms
+            code = 200
+        else:
+            self.counts["errors"] += 1
+            code = message.get("code", 500)
+        req.conn.send(packb(message))
+        self.telemetry.event(req.client_id, req.model, req.path, code, req.queue_wait_ms,
+                             req.restore_ms, ttft_ms if code == 200 else None,
+                             now > req.deadline_s)
+        if self.queues.get(req.model):
+            self._drain(req.model)
+
+    def replica_failed(self, link: ReplicaLink, reason: str) -> None:
+        """The link broke: its requests get 503 and the replica leaves the view until the
+        registry shows it again."""
+        if self.links.get(link.replica_id) is link:
+            del self.links[link.replica_id]
+        self.router.remove(link.replica_id)
+        failed, link.in_flight = list(link.in_flight.values()), {}
+        for req in failed:
+            req.conn.in_flight -= 1
+            self._refuse(req.conn, req.client_id, req.model, 503, reason, path=req.path)
+        if link.transport is not None:
+            link.transport.close()
+
+    def _refuse(self, conn: ClientConn, rid: Any, model: str, code: int, reason: str,
+                path: str = "refused", **extra: Any) -> None:
+        self.counts["errors"] += 1
+        conn.send(packb(error_message(rid, code, reason, **extra)))
+        self.telemetry.event(rid, model, path, code, 0.0, None, None, code == 504)
+
+    # --- queues and restores ---------------------------------------------------------
+
+    def _drain(self, model: str) -> None:
+        """Dispatch queued requests earliest deadline first while a replica fits."""
+        queue = self.queues[model]
+        now = self.clock.now()
+        restored = self.last_restore.get(model)
+        while queue:
+            head = queue.peek()
+            req: Request = head.payload
+            if req.conn.closed:
+                queue.pop_earliest()
+                continue
+            replica = self.router.choose(model, head.need_tokens)
+            if replica is None:
+                break
+            queue.pop_earliest()
+            req.conn.in_flight -= 1
+            req.queue_wait_ms = (now - req.arrival_s) * 1000.0
+            if restored is not None and restored[0] >= req.arrival_s:
+                req.path, req.restore_ms = restored[1], restored[2]
+            self._dispatch(req, replica)
+        self.telemetry.queue_depth(model, len(queue))
+
+    def _maybe_restore(self, model: str) -> None:
+        if self.capacity is None:
+            return
+        for _ in range(self.gate.wanted(model, len(self.queues[model]))):
+            self.gate.started(model)
+            asyncio.get_running_loop().create_task(self._restore(model))
+        self.telemetry.restores_in_flight(self.gate.total)
+
+    async def _restore(self, model: str) -> None:
+        ok = False
+        try:
+            result = await self.capacity.request_restore(model)
+            ok = True
+            self.last_restore[model] = (self.clock.now(), result.path, result.restore_ms)
+            if result.replica is not None:
+                self.router.upsert(result.replica)
+                self.known_models.add(model)
+                self._upserted[result.replica.replica_id] = self.clock.now()
+        except Exception as exc:  # the requester's failure, whatever it is, ends this restore
+            log.warning("restore of %s failed: %s", model, exc)
+            reason = exc.message if isinstance(exc, RewarmError) else str(exc)
+        finally:
+            self.gate.finished(model)
+            self.telemetry.restores_in_flight(self.gate.total)
+        queue = self.queues.get(model)
+        if not queue:
+            return
+        self._drain(model)
+        if ok:
+            if queue:
+                self._maybe_restore(model)
+        elif not self.gate.in_flight.get(model) and not self.router.warm(model):
+            for p in queue.drain():  # nothing can succeed now: say so promptly
+                req: Request = p.payload
+                req.conn.in_flight -= 1
+                self._refuse(req.conn, req.client_id, model, 503,
+                             f"model {model!r}: no capacity can be restored: {reason}")
+            self.telemetry.queue_depth(model, 0)
+
+    # --- background loops ------------------------------------------------------------
+
+    async def _ticker(self) -> None:
+        """Answer queued requests past their deadline (504) or wait bound (429)."""
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            if not self._queued_models:
+                continue
+            now = self.clock.now()
+            for model in list(self._queued_models):
+                queue = self.queues[model]
+                for p in queue.expire():
+                    req: Request = p.payload
+                    req.conn.in_flight -= 1
+                    if req.conn.closed:
+                        continue
+                    if p.deadline_s <= now:
+                        self._refuse(req.conn, req.client_id, model, 504,
+                                     f"deadline passed after {(now - p.arrival_s) * 1000:.0f} ms "
+                                     f"queued for model {model!r}")
+                    else:
+                        self._refuse(req.conn, req.client_id, model, 429,
+                                     f"waited max_wait_s({queue.max_wait_s}) for model {model!r}",
+                                     retry_after_ms=queue.retry_after_ms())
+                if not queue:
+                    self._queued_models.discard(model)
+                self.telemetry.queue_depth(model, len(queue))
+
+    async def _sweeper(self) -> None:
+        """Close idle connections and cut off frames that take too long to arrive."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.sweep_s)
+            now = self.clock.now()
+            for conn in list(self.conns):
+                if conn.frame_start_s is not None and now - conn.frame_start_s > cfg.frame_deadline_s:
+                    conn.fail(ProtocolError(
+                        f"frame not complete within frame_deadline_s({cfg.frame_deadline_s})",
+                        field="frame", value=now - conn.frame_start_s, limit=cfg.frame_deadline_s))
+                elif conn.in_flight <= 0 and now - conn.last_active_s > cfg.idle_timeout_s:
+                    conn.close_after_flush()
+            self.telemetry.flush()
+
+    async def _watch_registry(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.registry_poll_s)
+            try:
+                await self.refresh_replicas()
+                if self.config.announce and not hasattr(self.registry, "register_tcp"):
+                    await asyncio.to_thread(self.registry.pass_ttl, self.instance_id)
+            except Exception as exc:  # keep serving from the cached view
+                log.warning("registry poll failed: %s", exc)
+
+    async def refresh_replicas(self) -> None:
+        """Replace the router's view with the registry's passing replicas.  A replica's
+        reported use is raised to at least what this front door has dispatched to it."""
+        instances = await asyncio.to_thread(self.registry.healthy, REPLICA_SERVICE)
+        seen = set()
+        for inst in instances:
+            try:
+                load = ReplicaLoad.from_instance(inst)
+            except ValueError as exc:
+                log.warning("ignoring replica: %s", exc)
+                continue
+            seen.add(load.replica_id)
+            self.known_models.add(load.model)
+            link = self.links.get(load.replica_id)
+            if link is not None:
+                ours = link.in_flight.values()
+                load.active_seqs = max(load.active_seqs, len(link.in_flight))
+                load.kv_used_tokens = max(load.kv_used_tokens, sum(r.need_tokens for r in ours))
+            self.router.upsert(load)
+        now = self.clock.now()
+        grace_s = 3 * self.config.registry_poll_s  # a restored replica may not be listed yet
+        for model in self.router.models():
+            for load in self.router.warm(model):
+                if load.replica_id not in seen and now - self._upserted.get(
+                        load.replica_id, -grace_s) >= grace_s:
+                    self.router.remove(load.replica_id)
+        for model in list(self._queued_models):
+            if self.queues[model]:
+                self._drain(model)
+
+    def _info(self, op: str) -> dict:
+        if op == "health":
+            return {"status": "ok", "connections": len(self.conns)}
+        if op == "models":
+            return {m: {"warm": len(self.router.warm(m)),
+                        "queued": len(self.queues.get(m) or ())}
+                    for m in sorted(self.known_models)}
+        return {**self.counts, "connections": len(self.conns),
+                "restores_in_flight": self.gate.total,
+                "queued": {m: len(q) for m, q in self.queues.items() if q},
+                "replicas": {r.replica_id: {"model": r.model, "active_seqs": r.active_seqs,
+                                            "kv_used_tokens": r.kv_used_tokens,
+                                            "kv_capacity_tokens": r.kv_capacity_tokens}
+                             for m in self.router.models() for r in self.router.warm(m)}}

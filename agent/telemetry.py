@@ -1,0 +1,101 @@
+"""Cold-start telemetry: one event per request as a JSON line, and Prometheus metrics.
+
+The event follows the snapshot design document's ``ColdStartEvent`` (request_id, model,
+path, queue_wait_ms, restore_ms, ttft_ms, sla_breached, timestamp_ms) with the answer's
+``code`` added; ``path`` is one of warm_hit, suspended_resume, snapshot_restore, cold_boot,
+or ``refused`` for requests answered with an error before reaching a replica.  Events are
+kept in memory and written in batches so that the request path only appends a tuple.
+
+Metrics (prometheus-client, served on an HTTP port by :meth:`Telemetry.serve_http`):
+``rewarm_requests_total{path,code}``, ``rewarm_queue_depth{model}``,
+``rewarm_ttft_seconds`` and ``rewarm_queue_wait_seconds`` histograms,
+``rewarm_restores_in_flight``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+EVENT_FIELDS = ("request_id", "model", "path", "code", "queue_wait_ms", "restore_ms",
+                "ttft_ms", "sla_breached", "timestamp_ms")
+
+# Latency buckets (s): from sub-millisecond warm hits to multi-second restores.
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Telemetry:
+    """Collects cold-start events and metrics.
+
+    ``events_path``: JSON-lines file appended to (None: events are counted, not written);
+    ``flush_events``: events buffered before a write.  ``registry``: the Prometheus
+    registry (a fresh one by default, so several front doors in one test process coexist).
+    """
+
+    def __init__(self, events_path: Path | str | None = None, *,
+                 registry: CollectorRegistry | None = None, flush_events: int = 1024) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._requests = Counter("rewarm_requests", "Requests answered, by path and code",
+                                 ("path", "code"), registry=self.registry)
+        self._depth = Gauge("rewarm_queue_depth", "Requests waiting for capacity",
+                            ("model",), registry=self.registry)
+        self._ttft = Histogram("rewarm_ttft_seconds", "Time to first token at the front door",
+                               buckets=_BUCKETS, registry=self.registry)
+        self._wait = Histogram("rewarm_queue_wait_seconds", "Time spent queued for capacity",
+                               buckets=_BUCKETS, registry=self.registry)
+        self._restores = Gauge("rewarm_restores_in_flight", "Restores asked for, not finished",
+                               registry=self.registry)
+        self._children: dict[tuple[str, int], Any] = {}
+        self._file: TextIO | None = open(events_path, "a") if events_path else None
+        self._buffer: list[tuple] = []
+        self._flush_events = flush_events
+        self.events = 0
+
+    def event(self, request_id: Any, model: str, path: str, code: int, queue_wait_ms: float,
+              restore_ms: float | None, ttft_ms: float | None, sla_breached: bool) -> None:
+        """Record one request's outcome (``timestamp_ms``: wall clock, ms since the epoch)."""
+        key = (path, code)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._requests.labels(path, str(code))
+        child.inc()
+        if ttft_ms is not None:
+            self._ttft.observe(ttft_ms / 1000.0)
+        if queue_wait_ms:
+            self._wait.observe(queue_wait_ms / 1000.0)
+        self.events += 1
+        if self._file is not None:
+            self._buffer.append((request_id, model, path, code, queue_wait_ms, restore_ms,
+                                 ttft_ms, sla_breached, int(time.time() * 1000)))
+            if len(self._buffer) >= self._flush_events:
+                self.flush()
+
+    def queue_depth(self, model: str, depth: int) -> None:
+        self._depth.labels(model).set(depth)
+
+    def restores_in_flight(self, n: int) -> None:
+        self._restores.set(n)
+
+    def flush(self) -> None:
+        """Write buffered events as JSON lines."""
+        if self._file is None or not self._buffer:
+            return
+        rows, self._buffer = self._buffer, []
+        self._file.write("".join(json.dumps(dict(zip(EVENT_FIELDS, row))) + "\n"
+                                 for row in rows))
+        self._file.flush()
+
+    def close(self) -> None:
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1"):
+        """Serve ``/metrics`` on ``addr:port`` in a daemon thread; returns the server."""
+        server, _thread = start_http_server(port, addr, registry=self.registry)
+        return server
