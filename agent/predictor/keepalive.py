@@ -1,0 +1,108 @@
+"""Keep-alive per model: how long an idle replica stays warm, then suspended, then stops.
+
+Each tier down is a breakeven decision (``sizing.breakeven_keepalive_s``, from the snapshot
+design document's "Optimal Keep-Alive Window", ../shared/seeds/002_b8b5536ec4319928.txt),
+recomputed every tick from the observed arrival rate:
+
+- warm -> suspended: staying warm costs ``gpu_cost_per_s - suspended_cost_per_s`` more per
+  second and avoids a resume (``resume_s``);
+- suspended -> stopped: staying suspended costs ``suspended_cost_per_s`` and avoids the
+  difference between a snapshot restore (``restore_s``) and a resume;
+- without the suspended tier (no CUDA checkpoint driver), warm -> stopped directly:
+  ``gpu_cost_per_s`` against a restore.
+
+The penalty of a cold start lasting ``d`` seconds is what it costs: the GPU time the
+restore burns plus the waiting it inflicts, ``d * (gpu_cost_per_s + wait_cost_per_s *
+max(1, lambda * d))`` (at least one request waits the whole ``d``; at rate lambda about
+``lambda * d`` do). ``wait_cost_per_s`` is the configured price of one request waiting one
+second (an SLA figure), ``gpu_cost_per_s`` the GPU price ($2.80/GPU-hour in the design
+document's cost table = 2.80 / 3600 per second).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from agent.errors import ConfigError
+from agent.predictor.sizing import breakeven_keepalive_s
+
+GPU_COST_PER_S_DEFAULT = 2.80 / 3600.0   # design document, "Cost and Token Economics"
+
+
+@dataclass(frozen=True)
+class KeepAliveCosts:
+    """Prices (money per second) and measured delays (seconds) for the keep-alive.
+
+    ``resume_s`` is None where the suspended tier does not exist (CPU nodes, old drivers).
+    """
+
+    gpu_cost_per_s: float = GPU_COST_PER_S_DEFAULT
+    suspended_cost_per_s: float = GPU_COST_PER_S_DEFAULT / 20.0   # host RAM only
+    wait_cost_per_s: float = 0.01
+    restore_s: float = 3.6      # measured cold start (design document: 3.6 s restore)
+    resume_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_cost_per_s", "suspended_cost_per_s", "wait_cost_per_s", "restore_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"KeepAliveCosts: {name}={value} is out of range; limit is >= 0",
+                                  name=name, value=value, limit=">= 0")
+        if self.resume_s is not None and not (0 <= self.resume_s <= self.restore_s):
+            raise ConfigError(
+                f"KeepAliveCosts: resume_s={self.resume_s} is out of range; limit is "
+                f"0 <= resume_s <= restore_s ({self.restore_s})",
+                name="resume_s", value=self.resume_s, limit=self.restore_s)
+        if self.suspended_cost_per_s > self.gpu_cost_per_s:
+            raise ConfigError(
+                f"KeepAliveCosts: suspended_cost_per_s={self.suspended_cost_per_s} exceeds "
+                f"gpu_cost_per_s={self.gpu_cost_per_s}",
+                name="suspended_cost_per_s", value=self.suspended_cost_per_s,
+                limit=self.gpu_cost_per_s)
+
+
+def penalty_cost(delay_s: float, rate_rps: float, costs: KeepAliveCosts) -> float:
+    """Money lost to one cold start of ``delay_s``: ``d * (gpu + wait * max(1, lambda * d))``."""
+    rate = rate_rps if math.isfinite(rate_rps) and rate_rps > 0 else 0.0
+    waiting = max(1.0, rate * delay_s)
+    return delay_s * (costs.gpu_cost_per_s + costs.wait_cost_per_s * waiting)
+
+
+@dataclass(frozen=True)
+class KeepAlivePlan:
+    """Idle seconds (since the last request) at which a replica drops a tier.
+
+    ``warm_s``: stop being warm after this much idle time. ``stop_s``: stop entirely (>=
+    ``warm_s``); the replica is suspended in between when ``stop_s > warm_s``.
+    """
+
+    warm_s: float
+    stop_s: float
+
+    def tier(self, idle_s: float) -> str:
+        """``"warm"``, ``"suspended"`` or ``"stopped"`` for a replica idle ``idle_s`` seconds."""
+        if idle_s < self.warm_s:
+            return "warm"
+        if idle_s < self.stop_s:
+            return "suspended"
+        return "stopped"
+
+    @property
+    def release_tier(self) -> str:
+        """Where a replica goes when it stops being warm: ``"suspend"`` or ``"stop"``."""
+        return "suspend" if self.stop_s > self.warm_s else "stop"
+
+
+def plan_keepalive(rate_rps: float, costs: KeepAliveCosts) -> KeepAlivePlan:
+    """The keep-alive ladder for an arrival rate ``rate_rps`` (req/s) under ``costs``."""
+    restore_pen = penalty_cost(costs.restore_s, rate_rps, costs)
+    if costs.resume_s is None:
+        warm = breakeven_keepalive_s(costs.gpu_cost_per_s, restore_pen, rate_rps)
+        return KeepAlivePlan(warm_s=warm, stop_s=warm)
+    resume_pen = penalty_cost(costs.resume_s, rate_rps, costs)
+    warm = breakeven_keepalive_s(costs.gpu_cost_per_s - costs.suspended_cost_per_s,
+                                 resume_pen, rate_rps)
+    suspended = breakeven_keepalive_s(costs.suspended_cost_per_s,
+                                      max(0.0, restore_pen - resume_pen), rate_rps)
+    return KeepAlivePlan(warm_s=warm, stop_s=max(warm, suspended))

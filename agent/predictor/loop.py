@@ -1,0 +1,319 @@
+"""The predictor: per model, forecast demand, size the warm pool, and tell the scaler.
+
+Pure and clock-injected: the production loop and the simulator drive the same object.
+Call :meth:`Predictor.observe` with each window's arrivals (zeros included; a step with no
+call counts as a missing sample), then :meth:`Predictor.tick` once per step.
+
+Per model, every tick::
+
+    arrivals/window ──► Holt (forecast.py) ──► forecast(lead_time_s)
+                                                  │  max(forecast, fast average of the rate)
+                                                  ▼
+                      Little's law (sizing.py) ──► desired replicas
+                                                  │
+        desired > target ──► scale_up now
+        desired < target ──► low for cooldown and keep-alive? ──no──► hold ("cooldown")
+                                   │ yes
+                             snapshot durable? ──no──► hold ("snapshot not durable")
+                                   │ yes
+                             scale_down (release tier: suspend | stop, keepalive.py)
+
+The keep-alive is computed from the model's long-run arrival rate (an average over
+``rate_window_s``), not from the forecast: after traffic stops the forecast falls to zero at
+once, but the chance that the next request comes soon is set by the rate the model has had.
+
+Scale-up acts at once, and it sizes for the larger of the forecast and a fast moving average
+of the current rate (``react_alpha``), so a burst from zero that the slow, noise-robust
+forecast has not caught up with is still covered within a step or two. Scale-down
+never happens unless ``snapshot_durable(model)`` says the model's snapshot is ready and
+durable (catalog + Consul KV): a replica removed without one would come back by a full
+cold boot.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Protocol
+
+from agent.clock import Clock
+from agent.cluster.base import Scaler
+from agent.errors import ClusterError, ConfigError, ModelNotFound
+from agent.predictor.forecast import Holt
+from agent.predictor.keepalive import KeepAliveCosts, KeepAlivePlan, plan_keepalive
+from agent.predictor.sizing import seqs_per_replica, target_replicas
+
+log = logging.getLogger(__name__)
+
+MAX_STEPS_PER_TICK = 3600   # a longer gap restarts the forecast instead of replaying it
+
+
+class ForecastSink(Protocol):
+    """Where forecast rows go (the node's SQLite catalog, ``agent/snapshot/catalog.py``)."""
+
+    def record_forecast(self, model: str, window_start_s: float, forecast_rps: float,
+                        actual_rps: float | None, target: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """One model's sizing and timing configuration.
+
+    Defaults follow the snapshot design document's worked example (7.0 s occupancy, 80
+    sequences per replica, 0.75 utilisation, 15 s lead time, 3.6 s restore). Raises
+    ConfigError when ``lead_time_s <= restore_p99_s + decision_latency_s`` (the forecast
+    would be structurally too late), naming both numbers, or when a value is out of range.
+    """
+
+    model: str
+    occupancy_s: float = 7.0
+    seqs_per_replica: int = 80
+    utilisation: float = 0.75
+    min_replicas: int = 0
+    max_replicas: int = 24
+    lead_time_s: float = 15.0
+    restore_p99_s: float = 3.6
+    decision_latency_s: float = 1.0
+    alpha: float = 0.1
+    beta: float = 0.01
+    phi: float = 0.9
+    react_alpha: float = 0.5
+    rate_window_s: float = 600.0
+    step_s: float = 1.0
+    scale_down_cooldown_s: float = 30.0
+    costs: KeepAliveCosts = field(default_factory=KeepAliveCosts)
+
+    def __post_init__(self) -> None:
+        check_lead_time(self.model, self.lead_time_s, self.restore_p99_s, self.decision_latency_s)
+        if not self.step_s > 0:
+            raise ConfigError(f"ModelPolicy {self.model}: step_s={self.step_s}; limit is > 0",
+                              name="step_s", value=self.step_s, limit="> 0")
+        if self.scale_down_cooldown_s < 0:
+            raise ConfigError(
+                f"ModelPolicy {self.model}: scale_down_cooldown_s={self.scale_down_cooldown_s}; "
+                "limit is >= 0", name="scale_down_cooldown_s",
+                value=self.scale_down_cooldown_s, limit=">= 0")
+        # Validate the sizing and smoothing parameters once, here, with their own messages.
+        target_replicas(0.0, self.occupancy_s, self.seqs_per_replica, self.utilisation,
+                        self.min_replicas, self.max_replicas)
+        Holt(self.alpha, self.beta, self.phi)
+        Holt(self.react_alpha, 0.0)
+        if not self.rate_window_s >= self.step_s:
+            raise ConfigError(
+                f"ModelPolicy {self.model}: rate_window_s={self.rate_window_s}; limit is "
+                f">= step_s ({self.step_s})", name="rate_window_s", value=self.rate_window_s,
+                limit=self.step_s)
+
+
+def check_lead_time(model: str, lead_time_s: float, restore_p99_s: float,
+                    decision_latency_s: float) -> None:
+    """Refuse a lead time that does not exceed restore p99 + decision latency (ConfigError)."""
+    need = restore_p99_s + decision_latency_s
+    if not lead_time_s > need:
+        raise ConfigError(
+            f"model {model}: lead_time_s={lead_time_s} must exceed restore p99 "
+            f"{restore_p99_s} s + decision latency {decision_latency_s} s = {need} s",
+            name="lead_time_s", value=lead_time_s, limit=need,
+            restore_p99_s=restore_p99_s, decision_latency_s=decision_latency_s)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one tick decided for one model, with the inputs it decided on.
+
+    ``action``: ``scale_up``, ``scale_down``, ``hold``, ``standby`` (not the leader) or
+    ``error`` (the scaler refused; retried next tick). ``actual_rps`` is None for a missing
+    sample. ``release_tier`` says where released replicas go (``suspend`` or ``stop``).
+    """
+
+    model: str
+    at_s: float
+    actual_rps: float | None
+    forecast_rps: float
+    level_rps: float
+    desired: int
+    previous: int
+    target: int
+    action: str
+    reason: str
+    keepalive: KeepAlivePlan
+    idle_s: float
+
+    @property
+    def release_tier(self) -> str:
+        return self.keepalive.release_tier
+
+
+@dataclass
+class _State:
+    policy: ModelPolicy
+    holt: Holt
+    fast: Holt
+    longrun: Holt
+    seqs: int
+    arrivals: int = 0
+    window_s: float = 0.0
+    last_tick_s: float | None = None
+    last_arrival_s: float | None = None
+    target: int | None = None
+    acting: bool = False
+    low_since_s: float | None = None
+
+
+class Predictor:
+    """Forecasts demand per model and keeps each model's warm-pool target.
+
+    ``policies``: one :class:`ModelPolicy` per model. ``scaler``: an
+    :class:`agent.cluster.base.Scaler`. ``snapshot_durable(model)``: True only when the
+    model's snapshot is ready and durable. ``catalog``: optional :class:`ForecastSink`.
+    """
+
+    def __init__(self, policies: Iterable[ModelPolicy], *, clock: Clock, scaler: Scaler,
+                 snapshot_durable: Callable[[str], bool],
+                 catalog: ForecastSink | None = None) -> None:
+        self._clock = clock
+        self._scaler = scaler
+        self._durable = snapshot_durable
+        self._catalog = catalog
+        self._models: dict[str, _State] = {}
+        for p in policies:
+            self._models[p.model] = _State(policy=p, holt=Holt(p.alpha, p.beta, p.phi),
+                                           fast=Holt(p.react_alpha, 0.0),
+                                           longrun=Holt(min(1.0, p.step_s / p.rate_window_s),
+                                                        0.0),
+                                           seqs=p.seqs_per_replica)
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    def _state(self, model: str) -> _State:
+        try:
+            return self._models[model]
+        except KeyError:
+            raise ModelNotFound(f"predictor: model {model!r} has no policy", model=model) from None
+
+    def observe(self, model: str, arrivals: int, window_s: float = 1.0) -> None:
+        """Record ``arrivals`` requests seen over ``window_s`` seconds (summed until the tick).
+
+        Raises ModelNotFound for an unknown model and ConfigError for negative arrivals or a
+        window that is not > 0.
+        """
+        st = self._state(model)
+        if arrivals < 0:
+            raise ConfigError(f"observe {model}: arrivals={arrivals}; limit is >= 0",
+                              name="arrivals", value=arrivals, limit=0)
+        if not (window_s > 0 and math.isfinite(window_s)):
+            raise ConfigError(f"observe {model}: window_s={window_s}; limit is > 0",
+                              name="window_s", value=window_s, limit="> 0")
+        st.arrivals += int(arrivals)
+        st.window_s += float(window_s)
+        if arrivals > 0:
+            st.last_arrival_s = self._clock.now()
+
+    def update_capacity(self, model: str, kv_capacity_tokens: int,
+                        mean_context_tokens: float) -> int:
+        """Re-derive sequences per replica from a replica's reported KV capacity; returns it."""
+        st = self._state(model)
+        st.seqs = max(1, seqs_per_replica(kv_capacity_tokens, mean_context_tokens))
+        return st.seqs
+
+    def update_restore_p99(self, model: str, restore_p99_s: float) -> None:
+        """A new measured restore p99; ConfigError (policy unchanged) if the lead time is short."""
+        st = self._state(model)
+        p = st.policy
+        check_lead_time(model, p.lead_time_s, restore_p99_s, p.decision_latency_s)
+        st.policy = replace(p, restore_p99_s=restore_p99_s)
+
+    def tick(self, act: bool = True) -> list[Decision]:
+        """One step for every model; with ``act=False`` (standby) forecast but do not scale."""
+        now = self._clock.now()
+        return [self._tick_model(st, now, act) for st in self._models.values()]
+
+    # -- one model ------------------------------------------------------------------------
+    def _feed(self, st: _State, now: float) -> float | None:
+        p = st.policy
+        steps = 1
+        if st.last_tick_s is not None:
+            steps = max(1, round((now - st.last_tick_s) / p.step_s))
+        st.last_tick_s = now
+        actual = None
+        if st.window_s > 0:
+            actual = st.arrivals / st.window_s
+        st.arrivals, st.window_s = 0, 0.0
+        if steps > MAX_STEPS_PER_TICK:
+            st.holt.reset(actual or 0.0)   # a gap too long to bridge: start over
+            st.fast.reset(actual or 0.0)
+            st.longrun.update(actual)
+            return actual
+        for _ in range(steps):
+            st.holt.update(actual)
+            st.fast.update(actual)
+            st.longrun.update(actual)
+        return actual
+
+    def _tick_model(self, st: _State, now: float, act: bool) -> Decision:
+        p = st.policy
+        actual = self._feed(st, now)
+        forecast = st.holt.forecast(p.lead_time_s / p.step_s)
+        level = st.holt.level or 0.0
+        demand = max(forecast, st.fast.forecast(0))
+        desired = target_replicas(demand, p.occupancy_s, st.seqs, p.utilisation,
+                                  p.min_replicas, p.max_replicas)
+        plan = plan_keepalive(st.longrun.forecast(0), p.costs)
+        idle_s = math.inf if st.last_arrival_s is None else now - st.last_arrival_s
+        if act and not st.acting:   # first tick as the actor: learn what is running
+            st.target = self._scaler.target(p.model)
+            st.low_since_s = None
+        st.acting = act
+        previous = st.target if st.target is not None else 0
+        action, reason = self._decide(st, now, desired, plan, idle_s, act)
+        decision = Decision(p.model, now, actual, forecast, level, desired, previous,
+                            st.target if st.target is not None else 0, action, reason,
+                            plan, idle_s)
+        log.info("predictor %s: %s %d->%d (%s) actual=%s forecast=%.3f level=%.3f desired=%d "
+                 "keepalive warm=%.1fs stop=%.1fs idle=%.1fs", p.model, action, previous,
+                 decision.target, reason, actual, forecast, level, desired, plan.warm_s, plan.stop_s,
+                 idle_s)
+        if act and self._catalog is not None:
+            self._catalog.record_forecast(p.model, now - p.step_s, forecast, actual,
+                                          decision.target)
+        return decision
+
+    def _decide(self, st: _State, now: float, desired: int, plan: KeepAlivePlan,
+                idle_s: float, act: bool) -> tuple[str, str]:
+        p = st.policy
+        if not act:
+            return "standby", "not the leader"
+        current = st.target
+        if desired >= current:
+            st.low_since_s = None
+            if desired == current:
+                return "hold", "at target"
+            return self._apply(st, desired, "scale_up", f"forecast needs {desired}")
+        if st.low_since_s is None:
+            st.low_since_s = now
+        low_for = now - st.low_since_s
+        if low_for < p.scale_down_cooldown_s:
+            return "hold", f"cooldown: low for {low_for:.1f}s of {p.scale_down_cooldown_s:.1f}s"
+        # keep-alive: the last replica waits for idle time since the last request; excess
+        # replicas wait for the same breakeven time of low demand.
+        waited = idle_s if desired == 0 else low_for
+        if waited < plan.warm_s:
+            return "hold", f"keep-alive: {waited:.1f}s of {plan.warm_s:.1f}s"
+        if not self._durable(p.model):
+            return "hold", "snapshot not durable"
+        action = self._apply(st, desired, "scale_down",
+                             f"low for {low_for:.1f}s; release={plan.release_tier}")
+        st.low_since_s = None
+        return action
+
+    def _apply(self, st: _State, count: int, action: str, reason: str) -> tuple[str, str]:
+        try:
+            self._scaler.set_target(st.policy.model, count, reason=reason)
+        except ClusterError as exc:
+            log.warning("predictor %s: scaler refused %d: %s", st.policy.model, count, exc)
+            return "error", str(exc)
+        st.target = count
+        return action, reason

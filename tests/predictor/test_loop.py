@@ -1,0 +1,199 @@
+"""The predictor loop on a manual clock: scale-up, cooldown, keep-alive, the durability guard."""
+
+import math
+
+import pytest
+
+from agent.clock import ManualClock
+from agent.errors import AclDenied, ConfigError, ModelNotFound
+from agent.predictor.keepalive import KeepAliveCosts
+from agent.predictor.loop import ModelPolicy, Predictor
+
+
+class FakeScaler:
+    def __init__(self, start=0, fail=None):
+        self.targets = {}
+        self.calls = []
+        self.start = start
+        self.fail = fail
+
+    def set_target(self, model, count, *, reason):
+        if self.fail:
+            raise self.fail
+        self.calls.append((model, count, reason))
+        self.targets[model] = count
+
+    def target(self, model):
+        return self.targets.get(model, self.start)
+
+
+class FakeCatalog:
+    def __init__(self):
+        self.rows = []
+
+    def record_forecast(self, model, window_start_s, forecast_rps, actual_rps, target):
+        self.rows.append((model, window_start_s, forecast_rps, actual_rps, target))
+
+
+def make(durable=True, **policy):
+    clock = ManualClock()
+    scaler = FakeScaler()
+    catalog = FakeCatalog()
+    state = {"durable": durable}
+    pol = ModelPolicy("m", **policy)
+    p = Predictor([pol], clock=clock, scaler=scaler,
+                  snapshot_durable=lambda m: state["durable"], catalog=catalog)
+    return p, clock, scaler, catalog, state
+
+
+def step(p, clock, arrivals):
+    clock.advance(1.0)
+    if arrivals is not None:
+        p.observe("m", arrivals)
+    return p.tick()[0]
+
+
+def test_lead_time_must_exceed_restore_p99_plus_decision_latency():
+    with pytest.raises(ConfigError) as err:
+        ModelPolicy("m", lead_time_s=4.0, restore_p99_s=3.6, decision_latency_s=1.0)
+    assert "4.0" in str(err.value) and "3.6" in str(err.value) and "1.0" in str(err.value)
+    assert err.value.limit == pytest.approx(4.6)
+    with pytest.raises(ConfigError):                       # equal is not enough
+        ModelPolicy("m", lead_time_s=4.5, restore_p99_s=3.5, decision_latency_s=1.0)
+    ModelPolicy("m", lead_time_s=4.51, restore_p99_s=3.5, decision_latency_s=1.0)
+
+
+def test_measured_p99_that_breaks_the_lead_time_is_refused():
+    p, *_ = make(lead_time_s=10.0)
+    p.update_restore_p99("m", 8.9)
+    with pytest.raises(ConfigError):
+        p.update_restore_p99("m", 9.0)
+
+
+def test_burst_from_zero_scales_up_at_once():
+    p, clock, scaler, catalog, _ = make()
+    d = step(p, clock, 0)
+    assert d.action == "hold" and d.target == 0
+    d = step(p, clock, 200)                 # 0 -> 200 req/s in one second
+    assert d.action == "scale_up" and d.target >= 12
+    for _ in range(8):
+        d = step(p, clock, 200)
+    assert d.target == 24                   # 200 req/s x 7 s / 60 per replica
+    assert scaler.targets["m"] == 24
+    assert [c[1] for c in scaler.calls] == sorted(c[1] for c in scaler.calls)
+
+
+def test_steady_20_rps_holds_three():
+    p, clock, scaler, _, _ = make()
+    for _ in range(60):
+        d = step(p, clock, 20)
+    assert d.target == 3 and d.desired == 3 and d.actual_rps == 20.0
+
+
+def test_scale_down_waits_for_cooldown_then_needs_durable_snapshot():
+    p, clock, scaler, catalog, state = make(durable=False, scale_down_cooldown_s=10.0,
+                                             min_replicas=1)
+    for _ in range(30):
+        step(p, clock, 20)
+    assert scaler.targets["m"] == 3
+    actions = [step(p, clock, 0) for _ in range(60)]
+    assert all(d.target == 3 for d in actions)             # never below 3 while pending
+    assert any(d.reason.startswith("cooldown") for d in actions)
+    assert actions[-1].reason == "snapshot not durable"
+    state["durable"] = True
+    d = step(p, clock, 0)
+    assert d.action == "scale_down" and d.target == 1      # clamped to min_replicas
+    assert "release=" in d.reason
+
+
+def test_never_to_zero_while_snapshot_pending():
+    p, clock, scaler, _, state = make(durable=False, scale_down_cooldown_s=5.0)
+    step(p, clock, 5)
+    assert scaler.targets["m"] == 1
+    for _ in range(300):
+        d = step(p, clock, 0)
+    assert d.desired == 0 and d.target == 1 and d.reason == "snapshot not durable"
+    state["durable"] = True
+    assert step(p, clock, 0).target == 0
+
+
+def test_missing_samples_and_gaps_never_give_nan():
+    p, clock, _, catalog, _ = make()
+    for _ in range(20):
+        step(p, clock, 10)
+    d = step(p, clock, None)                # a missing sample
+    assert d.actual_rps is None and d.forecast_rps > 0 and not math.isnan(d.forecast_rps)
+    clock.advance(40.0)                     # a front door restart: 40 s of nothing, then
+    p.observe("m", 400, window_s=40.0)      # its counter delta over the whole gap
+    d = p.tick()[0]
+    assert d.actual_rps == 10.0 and d.forecast_rps == pytest.approx(10.0, rel=0.2)
+    clock.advance(10_000.0)                 # a gap too long to replay: restart the forecast
+    p.observe("m", 3)
+    d = p.tick()[0]
+    assert d.forecast_rps == pytest.approx(3.0)
+    assert all(not math.isnan(r[2]) and r[2] >= 0 for r in catalog.rows)
+
+
+def test_every_tick_writes_a_forecast_row():
+    p, clock, _, catalog, _ = make()
+    for n in (0, 20, 20):
+        step(p, clock, n)
+    assert [(r[0], r[1], r[3], r[4]) for r in catalog.rows] == [
+        ("m", 0.0, 0.0, 0), ("m", 1.0, 20.0, 2), ("m", 2.0, 20.0, 2)]
+
+
+def test_standby_does_not_scale_and_resyncs_when_acting():
+    p, clock, scaler, catalog, _ = make()
+    scaler.start = 5
+    clock.advance(1.0)
+    p.observe("m", 20)
+    d = p.tick(act=False)[0]
+    assert d.action == "standby" and scaler.calls == [] and catalog.rows == []
+    clock.advance(1.0)
+    p.observe("m", 20)
+    d = p.tick()[0]
+    assert d.previous == 5                  # learnt from the scaler, not assumed
+    assert d.action == "hold"               # 5 > 3 wanted: only after cooldown
+
+
+def test_scaler_refusal_is_retried_next_tick():
+    p, clock, scaler, _, _ = make()
+    scaler.fail = AclDenied("nomad: 403", service="nomad", endpoint="/v1/job/m/scale")
+    d = step(p, clock, 20)
+    assert d.action == "error" and d.target == 0
+    scaler.fail = None
+    d = step(p, clock, 20)
+    assert d.action == "scale_up" and d.target >= 2
+
+
+def test_keepalive_holds_zero_until_breakeven():
+    costs = KeepAliveCosts(gpu_cost_per_s=0.0001, wait_cost_per_s=0.05, restore_s=4.0)
+    p, clock, scaler, _, _ = make(scale_down_cooldown_s=1.0, costs=costs, alpha=0.5)
+    for _ in range(3):                      # 0.1 req/s: keep-alive about 53 s
+        clock.advance(10.0)
+        p.observe("m", 1, window_s=10.0)
+        p.tick()
+    assert scaler.targets["m"] == 1
+    reasons = [step(p, clock, 0) for _ in range(200)]
+    first_zero = next(i for i, d in enumerate(reasons) if d.target == 0)
+    assert any(d.reason.startswith("keep-alive") for d in reasons[:first_zero])
+    assert reasons[first_zero].idle_s >= reasons[first_zero].keepalive.warm_s
+
+
+def test_unknown_model_and_bad_observations():
+    p, *_ = make()
+    with pytest.raises(ModelNotFound):
+        p.observe("other", 1)
+    with pytest.raises(ConfigError):
+        p.observe("m", -1)
+    with pytest.raises(ConfigError):
+        p.observe("m", 1, window_s=0.0)
+
+
+def test_capacity_from_kv_report():
+    p, clock, scaler, _, _ = make()
+    assert p.update_capacity("m", 72_089, 900) == 80
+    assert p.update_capacity("m", 36_000, 900) == 40
+    for _ in range(30):
+        d = step(p, clock, 20)
+    assert d.target == 5                    # 140 / (40 x 0.75) = 4.67

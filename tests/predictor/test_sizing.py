@@ -1,0 +1,117 @@
+"""Little's law targets and the breakeven keep-alive against hand-computed values."""
+
+import math
+
+import pytest
+
+from agent.errors import ConfigError
+from agent.predictor.keepalive import KeepAliveCosts, penalty_cost, plan_keepalive
+from agent.predictor.sizing import breakeven_keepalive_s, seqs_per_replica, target_replicas
+
+
+def test_design_document_worked_example():
+    # ../shared/seeds/002: 72,089 KV tokens / 900 tokens = 80 sequences per replica
+    assert seqs_per_replica(72_089, 900) == 80
+    assert target_replicas(20, 7.0, 80, 0.75, 0, 100) == 3       # ceil(140 / 60)
+    assert target_replicas(200, 7.0, 80, 0.75, 0, 100) == 24     # ceil(1400 / 60)
+
+
+def test_exact_multiple_does_not_round_up():
+    # 120 in flight / 60 per replica is exactly 2, despite float noise
+    assert target_replicas(120 / 7.0, 7.0, 80, 0.75, 0, 100) == 2
+    assert target_replicas(0.0, 7.0, 80, 0.75, 0, 100) == 0
+
+
+def test_clamped_to_min_and_max():
+    assert target_replicas(0.0, 7.0, 80, 0.75, 1, 5) == 1
+    assert target_replicas(10_000, 7.0, 80, 0.75, 0, 5) == 5
+
+
+@pytest.mark.parametrize("rate", [float("nan"), float("inf"), -3.0])
+def test_bad_rate_counts_as_zero(rate):
+    assert target_replicas(rate, 7.0, 80, 0.75, 0, 5) == 0
+
+
+@pytest.mark.parametrize("args,name", [
+    ((1, 0.0, 80, 0.75, 0, 5), "occupancy_s"),
+    ((1, 7.0, 0, 0.75, 0, 5), "seqs_per_replica"),
+    ((1, 7.0, 80, 0.0, 0, 5), "utilisation"),
+    ((1, 7.0, 80, 1.01, 0, 5), "utilisation"),
+    ((1, 7.0, 80, 0.75, -1, 5), "min_replicas"),
+    ((1, 7.0, 80, 0.75, 3, 2), "max_replicas"),
+])
+def test_sizing_limits(args, name):
+    with pytest.raises(ConfigError) as err:
+        target_replicas(*args)
+    assert err.value.name == name
+
+
+def test_sizing_limits_at_their_values():
+    assert target_replicas(1, 7.0, 1, 1.0, 2, 2) == 2
+    with pytest.raises(ConfigError):
+        seqs_per_replica(100, 0)
+    assert seqs_per_replica(0, 900) == 0
+
+
+def test_breakeven_hand_computed():
+    # c = 0.01 per s, P = 1.0, lambda = 0.5: ratio 0.02, t = ln(50) / 0.5
+    assert breakeven_keepalive_s(0.01, 1.0, 0.5) == pytest.approx(7.824046010856292)
+    # $2.80 per GPU-hour, P = $0.05, lambda = 0.1 req/s: ratio 0.15556, t = 18.6102 s
+    assert breakeven_keepalive_s(2.80 / 3600, 0.05, 0.1) == pytest.approx(18.61, abs=1e-2)
+
+
+def test_breakeven_edges():
+    assert breakeven_keepalive_s(0.5, 1.0, 0.5) == 0.0       # ratio exactly 1
+    assert breakeven_keepalive_s(1.0, 1.0, 0.5) == 0.0       # idle costs more than it saves
+    assert breakeven_keepalive_s(0.01, 1.0, 0.0) == 0.0      # no arrivals expected
+    assert breakeven_keepalive_s(0.0, 1.0, 0.5) == math.inf  # idle is free
+    with pytest.raises(ConfigError):
+        breakeven_keepalive_s(-0.01, 1.0, 0.5)
+    with pytest.raises(ConfigError):
+        breakeven_keepalive_s(0.01, -1.0, 0.5)
+
+
+def test_penalty_cost_counts_gpu_time_and_waiting():
+    costs = KeepAliveCosts(gpu_cost_per_s=0.001, wait_cost_per_s=0.01, restore_s=4.0)
+    # one request waits at a low rate: 4 * (0.001 + 0.01 * 1)
+    assert penalty_cost(4.0, 0.1, costs) == pytest.approx(0.044)
+    # 2 req/s * 4 s = 8 requests wait: 4 * (0.001 + 0.01 * 8)
+    assert penalty_cost(4.0, 2.0, costs) == pytest.approx(0.324)
+
+
+def test_plan_without_suspend_is_one_breakeven():
+    costs = KeepAliveCosts(gpu_cost_per_s=0.001, wait_cost_per_s=0.01, restore_s=4.0)
+    plan = plan_keepalive(0.1, costs)
+    expect = -math.log(0.001 / (0.044 * 0.1)) / 0.1      # = 14.816 s
+    assert plan.warm_s == pytest.approx(expect)
+    assert plan.stop_s == plan.warm_s and plan.release_tier == "stop"
+    assert plan.tier(expect - 0.1) == "warm" and plan.tier(expect) == "stopped"
+
+
+def test_plan_with_suspend_has_a_suspended_stage():
+    costs = KeepAliveCosts(gpu_cost_per_s=0.001, suspended_cost_per_s=0.0001,
+                           wait_cost_per_s=0.01, restore_s=4.0, resume_s=0.5)
+    plan = plan_keepalive(0.1, costs)
+    resume_pen = 0.5 * (0.001 + 0.01)                   # 0.0055
+    warm = -math.log(0.0009 / (resume_pen * 0.1)) / 0.1  # 0.0009 > 0.00055: 0
+    assert warm < 0 and plan.warm_s == 0.0
+    stop = -math.log(0.0001 / ((0.044 - resume_pen) * 0.1)) / 0.1
+    assert plan.stop_s == pytest.approx(stop)            # 36.50 s
+    assert plan.release_tier == "suspend"
+    assert plan.tier(1.0) == "suspended" and plan.tier(stop + 1) == "stopped"
+
+
+def test_keepalive_recomputed_as_traffic_changes():
+    costs = KeepAliveCosts(gpu_cost_per_s=0.001, wait_cost_per_s=0.01, restore_s=4.0)
+    quiet = plan_keepalive(0.02, costs).warm_s
+    busy = plan_keepalive(0.5, costs).warm_s
+    none = plan_keepalive(0.0, costs).warm_s
+    assert none == 0.0 and quiet != busy
+
+
+@pytest.mark.parametrize("kw", [dict(gpu_cost_per_s=-1.0), dict(restore_s=float("nan")),
+                                dict(resume_s=5.0, restore_s=4.0),
+                                dict(suspended_cost_per_s=1.0, gpu_cost_per_s=0.5)])
+def test_costs_limits(kw):
+    with pytest.raises(ConfigError):
+        KeepAliveCosts(**kw)
