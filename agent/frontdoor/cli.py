@@ -1,0 +1,145 @@
+"""``rewarm frontdoor`` (serve) and ``rewarm generate --model M "prompt"`` (client)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from agent.errors import RewarmError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("frontdoor", help="serve the msgpack/TCP front door")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=7400)
+    p.add_argument("--model", action="append", default=[], metavar="NAME[=DEADLINE_MS]",
+                   help="a model to accept, optionally with its default deadline (ms)")
+    p.add_argument("--tokens", help="file of tenant:token lines (enables auth)")
+    p.add_argument("--allow-open", action="store_true",
+                   help="listen beyond loopback without tokens")
+    p.add_argument("--events", help="append cold-start events (JSON lines) here")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--consul", metavar="HOST:PORT", help="use Consul as the registry")
+    p.add_argument("--node-agent", action="append", default=[], metavar="HOST:PORT",
+                   help="node agent control API to ask for restores (repeatable)")
+    p.add_argument("--replica", action="append", default=[], metavar="MODEL@HOST:PORT",
+                   help="a static replica (local registry; 64 seqs, 1 Mi KV tokens assumed)")
+    p.add_argument("--max-queue-depth", type=int, default=1024)
+    p.add_argument("--max-wait-s", type=float, default=60.0)
+    p.add_argument("--max-connections", type=int, default=4096)
+    p.set_defaults(func=_serve)
+
+    g = subparsers.add_parser("generate", help="send one prompt to a front door")
+    g.add_argument("prompt")
+    g.add_argument("--model", required=True)
+    g.add_argument("--address", default="127.0.0.1:7400", metavar="HOST:PORT")
+    g.add_argument("--consul", metavar="HOST:PORT", help="discover a front door in Consul")
+    g.add_argument("--token")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--deadline-ms", type=float)
+    g.set_defaults(func=_generate)
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def _registry(args):
+    if not args.consul:
+        from agent.cluster.base import ServiceInstance
+        from agent.cluster.local import LocalRegistry
+        registry = LocalRegistry()
+        for n, spec in enumerate(getattr(args, "replica", [])):
+            model, _, address = spec.partition("@")
+            host, port = _hostport(address)
+            registry.register(ServiceInstance(
+                "rewarm-replica", f"static-{n}", host, port, tags=[f"model={model}"],
+                meta={"max_seqs": "64", "active_seqs": "0", "kv_capacity_tokens": str(1 << 20),
+                      "kv_used_tokens": "0"}), ttl_s=float("inf"))
+        return registry
+    try:  # written by the predictor engineer; see the report if it is missing
+        from agent.cluster.consul_registry import ConsulRegistry
+    except ModuleNotFoundError:
+        sys.exit("error: --consul needs agent/cluster/consul_registry.py (not built yet)")
+    host, port = _hostport(args.consul)
+    return ConsulRegistry(host=host, port=port)
+
+
+def _serve(args) -> int:
+    from agent.frontdoor.auth import TokenAuth, check_bind
+    from agent.frontdoor.capacity import NodeAgentCapacity
+    from agent.frontdoor.server import FrontDoor, FrontDoorConfig
+    from agent.telemetry import Telemetry
+
+    models = {}
+    for spec in args.model:
+        name, _, deadline = spec.partition("=")
+        models[name] = float(deadline) if deadline else 30_000.0
+    auth = TokenAuth.from_file(args.tokens) if args.tokens else TokenAuth()
+    check_bind(args.host, auth, args.allow_open)
+    telemetry = Telemetry(args.events)
+    if args.metrics_port:
+        telemetry.serve_http(args.metrics_port, args.host)
+    nodes = [_hostport(a) for a in args.node_agent]
+    capacity = NodeAgentCapacity(lambda model: list(nodes)) if nodes else None
+    config = FrontDoorConfig(host=args.host, port=args.port, models=models,
+                             max_queue_depth=args.max_queue_depth, max_wait_s=args.max_wait_s,
+                             max_connections=args.max_connections, announce=bool(args.consul))
+
+    async def run() -> None:
+        fd = FrontDoor(config, registry=_registry(args), capacity=capacity,
+                       telemetry=telemetry, auth=auth)
+        host, port = await fd.start()
+        print(f"front door listening on {host}:{port}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await fd.stop()
+
+    try:
+        import uvloop  # optional: pip install 'rewarm[fast]'
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        telemetry.close()
+    return 0
+
+
+def _generate(args) -> int:
+    from agent.client import Client, discover
+
+    if args.consul:
+        host, port = _hostport(args.consul)
+        found = discover(consul_host=host, consul_port=port)
+        if not found:
+            print("error: no healthy rewarm-frontdoor in Consul", file=sys.stderr)
+            return 3
+        address = found[0]
+    else:
+        address = _hostport(args.address)
+    client = Client(*address, token=args.token)
+    try:
+        done = {}
+        for msg in client.stream(args.model, args.prompt, max_tokens=args.max_tokens,
+                                 seed=args.seed, deadline_ms=args.deadline_ms):
+            if msg["type"] == "tokens":
+                print(msg.get("text") or " ".join(map(str, msg["tokens"])), end=" ", flush=True)
+            else:
+                done = msg
+        print()
+        print(f"[ttft {done.get('ttft_ms', 0):.1f} ms, total {done.get('total_ms', 0):.1f} ms, "
+              f"path {done.get('path')}, replica {done.get('replica')}]", file=sys.stderr)
+        return 0
+    except RewarmError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        client.close()
