@@ -74,3 +74,46 @@ def _register_model(sub: argparse._SubParsersAction) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     _register_model(sub)
     # --- AOT/worker engineer: register `rewarm build` and `rewarm replica` below -----------
+    _register_build_and_replica(sub)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from agent.replica.aot import build
+
+    print(build(Path(args.model_dir), Path(args.out), max_seqs=args.max_seqs,
+                max_seq_len=args.max_seq_len, device=args.device))
+    return 0
+
+
+def _replica(args: argparse.Namespace) -> int:
+    from agent.replica.worker import run_replica
+
+    return run_replica(args.listen, model_dir=args.model_dir, snapshot=args.snapshot,
+                       zygote_mode=args.zygote, release=args.release, compile=args.compile,
+                       buffer_bytes=args.buffer_mib << 20, threads=args.threads,
+                       replica_id=args.replica_id)
+
+
+def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
+    from agent.replica.aot import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS
+
+    p = sub.add_parser("build", help="torch.export + AOTInductor: one package for this machine's target")
+    p.add_argument("model_dir", help="HF-layout model directory (config.json, *.safetensors)")
+    p.add_argument("--out", required=True, help="release directory; the package goes to OUT/<target>/")
+    p.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS, help="KV slots (largest batch)")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="tokens per KV slot")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.set_defaults(func=_build)
+
+    p = sub.add_parser("replica", help="run one replica (or a zygote) speaking msgpack")
+    p.add_argument("--listen", required=True, help="HOST:PORT (port 0: any free port) or unix:PATH")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--model-dir", help="full boot from HF-layout safetensors")
+    mode.add_argument("--snapshot", help="restore a captured snapshot into this fresh process")
+    mode.add_argument("--zygote", action="store_true", help="start empty; wait for a restore op")
+    p.add_argument("--release", help="release directory of AOT packages (rewarm build --out)")
+    p.add_argument("--compile", action="store_true", help="with --model-dir: torch.compile just in time")
+    p.add_argument("--buffer-mib", type=int, default=1024, help="zygote restore buffer size")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (all cores)")
+    p.add_argument("--replica-id", default=None)
+    p.set_defaults(func=_replica)

@@ -1,0 +1,399 @@
+"""``rewarm replica``: one process, one model, an asyncio server on agent/protocol.py framing.
+
+States (a zygote starts in ZYGOTE, a booted replica in SERVING)::
+
+    ZYGOTE --restore ok--> SERVING --shutdown / SIGTERM / parent died--> CLOSED
+      |  ^                    |
+      |  +--restore failed----+ (answered with the error; the zygote stays a zygote)
+      +--------shutdown / SIGTERM / parent died--------------------------> CLOSED
+
+Requests multiplex over one connection by ``id``.  ``generate`` requests from every
+connection feed one batching loop: each tick submits what arrived, then runs one
+:meth:`Engine.step` (prefill of admitted sequences, one batched decode step for all active
+ones) on a single worker thread, so the event loop keeps answering ``health`` and ``stats``
+while the model runs.  No process is left behind: the worker exits when its parent dies
+(PR_SET_PDEATHSIG on Linux, and a parent-pid watchdog everywhere), on ``shutdown`` and on
+SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import enum
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.errors import ProtocolError, RewarmError
+from agent.protocol import Decoder, error_message, pack, read_messages
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+MAX_TOKENS_LIMIT = 1 << 16
+
+
+class State(enum.Enum):
+    ZYGOTE = "zygote"
+    RESTORING = "restoring"
+    SERVING = "serving"
+    CLOSED = "closed"
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent exits (prctl PR_SET_PDEATHSIG).
+    Returns False where that is not available (the watchdog in :class:`Worker` still runs)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+
+
+@dataclass
+class _Request:
+    request_id: Any
+    writer: asyncio.StreamWriter
+    started_s: float
+    text: bool
+    seq_id: int = -1
+    first_s: float | None = None
+    tokens: list[int] = field(default_factory=list)
+
+
+class Worker:
+    """The replica server.  ``loaded`` (agent/replica/zygote.Loaded) or None for a zygote that
+    restores into ``buffer``.  ``parent_pid``: exit when the parent changes (None: no watchdog)."""
+
+    def __init__(self, loaded=None, *, buffer=None, replica_id: str = "replica",
+                 parent_pid: int | None = None, watchdog_s: float = 1.0) -> None:
+        self.loaded, self.buffer, self.replica_id = loaded, buffer, replica_id
+        self.state = State.SERVING if loaded is not None else State.ZYGOTE
+        self.parent_pid, self.watchdog_s = parent_pid, watchdog_s
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine")  # the engine's one thread
+        self._submits: list[tuple[_Request, dict]] = []
+        self._cancels: list[int] = []
+        self._by_seq: dict[int, _Request] = {}
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._tokenizer = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+    async def serve(self, listen: str, ready=None) -> None:
+        """Listen on ``HOST:PORT`` or ``unix:PATH`` until stopped; ``ready(address)`` is called
+        once listening (port 0 picks a free port)."""
+        if listen.startswith("unix:"):
+            server = await asyncio.start_unix_server(self._connection, path=listen[5:])
+            address = listen
+        else:
+            host, _, port = listen.rpartition(":")
+            server = await asyncio.start_server(self._connection, host or "127.0.0.1", int(port))
+            bound = server.sockets[0].getsockname()
+            address = f"{bound[0]}:{bound[1]}"
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.stop)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        tasks = [asyncio.create_task(self._batch_loop())]
+        if self.parent_pid is not None:
+            tasks.append(asyncio.create_task(self._watch_parent()))
+        if ready is not None:
+            ready(address)
+        try:
+            await self._stop.wait()
+        finally:
+            server.close()
+            self.state = State.CLOSED
+            for request in list(self._by_seq.values()) + [r for r, _ in self._submits]:
+                self._send(request.writer, error_message(request.request_id, 503, "replica shutting down"))
+            for task in tasks:
+                task.cancel()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            if listen.startswith("unix:"):
+                Path(listen[5:]).unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _watch_parent(self) -> None:
+        while True:
+            if os.getppid() != self.parent_pid:
+                log.warning("parent %s is gone; exiting", self.parent_pid)
+                self.stop()
+                return
+            await asyncio.sleep(self.watchdog_s)
+
+    # --- connections ---------------------------------------------------------------------
+    @staticmethod
+    def _send(writer: asyncio.StreamWriter, message: dict) -> None:
+        if not writer.is_closing():
+            writer.write(pack(message))
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        mine: list[_Request] = []
+        try:
+            async for message in read_messages(reader, Decoder()):
+                await self._dispatch(message, writer, mine)
+                await writer.drain()
+        except ProtocolError as exc:
+            self._send(writer, error_message(None, exc.code, exc.message))
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            for request in mine:  # the client left: free its KV slots
+                if request.seq_id >= 0 and request.seq_id in self._by_seq:
+                    self._cancels.append(request.seq_id)
+            self._submits = [(r, m) for r, m in self._submits if r not in mine]
+            writer.close()
+
+    async def _dispatch(self, msg: dict, writer: asyncio.StreamWriter, mine: list) -> None:
+        op, rid = msg.get("op"), msg.get("id")
+        reply = lambda result: self._send(writer, {"id": rid, "type": "result", "result": result})  # noqa: E731
+        try:
+            if op == "generate":
+                mine.append(self._accept(msg, writer))
+                self._wake.set()
+            elif op == "health":
+                reply({"ok": self.state is State.SERVING, "state": self.state.value})
+            elif op == "stats":
+                reply(self.stats())
+            elif op == "restore":
+                reply(await self._restore(msg))
+            elif op == "capture":
+                reply(await self._capture(msg))
+            elif op == "shutdown":
+                reply({"state": State.CLOSED.value})
+                await writer.drain()
+                self.stop()
+            else:
+                raise ProtocolError(f"unknown op {op!r}", field="op", value=op,
+                                    limit=["generate", "health", "stats", "restore", "capture", "shutdown"])
+        except RewarmError as exc:
+            self._send(writer, error_message(rid, exc.code, exc.message))
+        except Exception as exc:  # a bug or a torch error: answer, keep serving the others
+            log.exception("op %s failed", op)
+            self._send(writer, error_message(rid, 500, f"{type(exc).__name__}: {exc}"))
+
+    # --- ops -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = {"state": self.state.value, "replica": self.replica_id,
+                                  "kv_capacity_tokens": 0, "kv_used_tokens": 0, "max_seqs": 0,
+                                  "active_seqs": 0, "model": None, "version": None}
+        if self.loaded is not None:
+            result.update(self.loaded.engine.capacity())
+            result.update(model=self.loaded.identity.name, version=self.loaded.identity.version,
+                          path=self.loaded.path, package_digest=self.loaded.package_digest,
+                          phases_s=self.loaded.phases_s)
+        return result
+
+    def _accept(self, msg: dict, writer) -> _Request:
+        if self.state is not State.SERVING:
+            raise ProtocolError(f"replica is {self.state.value}, not serving", field="state",
+                                value=self.state.value, limit=State.SERVING.value)
+        tokens, text = msg.get("tokens"), False
+        if tokens is None and isinstance(msg.get("prompt"), str):
+            tokens, text = self.tokenizer().encode(msg["prompt"]).ids, True
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ProtocolError("generate needs tokens: [int] or prompt: str", field="tokens",
+                                value=type(tokens).__name__, limit="list of int")
+        max_tokens, seed, stop = msg.get("max_tokens", 16), msg.get("seed"), msg.get("stop") or []
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+            raise ProtocolError(f"max_tokens={max_tokens!r} must be an int in [1, {MAX_TOKENS_LIMIT}]",
+                                field="max_tokens", value=max_tokens, limit=MAX_TOKENS_LIMIT)
+        if seed is not None and not isinstance(seed, int):
+            raise ProtocolError(f"seed={seed!r} must be an int or absent", field="seed", value=seed, limit=None)
+        if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
+            raise ProtocolError("stop must be a list of token ids", field="stop", value=stop, limit=None)
+        # The engine checks the rest (token range, KV capacity) before anything is allocated.
+        self.loaded.engine.kv.check(len(tokens) + max_tokens)
+        request = _Request(msg.get("id"), writer, time.perf_counter(), text)
+        self._submits.append((request, {"prompt": tokens, "max_tokens": max_tokens,
+                                        "seed": seed, "stop": set(stop)}))
+        return request
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from agent.replica.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.loaded.tokenizer_dir or "")
+        return self._tokenizer
+
+    async def _restore(self, msg: dict) -> dict:
+        from agent.replica import zygote
+
+        if self.state is not State.ZYGOTE:
+            raise ProtocolError(f"restore needs a zygote; this replica is {self.state.value}",
+                                field="state", value=self.state.value, limit=State.ZYGOTE.value)
+        if not isinstance(msg.get("snapshot"), str):
+            raise ProtocolError("restore needs snapshot: path", field="snapshot",
+                                value=msg.get("snapshot"), limit="str")
+        self.state = State.RESTORING
+        release = msg.get("release")
+        try:
+            loaded = await asyncio.get_running_loop().run_in_executor(
+                self._pool, lambda: zygote.restore(Path(msg["snapshot"]), buffer=self.buffer,
+                                                   release=Path(release) if release else None,
+                                                   path="zygote_restore"))
+        except BaseException:
+            self.state = State.ZYGOTE  # fail closed: still a zygote, never serving
+            raise
+        self.loaded, self.state = loaded, State.SERVING
+        return self.stats()
+
+    async def _capture(self, msg: dict) -> dict:
+        from agent.replica import zygote
+
+        if self.loaded is None:
+            raise ProtocolError("capture needs a loaded model", field="state",
+                                value=self.state.value, limit=State.SERVING.value)
+        if not isinstance(msg.get("dest"), str):
+            raise ProtocolError("capture needs dest: path", field="dest", value=msg.get("dest"), limit="str")
+        manifest = await asyncio.get_running_loop().run_in_executor(
+            self._pool, zygote.capture, self.loaded, Path(msg["dest"]))
+        return {"dest": msg["dest"], "total_bytes": manifest.total_bytes,
+                "golden_prompts": len(manifest.golden.prompts) if manifest.golden else 0}
+
+    # --- the batching loop ----------------------------------------------------------------
+    def _tick(self, submits: list[tuple[_Request, dict]], cancels: list[int]):
+        """On the engine thread: cancel, submit, then one engine step."""
+        engine = self.loaded.engine
+        for seq_id in cancels:
+            engine.cancel(seq_id)
+        failed = []
+        for request, args in submits:
+            try:
+                request.seq_id = engine.submit(**args)
+            except RewarmError as exc:
+                failed.append((request, exc))
+        return failed, (engine.step() if engine.busy else [])
+
+    async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not (self._submits or self._cancels or (self.loaded and self.loaded.engine.busy)):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            submits, self._submits = self._submits, []
+            cancels, self._cancels = self._cancels, []
+            for request, _ in submits:
+                request.seq_id = -2  # being submitted
+            failed, events = await loop.run_in_executor(self._pool, self._tick, submits, cancels)
+            for request, exc in failed:
+                self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
+            for request, _ in submits:
+                if request.seq_id >= 0 and request.writer.is_closing():  # left meanwhile
+                    self._cancels.append(request.seq_id)
+                elif request.seq_id >= 0:
+                    self._by_seq[request.seq_id] = request
+            for seq_id in cancels:
+                self._by_seq.pop(seq_id, None)
+            now = time.perf_counter()
+            for event in events:
+                request = self._by_seq.get(event.seq_id)
+                if request is None:
+                    continue
+                if event.token >= 0:
+                    request.first_s = request.first_s or now
+                    request.tokens.append(event.token)
+                    out = {"id": request.request_id, "type": "tokens", "tokens": [event.token]}
+                    if request.text:
+                        out["text"] = self.tokenizer().decode([event.token])
+                    self._send(request.writer, out)
+                if event.done:
+                    del self._by_seq[event.seq_id]
+                    done = {"id": request.request_id, "type": "done",
+                            "ttft_ms": round(((request.first_s or now) - request.started_s) * 1e3, 3),
+                            "total_ms": round((now - request.started_s) * 1e3, 3),
+                            "path": self.loaded.path, "replica": self.replica_id,
+                            "n_tokens": len(request.tokens)}
+                    if request.text:
+                        done["text"] = self.tokenizer().decode(request.tokens)
+                    self._send(request.writer, done)
+
+
+def ready_line(address: str, worker: Worker, started_unix: float) -> str:
+    """The one JSON line a worker prints on stdout once it listens (parents wait for it)."""
+    stats = worker.stats()
+    return json.dumps({"ready": address, "pid": os.getpid(), "state": worker.state.value,
+                       "started_unix": started_unix, "ready_unix": time.time(),
+                       "phases_s": stats.get("phases_s", {}), "path": stats.get("path")})
+
+
+def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | None = None,
+                zygote_mode: bool = False, release: str | None = None, compile: bool = False,
+                buffer_bytes: int | None = None, threads: int | None = None,
+                replica_id: str | None = None, started_unix: float | None = None) -> int:
+    """The body of ``rewarm replica``: load one way, print the ready line, serve until stopped.
+
+    Exactly one of ``model_dir`` (full boot; ``release`` binds its AOT package, ``compile``
+    uses torch.compile), ``snapshot`` (restore into a fresh process) or ``zygote_mode`` (wait
+    for a ``restore`` op; ``buffer_bytes`` sizes the restore buffer).  Raises ConfigError when
+    not exactly one is given.
+    """
+    from agent.errors import ConfigError
+    from agent.replica import zygote
+
+    started_unix = started_unix or time.time()
+    die_with_parent()
+    parent = os.getppid()
+    chosen = [x for x in (model_dir, snapshot, zygote_mode or None) if x]
+    if len(chosen) != 1:
+        raise ConfigError("give exactly one of --model-dir, --snapshot, --zygote", name="mode",
+                          value=len(chosen), limit=1)
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    loaded, buffer = None, None
+    if zygote_mode:
+        buffer = zygote.prepare_zygote(threads, buffer_bytes or zygote.DEFAULT_BUFFER_BYTES)
+    elif snapshot:
+        loaded = zygote.restore(Path(snapshot), release=Path(release) if release else None)
+    else:
+        loaded = zygote.boot(Path(model_dir), release=Path(release) if release else None,
+                             compile=compile)
+    worker = Worker(loaded, buffer=buffer, replica_id=replica_id or f"replica-{os.getpid()}",
+                    parent_pid=parent)
+
+    def ready(address: str) -> None:
+        print(ready_line(address, worker, started_unix), flush=True)
+
+    asyncio.run(worker.serve(listen, ready))
+    return 0
+
+
+def call(address: str, message: dict, *, timeout_s: float = 120.0) -> list[dict]:
+    """A blocking one-request client (tests, benchmarks, the node agent's probes): send
+    ``message`` to the worker at ``address`` and return every answer up to and including the
+    final one (``done``, ``error`` or ``result``).  Raises TimeoutError, ConnectionError."""
+    import socket
+
+    if address.startswith("unix:"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target: Any = address[5:]
+    else:
+        host, _, port = address.rpartition(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        target = (host, int(port))
+    sock.settimeout(timeout_s)
+    decoder, answers = Decoder(), []
+    with sock:
+        sock.connect(target)
+        sock.sendall(pack(message))
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError(f"{address} closed the connection before answering")
+            for answer in decoder.feed(data):
+                answers.append(answer)
+                if answer.get("type") in ("done", "error", "result"):
+                    return answers

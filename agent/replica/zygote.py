@@ -1,0 +1,188 @@
+"""The ways a replica comes to hold a model: full boot, snapshot restore, restore into a zygote.
+
+A **zygote** is a worker started ahead of need (architecture, "Tiers of warmth"): Python and
+torch imported, intra-op threads set, a page-aligned restore buffer allocated
+(:class:`~agent.snapshot.reader.HostBuffer`; pinned on GPU), no model.  Restoring a snapshot
+into it (:func:`restore`) turns it into a replica, the fast path.
+
+``boot`` reads HF-layout safetensors (agent/replica/weights.py), binds an AOT package when a
+release is given (else eager, or ``torch.compile`` just in time), and records the golden check
+(fixed prompts, fixed seed).  ``restore`` reads a snapshot (pins and checksums verified by
+agent/snapshot), binds the AOT package the snapshot names by digest (else eager) and replays the
+golden check before the replica may serve: a difference raises GoldenMismatch (fail closed).
+``capture`` writes a snapshot of the warmed state: runtime-layout weights, the AOT package
+digest, engine/KV and model configuration, and the golden check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agent.replica import aot
+from agent.replica.config import LlamaConfig
+from agent.replica.engine import Engine
+from agent.snapshot.format import GoldenCheck, Manifest, ModelIdentity
+
+log = logging.getLogger(__name__)
+
+from agent.replica.golden import DEFAULT_MAX_TOKENS as GOLDEN_MAX_TOKENS
+from agent.replica.golden import DEFAULT_SEED as GOLDEN_SEED
+from agent.replica.golden import GOLDEN_TEXTS
+DEFAULT_BUFFER_BYTES = 1 << 30
+
+
+@dataclass
+class Loaded:
+    """A model ready to serve, with what it took to get there.
+
+    ``path``: how it was loaded ("eager", "jit", "aot", "restore", "zygote_restore");
+    ``phases_s``: seconds per phase (weights, compile/package, golden, ...).
+    """
+
+    config: LlamaConfig
+    weights: dict[str, torch.Tensor]
+    engine: Engine
+    identity: ModelIdentity
+    golden: GoldenCheck
+    path: str
+    package_digest: str | None = None
+    package_dir: str | None = None
+    tokenizer_dir: str | None = None
+    phases_s: dict[str, float] = field(default_factory=dict)
+    keepalive: Any = None  # the restore buffer the weights are views of
+
+
+def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+                   *, prefault: bool = True):
+    """Do the zygote's work ahead of need: set torch's intra-op threads (all cores when None)
+    and allocate (and touch, with ``prefault``) a page-aligned restore buffer of
+    ``buffer_bytes``.  Returns the HostBuffer."""
+    from agent.snapshot.reader import HostBuffer
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    return HostBuffer.allocate(buffer_bytes, prefault=prefault)
+
+
+def source_identity(model_dir: Path) -> ModelIdentity:
+    """Identity of an HF-layout checkpoint: name = directory name; ``source_digest`` = sha256 of
+    config.json and every safetensors file's name, size and header (headers hold every tensor's
+    name, dtype, shape and offsets; the data is covered by the snapshot's own checksums)."""
+    from agent.replica.weights import read_header
+
+    h = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        _, header = read_header(path)
+        h.update(f"{path.name}:{path.stat().st_size}:{sorted(header.items())}".encode())
+    digest = h.hexdigest()
+    return ModelIdentity(name=Path(model_dir).name, version=digest[:12], source_digest="sha256:" + digest)
+
+
+def golden_prompts(config: LlamaConfig, tokenizer_dir: Path | None) -> list[list[int]]:
+    """The fixed golden prompts: GOLDEN_TEXTS tokenized when a tokenizer is there, else fixed
+    ids (seeded, in [0, vocab_size))."""
+    if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        from agent.replica.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer_dir)
+        return [tok.encode(text).ids for text in GOLDEN_TEXTS]
+    gen = torch.Generator().manual_seed(GOLDEN_SEED)
+    return [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (5, 7)]
+
+
+def _record(engine: Engine, prompts: list[list[int]]) -> GoldenCheck:
+    from agent.replica.golden import record_golden
+
+    return record_golden(engine, prompts, GOLDEN_SEED, GOLDEN_MAX_TOKENS)
+
+
+def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
+         max_seqs: int = aot.DEFAULT_MAX_SEQS, max_seq_len: int = aot.DEFAULT_MAX_SEQ_LEN) -> Loaded:
+    """Full boot from HF-layout safetensors.  ``release``: bind the AOT package for this
+    target (sizes come from the package); ``compile``: torch.compile just in time (dynamic
+    shapes).  Records the golden check.  Raises InvalidCheckpoint, TargetMismatch."""
+    from agent.replica.weights import load_hf_weights
+
+    phases: dict[str, float] = {}
+    t = time.perf_counter()
+    config = LlamaConfig.from_dir(model_dir)
+    weights = load_hf_weights(model_dir, config)
+    phases["weights_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    forward, digest, package_dir, path = None, None, None, "eager"
+    if release is not None:
+        packaged = aot.load_package(release, weights)
+        max_seqs, max_seq_len = packaged.manifest["max_seqs"], packaged.manifest["max_seq_len"]
+        forward, digest, package_dir, path = packaged, packaged.digest, str(packaged.path), "aot"
+    engine = Engine(config, weights, max_seqs=max_seqs, max_seq_len=max_seq_len, forward=forward)
+    if compile and forward is None:
+        engine.forward = torch.compile(engine.model, dynamic=True)
+        path = "jit"
+    phases["package_s" if release is not None else "compile_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    golden = _record(engine, golden_prompts(config, Path(model_dir)))
+    phases["golden_s"] = time.perf_counter() - t
+    return Loaded(config, weights, engine, source_identity(Path(model_dir)), golden, path,
+                  digest, package_dir, str(Path(model_dir).resolve()), phases)
+
+
+def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify: bool = True,
+            path: str = "restore", threads: int = 2) -> Loaded:
+    """Restore a captured replica from ``snapshot`` (into ``buffer`` when given, e.g. a
+    zygote's).  Binds the AOT package the snapshot names (``release`` overrides where to look;
+    a package that is missing or built for another target falls back to eager, which the golden
+    check still guards).  Raises what restore_snapshot raises (SnapshotIncompatible,
+    SnapshotCorrupt, ...), InvalidCheckpoint (package digest differs) and GoldenMismatch."""
+    from agent.errors import TargetMismatch
+    from agent.replica.golden import verify_golden
+    from agent.snapshot.reader import restore_snapshot
+
+    phases: dict[str, float] = {}
+    t = time.perf_counter()
+    restored = restore_snapshot(snapshot, buffer=buffer, verify=verify, threads=threads)
+    phases["weights_s"] = time.perf_counter() - t
+    extra = restored.manifest.extra
+    config = LlamaConfig.from_dict(extra["model_config"], path=snapshot)
+    engine_cfg = extra["engine"]
+    t = time.perf_counter()
+    forward, digest, package_dir = None, None, None
+    ref = extra.get("aot_package")
+    if ref:
+        where = Path(release) if release is not None else Path(ref["dir"])
+        try:
+            forward = aot.load_package(where, restored.tensors, expect_digest=ref["digest"])
+            digest, package_dir = ref["digest"], str(forward.path)
+        except (FileNotFoundError, TargetMismatch) as exc:
+            log.warning("%s: AOT package %s not usable here (%s); serving eager", snapshot,
+                        ref["digest"], exc)
+    engine = Engine(config, None if forward is not None else restored.tensors,
+                    max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
+                    forward=forward)
+    phases["package_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    golden = restored.manifest.golden
+    verify_golden(engine, golden)
+    phases["golden_s"] = time.perf_counter() - t
+    return Loaded(config, restored.tensors, engine, restored.manifest.model, golden, path, digest,
+                  package_dir, extra.get("tokenizer_dir"), phases, keepalive=restored.buffer)
+
+
+def capture(loaded: Loaded, dest: Path) -> Manifest:
+    """Write a snapshot of ``loaded`` at ``dest`` (atomic; see agent/snapshot/writer.py)."""
+    from agent.snapshot.writer import write_snapshot
+
+    extra = {"model_config": loaded.config.to_dict(),
+             "engine": {"max_seqs": loaded.engine.kv.max_seqs,
+                        "max_seq_len": loaded.engine.kv.max_seq_len},
+             "aot_package": ({"digest": loaded.package_digest, "dir": loaded.package_dir}
+                             if loaded.package_digest else None),
+             "tokenizer_dir": loaded.tokenizer_dir}
+    return write_snapshot(dest, loaded.weights, model=loaded.identity, golden=loaded.golden,
+                          extra=extra)
