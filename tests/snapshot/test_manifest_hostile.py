@@ -1,0 +1,113 @@
+"""Hostile manifests: huge declared lengths, deep nesting, wrong types, limits at and over."""
+
+from __future__ import annotations
+
+import hashlib
+import tracemalloc
+
+import msgpack
+import pytest
+
+from agent.errors import SnapshotCorrupt
+from agent.snapshot import format as fmt
+from agent.snapshot.manifest import decode_manifest, encode_manifest, read_manifest
+
+HUGE = [
+    b"\xdb\xff\xff\xff\xff",           # str32 declaring 4 GiB
+    b"\xc6\xff\xff\xff\xff",           # bin32 declaring 4 GiB
+    b"\xdd\xff\xff\xff\xff",           # array32 of 4 G items
+    b"\xdf\xff\xff\xff\xff",           # map32 of 4 G pairs
+    b"\x91" * 200_000 + b"\xc0",       # 200k nested arrays
+    b"\x81\xa4body" + b"\x81\xa1a" * 100_000,  # deep maps
+]
+
+
+def _envelope(body_obj) -> bytes:
+    body = msgpack.packb(body_obj, use_bin_type=True)
+    return msgpack.packb({"magic": fmt.MAGIC, "format_version": fmt.FORMAT_VERSION, "body": body,
+                          "sha256": hashlib.sha256(body).digest(), "hmac": None}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("data", HUGE, ids=["str32", "bin32", "array32", "map32", "nest-array", "nest-map"])
+def test_huge_declared_lengths_and_nesting_fail_with_bounded_memory(data):
+    tracemalloc.start()
+    try:
+        with pytest.raises(SnapshotCorrupt) as err:
+            decode_manifest(data, "m")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20 and err.value.path == "m"
+
+
+@pytest.mark.parametrize("data", HUGE[:4] + HUGE[4:5], ids=["str32", "bin32", "array32", "map32", "nest"])
+def test_hostile_body_inside_a_valid_envelope(data):
+    env = msgpack.packb({"magic": fmt.MAGIC, "format_version": 1, "body": data,
+                         "sha256": hashlib.sha256(data).digest(), "hmac": None}, use_bin_type=True)
+    with pytest.raises(SnapshotCorrupt, match="body"):
+        decode_manifest(env, "m")
+
+
+@pytest.fixture
+def good(make_snapshot):
+    _, manifest = make_snapshot()
+    return manifest.to_dict()
+
+
+MUTATIONS = {
+    "tensors not a list": (lambda d: d.update(tensors="x"), "tensors"),
+    "negative dim": (lambda d: d["tensors"][0].__setitem__(2, [-1, 64]), "embed.shape"),
+    "bool as int": (lambda d: d["tensors"][0].__setitem__(4, True), "embed.offset"),
+    "nbytes lies": (lambda d: d["tensors"][0].__setitem__(5, 4), "embed.nbytes"),
+    "unknown dtype": (lambda d: d["tensors"][0].__setitem__(1, "float7"), "embed.dtype"),
+    "duplicate name": (lambda d: d["tensors"][1].__setitem__(0, "embed"), "tensors[1].name"),
+    "tensor past end": (lambda d: d["tensors"][4].__setitem__(4, d["total_bytes"]), "scale.offset"),
+    "path traversal": (lambda d: d["chunks"][0].__setitem__(0, "../etc/passwd"), "chunks[0].file"),
+    "chunk gap": (lambda d: d["chunks"][1].__setitem__(3, 16384), "chunks[1].buffer_offset"),
+    "unaligned chunk": (lambda d: d["chunks"][0].__setitem__(2, 100), "chunks[0]"),
+    "negative checksum": (lambda d: d["chunks"][0].__setitem__(4, -1), "checksum"),
+    "total lies": (lambda d: d.update(total_bytes=d["total_bytes"] + 4096), "total_bytes"),
+    "missing field": (lambda d: d.pop("extra"), "manifest"),
+    "pins wrong type": (lambda d: d["pins"].update(torch=2), "pins.torch"),
+    "model extra key": (lambda d: d["model"].update(x="y"), "model"),
+    "chunk short row": (lambda d: d["chunks"][0].pop(), "chunks[0]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MUTATIONS))
+def test_wrong_types_and_layouts_are_named(good, case):
+    mutate, field = MUTATIONS[case]
+    mutate(good)
+    with pytest.raises(SnapshotCorrupt) as err:
+        decode_manifest(_envelope(good), "m")
+    assert field in str(err.value) and err.value.expected is not None
+
+
+def test_ndim_limit_at_and_over(good):
+    good["tensors"][4][2] = [1] * fmt.MAX_NDIM
+    good["tensors"][4][3] = [1] * fmt.MAX_NDIM
+    m = decode_manifest(_envelope(good), "m")
+    assert m.tensors[4].shape == (1,) * fmt.MAX_NDIM
+    good["tensors"][4][2] = [1] * (fmt.MAX_NDIM + 1)
+    with pytest.raises(SnapshotCorrupt, match=f"at most {fmt.MAX_NDIM} entries"):
+        decode_manifest(_envelope(good), "m")
+
+
+def test_manifest_size_limit_at_and_over(tmp_path, make_snapshot, monkeypatch):
+    path, manifest = make_snapshot()
+    size = len((path / fmt.MANIFEST_NAME).read_bytes())
+    monkeypatch.setattr("agent.snapshot.manifest.MAX_MANIFEST_BYTES", size)
+    assert read_manifest(path) == manifest                           # at the limit
+    with open(path / fmt.MANIFEST_NAME, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(SnapshotCorrupt) as err:                      # one byte over
+        read_manifest(path)
+    assert err.value.expected == size and err.value.actual == size + 1
+
+
+def test_wrong_magic_and_non_map(good):
+    with pytest.raises(SnapshotCorrupt, match="magic"):
+        decode_manifest(msgpack.packb({"magic": "nope"}), "m")
+    with pytest.raises(SnapshotCorrupt, match="magic"):
+        decode_manifest(msgpack.packb(5), "m")
+    assert encode_manifest(fmt.manifest_from_dict(good)) == encode_manifest(fmt.manifest_from_dict(good))
