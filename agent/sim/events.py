@@ -1,0 +1,232 @@
+"""The discrete-event loop: requests through the production admission queue and router.
+
+One virtual clock (:class:`agent.clock.ManualClock`) is shared by the simulation, the
+production :class:`~agent.frontdoor.admission.AdmissionQueue`, the production
+:class:`~agent.frontdoor.router.Router` and whatever controller sizes the fleet (the production
+:class:`~agent.predictor.loop.Predictor` for rewarm's policy).  Nothing sleeps; the loop sets
+the clock to the next event and hands control to the same methods production calls.
+
+Events, in time order (ties: completions and READYs, then the tick, then arrivals):
+
+- arrival ``i`` (read from the workload's arrays, never a heap entry): if nothing waits and
+  ``Router.choose`` finds a replica with room, dispatch; else ``AdmissionQueue.offer``
+  (``Overloaded`` = shed, 429).
+- completion (heap): ``Router.on_complete``, then drain the queue earliest deadline first.
+- READY (heap): a replica finished starting (:meth:`Fleet.on_ready`), then drain.
+- tick every ``tick_s``: ``AdmissionQueue.expire`` (504), the controller's ``tick`` (the
+  predictor observes the second's arrivals and calls ``Fleet.set_target``), a sample of the
+  time series.
+
+Per request the loop does O(log n) heap work and keeps results in preallocated numpy arrays;
+the only per-request objects are the ``Pending`` records the admission queue itself needs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from agent.clock import ManualClock
+from agent.errors import Overloaded
+from agent.frontdoor.admission import AdmissionQueue, Pending
+from agent.frontdoor.router import Router
+from agent.sim.fleet import READY, Fleet, WARM
+from agent.sim.trace import Workload
+
+COMPLETE = 0
+# request status codes in RunRecord.status
+WAITING, SERVED, SHED, EXPIRED = 0, 1, 2, 3
+PATH_WARM, PATH_QUEUED = 0, 1
+
+
+class Controller(Protocol):
+    """Sizes the fleet once per tick (a baseline policy or the production predictor)."""
+
+    def tick(self, now_s: float, arrivals: int, sim: "Simulation") -> None:
+        ...
+
+
+@dataclass
+class RunRecord:
+    """What one run produced.  Arrays are per request ``[N]`` or per tick ``[T]``."""
+
+    status: np.ndarray            # int8 [N]: SERVED, SHED, EXPIRED (WAITING if still queued)
+    ttft_s: np.ndarray            # float64 [N]: NaN unless served
+    path: np.ndarray              # int8 [N]: PATH_WARM (dispatched on arrival) or PATH_QUEUED
+    queued: int                   # requests that entered the admission queue
+    tick_t_s: np.ndarray          # float64 [T]
+    warm_replicas: np.ndarray     # int32 [T]
+    billed_replicas: np.ndarray   # int32 [T]
+    queue_depth: np.ndarray       # int32 [T]
+    gpu_s: float
+    suspended_s: float
+    busy_slot_s: float            # sum of occupancy of served requests
+    sim_s: float                  # simulated seconds (start to end of the run)
+    wall_s: float = 0.0
+    starts_by_tier: dict = field(default_factory=dict)
+
+
+class Simulation:
+    """Replays ``workload`` through ``queue`` and ``router`` onto ``fleet`` under ``controller``.
+
+    ``max_wait_s`` sets each request's deadline (arrival + max_wait_s): the admission queue
+    answers 504 past it.  ``end_s`` defaults to the last arrival plus the longest occupancy.
+    """
+
+    def __init__(self, workload: Workload, *, clock: ManualClock, queue: AdmissionQueue,
+                 router: Router, fleet: Fleet, controller: Controller, model: str,
+                 max_wait_s: float, tick_s: float = 1.0, end_s: float | None = None) -> None:
+        self.w = workload
+        self.clock = clock
+        self.queue = queue
+        self.router = router
+        self.fleet = fleet
+        self.controller = controller
+        self.model = model
+        self.max_wait_s = max_wait_s
+        self.tick_s = tick_s
+        n = len(workload)
+        last = float(workload.arrival_s[-1] + workload.occupancy_s.max()) if n else 0.0
+        self.end_s = last if end_s is None else end_s
+        self.heap: list = []
+        self._seq = 0
+        self.in_flight = 0
+        self._head: Pending | None = None  # popped earliest-deadline request awaiting a slot
+        self.status = np.zeros(n, dtype=np.int8)
+        self.ttft_s = np.full(n, np.nan)
+        self.path = np.zeros(n, dtype=np.int8)
+        self.queued = 0
+        self.busy_slot_s = 0.0
+
+    def schedule(self, t_s: float, kind: int, a: int, b: int) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t_s, self._seq, kind, a, b))
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue) + (self._head is not None)
+
+    # --- dispatch ------------------------------------------------------------------------
+    def _dispatch(self, load, i: int, now: float) -> None:
+        need = int(self.w.need_tokens[i])
+        self.router.on_dispatch(load.replica_id, need)
+        r = self.fleet.index[load.replica_id]
+        self.fleet.busy[r] += 1
+        occ = float(self.w.occupancy_s[i])
+        self.busy_slot_s += occ
+        self.in_flight += 1
+        self.status[i] = SERVED
+        self.ttft_s[i] = now - float(self.w.arrival_s[i]) + float(self.w.prefill_s[i])
+        self._seq += 1
+        heapq.heappush(self.heap, (now + occ, self._seq, COMPLETE, r, i))
+
+    def _expire(self) -> None:
+        for p in self.queue.expire():
+            self.status[p.request_id] = EXPIRED
+        h = self._head
+        if h is not None and h.give_up_s <= self.clock.now():
+            self.status[h.request_id] = EXPIRED
+            self._head = None
+
+    def _drain(self, now: float) -> None:
+        """Dispatch waiting requests, earliest deadline first, while replicas have room."""
+        if self._head is None and not len(self.queue):
+            return
+        self._expire()
+        choose, model = self.router.choose, self.model
+        while True:
+            p = self._head if self._head is not None else self.queue.pop_earliest()
+            if p is None:
+                return
+            load = choose(model, p.need_tokens)
+            if load is None:
+                self._head = p
+                return
+            self._head = None
+            self.path[p.request_id] = PATH_QUEUED
+            self._dispatch(load, p.request_id, now)
+
+    # --- the loop ------------------------------------------------------------------------
+    def run(self, progress: bool = False) -> RunRecord:
+        import time
+
+        wall0 = time.perf_counter()
+        w, clock, heap = self.w, self.clock, self.heap
+        arrival = w.arrival_s.tolist()
+        need = w.need_tokens.tolist()
+        n = len(arrival)
+        t0 = clock.now()
+        self.fleet._schedule = self.schedule
+        choose, queue, model, router = self.router.choose, self.queue, self.model, self.router
+        fleet = self.fleet
+        ticks_t, warm_s, billed_s, depth_s = [], [], [], []
+        next_tick = t0
+        arrivals_in_tick = 0
+        i = 0
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=int(math.ceil(self.end_s - t0)), unit="sim-s", leave=False)
+        inf = math.inf
+        while True:
+            t_arr = arrival[i] + t0 if i < n else inf
+            t_ev = heap[0][0] if heap else inf
+            if t_ev <= next_tick and t_ev <= t_arr:
+                if t_ev > self.end_s:
+                    break
+                t, _, kind, a, b = heapq.heappop(heap)
+                clock.set(t)
+                if kind == COMPLETE:
+                    self.in_flight -= 1
+                    if fleet.state[a] == WARM:
+                        router.on_complete(fleet.ids[a], need[b])
+                    fleet.on_complete(a)
+                    self._drain(t)
+                elif kind == READY:
+                    if fleet.on_ready(a, b):
+                        self._drain(t)
+            elif next_tick <= t_arr:
+                if next_tick > self.end_s:
+                    break
+                clock.set(next_tick)
+                self._expire()
+                self.controller.tick(next_tick, arrivals_in_tick, self)
+                self._drain(next_tick)
+                arrivals_in_tick = 0
+                ticks_t.append(next_tick - t0)
+                warm_s.append(fleet.count[WARM])
+                billed_s.append(fleet.billed)
+                depth_s.append(self.waiting)
+                next_tick += self.tick_s
+                if bar is not None:
+                    bar.update(int(self.tick_s))
+            else:
+                clock.set(t_arr)
+                arrivals_in_tick += 1
+                load = None
+                if self._head is None and not len(queue):
+                    load = choose(model, need[i])
+                if load is not None:
+                    self._dispatch(load, i, t_arr)
+                else:
+                    self.queued += 1
+                    self.path[i] = PATH_QUEUED
+                    try:
+                        queue.offer(Pending(i, model, t_arr, t_arr + self.max_wait_s, need[i]))
+                    except Overloaded:
+                        self.status[i] = SHED
+                i += 1
+        if bar is not None:
+            bar.close()
+        if clock.now() < self.end_s:
+            clock.set(self.end_s)
+        fleet.finish()
+        return RunRecord(self.status, self.ttft_s, self.path, self.queued,
+                         np.asarray(ticks_t), np.asarray(warm_s, dtype=np.int32),
+                         np.asarray(billed_s, dtype=np.int32), np.asarray(depth_s, dtype=np.int32),
+                         fleet.gpu_s, fleet.suspended_s, self.busy_slot_s,
+                         clock.now() - t0, time.perf_counter() - wall0, dict(fleet.starts_by_tier))

@@ -1,0 +1,284 @@
+"""Simulated replicas: start-up time per tier of warmth, sequence slots, GPU-second billing.
+
+:class:`Fleet` is the simulator's :class:`agent.cluster.base.Scaler`: the production predictor
+(or a baseline policy) calls ``set_target`` exactly as it calls the Nomad or local scaler, and
+the fleet turns that into replicas that become routable (``Router.upsert``) only when their
+start-up ends.  Nothing sleeps: a start schedules a READY event on the simulation's heap.
+
+Replica states (one per slot index)::
+
+    OFF ──start──► BOOTING ──READY──► WARM ──scale-in, idle──► SUSPENDED (keep_suspended)
+     ▲                │ cancel          │ scale-in, busy              │ resume (suspended_s)
+     └────────────────┴───── DRAINING ◄─┘ (off when its last request completes)
+
+Start-up tier, fastest first (ARCHITECTURE.md, "Tiers of warmth"): a SUSPENDED replica
+resumes in ``suspended_s``; otherwise a snapshot restore takes ``restore_s`` when snapshots
+are in use; otherwise a cold boot takes ``naive_s``.  BOOTING, WARM and DRAINING replicas
+hold a GPU and are billed; SUSPENDED ones hold host RAM only (counted separately).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from agent.errors import ConfigError
+from agent.frontdoor.router import ReplicaLoad, Router
+
+OFF, BOOTING, WARM, DRAINING, SUSPENDED = range(5)
+STATE_NAMES = ("off", "booting", "warm", "draining", "suspended")
+READY = 1  # event kind the simulation hands back to :meth:`Fleet.on_ready`
+
+
+@dataclass(frozen=True)
+class StartupTimes:
+    """Seconds from a scale-out decision to a routable replica, per tier: ``(low, high)``.
+
+    Equal bounds are a fixed time; otherwise each start draws uniformly in the range.
+    Defaults: ``restore_s`` 3.6 s and ``naive_s`` 60-90 s from the snapshot design document
+    (../shared/seeds/002, "Non-Functional Requirements"); ``suspended_s`` 2.0 s is an
+    estimate for a CUDA checkpoint resume of ~26 GB from pinned host RAM at ~13 GB/s until
+    bench/ measures it (``--startup-json``).
+    """
+
+    suspended_s: tuple[float, float] = (2.0, 2.0)
+    restore_s: tuple[float, float] = (3.6, 3.6)
+    naive_s: tuple[float, float] = (60.0, 90.0)
+
+    @classmethod
+    def from_json(cls, path: Path, base: "StartupTimes | None" = None) -> "StartupTimes":
+        """Override tiers from a benchmark JSON with keys ``restore_s`` (or
+        ``zygote_restore_s``, preferred), ``suspended_s``/``resume_s`` and ``naive_s``:
+        each a number or a ``[low, high]`` pair.  Raises :class:`ConfigError` on negative or
+        non-numeric values."""
+        data = json.loads(Path(path).read_text())
+        base = base or cls()
+        picked = {
+            "suspended_s": data.get("suspended_s", data.get("resume_s")),
+            "restore_s": data.get("zygote_restore_s", data.get("restore_s")),
+            "naive_s": data.get("naive_s"),
+        }
+        values = {}
+        for name, raw in picked.items():
+            if raw is None:
+                values[name] = getattr(base, name)
+                continue
+            pair = tuple(raw) if isinstance(raw, (list, tuple)) else (raw, raw)
+            if len(pair) != 2 or not all(isinstance(v, (int, float)) and v >= 0 for v in pair) \
+                    or pair[0] > pair[1]:
+                raise ConfigError(f"{path}: {name}={raw!r} must be a number >= 0 or [low, high]",
+                                  name=name, value=raw, limit=">= 0")
+            values[name] = (float(pair[0]), float(pair[1]))
+        return cls(**values)
+
+
+@dataclass
+class FleetConfig:
+    """One model's replicas.  ``seqs_per_replica`` concurrent sequences (KV slots) and
+    ``kv_capacity_tokens`` per replica; ``max_concurrent_starts`` caps restores and boots in
+    flight (shared storage and network bandwidth; 0 = no cap); ``suspended_ttl_s`` is how
+    long a suspended replica keeps its host RAM before it drops to the snapshot tier."""
+
+    model: str = "m"
+    seqs_per_replica: int = 80
+    kv_capacity_tokens: int = 72_089
+    startup: StartupTimes = field(default_factory=StartupTimes)
+    use_snapshot: bool = True
+    keep_suspended: bool = False
+    suspended_ttl_s: float = 3600.0
+    max_concurrent_starts: int = 0
+    max_replicas: int = 10_000
+
+    def __post_init__(self) -> None:
+        for name in ("seqs_per_replica", "kv_capacity_tokens", "max_replicas"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"FleetConfig.{name}={getattr(self, name)} must be >= 1",
+                                  name=name, value=getattr(self, name), limit=">= 1")
+
+
+class Fleet:
+    """Replicas of one model, driven by ``set_target``; implements the Scaler protocol.
+
+    ``schedule(t_s, kind, index, generation)`` puts a READY event on the simulation's heap;
+    ``router`` is the production :class:`Router` the simulation dispatches through.
+    """
+
+    def __init__(self, cfg: FleetConfig, *, router: Router, clock, schedule: Callable,
+                 rng: np.random.Generator) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.clock = clock
+        self._schedule = schedule
+        self._rng = rng
+        self.state: list[int] = []
+        self.busy: list[int] = []
+        self.gen: list[int] = []
+        self.suspended_at: list[float] = []
+        self.ids: list[str] = []
+        self.index: dict[str, int] = {}
+        self._pending_starts = 0
+        self._booting = 0
+        self._target = 0
+        self.count = [0] * 5
+        self.gpu_s = 0.0
+        self.suspended_s = 0.0
+        self._t_acc = clock.now()
+        self.starts_by_tier = {"suspended": 0, "restore": 0, "naive": 0}
+        self.reasons: list[tuple[float, int, str]] = []
+
+    # --- Scaler protocol ---------------------------------------------------------------
+    def target(self, model: str) -> int:
+        return self._target
+
+    def set_target(self, model: str, count: int, *, reason: str = "") -> None:
+        """Ask for ``count`` replicas (warm + starting).  Idempotent."""
+        count = max(0, min(int(count), self.cfg.max_replicas))
+        if count != self._target:
+            self.reasons.append((self.clock.now(), count, reason))
+        self._target = count
+        self._expire_suspended()
+        have = self.count[WARM] + self.count[BOOTING] + self._pending_starts
+        if count > have:
+            self._pending_starts += count - have
+            self._start_pending()
+        elif count < have:
+            self._scale_in(have - count)
+
+    # --- accounting ----------------------------------------------------------------------
+    def _accrue(self) -> None:
+        now = self.clock.now()
+        dt = now - self._t_acc
+        if dt > 0:
+            c = self.count
+            self.gpu_s += dt * (c[BOOTING] + c[WARM] + c[DRAINING])
+            self.suspended_s += dt * c[SUSPENDED]
+            self._t_acc = now
+
+    def _set(self, i: int, new: int) -> None:
+        self._accrue()
+        self.count[self.state[i]] -= 1
+        self.count[new] += 1
+        self.state[i] = new
+
+    @property
+    def warm(self) -> int:
+        return self.count[WARM]
+
+    @property
+    def billed(self) -> int:
+        return self.count[BOOTING] + self.count[WARM] + self.count[DRAINING]
+
+    # --- scale-out -----------------------------------------------------------------------
+    def _slot(self) -> int:
+        for i, s in enumerate(self.state):
+            if s == OFF:
+                return i
+        i = len(self.state)
+        rid = f"r{i}"
+        self.state.append(OFF)
+        self.busy.append(0)
+        self.gen.append(0)
+        self.suspended_at.append(0.0)
+        self.ids.append(rid)
+        self.index[rid] = i
+        self.count[OFF] += 1
+        return i
+
+    def _draw(self, bounds: tuple[float, float]) -> float:
+        lo, hi = bounds
+        return lo if hi <= lo else float(self._rng.uniform(lo, hi))
+
+    def _start_pending(self) -> None:
+        cap = self.cfg.max_concurrent_starts
+        while self._pending_starts > 0 and (cap <= 0 or self._booting < cap):
+            self._pending_starts -= 1
+            st = self.cfg.startup
+            suspended = [i for i, s in enumerate(self.state) if s == SUSPENDED]
+            if suspended:
+                i, tier, dt = suspended[-1], "suspended", self._draw(st.suspended_s)
+            else:
+                i = self._slot()
+                tier, dt = ("restore", self._draw(st.restore_s)) if self.cfg.use_snapshot \
+                    else ("naive", self._draw(st.naive_s))
+            self.starts_by_tier[tier] += 1
+            self._set(i, BOOTING)
+            self._booting += 1
+            self.gen[i] += 1
+            self._schedule(self.clock.now() + dt, READY, i, self.gen[i])
+
+    def start_warm(self, n: int) -> None:
+        """Begin the run with ``n`` replicas already warm (a steady state, not a cold fleet)."""
+        for _ in range(n):
+            i = self._slot()
+            self._set(i, BOOTING)
+            self._booting += 1
+            self.gen[i] += 1
+            self.on_ready(i, self.gen[i])
+        self._target = max(self._target, self.count[WARM])
+
+    def on_ready(self, i: int, generation: int) -> bool:
+        """A start finished; make the replica routable.  False for a cancelled start."""
+        if self.gen[i] != generation or self.state[i] != BOOTING:
+            return False
+        self._booting -= 1
+        self._set(i, WARM)
+        self.busy[i] = 0
+        c = self.cfg
+        self.router.upsert(ReplicaLoad(self.ids[i], c.model, f"sim://{self.ids[i]}",
+                                       c.seqs_per_replica, 0, c.kv_capacity_tokens, 0))
+        self._start_pending()
+        return True
+
+    # --- scale-in ------------------------------------------------------------------------
+    def _stop(self, i: int) -> None:
+        """Take replica ``i`` out of service now (it holds no request)."""
+        was = self.state[i]
+        if was == WARM:
+            self.router.remove(self.ids[i])
+        self._set(i, SUSPENDED if self.cfg.keep_suspended and was in (WARM, DRAINING) else OFF)
+        self.suspended_at[i] = self.clock.now()
+
+    def _scale_in(self, n: int) -> None:
+        take = min(n, self._pending_starts)
+        self._pending_starts -= take
+        n -= take
+        # cancel the newest starts first: they have the most start-up left
+        for i in reversed(range(len(self.state))):
+            if n == 0:
+                return
+            if self.state[i] == BOOTING:
+                self._booting -= 1
+                self.gen[i] += 1
+                self._set(i, OFF)
+                n -= 1
+        order = sorted((self.busy[i], i) for i, s in enumerate(self.state) if s == WARM)
+        for busy, i in order[:n]:
+            if busy == 0:
+                self._stop(i)
+            else:
+                self.router.remove(self.ids[i])
+                self._set(i, DRAINING)
+        self._start_pending()
+
+    def _expire_suspended(self) -> None:
+        if not self.count[SUSPENDED]:
+            return
+        limit = self.clock.now() - self.cfg.suspended_ttl_s
+        for i, s in enumerate(self.state):
+            if s == SUSPENDED and self.suspended_at[i] <= limit:
+                self._set(i, OFF)
+
+    # --- requests ------------------------------------------------------------------------
+    def on_complete(self, i: int) -> None:
+        """A request on replica ``i`` finished; a draining replica stops when it is empty."""
+        self.busy[i] -= 1
+        if self.state[i] == DRAINING and self.busy[i] == 0:
+            self._stop(i)
+
+    def finish(self) -> None:
+        """Close the books at the current clock (call once at the end of a run)."""
+        self._accrue()
