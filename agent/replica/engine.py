@@ -30,6 +30,33 @@ from agent.replica.model import Transformer, new_kv_caches
 Forward = Callable[..., torch.Tensor]
 
 
+def mark_dynamic_inputs(tokens: torch.Tensor, input_pos: torch.Tensor, cache_batch_idx: torch.Tensor,
+                        k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+    """Mark the three dynamic sizes for ``torch.compile``: active batch (dim 0 of tokens,
+    input_pos, cache_batch_idx), sequence length (dim 1 of tokens, input_pos) and cache batch
+    (dim 0 of every cache), as the AOT design document's ``Dim``s do (seeds/000)."""
+    mark = torch._dynamo.mark_dynamic
+    for t in (tokens, input_pos):
+        mark(t, 0)
+        mark(t, 1)
+    mark(cache_batch_idx, 0)
+    for c in (*k_caches, *v_caches):
+        mark(c, 0)
+
+
+def jit_forward(model: torch.nn.Module, **compile_kwargs) -> Forward:
+    """``torch.compile(model)`` with the dynamic dimensions marked on every call: the
+    just-in-time path (``naive_s`` / ``jit_cached_s`` in bench/cold_start.py).  Pass it to
+    :class:`Engine` as ``forward`` and call :meth:`Engine.warmup` before serving."""
+    compiled = torch.compile(model, **compile_kwargs)
+
+    def forward(tokens, input_pos, cache_batch_idx, k_caches, v_caches):
+        mark_dynamic_inputs(tokens, input_pos, cache_batch_idx, k_caches, v_caches)
+        return compiled(tokens, input_pos, cache_batch_idx, k_caches, v_caches)
+
+    return forward
+
+
 @dataclasses.dataclass
 class _Seq:
     seq_id: int
@@ -104,6 +131,27 @@ class Engine:
             out["seqs_at_context"] = min(self.kv.max_seqs, plan.seqs_at(context_len)) \
                 if context_len <= self.kv.max_seq_len else 0
         return out
+
+    def warmup(self) -> int:
+        """Run the forward once per shape class the engine will use, before serving: B and S of
+        1 and 2 (compilers specialise size 1, so {1, 2} x {1, 2} covers every graph a
+        ``torch.compile``-d forward needs; after this no (B, S) recompiles, see
+        tests/replica/test_recompiles.py).  Writes only into free slots, whose contents no
+        sequence reads (the causal mask hides positions a sequence has not written).
+        Returns the number of forward calls.  Raises ProtocolError while sequences are active."""
+        if self._active:
+            raise ProtocolError("warmup with sequences active", field="active_seqs",
+                                value=len(self._active), limit=0)
+        calls = 0
+        with torch.inference_mode():
+            for b in sorted({1, min(2, self.kv.max_seqs)}):
+                for s in sorted({1, min(2, self.kv.max_seq_len)}):
+                    tokens = torch.zeros((b, s), dtype=torch.int64, device=self.device)
+                    pos = torch.arange(s, device=self.device).repeat(b, 1)
+                    idx = torch.arange(b, device=self.device)
+                    self.forward(tokens, pos, idx, self.k_caches, self.v_caches)
+                    calls += 1
+        return calls
 
     # --- the server-loop API ---------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_tokens: int, seed: int | None = None,
