@@ -24,6 +24,7 @@ at a limit is accepted; one byte or one element over is refused with
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -32,6 +33,7 @@ import msgpack
 from agent.errors import MessageTooLarge, ProtocolError
 
 PROTOCOL_VERSION = 1
+_MSGPACK_LIMIT = re.compile(r"(\d+) exceeds max_(\w+?)_len\((\d+)\)")
 
 
 @dataclass(frozen=True)
@@ -167,9 +169,12 @@ class Decoder:
                     limit=self.limits.max_depth) from None
             except ValueError as exc:  # msgpack's limit errors and invalid UTF-8
                 text = str(exc)
-                cls = MessageTooLarge if "exceeds max" in text else ProtocolError
-                raise cls(f"bad message: {text}", field="message", value=None,
-                          limit=None) from None
+                found = _MSGPACK_LIMIT.match(text)
+                if found:  # "<n> exceeds max_<kind>_len(<limit>)"
+                    raise MessageTooLarge(f"bad message: {text}", field=found[2],
+                                          value=int(found[1]), limit=int(found[3])) from None
+                raise ProtocolError(f"bad message: {text}", field="message", value=None,
+                                    limit=None) from None
             except Exception as exc:  # ExtraData, FormatError
                 raise ProtocolError(f"bad message: {type(exc).__name__}: {exc}",
                                     field="message", value=None, limit=None) from None

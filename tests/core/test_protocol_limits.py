@@ -1,0 +1,128 @@
+import msgpack
+import pytest
+
+from agent.errors import MessageTooLarge, ProtocolError
+from agent.protocol import Decoder, Limits, pack, validate_request
+
+LIM = Limits(max_message_bytes=4096, max_str_bytes=100, max_bin_bytes=100, max_array_len=10,
+             max_map_len=6, max_depth=3)
+
+
+def feed(obj, limits=LIM, raw=False):
+    data = obj if raw else msgpack.packb(obj, use_bin_type=True)
+    return Decoder(limits).feed(data)
+
+
+@pytest.mark.parametrize("field,at,over", [
+    ("s", "a" * 100, "a" * 101),
+    ("b", b"x" * 100, b"x" * 101),
+    ("a", list(range(10)), list(range(11))),
+])
+def test_container_and_payload_limits_at_and_one_over(field, at, over):
+    assert feed({"v": 1, field: at})[0][field] == at
+    with pytest.raises(MessageTooLarge) as err:
+        feed({"v": 1, field: over})
+    assert err.value.limit in (100, 10)
+
+
+def test_map_length_at_and_one_over():
+    at = {"v": 1, **{f"k{i}": i for i in range(5)}}
+    assert len(feed(at)[0]) == 6
+    with pytest.raises(MessageTooLarge, match="max_map_len"):
+        feed({**at, "k9": 9})
+
+
+def test_depth_at_and_one_over():
+    assert feed({"v": 1, "a": [[1]]})[0]["a"] == [[1]]      # depth 3
+    with pytest.raises(ProtocolError, match="max_depth") as err:
+        feed({"v": 1, "a": [[[1]]]})                         # depth 4
+    assert err.value.limit == 3
+
+
+def test_4gib_binary_header_alone_is_refused_before_its_data():
+    # {"v": 1, "b": bin32 of 0xffffffff bytes}, only the 5-byte header sent
+    head = b"\x82\xa1v\x01\xa1b"
+    with pytest.raises(MessageTooLarge, match="max_bin_len") as err:
+        Decoder().feed(head + b"\xc6\xff\xff\xff\xff")
+    assert err.value.value == 0xFFFFFFFF
+
+
+def test_5_byte_messages_claiming_huge_containers_or_binary_at_top_level():
+    for data in (b"\xdd\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff"):
+        with pytest.raises(ProtocolError):
+            Decoder().feed(data)
+    with pytest.raises(MessageTooLarge, match="max_map_len"):
+        Decoder().feed(b"\xdf\xff\xff\xff\xff")
+
+
+def test_ten_thousand_nested_arrays_inside_a_map_and_bare():
+    with pytest.raises(ProtocolError, match="depth"):
+        Decoder().feed(b"\x81\xa1a" + b"\x91" * 10_000 + b"\x01")
+    with pytest.raises(ProtocolError, match="depth|top level"):
+        Decoder().feed(b"\x91" * 10_000 + b"\x01")
+
+
+def test_nesting_over_the_limit_is_refused_before_the_message_completes():
+    with pytest.raises(ProtocolError, match="max_depth"):
+        Decoder(LIM).feed(b"\x81\xa1a\x91\x91\x91")  # incomplete, already depth 4
+
+
+def test_invalid_utf8_and_non_map_and_ext_types():
+    with pytest.raises(ProtocolError, match="utf-8"):
+        Decoder().feed(b"\x81\xa1v\xa2\xff\xfe")
+    with pytest.raises(ProtocolError, match="top level"):
+        Decoder().feed(msgpack.packb("hello"))
+    with pytest.raises(ProtocolError, match="ext"):
+        Decoder().feed(b"\x81\xa1v\xd4\x01\x01")
+
+
+def test_declared_string_past_the_message_limit_is_refused_at_its_header():
+    limits = Limits(max_message_bytes=64, max_str_bytes=1000)
+    with pytest.raises(MessageTooLarge, match="max_message_bytes"):
+        Decoder(limits).feed(b"\x81\xa1s\xda\x00\x64")
+
+
+def test_byte_at_a_time_and_coalesced_reads_give_the_same_messages():
+    msgs = [{"op": "generate", "id": i, "model": "m", "prompt": "é" * i, "max_tokens": 3,
+             "bin": b"\x00" * (i * 30)} for i in range(6)]
+    stream = b"".join(pack(m) for m in msgs)
+    one = Decoder()
+    got = [m for b in range(len(stream)) for m in one.feed(stream[b:b + 1])]
+    assert got == Decoder().feed(stream)
+    assert [m["prompt"] for m in got] == ["é" * i for i in range(6)]
+    assert one.buffered_bytes == 0
+
+
+GOOD = {"v": 1, "op": "generate", "id": 7, "model": "m", "tokens": [1, 2], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"op": "launch"}, "op"),
+    ({"colour": "red"}, "colour"),
+    ({"max_tokens": "4"}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 4097}, "max_tokens"),
+    ({"deadline_ms": 0}, "deadline_ms"),
+    ({"deadline_ms": 600_001}, "deadline_ms"),
+    ({"tokens": [1, -1]}, "tokens"),
+    ({"tokens": [1, 2 ** 31]}, "tokens"),
+    ({"tokens": []}, "tokens"),
+    ({"prompt": "hi"}, "prompt"),
+    ({"model": "m" * 129}, "model"),
+    ({"id": [1]}, "id"),
+])
+def test_request_schema_refusals_name_the_field(change, field):
+    with pytest.raises(ProtocolError) as err:
+        validate_request({**GOOD, **change})
+    assert err.value.field == field and err.value.code == 400
+
+
+def test_request_schema_accepts_limits_and_rejects_missing():
+    assert validate_request({**GOOD, "max_tokens": 4096, "deadline_ms": 600_000,
+                             "tokens": [0, 2 ** 31 - 1], "model": "m" * 128})
+    missing = dict(GOOD)
+    del missing["model"]
+    with pytest.raises(ProtocolError, match="missing"):
+        validate_request(missing)
+    assert validate_request({"v": 1, "op": "health", "id": "x"})["op"] == "health"

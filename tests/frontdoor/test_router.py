@@ -1,0 +1,51 @@
+import pytest
+
+from agent.cluster.base import ServiceInstance
+from agent.frontdoor.router import ReplicaLoad, Router
+
+
+def load(rid, model="m", max_seqs=4, active=0, cap=1000, used=0):
+    return ReplicaLoad(rid, model, "127.0.0.1:1", max_seqs, active, cap, used)
+
+
+def test_most_headroom_that_fits_wins():
+    r = Router()
+    r.upsert(load("a", used=800))   # headroom 200
+    r.upsert(load("b", used=300))   # headroom 700
+    r.upsert(load("c", cap=5000, used=0, max_seqs=1, active=1))  # no free sequence slot
+    r.upsert(load("x", model="other", used=0))
+    assert r.choose("m", 100).replica_id == "b"
+    assert r.choose("m", 700).replica_id == "b"
+    assert r.choose("m", 701) is None
+    assert r.choose("nope", 1) is None
+
+
+def test_dispatch_and_completion_move_the_choice():
+    r = Router()
+    r.upsert(load("a", used=0))
+    r.upsert(load("b", used=100))
+    r.on_dispatch("a", 300)
+    assert r.get("a").kv_used_tokens == 300 and r.get("a").active_seqs == 1
+    assert r.choose("m", 10).replica_id == "b"
+    r.on_complete("a", 300)
+    assert r.choose("m", 10).replica_id == "a"
+    r.remove("a")
+    assert [x.replica_id for x in r.warm("m")] == ["b"]
+
+
+def test_ties_are_deterministic():
+    r = Router()
+    for rid in ("z", "k", "q"):
+        r.upsert(load(rid))
+    assert r.choose("m", 1).replica_id == "k"
+
+
+def test_from_instance_reads_tag_and_meta():
+    inst = ServiceInstance("rewarm-replica", "r9", "10.0.0.2", 7001, tags=["model=llama"],
+                           meta={"max_seqs": "8", "active_seqs": "2",
+                                 "kv_capacity_tokens": "4096", "kv_used_tokens": "96"})
+    got = ReplicaLoad.from_instance(inst)
+    assert (got.model, got.address, got.headroom_tokens) == ("llama", "10.0.0.2:7001", 4000)
+    inst.meta["max_seqs"] = "eight"
+    with pytest.raises(ValueError, match="max_seqs"):
+        ReplicaLoad.from_instance(inst)
