@@ -1,0 +1,543 @@
+"""The node agent: owns this node's replicas and snapshots and makes restores fast and safe.
+
+Restore ladder for ``restore(model)`` (every step fails closed; the caller sees a slower
+start, never wrong tokens)::
+
+    newest ready local snapshot ──ok──► warm, registered
+        │ pins differ → stale (a remote copy has the same pins: go to cold boot)
+        │ checksum / signature / golden mismatch → corrupt;  timeout, zygote died → stale
+        ▼
+    remote copy of that snapshot ── stage (verify every chunk) → restore ──ok──► warm
+        │ fails → corrupt/stale
+        ▼
+    cold boot from the checkpoint (+ AOT package) ──► warm;  capture in the background
+    (agent/node/capture.py) when no ready snapshot of this version remains
+
+Zygotes per device are kept at ``zygotes_per_device`` by :meth:`NodeAgent.refill_pool`, run on
+the background executor after each restore.  :meth:`tick` (the agent loop, clock-injected)
+keeps registrations and TTLs current.  Replica states move only through
+:class:`~agent.node.lifecycle.Lifecycle`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from agent.clock import Clock, SystemClock
+from agent.cluster.base import Registry, ServiceInstance
+from agent.errors import (ConfigError, CudaCheckpointError, DiskFull, GoldenMismatch,
+                          ModelNotFound, RewarmError, SnapshotCorrupt, SnapshotError,
+                          SnapshotIncompatible)
+from agent.node import capture as cap
+from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_id
+from agent.node.inventory import Inventory
+from agent.node.lifecycle import Lifecycle, ReplicaState as S
+from agent.node.registration import Registrar
+from agent.node.suspend import ResumeFailed, Suspender, _bounded
+from agent.snapshot.catalog import Catalog, SnapshotRow
+from agent.snapshot.pins import check_pins
+from agent.snapshot.reader import read_manifest, verify_chunks
+from agent.snapshot.store import LocalStore
+
+log = logging.getLogger(__name__)
+
+
+class ScaleInBlocked(RewarmError, RuntimeError):
+    """Draining would remove the last replica of a model with no ready, durable snapshot.
+    Attributes: ``model``, ``replica``."""
+
+    code = 409
+
+
+@dataclass
+class AgentConfig:
+    """Per-node settings; ``*_s`` in seconds, ``*_bytes`` in bytes."""
+
+    node_id: str
+    zygotes_per_device: int = 1
+    restore_timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0
+    drain_poll_s: float = 0.05
+    remote_root: Path | None = None
+    control_address: str = "127.0.0.1"
+    control_port: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("restore_timeout_s", "drain_timeout_s", "drain_poll_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0", name=name,
+                                  value=getattr(self, name), limit=0)
+        if self.zygotes_per_device < 0:
+            raise ConfigError(f"zygotes_per_device={self.zygotes_per_device} must be >= 0",
+                              name="zygotes_per_device", value=self.zygotes_per_device, limit=0)
+
+
+@dataclass
+class ReplicaRecord:
+    lifecycle: Lifecycle
+    spec: ModelSpec
+    device: str
+    handle: Replica | None = None
+    snapshot_id: str | None = None
+    path: str = ""                      # restore | staged_restore | cold_boot
+    attempts: list[dict] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        return {"replica": self.lifecycle.replica_id, "model": self.spec.name,
+                "version": self.spec.version, "device": self.device,
+                "state": self.lifecycle.state.value, "snapshot": self.snapshot_id,
+                "path": self.path, "address": self.handle.address if self.handle else None,
+                "attempts": self.attempts}
+
+
+def _failure_status(exc: BaseException) -> str:
+    """corrupt: the bytes or the state they hold are wrong; stale: not usable here/now."""
+    return "corrupt" if isinstance(exc, (SnapshotCorrupt, GoldenMismatch)) else "stale"
+
+
+class NodeAgent:
+    """One per node. Thread-safe; blocking methods are called from the control server's threads."""
+
+    def __init__(self, config: AgentConfig, *, models: list[ModelSpec], backend: Backend,
+                 catalog: Catalog, store: LocalStore, registry: Registry, inventory: Inventory,
+                 clock: Clock | None = None, suspender: Suspender | None = None,
+                 executor: ThreadPoolExecutor | None = None,
+                 sleep: Callable[[float], None] | None = None) -> None:
+        import time
+
+        self.config = config
+        self.models = {m.name: m for m in models}
+        self.backend, self.catalog, self.store = backend, catalog, store
+        self.inventory = inventory
+        self.clock = clock or SystemClock()
+        self.registrar = Registrar(registry, clock=self.clock)
+        self.suspender = suspender
+        self.executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent")
+        self._sleep = sleep or time.sleep
+        self._lock = threading.RLock()
+        self.replicas: dict[str, ReplicaRecord] = {}
+        self.pool: dict[str, list[Zygote]] = {d: [] for d in inventory.devices}
+        self.captures: dict[str, Future] = {}
+        self.store.on_evict = self._on_evict
+        self._reconcile()
+        self.agent_instance = ServiceInstance(
+            "rewarm-agent", f"rewarm-agent-{config.node_id}", config.control_address,
+            config.control_port, meta=self._agent_meta())
+        self.registrar.want(self.agent_instance)
+
+    # -- start-up ----------------------------------------------------------------------------
+    def _reconcile(self) -> None:
+        """Make catalog and local tier agree after a restart or a crash mid-capture."""
+        from agent.snapshot.writer import clean_partials
+
+        clean_partials(self.store.root)
+        for row in self.catalog.snapshots():
+            if row.status == "pending":  # a capture or staging that never finished
+                self.catalog.set_status(row.snapshot_id, "stale", "unfinished at restart")
+            path = self.store.path(row.snapshot_id)
+            present = (path / "manifest.msgpack").is_file()
+            if present and row.status == "ready" and not self.store.has(row.snapshot_id):
+                self.store.add(row.snapshot_id, f"{row.model_name}@{row.model_version}")
+            elif not present and row.status == "ready" and row.remote_uri is None:
+                self.catalog.set_status(row.snapshot_id, "stale", "local copy gone; no remote copy")
+
+    def _on_evict(self, snapshot_id: str) -> None:
+        try:
+            row = self.catalog.snapshot(snapshot_id)
+        except SnapshotError:
+            return
+        if row.remote_uri is None and row.status in ("pending", "ready"):
+            self.catalog.set_status(snapshot_id, "stale", "evicted from the local tier; no remote copy")
+
+    # -- zygote pool -------------------------------------------------------------------------
+    def refill_pool(self) -> int:
+        """Start zygotes until each device has ``zygotes_per_device``; returns how many started."""
+        started = 0
+        for device in self.inventory.devices:
+            while True:
+                with self._lock:
+                    if len(self.pool[device]) >= self.config.zygotes_per_device:
+                        break
+                zygote = self.backend.zygote(device)
+                with self._lock:
+                    self.pool[device].append(zygote)
+                started += 1
+        return started
+
+    def _take_zygote(self, device: str) -> Zygote:
+        with self._lock:
+            if self.pool.get(device):
+                return self.pool[device].pop(0)
+        return self.backend.zygote(device)  # pool empty: start one now (slower)
+
+    # -- restore -----------------------------------------------------------------------------
+    def spec(self, model: str) -> ModelSpec:
+        try:
+            return self.models[model]
+        except KeyError:
+            raise ModelNotFound(f"model {model!r} is not configured on node "
+                                f"{self.config.node_id}; models: {sorted(self.models)}",
+                                model=model) from None
+
+    def _device(self, device: str | None) -> str:
+        devices = self.inventory.devices
+        if device is None:
+            return devices[0]
+        if device not in devices:
+            raise ConfigError(f"device {device!r} not on this node; devices: {devices}",
+                              name="device", value=device, limit=devices)
+        return device
+
+    def restore(self, model: str, device: str | None = None) -> dict[str, Any]:
+        """Bring up one warm replica of ``model`` (ladder in the module docstring).
+
+        Returns the replica's description (``path``: restore | staged_restore | cold_boot,
+        ``attempts``: each failed step with its reason).  Raises ModelNotFound, ConfigError,
+        and what a cold boot raises when even that fails.
+        """
+        spec, device = self.spec(model), self._device(device)
+        rid = new_replica_id(self.config.node_id)
+        rec = ReplicaRecord(Lifecycle(rid, clock=self.clock), spec, device)
+        with self._lock:
+            self.replicas[rid] = rec
+        self._record(rec)
+        start = self.clock.now()
+        try:
+            self._ladder(rec)
+        except BaseException:
+            if rec.lifecycle.state is not S.DEAD:
+                rec.lifecycle.move(S.DEAD, "every way up failed")
+            self._record(rec)
+            raise
+        finally:
+            self.executor.submit(self.refill_pool)
+        self.catalog.record_cold_start(spec.name, rec.path, "ok", self.clock.now() - start, rid)
+        self._go_warm(rec)
+        return rec.describe()
+
+    def _ladder(self, rec: ReplicaRecord) -> None:
+        spec = rec.spec
+        row = self.catalog.newest_ready(spec.name, spec.version)
+        try_remote = row is not None and row.remote_uri is not None
+        if row is not None and self.store.has(row.snapshot_id):
+            if self._try_restore(rec, row, "restore"):
+                return
+            try_remote = try_remote and rec.attempts[-1]["status"] != "stale-pins"
+        if try_remote:
+            staged = self._stage(rec, row)
+            if staged is not None and self._try_restore(rec, staged, "staged_restore"):
+                self.catalog.set_status(staged.snapshot_id, "ready", "staged and restored")
+                return
+        self._cold_boot(rec)
+
+    def _try_restore(self, rec: ReplicaRecord, row: SnapshotRow, path: str) -> bool:
+        rec.lifecycle.move(S.RESTORING, f"{path} {row.snapshot_id}")
+        self._record(rec, row.snapshot_id)
+        zygote = self._take_zygote(rec.device)
+        try:
+            with self.store.reading(row.snapshot_id) as snap:
+                manifest = read_manifest(snap)
+                check_pins(manifest.pins, self.inventory.pins(rec.device), snap)
+                handle = _bounded(lambda: zygote.restore(snap, rec.lifecycle.replica_id),
+                                  self.config.restore_timeout_s, "restore")
+        except (SnapshotError, GoldenMismatch, CudaCheckpointError, OSError, RuntimeError,
+                RewarmError) as exc:
+            zygote.kill()
+            status = _failure_status(exc)
+            log.error("%s of %s from %s failed closed (%s): %s", path, rec.spec.key,
+                      row.snapshot_id, status, exc)
+            if row.status in ("pending", "ready"):
+                self.catalog.set_status(row.snapshot_id, status, f"{type(exc).__name__}: {exc}")
+            self.store.remove(row.snapshot_id)
+            rec.attempts.append({"path": path, "snapshot": row.snapshot_id,
+                                 "status": "stale-pins" if isinstance(exc, SnapshotIncompatible)
+                                 else status, "error": type(exc).__name__, "reason": str(exc)})
+            self.catalog.record_cold_start(rec.spec.name, path, f"failed: {type(exc).__name__}",
+                                           0.0, rec.lifecycle.replica_id)
+            rec.lifecycle.move(S.COLD, f"{path} failed: {type(exc).__name__}")
+            return False
+        rec.handle, rec.snapshot_id, rec.path = handle, row.snapshot_id, path
+        self.store.record_restore(rec.spec.key)
+        return True
+
+    def _stage(self, rec: ReplicaRecord, row: SnapshotRow) -> SnapshotRow | None:
+        """Copy the remote tier's copy of ``row`` into the local tier as a new pending row."""
+        from agent.snapshot import remote
+
+        sid = f"{row.snapshot_id}.s{self.clock.now():.0f}-{os.getpid()}-{len(rec.attempts)}"
+        dest = self.store.path(sid)
+        try:
+            self.store.make_room(row.size_bytes)
+            remote.stage(Path(row.remote_uri), dest)
+            return cap.register_snapshot(self.catalog, self.store, sid, rec.spec,
+                                         remote_uri=row.remote_uri)
+        except (SnapshotError, OSError, RewarmError) as exc:
+            log.error("staging %s from %s failed: %s", row.snapshot_id, row.remote_uri, exc)
+            rec.attempts.append({"path": "stage", "snapshot": row.snapshot_id,
+                                 "status": "failed", "error": type(exc).__name__,
+                                 "reason": str(exc)})
+            if self.store.has(sid):
+                self.store.remove(sid, force=True)
+            return None
+
+    def _cold_boot(self, rec: ReplicaRecord) -> None:
+        rec.handle = self.backend.cold_boot(rec.spec, rec.device, rec.lifecycle.replica_id)
+        rec.path = "cold_boot"
+        if self.catalog.newest_ready(rec.spec.name, rec.spec.version) is None:
+            self.start_capture(rec)
+
+    def _go_warm(self, rec: ReplicaRecord) -> None:
+        rec.lifecycle.move(S.WARM, rec.path)
+        self._record(rec)
+        self.registrar.want(self._replica_instance(rec))
+        self.registrar.update_meta(self.agent_instance.id, self._agent_meta())
+
+    # -- capture -----------------------------------------------------------------------------
+    def start_capture(self, rec: ReplicaRecord) -> Future:
+        """Capture ``rec`` on the background executor (once per model version at a time)."""
+        key = rec.spec.key
+        with self._lock:
+            running = self.captures.get(key)
+            if running is not None and not running.done():
+                return running
+            future = self.executor.submit(self._capture, rec)
+            self.captures[key] = future
+            return future
+
+    def _capture(self, rec: ReplicaRecord) -> SnapshotRow | None:
+        try:
+            return cap.capture_first_boot(rec.handle, rec.spec, catalog=self.catalog,
+                                          store=self.store, backend=self.backend,
+                                          device=rec.device, remote_root=self.config.remote_root)
+        except (DiskFull, SnapshotError, OSError, RewarmError, RuntimeError) as exc:
+            log.error("capture of %s failed; it keeps serving and the next cold boot tries "
+                      "again: %s", rec.spec.key, exc)
+            return None
+
+    def snapshot_durable(self, model: str) -> bool:
+        """A ready snapshot that survives this node: pushed remotely (or, with no remote tier
+        configured, ready locally)."""
+        if self.config.remote_root is None:
+            return any(True for _ in self.catalog.snapshots(model, status="ready"))
+        return self.catalog.durable_ready(model)
+
+    # -- drain, suspend, resume --------------------------------------------------------------
+    def _rec(self, replica_id: str) -> ReplicaRecord:
+        with self._lock:
+            rec = self.replicas.get(replica_id)
+        if rec is None:
+            raise ConfigError(f"no replica {replica_id!r} on node {self.config.node_id}",
+                              name="replica", value=replica_id, limit=sorted(self.replicas))
+        return rec
+
+    def live_replicas(self, model: str) -> list[ReplicaRecord]:
+        with self._lock:
+            return [r for r in self.replicas.values() if r.spec.name == model
+                    and r.lifecycle.state in (S.WARM, S.SUSPENDED)]
+
+    def drain(self, replica_id: str, timeout_s: float | None = None,
+              force: bool = False) -> dict[str, Any]:
+        """Stop new requests (deregister), wait up to ``timeout_s`` for in-flight ones, stop.
+
+        Raises ScaleInBlocked when this is the model's last live replica and its snapshot is
+        not ready and durable (unless ``force``, used at node shutdown).
+        """
+        rec = self._rec(replica_id)
+        model = rec.spec.name
+        others = [r for r in self.live_replicas(model) if r is not rec]
+        if not force and not others and not self.snapshot_durable(model):
+            raise ScaleInBlocked(
+                f"replica {replica_id} is the last of {model} and no ready, durable snapshot "
+                "exists yet; scale-in waits for the capture", model=model, replica=replica_id)
+        rec.lifecycle.move(S.DRAINING, "drain")
+        self.registrar.drop(replica_id)
+        self._record(rec)
+        bound = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        start = self.clock.now()
+        while rec.handle is not None and rec.handle.in_flight() > 0:
+            if self.clock.now() - start >= bound:
+                log.warning("drain of %s: %d requests still in flight after %.1f s; stopping",
+                            replica_id, rec.handle.in_flight(), bound)
+                break
+            self._sleep(self.config.drain_poll_s)
+        left = rec.handle.in_flight() if rec.handle is not None else 0
+        self._stop(rec, "drained")
+        return {**rec.describe(), "in_flight_at_stop": left}
+
+    def _stop(self, rec: ReplicaRecord, reason: str) -> None:
+        if rec.handle is not None:
+            try:
+                rec.handle.shutdown()
+            except (OSError, RewarmError, RuntimeError) as exc:
+                log.warning("shutdown of %s: %s", rec.lifecycle.replica_id, exc)
+        rec.lifecycle.move(S.DEAD, reason)
+        self._record(rec)
+
+    def _need_suspender(self, rec: ReplicaRecord) -> tuple[Suspender, int]:
+        if self.suspender is None or rec.handle is None or rec.handle.pid is None:
+            raise ConfigError(
+                f"replica {rec.lifecycle.replica_id} cannot be suspended: "
+                + ("no CUDA checkpoint support configured" if self.suspender is None
+                   else "it has no process of its own"),
+                name="suspend", value=rec.lifecycle.replica_id, limit="GPU replica process")
+        return self.suspender, rec.handle.pid
+
+    def suspend(self, replica_id: str) -> dict[str, Any]:
+        """Park the replica's device memory in host RAM (lock + checkpoint); it stops serving.
+        Raises ConfigError (not suspendable), CudaCheckpointError (it keeps serving)."""
+        rec = self._rec(replica_id)
+        suspender, pid = self._need_suspender(rec)
+        if rec.lifecycle.state is not S.WARM:
+            rec.lifecycle.move(S.SUSPENDED)  # raises IllegalTransition with the allowed moves
+        self.registrar.drop(replica_id)
+        try:
+            times = suspender.suspend(pid)
+        except CudaCheckpointError:
+            self.registrar.want(self._replica_instance(rec))
+            raise
+        rec.lifecycle.move(S.SUSPENDED, "lock+checkpoint")
+        self._record(rec)
+        return {**rec.describe(), "steps_s": times.steps_s}
+
+    def resume(self, replica_id: str) -> dict[str, Any]:
+        """Restore + unlock.  A failed resume kills the process and restores the model from
+        its snapshot instead (the answer then describes the new replica)."""
+        rec = self._rec(replica_id)
+        suspender, pid = self._need_suspender(rec)
+        try:
+            times = suspender.resume(pid)
+        except ResumeFailed as exc:
+            log.error("%s; killing pid %d and restoring from a snapshot", exc, pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            rec.lifecycle.move(S.DEAD, f"resume failed: {exc.name}")
+            self._record(rec)
+            return {**self.restore(rec.spec.name, rec.device), "resume_failed": str(exc)}
+        rec.lifecycle.move(S.WARM, "restore+unlock")
+        self._record(rec)
+        self.registrar.want(self._replica_instance(rec))
+        return {**rec.describe(), "steps_s": times.steps_s}
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def snapshot_list(self, model: str | None = None) -> list[dict[str, Any]]:
+        return [{"snapshot": r.snapshot_id, "model": r.model_name, "version": r.model_version,
+                 "status": r.status, "reason": r.reason, "size_bytes": r.size_bytes,
+                 "local": self.store.has(r.snapshot_id), "remote": r.remote_uri,
+                 "driver": r.driver_version} for r in self.catalog.snapshots(model)]
+
+    def snapshot_verify(self, snapshot_id: str) -> dict[str, Any]:
+        """Re-read every chunk of the local copy; a failure marks it corrupt."""
+        row = self.catalog.snapshot(snapshot_id)
+        try:
+            with self.store.reading(snapshot_id) as path:
+                verified = verify_chunks(path, read_manifest(path))
+        except SnapshotCorrupt as exc:
+            if row.status in ("pending", "ready"):
+                self.catalog.set_status(snapshot_id, "corrupt", f"verify: {exc}")
+            return {"snapshot": snapshot_id, "ok": False, "reason": str(exc)}
+        return {"snapshot": snapshot_id, "ok": True, "bytes": verified, "status": row.status}
+
+    def snapshot_evict(self, snapshot_id: str) -> dict[str, Any]:
+        """Remove the local copy (refused while a restore reads it)."""
+        self.catalog.snapshot(snapshot_id)  # SnapshotNotFound for an unknown id
+        return {"snapshot": snapshot_id, "evicted": self.store.remove(snapshot_id)}
+
+    # -- loop, status, registration ------------------------------------------------------------
+    def tick(self) -> None:
+        """One pass of the agent loop: registrations and TTLs (with backoff), load meta."""
+        for rec in self.live_replicas_all():
+            if rec.lifecycle.state is S.WARM and rec.handle is not None:
+                try:
+                    stats = rec.handle.stats()
+                except (OSError, RewarmError, RuntimeError):
+                    continue
+                self.registrar.update_meta(rec.lifecycle.replica_id, _load_meta(stats))
+        self.registrar.update_meta(self.agent_instance.id, self._agent_meta())
+        self.registrar.sync()
+
+    def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
+        """The agent loop until ``stop`` is set (production; tests call :meth:`tick`)."""
+        self.executor.submit(self.refill_pool)
+        while not stop.wait(interval_s):
+            try:
+                self.tick()
+            except Exception:  # the loop must outlive any one bad tick
+                log.exception("agent tick failed")
+
+    def live_replicas_all(self) -> list[ReplicaRecord]:
+        with self._lock:
+            return [r for r in self.replicas.values() if r.lifecycle.state in (S.WARM, S.SUSPENDED)]
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            replicas = [r.describe() for r in self.replicas.values()
+                        if r.lifecycle.state is not S.DEAD]
+            pool = {d: len(z) for d, z in self.pool.items()}
+            captures = sorted(k for k, f in self.captures.items() if not f.done())
+        st = self.registrar.state
+        return {"node": self.config.node_id, "inventory": self.inventory.describe(),
+                "replicas": replicas, "zygotes": pool, "captures_running": captures,
+                "models": {n: s.version for n, s in self.models.items()},
+                "registry": {"healthy": st.healthy, "failures": st.failures,
+                             "last_error": st.last_error},
+                "store": {"used_bytes": self.store.used_bytes,
+                          "capacity_bytes": self.store.capacity_bytes}}
+
+    def close(self) -> None:
+        """Drain everything (forced), deregister, stop the executor."""
+        for rec in self.live_replicas_all():
+            self.drain(rec.lifecycle.replica_id, force=True)
+        self.registrar.drop(self.agent_instance.id)
+        self.executor.shutdown(wait=True)
+        with self._lock:
+            for zygotes in self.pool.values():
+                for z in zygotes:
+                    z.kill()
+                zygotes.clear()
+
+    def _record(self, rec: ReplicaRecord, snapshot_id: str | None = None) -> None:
+        self.catalog.upsert_replica(
+            rec.lifecycle.replica_id, model_name=rec.spec.name, model_version=rec.spec.version,
+            node_id=self.config.node_id, device=rec.device, state=rec.lifecycle.state.value,
+            snapshot_id=snapshot_id or rec.snapshot_id)
+
+    def _replica_instance(self, rec: ReplicaRecord) -> ServiceInstance:
+        address = rec.handle.address if rec.handle is not None else ""
+        host, _, port = address.rpartition(":")
+        numeric = port.isdigit()
+        stats = {}
+        if rec.handle is not None:
+            try:
+                stats = rec.handle.stats()
+            except (OSError, RewarmError, RuntimeError):
+                stats = {}
+        return ServiceInstance(
+            "rewarm-replica", rec.lifecycle.replica_id, host if numeric else address,
+            int(port) if numeric else 0,
+            tags=[f"model={rec.spec.name}", f"version={rec.spec.version}"],
+            meta={"address": address, "node": self.config.node_id, **_load_meta(stats)})
+
+    def _agent_meta(self) -> dict[str, str]:
+        with self._lock:
+            busy = {r.device for r in self.replicas.values()
+                    if r.lifecycle.state not in (S.DEAD,) and r.device != "cpu"}
+        free = [d for d in self.inventory.devices if d not in busy]
+        cached = sorted({f"{r.model_name}@{r.model_version}"
+                         for r in self.catalog.snapshots(status="ready")
+                         if self.store.has(r.snapshot_id)})
+        return {"node": self.config.node_id, "devices_free": ",".join(free),
+                "snapshots": ",".join(cached)}
+
+
+def _load_meta(stats: dict[str, Any]) -> dict[str, str]:
+    keys = ("kv_capacity_tokens", "kv_used_tokens", "max_seqs", "active_seqs")
+    return {k: str(stats[k]) for k in keys if k in stats}

@@ -1,0 +1,265 @@
+"""The agent's restore ladder, capture, drain guard and registration on a tiny synthetic model,
+with real snapshots, real restores and real golden checks (in-process backend)."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from agent.clock import ManualClock
+from agent.cluster.local import LocalRegistry
+from agent.errors import ConfigError, ModelNotFound
+from agent.node import capture as cap
+from agent.node.agent import AgentConfig, NodeAgent, ScaleInBlocked
+from agent.node.backend import InProcessBackend, ModelSpec
+from agent.node.inventory import Inventory
+from agent.snapshot.catalog import Catalog
+from agent.snapshot.format import ALIGN
+from agent.snapshot.reader import read_manifest
+from agent.snapshot.store import LocalStore
+
+PROMPTS = [[1, 2, 3, 4], [9, 8, 7]]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    from agent.replica.synthetic import make_synthetic
+
+    return make_synthetic(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=3)
+
+
+class DownableRegistry(LocalRegistry):
+    """The embedded registry with an off switch (stands in for Consul going away)."""
+
+    def __init__(self, clock):
+        super().__init__(clock)
+        self.down = False
+        self.calls = 0
+
+    def _gate(self):
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("registry unreachable")
+
+    def register(self, instance, ttl_s):
+        self._gate()
+        super().register(instance, ttl_s)
+
+    def pass_ttl(self, instance_id, meta=None):
+        self._gate()
+        super().pass_ttl(instance_id, meta)
+
+    def deregister(self, instance_id):
+        self._gate()
+        super().deregister(instance_id)
+
+
+@pytest.fixture
+def make_agent(tmp_path, tiny_dir):
+    made = []
+
+    def make(remote: bool = False, registry=None, capacity_bytes: int = 1 << 30, **cfg):
+        clock = ManualClock(1000.0)
+        registry = registry or DownableRegistry(clock)
+        state = tmp_path / f"state{len(made)}"
+        catalog = Catalog(state.parent / f"catalog{len(made)}.db", clock=clock)
+        store = LocalStore(state / "nvme", capacity_bytes, clock=clock)
+        config = AgentConfig(node_id="n1", remote_root=(tmp_path / "remote") if remote else None,
+                             **cfg)
+        agent = NodeAgent(config, models=[ModelSpec(tiny_dir)],
+                          backend=InProcessBackend(buffer_bytes=1 << 20), catalog=catalog,
+                          store=store, registry=registry, inventory=Inventory([], "test: cpu"),
+                          clock=clock, executor=ThreadPoolExecutor(2),
+                          sleep=lambda s: clock.advance(s))
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.executor.shutdown(wait=True)
+
+
+def first_boot(agent):
+    """Cold boot, then wait for the background capture; returns (replica info, snapshot row)."""
+    info = agent.restore("tiny")
+    row = agent.captures[agent.models["tiny"].key].result(timeout=120)
+    return info, row
+
+
+def tokens(agent, replica_id):
+    return agent.replicas[replica_id].handle.generate(PROMPTS, 6, seed=5)
+
+
+def test_first_boot_captures_then_restores_same_tokens(make_agent):
+    agent = make_agent()
+    info, row = first_boot(agent)
+    assert info["path"] == "cold_boot" and info["state"] == "warm"
+    assert row.status == "ready" and row.reason.startswith("verified")
+    assert agent.backend.cold_boots == [agent.models["tiny"].key]
+    again = agent.restore("tiny")
+    assert (again["path"], again["snapshot"]) == ("restore", row.snapshot_id)
+    assert tokens(agent, again["replica"]) == tokens(agent, info["replica"])
+    assert agent.backend.cold_boots == [agent.models["tiny"].key]  # no second cold boot
+    healthy = agent.registrar.registry.healthy("rewarm-replica", "model=tiny")
+    assert sorted(i.id for i in healthy) == sorted([info["replica"], again["replica"]])
+    events = agent.catalog.cold_starts("tiny")
+    assert [e["path"] for e in events] == ["cold_boot", "restore"]
+    assert agent.catalog.replica(again["replica"])["snapshot_id"] == row.snapshot_id
+
+
+def test_flipped_byte_fails_closed_to_cold_boot(make_agent):
+    agent = make_agent()
+    _, row = first_boot(agent)
+    data = Path(row.path) / "data-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[ALIGN + 17] ^= 0x01
+    data.write_bytes(bytes(raw))
+    info = agent.restore("tiny")
+    assert info["path"] == "cold_boot"
+    assert info["attempts"][0]["status"] == "corrupt"
+    assert info["attempts"][0]["error"] == "SnapshotCorrupt"
+    assert agent.catalog.snapshot(row.snapshot_id).status == "corrupt"
+    assert not agent.store.has(row.snapshot_id)
+    fresh = agent.captures[agent.models["tiny"].key].result(timeout=120)
+    assert fresh.status == "ready" and fresh.snapshot_id != row.snapshot_id
+
+
+def _foreign_snapshot(agent, base_row, *, pins=None, golden=None):
+    """A snapshot of the same weights written with other pins or other golden tokens."""
+    from agent.snapshot.reader import restore_snapshot
+    from agent.snapshot.writer import write_snapshot
+
+    restored = restore_snapshot(base_row.path)
+    m = restored.manifest
+    sid = base_row.snapshot_id + "-x"
+    write_snapshot(agent.store.path(sid), restored.tensors, model=m.model,
+                   golden=golden or m.golden, extra=m.extra, pins=pins or m.pins)
+    spec = agent.models["tiny"]
+    agent.catalog.set_status(base_row.snapshot_id, "stale", "test: superseded")
+    agent.store.remove(base_row.snapshot_id)
+    cap.register_snapshot(agent.catalog, agent.store, sid, spec)
+    agent.catalog.set_status(sid, "ready")
+    return sid
+
+
+def test_pin_mismatch_marks_stale_and_cold_boots(make_agent):
+    agent = make_agent()
+    _, row = first_boot(agent)
+    m = read_manifest(row.path)
+    sid = _foreign_snapshot(agent, row, pins=dataclasses.replace(m.pins, torch="0.0.1"))
+    info = agent.restore("tiny")
+    assert info["path"] == "cold_boot"
+    assert info["attempts"][0]["error"] == "SnapshotIncompatible"
+    assert "torch" in info["attempts"][0]["reason"]
+    assert agent.catalog.snapshot(sid).status == "stale"
+
+
+def test_golden_mismatch_marks_corrupt(make_agent):
+    agent = make_agent()
+    _, row = first_boot(agent)
+    g = read_manifest(row.path).golden
+    wrong = [list(t) for t in g.expected]
+    wrong[0][2] = (wrong[0][2] + 1) % 50
+    sid = _foreign_snapshot(agent, row, golden=dataclasses.replace(g, expected=wrong))
+    info = agent.restore("tiny")
+    assert info["path"] == "cold_boot"
+    assert info["attempts"][0]["error"] == "GoldenMismatch"
+    assert agent.catalog.snapshot(sid).status == "corrupt"
+
+
+def test_drain_guard_until_snapshot_ready(make_agent, tiny_dir):
+    agent = make_agent()
+    info, row = first_boot(agent)
+    rid = info["replica"]
+    # Its only snapshot goes stale: the last replica may not be drained any more.
+    agent.catalog.set_status(row.snapshot_id, "stale", "test")
+    assert not agent.snapshot_durable("tiny")
+    with pytest.raises(ScaleInBlocked) as err:
+        agent.drain(rid)
+    assert err.value.model == "tiny"
+    assert agent.replicas[rid].lifecycle.state.value == "warm"
+    done = agent.drain(rid, force=True)
+    assert done["state"] == "dead" and done["in_flight_at_stop"] == 0
+    assert agent.registrar.registry.healthy("rewarm-replica") == []
+
+
+def test_drain_allowed_with_ready_snapshot(make_agent):
+    agent = make_agent()
+    info, row = first_boot(agent)
+    assert agent.snapshot_durable("tiny")
+    done = agent.drain(info["replica"])
+    assert done["state"] == "dead"
+    assert [r["state"] for r in agent.catalog.replicas("tiny")] == ["dead"]
+
+
+def test_registry_down_keeps_serving_and_reregisters(make_agent):
+    agent = make_agent()
+    reg = agent.registrar.registry
+    reg.down = True
+    info, _ = first_boot(agent)
+    assert info["state"] == "warm"               # served without the registry
+    assert not agent.registrar.state.healthy
+    assert tokens(agent, info["replica"])
+    calls = reg.calls
+    agent.tick()                                 # inside the backoff: no call
+    assert reg.calls == calls
+    reg.down = False
+    agent.clock.advance(agent.registrar.max_backoff_s)
+    agent.tick()
+    assert agent.registrar.state.healthy
+    assert [i.id for i in reg.healthy("rewarm-replica")] == [info["replica"]]
+    assert reg.healthy("rewarm-agent")[0].meta["snapshots"].startswith("tiny@")
+
+
+def test_status_snapshot_ops(make_agent):
+    agent = make_agent()
+    _, row = first_boot(agent)
+    st = agent.status()
+    assert st["node"] == "n1" and st["inventory"]["devices"] == ["cpu"]
+    assert [r["state"] for r in st["replicas"]] == ["warm"]
+    listed = agent.snapshot_list("tiny")
+    assert [(s["snapshot"], s["status"], s["local"]) for s in listed] == [
+        (row.snapshot_id, "ready", True)]
+    ok = agent.snapshot_verify(row.snapshot_id)
+    assert ok["ok"] and ok["bytes"] == read_manifest(row.path).total_bytes
+    assert agent.snapshot_evict(row.snapshot_id) == {"snapshot": row.snapshot_id, "evicted": True}
+    after = agent.snapshot_list("tiny")  # no remote copy: the row stays, as stale
+    assert [(s["status"], s["local"]) for s in after] == [("stale", False)]
+    assert after[0]["reason"] == "evicted from the local tier; no remote copy"
+
+
+def test_bad_requests(make_agent):
+    agent = make_agent()
+    with pytest.raises(ModelNotFound):
+        agent.restore("nope")
+    with pytest.raises(ConfigError):
+        agent.restore("tiny", device="cuda:3")
+    with pytest.raises(ConfigError):
+        agent.drain("no-such-replica")
+    with pytest.raises(ConfigError):
+        AgentConfig(node_id="x", restore_timeout_s=0)
+
+
+def test_pool_refill(make_agent):
+    agent = make_agent(zygotes_per_device=2)
+    assert agent.refill_pool() == 2
+    assert agent.refill_pool() == 0
+    assert agent.status()["zygotes"] == {"cpu": 2}
+
+
+def test_restart_reconciles_pending(make_agent, tmp_path):
+    agent = make_agent()
+    _, row = first_boot(agent)
+    spec = agent.models["tiny"]
+    agent.catalog.add_snapshot("half", model_name="tiny", model_version=spec.version,
+                               path="x", pins={}, size_bytes=0, digest="")
+    again = NodeAgent(agent.config, models=[spec], backend=agent.backend, catalog=agent.catalog,
+                      store=LocalStore(agent.store.root, 1 << 30, clock=agent.clock),
+                      registry=LocalRegistry(agent.clock), inventory=agent.inventory,
+                      clock=agent.clock, executor=agent.executor)
+    assert {s["snapshot"]: s["status"] for s in again.snapshot_list("tiny")} == {
+        row.snapshot_id: "ready", "half": "stale"}
+    assert again.store.has(row.snapshot_id)
