@@ -344,12 +344,12 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
     from agent.replica import zygote
 
     started_unix = started_unix or time.time()
-    die_with_parent()
-    parent = os.getppid()
     chosen = [x for x in (model_dir, snapshot, zygote_mode or None) if x]
     if len(chosen) != 1:
         raise ConfigError("give exactly one of --model-dir, --snapshot, --zygote", name="mode",
                           value=len(chosen), limit=1)
+    die_with_parent()
+    parent = os.getppid()
     import torch
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
