@@ -1,0 +1,291 @@
+"""The asyncio front door end to end against stub replicas (real sockets, loopback)."""
+
+import asyncio
+import json
+import socket
+import sys
+import pathlib
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from stub_replica import StubReplica  # noqa: E402
+
+from agent.client import AsyncClient  # noqa: E402
+from agent.cluster.local import LocalRegistry  # noqa: E402
+from agent.errors import (DeadlineExceeded, ModelNotFound, NoCapacity, Overloaded,  # noqa: E402
+                          Unauthorized)
+from agent.frontdoor.auth import TokenAuth  # noqa: E402
+from agent.frontdoor.capacity import RestoreResult  # noqa: E402
+from agent.frontdoor.server import FrontDoor, FrontDoorConfig  # noqa: E402
+from agent.protocol import Decoder, pack  # noqa: E402
+from agent.telemetry import Telemetry  # noqa: E402
+
+
+class FakeCapacity:
+    """Restores by starting a stub replica after ``delay_s``; or fails every time."""
+
+    def __init__(self, fail=False, delay_s=0.05):
+        self.fail, self.delay_s = fail, delay_s
+        self.calls, self.concurrent, self.peak = 0, 0, 0
+
+    async def request_restore(self, model):
+        self.calls += 1
+        self.concurrent += 1
+        self.peak = max(self.peak, self.concurrent)
+        try:
+            await asyncio.sleep(self.delay_s)
+            if self.fail:
+                raise NoCapacity(f"no node for {model}", model=model)
+            stub = await StubReplica(model, f"restored-{self.calls}").start()
+            from agent.frontdoor.router import ReplicaLoad
+            return RestoreResult(ReplicaLoad.from_instance(stub.instance()),
+                                 "snapshot_restore", 42.0)
+        finally:
+            self.concurrent -= 1
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def setup(replicas=1, capacity=None, auth=None, events=None, **cfg):
+    registry = LocalRegistry()
+    stubs = []
+    for i in range(replicas):
+        stub = await StubReplica("m", f"r{i}", **cfg.pop("stub", {})).start()
+        registry.register(stub.instance(), 60)
+        stubs.append(stub)
+    config = FrontDoorConfig(models={"m": 5000.0}, **cfg)
+    fd = FrontDoor(config, registry=registry, capacity=capacity, auth=auth,
+                   telemetry=Telemetry(events))
+    host, port = await fd.start()
+    return fd, stubs, host, port
+
+
+async def raw(host, port, data, read=True):
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(data)
+    await writer.drain()
+    msgs, closed = [], False
+    if read:
+        dec = Decoder()
+        while True:
+            chunk = await asyncio.wait_for(reader.read(65536), 5)
+            if not chunk:
+                closed = True
+                break
+            msgs.extend(dec.feed(chunk))
+    writer.close()
+    return msgs, closed
+
+
+def test_warm_hit_streams_tokens_then_done_and_writes_an_event(tmp_path):
+    async def main():
+        fd, stubs, host, port = await setup(events=tmp_path / "ev.jsonl")
+        c = await AsyncClient.connect(host, port)
+        g = await c.generate("m", tokens=[5, 6], max_tokens=3)
+        assert g.tokens == [2, 3, 4]
+        assert g.done["path"] == "warm_hit" and g.done["replica"] == "r0"
+        assert g.done["ttft_ms"] >= 0 and g.done["total_ms"] >= g.done["ttft_ms"]
+        assert stubs[0].received[0]["tokens"] == [5, 6]
+        assert (await c.info("models"))["m"] == {"warm": 1, "queued": 0}
+        assert (await c.info("health"))["status"] == "ok"
+        await c.close()
+        await fd.stop()
+    run(main())
+    event = json.loads((tmp_path / "ev.jsonl").read_text().splitlines()[0])
+    assert event["path"] == "warm_hit" and event["code"] == 200 and event["model"] == "m"
+    assert event["sla_breached"] is False and event["queue_wait_ms"] == 0.0
+
+
+def test_pipelined_requests_on_one_connection_all_answer():
+    async def main():
+        fd, stubs, host, port = await setup(replicas=2)
+        data = b"".join(pack({"op": "generate", "id": i, "model": "m", "tokens": [1],
+                              "max_tokens": 1}) for i in range(200))
+        msgs, _ = await asyncio.wait_for(raw_until(host, port, data, 400), 10)
+        done = sorted(m["id"] for m in msgs if m["type"] == "done")
+        assert done == list(range(200))
+        assert {m["replica"] for m in msgs if m["type"] == "done"} <= {"r0", "r1"}
+        await fd.stop()
+    run(main())
+
+
+async def raw_until(host, port, data, n):
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(data)
+    dec, msgs = Decoder(), []
+    while len(msgs) < n:
+        msgs.extend(dec.feed(await reader.read(65536)))
+    writer.close()
+    return msgs, False
+
+
+def test_error_codes_404_401():
+    async def main():
+        fd, _, host, port = await setup(auth=TokenAuth({"acme": "s" * 20}))
+        c = await AsyncClient.connect(host, port, token="s" * 20)
+        with pytest.raises(ModelNotFound) as err:
+            await c.generate("nope", tokens=[1], max_tokens=1)
+        assert err.value.code == 404
+        assert (await c.generate("m", tokens=[1], max_tokens=1)).tokens == [1]
+        bad = await AsyncClient.connect(host, port, token="t" * 20)
+        with pytest.raises(Unauthorized):
+            await bad.generate("m", tokens=[1], max_tokens=1)
+        await c.close(), await bad.close()
+        await fd.stop()
+    run(main())
+
+
+def test_queue_full_429_then_deadline_504_never_dispatched():
+    async def main():
+        # The only replica has one sequence slot, held by a request it never answers.
+        fd, stubs, host, port = await setup(stub={"max_seqs": 1, "hold": True},
+                                            max_queue_depth=2, capacity=FakeCapacity(fail=True, delay_s=5))
+        c = await AsyncClient.connect(host, port, max_retries=0)
+        first = asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1))
+        await asyncio.sleep(0.05)
+        queued = [asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1,
+                                                 deadline_ms=d)) for d in (150, 300)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded) as err:
+            await c.generate("m", tokens=[1], max_tokens=1)
+        assert err.value.retry_after_ms > 0
+        for task in queued:
+            with pytest.raises(DeadlineExceeded):
+                await task
+        assert len(stubs[0].received) == 1     # the expired ones never reached the replica
+        stubs[0].release()
+        assert (await first).tokens == [1]
+        first.cancel()
+        await c.close()
+        await fd.stop()
+    run(main())
+
+
+def test_restore_serves_queued_requests_earliest_deadline_first_within_the_cap():
+    async def main():
+        cap = FakeCapacity(delay_s=0.1)
+        fd, _, host, port = await setup(replicas=0, capacity=cap, restores_per_model=2)
+        c = await AsyncClient.connect(host, port)
+        order = []
+
+        async def one(d):
+            g = await c.generate("m", tokens=[1], max_tokens=1, deadline_ms=d)
+            order.append(d)
+            return g
+        gens = await asyncio.gather(*(one(d) for d in (3000, 1000, 2000) * 10))
+        assert all(g.done["path"] == "snapshot_restore" for g in gens)
+        assert all(g.done["queue_wait_ms"] > 0 for g in gens)
+        assert cap.peak <= 2 and cap.calls <= 2
+        await c.close()
+        await fd.stop()
+    run(main())
+
+
+def test_restores_failing_everywhere_answer_503_promptly():
+    async def main():
+        fd, _, host, port = await setup(replicas=0, capacity=FakeCapacity(fail=True, delay_s=0.02))
+        c = await AsyncClient.connect(host, port)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        results = await asyncio.gather(*(c.generate("m", tokens=[1], max_tokens=1)
+                                         for _ in range(5)), return_exceptions=True)
+        assert all(isinstance(r, NoCapacity) for r in results)
+        assert loop.time() - t0 < 1.0          # not held to the 5 s deadline
+        await c.close()
+        await fd.stop()
+    run(main())
+
+
+def vm_rss_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+
+HOSTILE = {
+    "array_4g": b"\xdd\xff\xff\xff\xff",
+    "bin_4g_in_map": b"\x82\xa1v\x01\xa1b\xc6\xff\xff\xff\xff",
+    "nested_10000": b"\x81\xa1a" + b"\x91" * 10_000 + b"\x01",
+    "bad_utf8": b"\x81\xa1v\xa2\xff\xfe",
+    "non_map": pack({"x": 1})[:0] + b"\x93\x01\x02\x03",
+    "unknown_op": pack({"op": "launch", "id": 1}),
+    "wrong_type": pack({"op": "generate", "id": 1, "model": "m", "tokens": [1],
+                        "max_tokens": "many"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_input_gets_an_error_and_close_while_others_are_served(case):
+    async def main():
+        fd, _, host, port = await setup()
+        good = await AsyncClient.connect(host, port)
+        before = vm_rss_bytes()
+        msgs, closed = await raw(host, port, HOSTILE[case])
+        assert closed and msgs and msgs[-1]["type"] == "error"
+        assert msgs[-1]["code"] in (400, 413)
+        assert vm_rss_bytes() - before < 16 << 20
+        assert (await good.generate("m", tokens=[1], max_tokens=2)).tokens == [1, 2]
+        await good.close()
+        await fd.stop()
+    run(main())
+
+
+def test_slow_frame_is_cut_off_and_idle_connection_closed():
+    async def main():
+        fd, _, host, port = await setup(frame_deadline_s=0.3, idle_timeout_s=0.45, sweep_s=0.05)
+        frame = pack({"op": "health", "id": 1})
+        reader, writer = await asyncio.open_connection(host, port)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for b in frame[:-1]:             # one byte every 0.1 s: fresh bytes, never complete
+            if loop.time() - t0 > 0.25:  # stop before the cut so no RST loses the answer
+                break
+            writer.write(bytes([b]))
+            await asyncio.sleep(0.1)
+        data = await asyncio.wait_for(reader.read(), 3)
+        answer = Decoder().feed(data)[0]
+        assert answer["code"] == 400 and "frame_deadline_s" in answer["reason"]
+        assert loop.time() - t0 < 2.0
+        idle_r, idle_w = await asyncio.open_connection(host, port)
+        assert await asyncio.wait_for(idle_r.read(), 3) == b""   # closed, nothing said
+        writer.close(), idle_w.close()
+        await fd.stop()
+    run(main())
+
+
+def test_connection_cap():
+    async def main():
+        fd, _, host, port = await setup(max_connections=2)
+        a = await AsyncClient.connect(host, port)
+        b = await AsyncClient.connect(host, port)
+        await a.info("health"), await b.info("health")
+        msgs, closed = await raw(host, port, b"")
+        assert closed and msgs[0]["code"] == 429
+        await a.close(), await b.close()
+        await fd.stop()
+    run(main())
+
+
+def test_front_door_registers_itself_and_discovery_finds_it():
+    from agent.client import discover
+
+    async def main():
+        fd, _, host, port = await setup(announce=True)
+        assert discover(registry=fd.registry) == [(host, port)]
+        await fd.stop()
+        assert discover(registry=fd.registry) == []
+    run(main())
+
+
+def test_loopback_only_without_tokens():
+    from agent.errors import ConfigError
+    from agent.frontdoor.auth import check_bind
+    check_bind("127.0.0.1", TokenAuth(), allow_open=False)
+    with pytest.raises(ConfigError, match="0.0.0.0"):
+        check_bind("0.0.0.0", TokenAuth(), allow_open=False)
+    check_bind("0.0.0.0", TokenAuth({"t": "x" * 16}), allow_open=False)
+    with pytest.raises(ConfigError):
+        TokenAuth({"t": "short"})
