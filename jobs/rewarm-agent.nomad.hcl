@@ -1,0 +1,59 @@
+# The node agent: one per GPU node (system job). It owns the snapshot cache volume, the
+# zygotes and the replicas' lifecycle, and publishes cached snapshots as node metadata.
+job "rewarm-agent" {
+  type        = "system"
+  datacenters = ["*"]
+
+  constraint {
+    attribute = "${node.class}"
+    value     = "gpu"
+  }
+
+  group "agent" {
+    volume "snapshots" {
+      type      = "host"
+      source    = "rewarm-snapshots"
+      read_only = false
+    }
+
+    network {
+      port "control" { static = 7070 }
+    }
+
+    service {
+      name     = "rewarm-agent"
+      port     = "control"
+      provider = "consul"
+
+      check {
+        type     = "tcp"
+        interval = "10s"
+        timeout  = "2s"
+      }
+    }
+
+    task "agent" {
+      driver = "raw_exec"
+
+      config {
+        command = "rewarm"
+        args    = ["agent", "serve", "--state-dir", "/var/lib/rewarm", "--registry", "consul",
+                   "--port", "${NOMAD_PORT_control}"]
+      }
+
+      volume_mount {
+        volume      = "snapshots"
+        destination = "/var/lib/rewarm"
+      }
+
+      resources {
+        cpu    = 2000
+        memory = 4096
+
+        device "nvidia/gpu" {
+          count = 1
+        }
+      }
+    }
+  }
+}

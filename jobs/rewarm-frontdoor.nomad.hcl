@@ -1,0 +1,40 @@
+# The front door: stateless service, found by clients through Consul.
+job "rewarm-frontdoor" {
+  type        = "service"
+  datacenters = ["*"]
+
+  group "frontdoor" {
+    count = 2
+
+    network {
+      port "api" { static = 7000 }
+    }
+
+    service {
+      name     = "rewarm-frontdoor"
+      port     = "api"
+      provider = "consul"
+
+      check {
+        type     = "tcp"
+        interval = "5s"
+        timeout  = "2s"
+      }
+    }
+
+    task "frontdoor" {
+      driver = "raw_exec"
+
+      config {
+        command = "rewarm"
+        args    = ["frontdoor", "--port", "${NOMAD_PORT_api}", "--registry", "consul",
+                   "--scaler", "nomad"]
+      }
+
+      resources {
+        cpu    = 1000
+        memory = 1024
+      }
+    }
+  }
+}

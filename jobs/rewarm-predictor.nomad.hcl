@@ -1,0 +1,41 @@
+# The predictor: two instances, one leader (Consul session lock rewarm/predictor/leader).
+job "rewarm-predictor" {
+  type        = "service"
+  datacenters = ["*"]
+
+  group "predictor" {
+    count = 2
+
+    network {
+      port "metrics" {}
+    }
+
+    service {
+      name     = "rewarm-predictor"
+      port     = "metrics"
+      provider = "consul"
+
+      check {
+        type     = "http"
+        path     = "/metrics"
+        interval = "10s"
+        timeout  = "2s"
+      }
+    }
+
+    task "predictor" {
+      driver = "raw_exec"
+
+      config {
+        command = "rewarm"
+        args    = ["predictor", "--registry", "consul", "--scaler", "nomad",
+                   "--metrics-port", "${NOMAD_PORT_metrics}"]
+      }
+
+      resources {
+        cpu    = 500
+        memory = 512
+      }
+    }
+  }
+}

@@ -1,0 +1,262 @@
+"""An in-process Consul HTTP API stand-in, written from Consul's documented HTTP API.
+
+Covers what rewarm uses: agent service register/deregister with a TTL check and
+``/v1/agent/check/pass/:check_id`` (check id ``service:<service id>``), the health endpoint
+``/v1/health/service/:service`` (``passing``, ``tag``, blocking queries with ``index`` and
+``wait`` and the ``X-Consul-Index`` header), KV (``cas``, ``acquire``, ``release``, base64
+values, ``LockIndex``, ``Session``), and sessions with a TTL (create, renew, destroy, info;
+``LockDelay``; behaviour ``release``/``delete``). TTLs run on an injected clock so that
+tests can expire a session without sleeping. ``down = True`` answers 500 to everything
+(Consul unreachable); ``acl_token`` makes a request without that token get 403.
+
+Simplifications (documented Consul allows them too): a session expires exactly at its TTL
+(Consul may wait up to twice the TTL); one datacenter, one node ("standin").
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import time
+import uuid
+
+from agent.clock import Clock, SystemClock
+
+from tests.cluster.standin_http import Reply, StandIn
+
+_DURATION = re.compile(r"([\d.]+)(ns|us|ms|s|m|h)")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    parts = _DURATION.findall(str(text))
+    if not parts:
+        raise Reply(400, f"invalid duration {text!r}")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def _lower(d: dict | None) -> dict:
+    return {k.lower(): v for k, v in (d or {}).items()}
+
+
+class ConsulStandIn(StandIn):
+    def __init__(self, clock: Clock | None = None, acl_token: str | None = None) -> None:
+        super().__init__()
+        self.clock = clock or SystemClock()
+        self.acl_token = acl_token
+        self.down = False
+        self.index = 1
+        self.services: dict[str, dict] = {}     # id -> service + check state
+        self.kv: dict[str, dict] = {}
+        self.sessions: dict[str, dict] = {}
+        self.lock_delays: dict[str, float] = {}  # key -> time until which acquire is refused
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _bump(self) -> int:
+        self.index += 1
+        self.changed.notify_all()
+        return self.index
+
+    def _expire(self) -> None:
+        now = self.clock.now()
+        for sid, s in list(self.sessions.items()):
+            if s["ttl_s"] and now > s["expires_s"]:
+                self._invalidate(sid)
+        for svc in self.services.values():
+            status = "passing" if now - svc["last_pass_s"] <= svc["ttl_s"] else "critical"
+            if svc["ttl_s"] and status != svc["status"]:
+                svc["status"] = status
+                self._bump()
+
+    def _invalidate(self, sid: str) -> None:
+        session = self.sessions.pop(sid)
+        now = self.clock.now()
+        for key, entry in list(self.kv.items()):
+            if entry.get("Session") == sid:
+                if session["behavior"] == "delete":
+                    del self.kv[key]
+                else:
+                    entry.pop("Session")
+                    entry["ModifyIndex"] = self.index + 1
+                self.lock_delays[key] = now + session["lock_delay_s"]
+        self._bump()
+
+    # -- routing ---------------------------------------------------------------------------
+    def route(self, method, path, query, body, headers):
+        if self.down:
+            raise Reply(500, "rpc error: No cluster leader")
+        if self.acl_token is not None and headers.get("X-Consul-Token") != self.acl_token:
+            raise Reply(403, "Permission denied")
+        with self.lock:
+            self._expire()
+        if path.startswith("/v1/kv/"):
+            return self._kv(method, path[len("/v1/kv/"):], query, body)
+        if path.startswith("/v1/session/"):
+            return self._session(method, path[len("/v1/session/"):], body)
+        if path.startswith("/v1/health/service/") and method == "GET":
+            return self._health(path[len("/v1/health/service/"):], query)
+        if path.startswith("/v1/agent/"):
+            return self._agent(method, path[len("/v1/agent/"):], body)
+        raise Reply(404, f"no route for {method} {path}")
+
+    def _agent(self, method, rest, body):
+        with self.lock:
+            if rest == "service/register" and method == "PUT":
+                b = _lower(body)
+                if not b.get("name"):
+                    raise Reply(400, "Missing service name")
+                checks = b.get("checks") or ([b["check"]] if b.get("check") else [])
+                ttl_s = 0.0
+                for c in checks:
+                    c = _lower(c)
+                    if c.get("ttl"):
+                        ttl_s = parse_duration(c["ttl"])
+                sid = b.get("id") or b["name"]
+                self.services[sid] = {
+                    "ID": sid, "Service": b["name"], "Address": b.get("address", ""),
+                    "Port": int(b.get("port") or 0), "Tags": list(b.get("tags") or []),
+                    "Meta": dict(b.get("meta") or {}), "ttl_s": ttl_s,
+                    # A TTL check starts critical until its first pass (Consul's default).
+                    "status": "critical" if ttl_s else "passing",
+                    "last_pass_s": -float("inf"),
+                }
+                self._bump()
+                return 200, "", {}
+            if rest.startswith("service/deregister/") and method == "PUT":
+                sid = rest[len("service/deregister/"):]
+                if sid not in self.services:
+                    raise Reply(404, f'Unknown service ID "{sid}"')
+                del self.services[sid]
+                self._bump()
+                return 200, "", {}
+            if rest.startswith("check/pass/") and method == "PUT":
+                check_id = rest[len("check/pass/"):]
+                sid = check_id[len("service:"):] if check_id.startswith("service:") else None
+                if sid not in self.services:
+                    raise Reply(404, f'Unknown check ID "{check_id}"')
+                svc = self.services[sid]
+                svc["last_pass_s"] = self.clock.now()
+                if svc["status"] != "passing":
+                    svc["status"] = "passing"
+                    self._bump()
+                return 200, "", {}
+        raise Reply(404, f"no agent route {rest}")
+
+    def _health(self, service, query):
+        want_index = int(query.get("index", 0) or 0)
+        wait_s = min(parse_duration(query["wait"]) if "wait" in query else 300.0, 600.0)
+        deadline = time.monotonic() + wait_s
+        with self.lock:
+            while want_index and self.index <= want_index:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.changed.wait(min(left, 0.05))
+                self._expire()
+            out = []
+            for svc in self.services.values():
+                if svc["Service"] != service:
+                    continue
+                if "passing" in query and svc["status"] != "passing":
+                    continue
+                if query.get("tag") and query["tag"] not in svc["Tags"]:
+                    continue
+                out.append({
+                    "Node": {"Node": "standin", "Address": "127.0.0.1"},
+                    "Service": {k: svc[k] for k in ("ID", "Service", "Address", "Port", "Tags",
+                                                    "Meta")},
+                    "Checks": [{"CheckID": f"service:{svc['ID']}", "ServiceID": svc["ID"],
+                                "Status": svc["status"]}],
+                })
+            return 200, out, {"X-Consul-Index": str(self.index)}
+
+    def _kv(self, method, key, query, body_json):
+        with self.lock:
+            entry = self.kv.get(key)
+            if method == "GET":
+                if entry is None:
+                    raise Reply(404, "", {"X-Consul-Index": str(self.index)})
+                return 200, [dict(entry)], {"X-Consul-Index": str(self.index)}
+            if method == "DELETE":
+                if "cas" in query and (entry or {}).get("ModifyIndex", 0) != int(query["cas"]):
+                    return 200, False, {}
+                self.kv.pop(key, None)
+                self._bump()
+                return 200, True, {}
+            if method != "PUT":
+                raise Reply(405, "method not allowed")
+            raw = self._last_raw
+            if "cas" in query:
+                cas = int(query["cas"])
+                if (cas == 0 and entry is not None) or (cas and (entry is None or
+                                                                 entry["ModifyIndex"] != cas)):
+                    return 200, False, {}
+            if "acquire" in query:
+                sid = query["acquire"]
+                if sid not in self.sessions:
+                    raise Reply(500, f"invalid session {sid!r}")
+                if entry is not None and entry.get("Session") not in (None, sid):
+                    return 200, False, {}
+                if self.clock.now() < self.lock_delays.get(key, -float("inf")):
+                    return 200, False, {}
+            if "release" in query:
+                if entry is None or entry.get("Session") != query["release"]:
+                    return 200, False, {}
+            new_index = self.index + 1
+            new = dict(entry or {"Key": key, "CreateIndex": new_index, "LockIndex": 0, "Flags": 0})
+            new["Value"] = base64.b64encode(raw).decode() if raw else None
+            new["ModifyIndex"] = new_index
+            if "acquire" in query:
+                if new.get("Session") != query["acquire"]:
+                    new["LockIndex"] += 1
+                new["Session"] = query["acquire"]
+            if "release" in query:
+                new.pop("Session", None)
+            self.kv[key] = new
+            self._bump()
+            return 200, True, {}
+
+    def _session(self, method, rest, body):
+        with self.lock:
+            if rest == "create" and method == "PUT":
+                b = _lower(body)
+                ttl_s = parse_duration(b["ttl"]) if b.get("ttl") else 0.0
+                if ttl_s and not 10.0 <= ttl_s <= 86400.0:
+                    raise Reply(400, f"Invalid Session TTL '{b['ttl']}', must be between [10s=24h0m0s]")
+                sid = str(uuid.uuid4())
+                self.sessions[sid] = {
+                    "ID": sid, "Name": b.get("name", ""), "ttl_s": ttl_s,
+                    "expires_s": self.clock.now() + ttl_s,
+                    "behavior": b.get("behavior", "release"),
+                    "lock_delay_s": parse_duration(b["lockdelay"]) if "lockdelay" in b else 15.0,
+                }
+                self._bump()
+                return 200, {"ID": sid}, {}
+            verb, _, sid = rest.partition("/")
+            session = self.sessions.get(sid)
+            if verb == "renew" and method == "PUT":
+                if session is None:
+                    raise Reply(404, f"Session id '{sid}' not found")
+                session["expires_s"] = self.clock.now() + session["ttl_s"]
+                return 200, [self._session_view(session)], {}
+            if verb == "destroy" and method == "PUT":
+                if session is not None:
+                    self._invalidate(sid)
+                return 200, True, {}
+            if verb == "info" and method == "GET":
+                return 200, [self._session_view(session)] if session else [], \
+                    {"X-Consul-Index": str(self.index)}
+        raise Reply(404, f"no session route {rest}")
+
+    @staticmethod
+    def _session_view(s: dict) -> dict:
+        return {"ID": s["ID"], "Name": s["Name"], "TTL": f"{s['ttl_s']:g}s",
+                "Behavior": s["behavior"], "LockDelay": int(s["lock_delay_s"] * 1e9)}
+
+    def dispatch(self, method, path, query, raw, headers):
+        # KV values are raw bytes, not JSON: keep them aside for _kv.
+        if path.startswith("/v1/kv/"):
+            with self.lock:
+                self._last_raw = raw
+                return super().dispatch(method, path, query, b"", headers)
+        return super().dispatch(method, path, query, raw, headers)

@@ -1,0 +1,117 @@
+"""Leader election against the Consul stand-in, on a manual clock (no sleeping)."""
+
+import pytest
+
+from agent.clock import ManualClock
+from agent.cluster.consul_registry import consul_client
+from agent.cluster.leader import LEADER_KEY, LeaderLock
+from agent.errors import ConfigError
+from agent.predictor.loop import ModelPolicy, Predictor
+
+TTL_S = 10
+TICK_S = 1.0
+
+
+class RecordingScaler:
+    def __init__(self, name, log):
+        self.name, self.log, self.t = name, log, {}
+
+    def set_target(self, model, count, *, reason):
+        self.log.append((self.name, count))
+        self.t[model] = count
+
+    def target(self, model):
+        return self.t.get(model, 0)
+
+
+def lock(standin, clock, name):
+    return LeaderLock(consul_client(f"{standin.host}:{standin.port}"), clock=clock, name=name,
+                      ttl_s=TTL_S)
+
+
+def test_one_leader_then_takeover_within_ttl_plus_one_tick(consul_standin, consul_clock):
+    a, b = lock(consul_standin, consul_clock, "a"), lock(consul_standin, consul_clock, "b")
+    leaders = []
+    for _ in range(5):
+        consul_clock.advance(TICK_S)
+        leaders.append((a.tick(), b.tick()))
+    assert leaders == [(True, False)] * 5
+    killed_at = consul_clock.now()           # a stops renewing (process gone)
+    took_over = None
+    while took_over is None:
+        consul_clock.advance(TICK_S)
+        assert not a.is_leader or consul_clock.now() - killed_at < TTL_S
+        if b.tick():
+            took_over = consul_clock.now() - killed_at
+        assert not (a.is_leader and b.is_leader)
+        assert consul_clock.now() - killed_at <= TTL_S + 2 * TICK_S
+    assert TTL_S < took_over <= TTL_S + TICK_S
+    consul_clock.advance(TICK_S)             # a comes back: its session is gone
+    assert a.tick() is False and b.tick() is True
+
+
+def test_two_predictors_never_act_in_the_same_tick(consul_standin, consul_clock):
+    acted = []
+    preds = {}
+    for name in ("p1", "p2"):
+        scaler = RecordingScaler(name, acted)
+        preds[name] = (lock(consul_standin, consul_clock, name),
+                       Predictor([ModelPolicy("m")], clock=consul_clock, scaler=scaler,
+                                 snapshot_durable=lambda m: True))
+    alive = {"p1", "p2"}
+    per_tick = []
+    for t in range(40):
+        consul_clock.advance(TICK_S)
+        if t == 10:
+            alive.discard("p1")              # kill the leader
+        acting = []
+        for name in sorted(alive):
+            leader, pred = preds[name]
+            pred.observe("m", 20 + t)        # rising demand: the actor scales up
+            decisions = pred.tick(act=leader.tick())
+            if decisions[0].action != "standby":
+                acting.append(name)
+        per_tick.append(acting)
+    assert all(len(a) <= 1 for a in per_tick)
+    assert per_tick[0] == ["p1"] and per_tick[-1] == ["p2"]
+    gap = [i for i, a in enumerate(per_tick) if not a]
+    assert gap and len(gap) <= TTL_S         # nobody acts for at most TTL ticks
+    assert {n for n, _ in acted} == {"p1", "p2"}
+
+
+def test_losing_consul_means_losing_the_lock(consul_standin, consul_clock):
+    a = lock(consul_standin, consul_clock, "a")
+    consul_clock.advance(TICK_S)
+    assert a.tick() is True
+    consul_standin.down = True
+    consul_clock.advance(TICK_S)
+    assert a.tick() is False and a.is_leader is False
+    consul_standin.down = False
+    consul_clock.advance(TICK_S)
+    assert a.tick() is True                  # its session still lives: it leads again
+
+
+def test_leader_cut_off_stops_before_the_ttl(consul_standin, consul_clock):
+    a = lock(consul_standin, consul_clock, "a")
+    consul_clock.advance(TICK_S)
+    assert a.tick()
+    consul_clock.advance(TTL_S - 0.5)
+    assert a.is_leader                        # still within its lease
+    consul_clock.advance(0.5)
+    assert not a.is_leader                    # lease over without a renew
+
+
+def test_release_hands_over_at_once(consul_standin, consul_clock):
+    a, b = lock(consul_standin, consul_clock, "a"), lock(consul_standin, consul_clock, "b")
+    consul_clock.advance(TICK_S)
+    assert a.tick() and not b.tick()
+    a.release()
+    assert b.tick()
+    assert consul_standin.kv[LEADER_KEY]["Session"] == b.session
+
+
+@pytest.mark.parametrize("ttl", [9, 86401])
+def test_ttl_limits(consul_standin, consul_clock, ttl):
+    with pytest.raises(ConfigError):
+        LeaderLock(consul_client(f"{consul_standin.host}:{consul_standin.port}"),
+                   clock=consul_clock, name="x", ttl_s=ttl)
