@@ -129,6 +129,9 @@ class Fleet:
         self._t_acc = clock.now()
         self.starts_by_tier = {"suspended": 0, "restore": 0, "naive": 0}
         self.reasons: list[tuple[float, int, str]] = []
+        # where released replicas go; a keep-alive policy may change both every tick
+        self.keep_suspended = cfg.keep_suspended
+        self.suspended_ttl_s = cfg.suspended_ttl_s
 
     # --- Scaler protocol ---------------------------------------------------------------
     def target(self, model: str) -> int:
@@ -140,7 +143,7 @@ class Fleet:
         if count != self._target:
             self.reasons.append((self.clock.now(), count, reason))
         self._target = count
-        self._expire_suspended()
+        self.expire_suspended()
         have = self.count[WARM] + self.count[BOOTING] + self._pending_starts
         if count > have:
             self._pending_starts += count - have
@@ -239,7 +242,7 @@ class Fleet:
         was = self.state[i]
         if was == WARM:
             self.router.remove(self.ids[i])
-        self._set(i, SUSPENDED if self.cfg.keep_suspended and was in (WARM, DRAINING) else OFF)
+        self._set(i, SUSPENDED if self.keep_suspended and was in (WARM, DRAINING) else OFF)
         self.suspended_at[i] = self.clock.now()
 
     def _scale_in(self, n: int) -> None:
@@ -264,10 +267,10 @@ class Fleet:
                 self._set(i, DRAINING)
         self._start_pending()
 
-    def _expire_suspended(self) -> None:
+    def expire_suspended(self) -> None:
         if not self.count[SUSPENDED]:
             return
-        limit = self.clock.now() - self.cfg.suspended_ttl_s
+        limit = self.clock.now() - self.suspended_ttl_s
         for i, s in enumerate(self.state):
             if s == SUSPENDED and self.suspended_at[i] <= limit:
                 self._set(i, OFF)

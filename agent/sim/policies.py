@@ -123,3 +123,36 @@ class ConcurrencyBuffer:
             need = max(need, self.floor_replicas)
         self._held.append(need)
         sim.fleet.set_target(self.model, max(self._held), reason="buffer over in-flight")
+
+
+class PredictorPolicy:
+    """rewarm's policy: the production :class:`~agent.predictor.loop.Predictor`, unchanged.
+
+    Each tick feeds the tick's arrivals to ``Predictor.observe`` and calls ``Predictor.tick``,
+    which calls ``Fleet.set_target`` (the fleet is its Scaler).  The decision's keep-alive
+    plan says where released replicas go: ``release_tier == "suspend"`` parks them in the
+    suspended tier for ``stop_s - warm_s`` seconds (when the fleet has that tier), else they
+    stop.  The predictor is built by the caller so tests can hold and patch the very object.
+    """
+
+    def __init__(self, predictor, model: str) -> None:
+        from agent.predictor.loop import Predictor
+
+        if not isinstance(predictor, Predictor):
+            raise TypeError(f"PredictorPolicy needs agent.predictor.loop.Predictor, "
+                            f"got {type(predictor).__name__}")
+        self.predictor = predictor
+        self.model = model
+        self.decisions = 0
+
+    def tick(self, now_s: float, arrivals: int, sim) -> None:
+        fleet = sim.fleet
+        self.predictor.observe(self.model, arrivals, sim.tick_s)
+        for d in self.predictor.tick():
+            if d.model != self.model:
+                continue
+            self.decisions += 1
+            plan = d.keepalive
+            fleet.keep_suspended = fleet.cfg.keep_suspended and plan.release_tier == "suspend"
+            fleet.suspended_ttl_s = max(0.0, plan.stop_s - plan.warm_s)
+        fleet.expire_suspended()

@@ -21,7 +21,7 @@ import numpy as np
 from agent.clock import ManualClock
 from agent.frontdoor.admission import AdmissionQueue
 from agent.frontdoor.router import Router
-from agent.sim.cost import summarise
+from agent.sim.cost import DOC_REQUESTS_PER_DAY, summarise
 from agent.sim.events import RunRecord, Simulation
 from agent.sim.fleet import Fleet, FleetConfig, StartupTimes
 from agent.sim.trace import Workload, mix, synthetic
@@ -183,3 +183,148 @@ def spike_scenario(shape: SpikeShape = SpikeShape(),
 
 def _pct(x: float | None) -> float | None:
     return None if x is None else round(100.0 * x, 2)
+
+
+# --- cost ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CostShape:
+    """The snapshot document's capacity example ("Scaling and Performance"), our burst plan.
+
+    ``base_rps`` 20 with bursts to ``burst_rps`` 200, each ``burst_s`` long, one per
+    ``burst_period_s`` (8 bursts, 2 GPU-heavy hours a day: the document's 114 GPU-hours for
+    3 warm replicas imply 42 burst GPU-hours = 2 h x 21 replicas).  Bursts alternate between
+    a ``step_ramp_s`` jump (an unforecastable spike) and a ``slow_ramp_s`` linear rise.
+    ``occupancy_s`` 7.0, ``prefill_s`` TTFT on a free replica, ``need_tokens`` 900 (average
+    context), ``kv_capacity_tokens`` 72,089 -> 80 sequences, SLA ``sla_s`` 4 s.
+    """
+
+    hours: float = 24.0
+    base_rps: float = 20.0
+    burst_rps: float = 200.0
+    burst_s: float = 900.0
+    burst_period_s: float = 3 * 3600.0
+    step_ramp_s: float = 10.0
+    slow_ramp_s: float = 120.0
+    occupancy_s: float = 7.0
+    prefill_s: float = 0.25
+    need_tokens: int = 900
+    kv_capacity_tokens: int = 72_089
+    seqs_per_replica: int = 80
+    utilisation: float = 0.75
+    sla_s: float = 4.0
+    price_per_gpu_hour: float = 2.80
+
+
+def cost_rates(shape: CostShape) -> np.ndarray:
+    """Per-second arrival rate ``[T]`` (req/s): baseline plus the bursts."""
+    duration = int(shape.hours * 3600)
+    t = np.arange(duration, dtype=np.float64)
+    rate = np.full(duration, shape.base_rps)
+    period = min(shape.burst_period_s, duration)
+    starts = np.arange(period / 2 if duration >= shape.burst_period_s else duration / 3,
+                       duration - shape.burst_s / 2, period)
+    for k, s in enumerate(starts):
+        ramp = shape.step_ramp_s if k % 2 == 0 else shape.slow_ramp_s
+        up = np.clip((t - s) / ramp, 0, 1)
+        down = np.clip((s + shape.burst_s - t) / ramp, 0, 1)
+        rate = np.maximum(rate, shape.base_rps + (shape.burst_rps - shape.base_rps)
+                          * np.minimum(up, down))
+    return rate
+
+
+def cost_workload(shape: CostShape, seed: int = 0) -> Workload:
+    return synthetic(cost_rates(shape), step_s=1.0, occupancy_s=shape.occupancy_s,
+                     prefill_s=shape.prefill_s, need_tokens=shape.need_tokens,
+                     rng=np.random.default_rng(seed))
+
+
+def _predictor(model: str, clock, fleet, **policy_kw):
+    from agent.predictor.loop import ModelPolicy, Predictor
+
+    return Predictor([ModelPolicy(model, **policy_kw)], clock=clock, scaler=fleet,
+                     snapshot_durable=lambda m: fleet.cfg.use_snapshot)
+
+
+def cost_policies(shape: CostShape, startup: StartupTimes = StartupTimes()) -> dict:
+    """name -> (FleetConfig, make_controller, initial replicas), the five policies compared."""
+    from agent.predictor.keepalive import KeepAliveCosts
+    from agent.sim.policies import FixedPool, PredictorPolicy, Reactive
+
+    s = shape
+    peak = int(np.ceil(s.burst_rps * s.occupancy_s / (s.seqs_per_replica * s.utilisation)))
+    base = int(np.ceil(s.base_rps * s.occupancy_s / (s.seqs_per_replica * s.utilisation)))
+    cfg = FleetConfig(model=MODEL, seqs_per_replica=s.seqs_per_replica,
+                      kv_capacity_tokens=s.kv_capacity_tokens, startup=startup,
+                      max_replicas=4 * peak)
+    naive_cfg = replace(cfg, use_snapshot=False)
+    rewarm_cfg = replace(cfg, keep_suspended=True)
+    restore_p99 = startup.restore_s[1]
+    resume_s = startup.suspended_s[1]
+    gpu_per_s = s.price_per_gpu_hour / 3600.0
+    common = dict(seqs_per_replica=s.seqs_per_replica, occupancy_s=s.occupancy_s)
+
+    def reactive(min_replicas, window_s, keepalive_s):
+        return lambda c, clock, fleet: Reactive(
+            MODEL, utilisation=s.utilisation, min_replicas=min_replicas, max_replicas=4 * peak,
+            window_s=window_s, keepalive_s=keepalive_s, initial_rate_rps=s.base_rps, **common)
+
+    def doc_predictive(c, clock, fleet):
+        # the document's Holt (alpha 0.35, beta 0.15, 15 s lead), 3 warm, no suspended tier
+        return PredictorPolicy(_predictor(
+            MODEL, clock, fleet, utilisation=s.utilisation, min_replicas=base, max_replicas=4 * peak,
+            alpha=0.35, beta=0.15, phi=1.0, lead_time_s=15.0, restore_p99_s=restore_p99,
+            costs=KeepAliveCosts(gpu_cost_per_s=gpu_per_s, restore_s=restore_p99), **common), MODEL)
+
+    def rewarm(c, clock, fleet):
+        # rewarm's defaults: damped Holt + fast reaction, breakeven keep-alive with the
+        # suspended tier, measured restore/resume, fuller replicas (0.9), no fixed floor
+        # beyond one replica
+        return PredictorPolicy(_predictor(
+            MODEL, clock, fleet, utilisation=0.9, min_replicas=1, max_replicas=4 * peak,
+            lead_time_s=max(15.0, restore_p99 + 2.0), restore_p99_s=restore_p99,
+            costs=KeepAliveCosts(gpu_cost_per_s=gpu_per_s, suspended_cost_per_s=gpu_per_s / 20,
+                                 restore_s=restore_p99, resume_s=min(resume_s, restore_p99)),
+            **common), MODEL)
+
+    return {
+        "always_on": (cfg, lambda c, clock, fleet: FixedPool(MODEL, peak), peak),
+        "scale_to_zero": (naive_cfg, reactive(min(peak, 20), 10.0, 300.0), min(peak, 20)),
+        "snapshot_reactive": (cfg, reactive(base, 30.0, 60.0), base),
+        "snapshot_predictive": (cfg, doc_predictive, base),
+        "rewarm": (rewarm_cfg, rewarm, base),
+    }
+
+
+def cost_scenario(shape: CostShape = CostShape(), startup: StartupTimes = StartupTimes(), *,
+                  seed: int = 0, progress: bool = False, only: tuple[str, ...] | None = None) -> dict:
+    """All five policies on one workload; returns ``{"policies": [...], ...}`` (JSON-ready)."""
+    w = cost_workload(shape, seed)
+    out, wall, sim_h = [], 0.0, 0.0
+    for name, (cfg, make, initial) in cost_policies(shape, startup).items():
+        if only and name not in only:
+            continue
+        summary, rec, _ = run_workload(w, cfg, make, max_wait_s=shape.sla_s - shape.prefill_s,
+                                       sla_s=shape.sla_s, initial_replicas=initial,
+                                       end_s=shape.hours * 3600.0, seed=seed, progress=progress)
+        # suspended replicas hold host RAM, priced like the keep-alive does (GPU price / 20)
+        extra = summary["suspended_replica_hours"] * shape.price_per_gpu_hour / 20
+        summary["cost_per_1000_requests"] = (summary["gpu_hours"] * shape.price_per_gpu_hour
+                                             + extra) / len(w) * 1000.0
+        summary["cost_per_day"] = (summary["gpu_hours"] * shape.price_per_gpu_hour + extra) \
+            * 24.0 / summary["sim_hours"]
+        # the document divides a day's cost by baseline volume only (cost.DOC_REQUESTS_PER_DAY)
+        summary["cost_per_1000_requests_doc_basis"] = summary["cost_per_day"] / DOC_REQUESTS_PER_DAY \
+            * 1000.0
+        summary["name"] = name
+        summary["series"] = {"t_s": rec.tick_t_s[::30].tolist(),
+                             "billed": rec.billed_replicas[::30].tolist(),
+                             "warm": rec.warm_replicas[::30].tolist()}
+        out.append(summary)
+        wall += rec.wall_s
+        sim_h += rec.sim_s / 3600.0
+    from agent.sim.cost import DOC_COST_TABLE
+
+    return {"scenario": "cost", "shape": shape.__dict__, "startup": startup.__dict__,
+            "requests": len(w), "policies": out, "doc": DOC_COST_TABLE,
+            "sim_wall_s_per_sim_hour": wall / sim_h if sim_h else None}
