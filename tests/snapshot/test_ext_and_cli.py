@@ -36,7 +36,7 @@ def test_read_chunks_reports_errors_per_job(tmp_path):
         assert res[1][1] == 1                      # file ended inside the chunk
         assert res[2][0] == errno.EBADF
         with pytest.raises(ValueError, match="outside"):
-            _restore.read_chunks(buf.memory, [(-1, fd, 0, 4096, 8192, 0)], 1, True)
+            _restore.read_chunks(buf.memory, [(-1, fd, 0, 4096, 16384, 0)], 1, True)
         with pytest.raises(ValueError, match="threads"):
             _restore.read_chunks(buf.memory, [], 0, True)
     finally:
