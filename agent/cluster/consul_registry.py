@@ -75,12 +75,11 @@ class ConsulRegistry:
                 if any(inst.meta.get(k) != v for k, v in meta.items()):
                     inst.meta.update(meta)
                     self._register(inst, ttl_s)
-            self._c.agent.check.ttl_pass(f"service:{instance_id}")
-        except consul.exceptions.NotFound as exc:
-            raise KeyError(f"pass_ttl: service instance {instance_id!r} is not registered") \
-                from exc
+            passed = self._c.agent.check.ttl_pass(f"service:{instance_id}")
         except (consul.exceptions.ConsulException, OSError) as exc:
             raise cluster_error(exc, f"/v1/agent/check/pass/service:{instance_id}") from exc
+        if not passed:   # Consul answers 404 for an unknown check; py-consul returns False
+            raise KeyError(f"pass_ttl: service instance {instance_id!r} is not registered")
 
     def deregister(self, instance_id: str) -> None:
         self._mine.pop(instance_id, None)

@@ -71,7 +71,8 @@ class StandIn:
         self.server.daemon_threads = True
         self.host, self.port = self.server.server_address[:2]
         self.url = f"http://{self.host}:{self.port}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self.server.serve_forever,
+                                        kwargs={"poll_interval": 0.05}, daemon=True)
 
     def start(self):
         self._thread.start()

@@ -1,0 +1,84 @@
+"""Every job spec parses (python-hcl2) and has the fields the code relies on."""
+
+import json
+import pathlib
+
+import pytest
+
+from agent.cli import main
+from agent.cluster.jobs import JOBS_DIR, load_hcl, render_replica_job
+from agent.cluster.nomad_scaler import GROUP, JOB_PREFIX, SNAPSHOTS_META_KEY
+from agent.errors import ConfigError
+
+
+def parse(name):
+    return load_hcl((JOBS_DIR / name).read_text().replace("__MAX__", "8"))
+
+
+def job_body(parsed):
+    (label, body), = parsed["job"][0].items()
+    return label, body
+
+
+def test_agent_is_a_system_job_with_gpu_and_volume():
+    label, job = job_body(parse("rewarm-agent.nomad.hcl"))
+    assert label == "rewarm-agent" and job["type"] == "system"
+    (gname, group), = job["group"][0].items()
+    assert "snapshots" in group["volume"][0]
+    (tname, task), = group["task"][0].items()
+    assert task["volume_mount"][0]["volume"] == "snapshots"
+    assert "nvidia/gpu" in task["resources"][0]["device"][0]
+
+
+@pytest.mark.parametrize("name,service", [("rewarm-frontdoor.nomad.hcl", "rewarm-frontdoor"),
+                                          ("rewarm-predictor.nomad.hcl", "rewarm-predictor")])
+def test_services_register_with_consul_and_a_check(name, service):
+    _, job = job_body(parse(name))
+    assert job["type"] == "service"
+    (_, group), = job["group"][0].items()
+    svc = group["service"][0]
+    assert svc["name"] == service and svc["provider"] == "consul"
+    assert svc["check"][0]["interval"]
+
+
+def test_replica_template_renders_for_the_api():
+    job = render_replica_job("smollm2", max_replicas=6)
+    assert job["ID"] == JOB_PREFIX + "smollm2" and job["Type"] == "service"
+    tg, = job["TaskGroups"]
+    assert tg["Name"] == GROUP and tg["Count"] == 0
+    assert tg["Scaling"]["Min"] == 0 and tg["Scaling"]["Max"] == 6
+    aff, = tg["Affinities"]
+    assert aff["LTarget"] == "${meta.%s}" % SNAPSHOTS_META_KEY
+    assert aff["Operand"] == "set_contains" and aff["RTarget"] == "smollm2"
+    task, = tg["Tasks"]
+    assert task["Resources"]["Devices"] == [{"Name": "nvidia/gpu", "Count": 1}]
+    assert "model=smollm2" in tg["Services"][0]["Tags"]
+
+
+@pytest.mark.parametrize("model,mx", [("", 4), ("bad/name", 4), ("x" * 64, 4), ("m", 0),
+                                      ("m", 1025)])
+def test_render_limits(model, mx):
+    with pytest.raises(ConfigError):
+        render_replica_job(model, mx)
+
+
+def test_render_limits_at_their_values():
+    render_replica_job("x" * 63, 1)
+    render_replica_job("m", 1024)
+
+
+def test_cli_prints_the_job(capsys):
+    assert main(["jobs", "render", "--model", "m", "--max-replicas", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["Job"]["TaskGroups"][0]["Scaling"]["Max"] == 3
+
+
+def test_systemd_units_restart_and_read_the_environment_file():
+    units = sorted((JOBS_DIR / "systemd").glob("rewarm-*.service"))
+    assert [u.name for u in units] == ["rewarm-agent.service", "rewarm-frontdoor.service",
+                                       "rewarm-predictor.service"]
+    for unit in units:
+        text = unit.read_text()
+        assert "Restart=on-failure" in text and "EnvironmentFile=" in text
+        assert "ExecStart=" in text
+    assert (JOBS_DIR / "systemd" / "rewarm.env.example").exists()
