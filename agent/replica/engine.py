@@ -176,6 +176,22 @@ class Engine:
         self._waiting.append(seq)
         return seq.seq_id
 
+    def adopt_prefilled(self, prompt: Sequence[int], logits: torch.Tensor, max_tokens: int, *,
+                        seed: int | None = None, stop: set[int] | None = None) -> tuple[int, int]:
+        """Take over a sequence whose prompt was already prefilled into slot 0 of this engine's
+        caches (agent/replica/firstboot.py).  ``logits`` [V] are the prompt's last position.
+        Returns ``(seq_id, first_token)`` (token -1 when it was a stop token).  Raises
+        ProtocolError unless the engine is empty, as :meth:`submit` for the request."""
+        if self._active or self._waiting:
+            raise ProtocolError("adopt_prefilled needs an empty engine", field="active_seqs",
+                                value=len(self._active) + len(self._waiting), limit=0)
+        seq_id = self.submit(prompt, max_tokens, seed, stop)
+        seq = self._waiting.pop()
+        seq.slot = self.kv.allocate(len(seq.prompt) + seq.max_tokens)  # the lowest: slot 0
+        seq.pos = len(seq.prompt)
+        self._active[seq.slot] = seq
+        return seq_id, self._emit(seq, logits).token
+
     def cancel(self, seq_id: int) -> None:
         """Drop a waiting or active sequence (freeing its slot); unknown ids are ignored."""
         self._waiting = collections.deque(s for s in self._waiting if s.seq_id != seq_id)

@@ -4,8 +4,11 @@ For tests and size sweeps, where the real model is too small or too slow.  ``13b
 the snapshot design document's 13B geometry (seeds/002: 40 layers, 8 KV heads, head dim 128,
 KV 160 KB per token in 16-bit) with hidden size, MLP width and vocabulary scaled down by
 ``scale`` so that it fits a development machine; ``scale=1`` is the full 40 x 5120 shape
-(~13 B parameters, 26 GB in bf16).  Weights are N(0, 0.02) from ``torch.Generator(seed)``,
-norms are ones: the same seed gives the same bytes everywhere.
+(Llama-2-13B's, with the document's 8 KV heads: 11.3 B parameters, 22.7 GB in bf16).
+
+Weights come from ``torch.Generator(seed)``: embeddings N(0, 1), matrices N(0, 1/fan_in) (so
+activations keep unit scale and logits are peaked enough that sampling depends on the weights,
+which the golden-check tests need), norms are ones.  The same seed gives the same bytes.
 """
 
 from __future__ import annotations
@@ -61,14 +64,16 @@ def preset_config(preset: str, scale: int = 1, dtype: str | None = None) -> Llam
 
 
 def synthetic_tensors(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Hugging Face-named tensors for ``config``: N(0, 0.02) matrices, ones for norms."""
+    """Hugging Face-named tensors for ``config``: embeddings N(0, 1), other matrices
+    N(0, 1/fan_in), norms ones."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in sorted(hf_expected_shapes(config).items()):
         if len(shape) == 1:
             out[name] = torch.ones(shape, dtype=config.torch_dtype)
         else:
-            out[name] = (torch.randn(shape, generator=gen) * 0.02).to(config.torch_dtype)
+            std = 1.0 if name == "model.embed_tokens.weight" else shape[1] ** -0.5
+            out[name] = (torch.randn(shape, generator=gen) * std).to(config.torch_dtype)
     return out
 
 
@@ -80,8 +85,10 @@ def make_synthetic(out_dir: Path | str, preset: str = "tiny", *, seed: int = 0, 
     tmp = out_dir.with_name(out_dir.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)
     config.write(tmp)
-    save_file(synthetic_tensors(config, seed), str(tmp / "model.safetensors"),
-              metadata={"format": "pt", "synthetic_seed": str(seed), "preset": preset})
+    # One metadata key only: safetensors writes the metadata map in hash order, so several
+    # keys would make the bytes (and the source digest) differ run to run.
+    save_file(synthetic_tensors(config, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "SOURCE").write_text(f"synthetic preset={preset} seed={seed} scale={scale}\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -1,0 +1,105 @@
+"""The engine on the tiny synthetic model: batching, sampling, stop, max_tokens, limits."""
+
+import pytest
+import torch
+
+from agent.errors import CapacityExceeded, ProtocolError
+from agent.replica.engine import Engine
+from agent.replica.synthetic import preset_config, synthetic_tensors
+
+PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5], [42], [100, 101]]
+
+
+def reference_greedy(engine, prompt, n):
+    """Greedy decoding by re-running the whole sequence each step (no cache reuse)."""
+    seq, out = list(prompt), []
+    for _ in range(n):
+        fresh = Engine(engine.config, None, max_seqs=1, max_seq_len=engine.kv.max_seq_len,
+                       forward=engine.model)
+        t = torch.tensor([seq])
+        with torch.inference_mode():
+            logits = fresh.forward(t, torch.arange(len(seq))[None], torch.tensor([0]),
+                                   fresh.k_caches, fresh.v_caches)
+        out.append(int(logits[0, -1].argmax()))
+        seq.append(out[-1])
+    return out
+
+
+def test_greedy_matches_uncached_reference_and_batching(tiny_engine):
+    out = tiny_engine.generate(PROMPTS, 6)
+    assert [len(o) for o in out] == [6, 6, 6, 6]
+    assert out[1] == reference_greedy(tiny_engine, PROMPTS[1], 6)
+    # four prompts, three slots: the fourth waits, then runs; each equals running alone
+    assert [tiny_engine.generate([p], 6)[0] for p in PROMPTS] == out
+    assert len({tuple(o) for o in out}) > 1
+    assert tiny_engine.capacity()["active_seqs"] == 0 and tiny_engine.kv.free_slots == 3
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_engine):
+    a = tiny_engine.generate(PROMPTS[:2], 10, seed=5)
+    assert tiny_engine.generate(PROMPTS[:2], 10, seed=5) == a
+    assert tiny_engine.generate(PROMPTS[:2], 10, seed=6) != a
+    assert a != tiny_engine.generate(PROMPTS[:2], 10)  # not greedy
+
+
+def test_stop_token_ends_sequence_and_is_not_returned(tiny_engine):
+    full = tiny_engine.generate([PROMPTS[0]], 8)[0]
+    stop_at = full[3]
+    cut = tiny_engine.generate([PROMPTS[0]], 8, stop={stop_at})[0]
+    assert cut == full[:full.index(stop_at)]
+    assert tiny_engine.kv.free_slots == 3
+
+
+def test_prompt_plus_max_tokens_at_and_over_a_slot(tiny_engine):
+    prompt = list(range(20))
+    assert len(tiny_engine.generate([prompt], 12)[0]) == 12      # 20 + 12 = 32 = max_seq_len
+    with pytest.raises(CapacityExceeded) as e:
+        tiny_engine.generate([[1], prompt], 13)
+    assert e.value.need_tokens == 33 and e.value.limit_tokens == 32
+    assert not tiny_engine.busy  # nothing was queued for the valid first prompt
+
+
+@pytest.mark.parametrize("prompt, max_tokens, field", [
+    ([], 4, "tokens"), ([256], 4, "tokens"), ([-1], 4, "tokens"), ([1], 0, "max_tokens")])
+def test_bad_requests(tiny_engine, prompt, max_tokens, field):
+    with pytest.raises(ProtocolError) as e:
+        tiny_engine.submit(prompt, max_tokens)
+    assert e.value.field == field
+
+
+def test_step_api_streams_and_reports_capacity(tiny_engine):
+    a = tiny_engine.submit([1, 2], 3)
+    b = tiny_engine.submit([3], 2)
+    first = tiny_engine.step()
+    # both admitted (prefill gives the first token) and decoded once in the same step
+    assert [e.seq_id for e in first] == [a, b, a, b]
+    cap = tiny_engine.capacity(context_len=16)
+    assert cap["active_seqs"] == 1 and cap["kv_used_tokens"] == 5
+    assert cap["kv_capacity_tokens"] == 96 and cap["max_seqs"] == 3
+    assert cap["seqs_at_context"] == 3 and cap["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    events = tiny_engine.step()
+    assert [(e.seq_id, e.done) for e in events] == [(a, True)]
+    assert not tiny_engine.busy
+
+
+def test_cancel_frees_the_slot(tiny_engine):
+    a = tiny_engine.submit([1, 2], 10)
+    tiny_engine.step()
+    tiny_engine.cancel(a)
+    assert tiny_engine.kv.free_slots == 3 and not tiny_engine.busy
+
+
+def test_sized_engine_takes_slots_from_the_budget():
+    config = preset_config("tiny")
+    weights = synthetic_tensors(config)
+    engine = Engine.sized(config, weights, budget_bytes=config.kv_bytes_per_token * 64 * 5 + 7,
+                          max_seq_len=64)
+    assert engine.kv.max_seqs == 5 and engine.k_caches[0].shape == (5, 64, 2, 16)
+
+
+def test_warmup_runs_each_shape_class_and_refuses_when_busy(tiny_engine):
+    assert tiny_engine.warmup() == 4
+    tiny_engine.submit([1], 5)
+    tiny_engine.step()
+    with pytest.raises(ProtocolError, match="warmup"):
+        tiny_engine.warmup()

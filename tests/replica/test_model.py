@@ -1,0 +1,100 @@
+"""The KV-cache-as-input forward: incremental decode equals a full pass, slots are independent,
+the cache is written in place where the docstring says, both layouts load the same module."""
+
+import pytest
+import torch
+
+from agent.errors import InvalidCheckpoint
+from agent.replica.model import Transformer, hf_to_runtime, new_kv_caches, runtime_shapes
+from agent.replica.synthetic import preset_config, synthetic_tensors
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = preset_config("tiny")
+    hf = synthetic_tensors(config, seed=1)
+    # norms of ones hide a wrong norm wiring; perturb them
+    gen = torch.Generator().manual_seed(2)
+    hf = {k: (v + 0.1 * torch.randn(v.shape, generator=gen)) if v.dim() == 1 else v * 10
+          for k, v in hf.items()}
+    return config, hf, Transformer.from_weights(config, hf_to_runtime(hf))
+
+
+def run(model, tokens, pos, idx, caches):
+    with torch.inference_mode():
+        return model(tokens, pos, idx, *caches)
+
+
+def test_incremental_decode_matches_full_pass(setup):
+    config, _, model = setup
+    tokens = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    full = run(model, tokens, torch.arange(12)[None], torch.tensor([0]), new_kv_caches(config, 2, 16))
+    caches = new_kv_caches(config, 2, 16)
+    steps = [run(model, tokens[:, :7], torch.arange(7)[None], torch.tensor([1]), caches)[:, -1]]
+    for p in range(7, 12):
+        steps.append(run(model, tokens[:, p:p + 1], torch.tensor([[p]]), torch.tensor([1]), caches)[:, -1])
+    assert full.shape == (1, 12, config.vocab_size) and full.dtype == torch.float32
+    torch.testing.assert_close(torch.cat(steps), full[0, 6:], atol=1e-4, rtol=1e-4)
+    assert full[0, -1].std() > 0.1  # a real signal, not a constant
+
+
+def test_batched_rows_equal_single_rows_and_slots_do_not_leak(setup):
+    config, _, model = setup
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, config.vocab_size, (1, 5), generator=g) for _ in range(2))
+    caches = new_kv_caches(config, 4, 16)
+    # stale garbage in slot 2 from an earlier occupant must not be read
+    for c in caches[0] + caches[1]:
+        c[2].fill_(50.0)
+    both = run(model, torch.cat([a, b]), torch.arange(5).repeat(2, 1), torch.tensor([2, 0]), caches)
+    alone_a = run(model, a, torch.arange(5)[None], torch.tensor([0]), new_kv_caches(config, 1, 16))
+    alone_b = run(model, b, torch.arange(5)[None], torch.tensor([0]), new_kv_caches(config, 1, 16))
+    torch.testing.assert_close(both[0], alone_a[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(both[1], alone_b[0], atol=1e-4, rtol=1e-4)
+
+
+def test_cache_written_in_place_at_slot_and_position(setup):
+    config, _, model = setup
+    k, v = new_kv_caches(config, 3, 8)
+    run(model, torch.tensor([[5, 6]]), torch.tensor([[3, 4]]), torch.tensor([1]), (k, v))
+    for c in k + v:
+        assert c.shape == (3, 8, config.num_key_value_heads, config.head_dim)
+        written = c.abs().sum(dim=(2, 3))
+        assert torch.count_nonzero(written) == 2 and written[1, 3] > 0 and written[1, 4] > 0
+
+
+def test_hf_layout_loads_through_the_hook(setup):
+    config, hf, model = setup
+    with torch.device("meta"):
+        other = Transformer(config)
+    other.load_state_dict(hf, assign=True)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(other.state_dict()[name], tensor), name
+    assert set(model.state_dict()) == set(runtime_shapes(config))
+    assert "output.weight" not in model.state_dict()  # tiny ties embeddings
+
+
+def test_fused_layout_orders_q_k_v_and_gate_up(setup):
+    config, hf, model = setup
+    wqkv = model.state_dict()["layers.1.attention.wqkv.weight"]
+    assert torch.equal(wqkv[:config.n_q], hf["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(wqkv[config.n_q + config.n_kv:], hf["model.layers.1.self_attn.v_proj.weight"])
+    w13 = model.state_dict()["layers.1.feed_forward.w13.weight"]
+    assert torch.equal(w13[config.intermediate_size:], hf["model.layers.1.mlp.up_proj.weight"])
+
+
+def test_from_weights_names_tensor_and_both_shapes(setup):
+    config, hf, _ = setup
+    bad = dict(hf)
+    bad["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(config.n_kv + 1, config.hidden_size)
+    with pytest.raises(InvalidCheckpoint, match=r"layers\.0\.attention\.wqkv\.weight.*\(129, 64\).*\(128, 64\)"):
+        Transformer.from_weights(config, bad)
+
+
+def test_rope_rotates_pairs_half_apart(setup):
+    _, _, model = setup
+    cos, sin = model.rope_cos_sin(torch.tensor([[0, 1]]))
+    assert cos.shape == (1, 2, 1, model.config.head_dim)
+    torch.testing.assert_close(cos[0, 0], torch.ones_like(cos[0, 0]))
+    # frequency 0 of the first half equals frequency 0 of the second half (rotate-half layout)
+    assert cos[0, 1, 0, 0] == cos[0, 1, 0, model.config.head_dim // 2] == torch.cos(torch.tensor(1.0))
