@@ -97,9 +97,25 @@ class ReplicaRecord:
                 "attempts": self.attempts}
 
 
-def _failure_status(exc: BaseException) -> str:
-    """corrupt: the bytes or the state they hold are wrong; stale: not usable here/now."""
-    return "corrupt" if isinstance(exc, (SnapshotCorrupt, GoldenMismatch)) else "stale"
+class _Failed(Exception):
+    def __init__(self, exc: BaseException, status: str) -> None:
+        self.exc, self.status = exc, status
+
+
+def _classify(exc: BaseException, snapshot: Path) -> str:
+    """corrupt: the bytes, or the state they hold, are wrong; stale: not usable here or now.
+
+    An error that does not say (a worker's answer, a dead zygote, a timeout) is settled by
+    re-reading every chunk of the local copy."""
+    if isinstance(exc, (SnapshotCorrupt, GoldenMismatch)):
+        return "corrupt"
+    if isinstance(exc, SnapshotIncompatible):
+        return "stale"
+    try:
+        verify_chunks(snapshot, read_manifest(snapshot))
+    except SnapshotError:
+        return "corrupt"
+    return "stale"
 
 
 class NodeAgent:
@@ -243,14 +259,18 @@ class NodeAgent:
         zygote = self._take_zygote(rec.device)
         try:
             with self.store.reading(row.snapshot_id) as snap:
-                manifest = read_manifest(snap)
-                check_pins(manifest.pins, self.inventory.pins(rec.device), snap)
-                handle = _bounded(lambda: zygote.restore(snap, rec.lifecycle.replica_id),
-                                  self.config.restore_timeout_s, "restore")
-        except (SnapshotError, GoldenMismatch, CudaCheckpointError, OSError, RuntimeError,
-                RewarmError) as exc:
-            zygote.kill()
-            status = _failure_status(exc)
+                try:
+                    manifest = read_manifest(snap)
+                    check_pins(manifest.pins, self.inventory.pins(rec.device), snap)
+                    handle = _bounded(lambda: zygote.restore(snap, rec.lifecycle.replica_id),
+                                      self.config.restore_timeout_s, "restore")
+                except (SnapshotError, GoldenMismatch, CudaCheckpointError, OSError,
+                        RuntimeError, RewarmError) as exc:
+                    zygote.kill()
+                    status = _classify(exc, snap)
+                    raise _Failed(exc, status) from exc
+        except _Failed as failed:
+            exc, status = failed.exc, failed.status
             log.error("%s of %s from %s failed closed (%s): %s", path, rec.spec.key,
                       row.snapshot_id, status, exc)
             if row.status in ("pending", "ready"):

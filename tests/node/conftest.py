@@ -10,6 +10,16 @@ import subprocess
 
 import pytest
 
+from concurrent.futures import ThreadPoolExecutor
+
+from agent.clock import ManualClock
+from agent.cluster.local import LocalRegistry
+from agent.node.agent import AgentConfig, NodeAgent
+from agent.node.backend import InProcessBackend, ModelSpec
+from agent.node.inventory import Inventory
+from agent.snapshot.catalog import Catalog
+from agent.snapshot.store import LocalStore
+
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
@@ -58,3 +68,63 @@ def fake(fake_libcuda_path):
 
 # call indices of fake_set_result / fake_calls
 C_STATE, C_TID, C_LOCK, C_CHECKPOINT, C_RESTORE, C_UNLOCK = range(6)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> pathlib.Path:
+    from agent.replica.synthetic import make_synthetic
+
+    return make_synthetic(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=3)
+
+
+class DownableRegistry(LocalRegistry):
+    """The embedded registry with an off switch (stands in for Consul going away)."""
+
+    def __init__(self, clock):
+        super().__init__(clock)
+        self.down = False
+        self.calls = 0
+
+    def _gate(self):
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("registry unreachable")
+
+    def register(self, instance, ttl_s):
+        self._gate()
+        super().register(instance, ttl_s)
+
+    def pass_ttl(self, instance_id, meta=None):
+        self._gate()
+        super().pass_ttl(instance_id, meta)
+
+    def deregister(self, instance_id):
+        self._gate()
+        super().deregister(instance_id)
+
+
+@pytest.fixture
+def make_agent(tmp_path, tiny_dir):
+    made = []
+
+    def make(remote: bool = False, registry=None, capacity_bytes: int = 1 << 30, **cfg):
+        clock = ManualClock(1000.0)
+        registry = registry or DownableRegistry(clock)
+        state = tmp_path / f"state{len(made)}"
+        catalog = Catalog(state.parent / f"catalog{len(made)}.db", clock=clock)
+        store = LocalStore(state / "nvme", capacity_bytes, clock=clock)
+        config = AgentConfig(node_id="n1", remote_root=(tmp_path / "remote") if remote else None,
+                             **cfg)
+        agent = NodeAgent(config, models=[ModelSpec(tiny_dir)],
+                          backend=InProcessBackend(buffer_bytes=1 << 20), catalog=catalog,
+                          store=store, registry=registry, inventory=Inventory([], "test: cpu"),
+                          clock=clock, executor=ThreadPoolExecutor(2),
+                          sleep=lambda s: clock.advance(s))
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.executor.shutdown(wait=True)
+
+

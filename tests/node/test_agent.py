@@ -4,82 +4,19 @@ with real snapshots, real restores and real golden checks (in-process backend)."
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from agent.clock import ManualClock
 from agent.cluster.local import LocalRegistry
 from agent.errors import ConfigError, ModelNotFound
 from agent.node import capture as cap
 from agent.node.agent import AgentConfig, NodeAgent, ScaleInBlocked
-from agent.node.backend import InProcessBackend, ModelSpec
-from agent.node.inventory import Inventory
-from agent.snapshot.catalog import Catalog
 from agent.snapshot.format import ALIGN
 from agent.snapshot.reader import read_manifest
 from agent.snapshot.store import LocalStore
 
 PROMPTS = [[1, 2, 3, 4], [9, 8, 7]]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    from agent.replica.synthetic import make_synthetic
-
-    return make_synthetic(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=3)
-
-
-class DownableRegistry(LocalRegistry):
-    """The embedded registry with an off switch (stands in for Consul going away)."""
-
-    def __init__(self, clock):
-        super().__init__(clock)
-        self.down = False
-        self.calls = 0
-
-    def _gate(self):
-        self.calls += 1
-        if self.down:
-            raise ConnectionError("registry unreachable")
-
-    def register(self, instance, ttl_s):
-        self._gate()
-        super().register(instance, ttl_s)
-
-    def pass_ttl(self, instance_id, meta=None):
-        self._gate()
-        super().pass_ttl(instance_id, meta)
-
-    def deregister(self, instance_id):
-        self._gate()
-        super().deregister(instance_id)
-
-
-@pytest.fixture
-def make_agent(tmp_path, tiny_dir):
-    made = []
-
-    def make(remote: bool = False, registry=None, capacity_bytes: int = 1 << 30, **cfg):
-        clock = ManualClock(1000.0)
-        registry = registry or DownableRegistry(clock)
-        state = tmp_path / f"state{len(made)}"
-        catalog = Catalog(state.parent / f"catalog{len(made)}.db", clock=clock)
-        store = LocalStore(state / "nvme", capacity_bytes, clock=clock)
-        config = AgentConfig(node_id="n1", remote_root=(tmp_path / "remote") if remote else None,
-                             **cfg)
-        agent = NodeAgent(config, models=[ModelSpec(tiny_dir)],
-                          backend=InProcessBackend(buffer_bytes=1 << 20), catalog=catalog,
-                          store=store, registry=registry, inventory=Inventory([], "test: cpu"),
-                          clock=clock, executor=ThreadPoolExecutor(2),
-                          sleep=lambda s: clock.advance(s))
-        made.append(agent)
-        return agent
-
-    yield make
-    for agent in made:
-        agent.executor.shutdown(wait=True)
 
 
 def first_boot(agent):

@@ -1,0 +1,103 @@
+"""``rewarm agent run|status`` and ``rewarm agent snapshot ls|verify|evict|restore|drain``.
+
+``run`` starts the node agent (control API, agent loop, zygote pool); the others are clients
+of a running agent's control API (``--agent HOST:PORT|unix:PATH``, default ``$REWARM_AGENT``
+or 127.0.0.1:7733).  File-level snapshot commands (``inspect|verify PATH``) are under
+``rewarm snapshot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from agent.errors import RewarmError
+
+DEFAULT_AGENT = "127.0.0.1:7733"
+
+
+def _client(op: str, **fields):
+    def run(args: argparse.Namespace) -> int:
+        from agent.node.control import control_call
+
+        values = {k: getattr(args, v) for k, v in fields.items() if getattr(args, v) is not None}
+        try:
+            result = control_call(args.agent, op, timeout_s=args.timeout_s, **values)
+        except (RewarmError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(result, indent=2, default=str))
+        return 0
+    return run
+
+
+def _run(args: argparse.Namespace) -> int:
+    from agent.node.service import run_agent
+
+    return run_agent(args)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    agent = subparsers.add_parser("agent", help="the node agent and its control API")
+    sub = agent.add_subparsers(dest="agent_command", required=True, metavar="ACTION")
+
+    def client(name: str, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--agent", default=os.environ.get("REWARM_AGENT", DEFAULT_AGENT),
+                       help="the agent's control address, HOST:PORT or unix:PATH")
+        p.add_argument("--timeout-s", type=float, default=600.0)
+        return p
+
+    p = sub.add_parser("run", help="run the node agent")
+    p.add_argument("--state-dir", required=True, help="catalog, local snapshot tier, sockets, logs")
+    p.add_argument("--model-dir", action="append", default=[], required=True,
+                   help="HF-layout model this node serves (repeatable)")
+    p.add_argument("--release", default=None, help="AOT release directory (rewarm build --out)")
+    p.add_argument("--listen", default=DEFAULT_AGENT, help="control API address")
+    p.add_argument("--node-id", default=None, help="default: the host name")
+    p.add_argument("--remote", default=None, help="remote snapshot tier (shared path)")
+    p.add_argument("--capacity-gib", type=float, default=64.0, help="local tier capacity")
+    p.add_argument("--zygotes", type=int, default=1, help="zygotes kept per device")
+    p.add_argument("--backend", choices=["process", "inproc"], default="process")
+    p.add_argument("--buffer-mib", type=int, default=1024, help="restore buffer per zygote")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per replica")
+    p.add_argument("--registry", choices=["local", "consul"], default="local",
+                   help="consul honours CONSUL_HTTP_ADDR and CONSUL_HTTP_TOKEN")
+    p.add_argument("--restore", action="append", default=[], metavar="MODEL",
+                   help="bring one replica of MODEL up at start (repeatable)")
+    p.set_defaults(func=_run)
+
+    client("status", "the agent's replicas, zygotes, registry health").set_defaults(
+        func=_client("status"))
+    p = client("restore", "bring up one warm replica of a model")
+    p.add_argument("model")
+    p.add_argument("--device", default=None)
+    p.set_defaults(func=_client("restore", model="model", device="device"))
+    p = client("drain", "drain and stop one replica")
+    p.add_argument("replica")
+    p.add_argument("--drain-timeout-s", type=float, default=None)
+    p.add_argument("--force", action="store_true", default=None)
+    p.set_defaults(func=_client("drain", replica="replica", timeout_s="drain_timeout_s",
+                                force="force"))
+    for op in ("suspend", "resume"):
+        p = client(op, f"{op} one replica (GPU nodes: CUDA checkpoint API)")
+        p.add_argument("replica")
+        p.set_defaults(func=_client(op, replica="replica"))
+
+    snap = sub.add_parser("snapshot", help="the agent's snapshots: ls, verify, evict")
+    ssub = snap.add_subparsers(dest="snapshot_command", required=True, metavar="ACTION")
+    for name, op, help_, positional in (
+            ("ls", "snapshot_list", "list snapshots in the agent's catalog", None),
+            ("verify", "snapshot_verify", "re-read every chunk of a local copy", "snapshot"),
+            ("evict", "snapshot_evict", "remove a local copy", "snapshot")):
+        p = ssub.add_parser(name, help=help_)
+        p.add_argument("--agent", default=os.environ.get("REWARM_AGENT", DEFAULT_AGENT))
+        p.add_argument("--timeout-s", type=float, default=600.0)
+        if positional:
+            p.add_argument(positional)
+            p.set_defaults(func=_client(op, snapshot="snapshot"))
+        else:
+            p.add_argument("--model", default=None)
+            p.set_defaults(func=_client(op, model="model"))

@@ -1,0 +1,167 @@
+"""The agent's control API: msgpack over TCP or a Unix socket (agent/protocol.py framing).
+
+Requests ``{"op", "id", ...}``; every answer is one ``result`` (``{"result": {...}}``) or one
+``error`` (``code``, ``reason``).  Ops and their fields:
+
+================  ==============================================  ============================
+op                fields                                          result
+================  ==============================================  ============================
+restore           ``model``, ``device``?                          the replica's description
+drain             ``replica``, ``timeout_s``?, ``force``?         the replica, ``in_flight_at_stop``
+suspend, resume   ``replica``                                     the replica, ``steps_s``
+status            —                                               node, replicas, zygotes, ...
+snapshot_list     ``model``?                                      ``{"snapshots": [...]}``
+snapshot_verify   ``snapshot``                                    ``ok``, ``bytes`` or ``reason``
+snapshot_evict    ``snapshot``                                    ``evicted``
+================  ==============================================  ============================
+
+Agent calls block (a restore takes seconds), so each runs on a thread; the event loop keeps
+answering.  Bad input is an ``error`` answer (400 for a malformed request, the error's code
+otherwise), never a dropped connection except after a framing error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+from agent.errors import ERROR_BY_CODE, ProtocolError, RewarmError
+from agent.node.agent import NodeAgent
+from agent.protocol import Decoder, error_message, pack, read_messages
+
+log = logging.getLogger(__name__)
+
+_FIELDS: dict[str, tuple[tuple[str, type, bool], ...]] = {   # (name, type, required)
+    "restore": (("model", str, True), ("device", str, False)),
+    "drain": (("replica", str, True), ("timeout_s", (int, float), False), ("force", bool, False)),
+    "suspend": (("replica", str, True),),
+    "resume": (("replica", str, True),),
+    "status": (),
+    "snapshot_list": (("model", str, False),),
+    "snapshot_verify": (("snapshot", str, True),),
+    "snapshot_evict": (("snapshot", str, True),),
+}
+
+
+def _args(msg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    op = msg.get("op")
+    if op not in _FIELDS:
+        raise ProtocolError(f"unknown op {op!r}", field="op", value=op, limit=sorted(_FIELDS))
+    out = {}
+    for name, kind, required in _FIELDS[op]:
+        if name not in msg or msg[name] is None:
+            if required:
+                raise ProtocolError(f"{op} needs {name}", field=name, value=None, limit="present")
+            continue
+        if not isinstance(msg[name], kind) or (kind is not bool and isinstance(msg[name], bool)):
+            raise ProtocolError(f"{op}: {name}={msg[name]!r} has the wrong type", field=name,
+                                value=type(msg[name]).__name__, limit=str(kind))
+        out[name] = msg[name]
+    return op, out
+
+
+def dispatch(agent: NodeAgent, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Run one control op on ``agent`` (blocking). Raises what the agent raises."""
+    if op == "restore":
+        return agent.restore(args["model"], args.get("device"))
+    if op == "drain":
+        return agent.drain(args["replica"], args.get("timeout_s"), args.get("force", False))
+    if op == "suspend":
+        return agent.suspend(args["replica"])
+    if op == "resume":
+        return agent.resume(args["replica"])
+    if op == "status":
+        return agent.status()
+    if op == "snapshot_list":
+        return {"snapshots": agent.snapshot_list(args.get("model"))}
+    if op == "snapshot_verify":
+        return agent.snapshot_verify(args["snapshot"])
+    return agent.snapshot_evict(args["snapshot"])
+
+
+class ControlServer:
+    """Serves ``agent`` on ``HOST:PORT`` or ``unix:PATH``; ``address`` is set once listening."""
+
+    def __init__(self, agent: NodeAgent, listen: str) -> None:
+        self.agent, self.listen = agent, listen
+        self.address: str | None = None
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> str:
+        if self.listen.startswith("unix:"):
+            self._server = await asyncio.start_unix_server(self._connection, path=self.listen[5:])
+            self.address = self.listen
+        else:
+            host, _, port = self.listen.rpartition(":")
+            self._server = await asyncio.start_server(self._connection, host or "127.0.0.1",
+                                                      int(port))
+            bound = self._server.sockets[0].getsockname()
+            self.address = f"{bound[0]}:{bound[1]}"
+        return self.address
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for msg in read_messages(reader, Decoder()):
+                rid = msg.get("id")
+                try:
+                    op, args = _args(msg)
+                    result = await loop.run_in_executor(None, dispatch, self.agent, op, args)
+                    writer.write(pack({"id": rid, "type": "result", "result": result}))
+                except RewarmError as exc:
+                    writer.write(pack(error_message(rid, exc.code, exc.message)))
+                except Exception as exc:  # a bug: answer it, keep serving
+                    log.exception("control op failed")
+                    writer.write(pack(error_message(rid, 500, f"{type(exc).__name__}: {exc}")))
+                await writer.drain()
+        except ProtocolError as exc:
+            writer.write(pack(error_message(None, exc.code, exc.message)))
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+
+class ControlError(RewarmError, RuntimeError):
+    """The agent answered an error. Attributes: ``status`` (wire code), ``reason``, ``op``."""
+
+
+def control_call(address: str, op: str, *, timeout_s: float = 600.0, **fields: Any) -> dict[str, Any]:
+    """Blocking client: send one control op, return its result.
+
+    Raises ControlError (or the typed error for the wire code: 404 ModelNotFound, ...),
+    ConnectionError, TimeoutError.
+    """
+    if address.startswith("unix:"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target: Any = address[5:]
+    else:
+        host, _, port = address.rpartition(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        target = (host or "127.0.0.1", int(port))
+    sock.settimeout(timeout_s)
+    decoder = Decoder()
+    with sock:
+        sock.connect(target)
+        sock.sendall(pack({"op": op, "id": 1, **fields}))
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError(f"agent at {address} closed the connection before answering")
+            for answer in decoder.feed(data):
+                if answer.get("type") == "result":
+                    return answer["result"]
+                if answer.get("type") == "error":
+                    code, reason = answer.get("code"), answer.get("reason", "")
+                    cls = ERROR_BY_CODE.get(code)
+                    if cls is not None:
+                        raise cls(f"agent: {reason}", op=op, status=code, reason=reason)
+                    raise ControlError(f"agent: {op} failed ({code}): {reason}", op=op,
+                                       status=code, reason=reason)

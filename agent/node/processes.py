@@ -1,0 +1,180 @@
+"""Replicas and zygotes in their own processes (``rewarm replica``), driven over the wire.
+
+Each process is started with ``python -m agent.cli replica --listen unix:PATH ...`` and is
+ready when it prints its JSON ready line (agent/replica/worker.py).  Requests use the worker's
+one-request client ``call``.  A failed ``restore`` leaves the worker a zygote; the agent still
+kills it (a zygote that saw a bad snapshot is not reused).  A process that dies mid-restore
+answers with ConnectionError, which the agent treats like any other failed restore.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.errors import GoldenMismatch, RewarmError
+from agent.node.backend import ModelSpec
+
+_seq = itertools.count(1)
+
+
+class WorkerError(RewarmError, RuntimeError):
+    """A worker answered an error. Attributes: ``op``, ``status`` (the wire code), ``reason``."""
+
+
+def _raise_for(op: str, answer: dict) -> None:
+    reason = str(answer.get("reason", ""))
+    if reason.startswith("golden check failed"):
+        raise GoldenMismatch(reason, prompt_index=None, position=None, expected=None, actual=None)
+    raise WorkerError(f"{op} failed in the worker: {reason}", op=op, status=answer.get("code"),
+                      reason=reason)
+
+
+class WorkerProcess:
+    """One ``rewarm replica`` process; ``argv_extra`` picks its mode."""
+
+    def __init__(self, run_dir: Path, argv_extra: list[str], *, ready_timeout_s: float,
+                 threads: int | None = None, env: dict[str, str] | None = None) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        n = next(_seq)
+        self.socket_path = run_dir / f"w{os.getpid()}-{n}.sock"
+        self.log_path = run_dir / f"w{os.getpid()}-{n}.log"
+        argv = [sys.executable, "-m", "agent.cli", "replica", "--listen",
+                f"unix:{self.socket_path}", *argv_extra]
+        if threads:
+            argv += ["--threads", str(threads)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log,
+                                         env={**os.environ, **(env or {})})
+        self.pid = self.proc.pid
+        self.ready = self._wait_ready(ready_timeout_s)
+        self.address = self.ready["ready"]
+
+    def _wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                self.kill()
+                raise TimeoutError(f"worker pid {self.pid} not ready within {timeout_s} s "
+                                   f"(log: {self.log_path})")
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                self.proc.wait()
+                raise RuntimeError(f"worker pid {self.pid} exited with {self.proc.returncode} "
+                                   f"before it was ready; log: {self.log_path}")
+            line += chunk
+        sel.close()
+        return json.loads(line.splitlines()[0])
+
+    def call(self, message: dict, timeout_s: float) -> dict[str, Any]:
+        """One request; returns the final answer's result. Raises WorkerError, GoldenMismatch,
+        ConnectionError, TimeoutError."""
+        from agent.replica.worker import call
+
+        answers = call(self.address, {"id": next(_seq), **message}, timeout_s=timeout_s)
+        final = answers[-1]
+        if final.get("type") == "error":
+            _raise_for(message.get("op", "?"), final)
+        return {"answers": answers, **(final.get("result") or {})}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self.socket_path.unlink(missing_ok=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class ProcessReplica:
+    def __init__(self, replica_id: str, worker: WorkerProcess, timeout_s: float) -> None:
+        self.replica_id, self.worker, self.timeout_s = replica_id, worker, timeout_s
+        self.address, self.pid = worker.address, worker.pid
+
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 seed: int | None = None) -> list[list[int]]:
+        out = []
+        for prompt in prompts:
+            res = self.worker.call({"op": "generate", "tokens": list(prompt),
+                                    "max_tokens": max_tokens, "seed": seed}, self.timeout_s)
+            out.append([t for a in res["answers"] if a.get("type") == "tokens" for t in a["tokens"]])
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        res = self.worker.call({"op": "stats"}, self.timeout_s)
+        res.pop("answers", None)
+        return res
+
+    def in_flight(self) -> int:
+        if not self.worker.alive():
+            return 0
+        st = self.stats()
+        return int(st.get("active_seqs", 0)) + int(st.get("waiting_seqs", 0))
+
+    def capture(self, dest: Path) -> None:
+        self.worker.call({"op": "capture", "dest": str(dest)}, self.timeout_s)
+
+    def shutdown(self) -> None:
+        try:
+            if self.worker.alive():
+                self.worker.call({"op": "shutdown"}, 10.0)
+                self.worker.proc.wait(timeout=10.0)
+        except (OSError, RewarmError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            self.worker.kill()
+
+
+class ProcessZygote:
+    def __init__(self, device: str, worker: WorkerProcess, timeout_s: float) -> None:
+        self.device, self.worker, self.timeout_s = device, worker, timeout_s
+        self.pid = worker.pid
+
+    def restore(self, snapshot: Path, replica_id: str) -> ProcessReplica:
+        """Raises GoldenMismatch, WorkerError, ConnectionError (the process died), TimeoutError."""
+        self.worker.call({"op": "restore", "snapshot": str(snapshot)}, self.timeout_s)
+        return ProcessReplica(replica_id, self.worker, self.timeout_s)
+
+    def kill(self) -> None:
+        self.worker.kill()
+
+
+@dataclass
+class ProcessBackend:
+    """Workers as child processes; sockets and logs under ``run_dir``."""
+
+    run_dir: Path
+    buffer_mib: int = 1024
+    threads: int | None = None
+    ready_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+
+    def zygote(self, device: str) -> ProcessZygote:
+        worker = WorkerProcess(Path(self.run_dir), ["--zygote", "--buffer-mib", str(self.buffer_mib)],
+                               ready_timeout_s=self.ready_timeout_s, threads=self.threads)
+        return ProcessZygote(device, worker, self.request_timeout_s)
+
+    def cold_boot(self, spec: ModelSpec, device: str, replica_id: str) -> ProcessReplica:
+        extra = ["--model-dir", str(spec.model_dir), "--replica-id", replica_id]
+        if spec.release is not None:
+            extra += ["--release", str(spec.release)]
+        worker = WorkerProcess(Path(self.run_dir), extra, ready_timeout_s=self.ready_timeout_s,
+                               threads=self.threads)
+        return ProcessReplica(replica_id, worker, self.request_timeout_s)

@@ -1,0 +1,118 @@
+"""Assembles a node agent from settings and runs it: control API, agent loop, zygote pool.
+
+``build_agent`` is what ``rewarm agent run``, ``rewarm up`` and the fault-matrix benchmark
+call; ``run_agent`` serves until SIGTERM/SIGINT, then drains every replica (forced) and
+deregisters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import threading
+from pathlib import Path
+
+from agent.cluster.base import Registry
+from agent.node.agent import AgentConfig, NodeAgent
+from agent.node.backend import Backend, InProcessBackend, ModelSpec
+from agent.node.control import ControlServer
+from agent.node.inventory import Inventory
+from agent.snapshot.catalog import Catalog
+from agent.snapshot.store import LocalStore
+
+log = logging.getLogger(__name__)
+
+
+def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | None = None,
+                registry: Registry | None = None, remote_root: Path | None = None,
+                capacity_bytes: int = 64 << 30, node_id: str | None = None,
+                release: Path | None = None, listen: str = "127.0.0.1:0",
+                zygotes_per_device: int = 1, suspender=None, **config) -> NodeAgent:
+    """A NodeAgent with its catalog (``state_dir/catalog.db``) and local tier
+    (``state_dir/snapshots``).  Defaults: in-process backend, embedded LocalRegistry."""
+    from agent.cluster.local import LocalRegistry
+
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    host, _, port = listen.rpartition(":")
+    cfg = AgentConfig(node_id=node_id or socket.gethostname(), remote_root=remote_root,
+                      zygotes_per_device=zygotes_per_device,
+                      control_address=host if port.isdigit() else listen,
+                      control_port=int(port) if port.isdigit() else 0, **config)
+    return NodeAgent(cfg, models=[ModelSpec(Path(d), release) for d in model_dirs],
+                     backend=backend or InProcessBackend(), catalog=Catalog(state_dir / "catalog.db"),
+                     store=LocalStore(state_dir / "snapshots", capacity_bytes),
+                     registry=registry or LocalRegistry(), inventory=Inventory.detect(),
+                     suspender=suspender)
+
+
+def _registry(kind: str) -> Registry:
+    if kind == "consul":
+        from agent.cluster.consul_registry import ConsulRegistry, consul_client
+
+        return ConsulRegistry(consul_client())
+    from agent.cluster.local import LocalRegistry
+
+    return LocalRegistry()
+
+
+def _suspender():
+    from agent.node.cuda_checkpoint import CudaCheckpointDriver
+    from agent.node.suspend import Suspender
+
+    driver = CudaCheckpointDriver()
+    return Suspender(driver) if driver.available() else None
+
+
+async def serve(agent: NodeAgent, listen: str, stop: asyncio.Event,
+                restore: list[str] = ()) -> None:
+    """Control API + agent loop until ``stop`` is set."""
+    server = ControlServer(agent, listen)
+    address = await server.start()
+    agent.agent_instance.address, _, port = address.rpartition(":")
+    agent.agent_instance.port = int(port) if port.isdigit() else 0
+    agent.registrar.want(agent.agent_instance)  # again, with the bound address
+    print(f"rewarm agent {agent.config.node_id} listening on {address}", flush=True)
+    loop_stop = threading.Event()
+    loop_thread = threading.Thread(target=agent.run, args=(loop_stop,), daemon=True,
+                                   name="agent-loop")
+    loop_thread.start()
+    loop = asyncio.get_running_loop()
+    for model in restore:
+        await loop.run_in_executor(None, agent.restore, model)
+    try:
+        await stop.wait()
+    finally:
+        await server.close()
+        loop_stop.set()
+        await loop.run_in_executor(None, agent.close)
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from agent.node.processes import ProcessBackend
+
+    state = Path(args.state_dir)
+    backend: Backend
+    if args.backend == "process":
+        backend = ProcessBackend(state / "run", buffer_mib=args.buffer_mib, threads=args.threads)
+    else:
+        backend = InProcessBackend(buffer_bytes=args.buffer_mib << 20)
+    agent = build_agent(state, [Path(d) for d in args.model_dir], backend=backend,
+                        registry=_registry(args.registry),
+                        remote_root=Path(args.remote) if args.remote else None,
+                        capacity_bytes=int(args.capacity_gib * (1 << 30)), node_id=args.node_id,
+                        release=Path(args.release) if args.release else None, listen=args.listen,
+                        zygotes_per_device=args.zygotes, suspender=_suspender())
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(agent, args.listen, stop, args.restore)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,77 @@
+"""The control API and the ``rewarm agent`` client commands against a live agent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from agent.cli import main
+from agent.errors import ModelNotFound, ProtocolError
+from agent.node.control import ControlError, ControlServer, control_call
+from agent.protocol import pack
+
+
+@pytest.fixture
+def served(make_agent, tmp_path):
+    agent = make_agent()
+    loop = asyncio.new_event_loop()
+    server = ControlServer(agent, f"unix:{tmp_path / 'agent.sock'}")
+    address = loop.run_until_complete(server.start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield agent, address
+    asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def test_restore_status_and_snapshots_over_the_wire(served, capsys):
+    agent, address = served
+    info = control_call(address, "restore", model="tiny")
+    assert info["state"] == "warm" and info["path"] == "cold_boot"
+    row = agent.captures[agent.models["tiny"].key].result(timeout=120)
+    st = control_call(address, "status")
+    assert [r["replica"] for r in st["replicas"]] == [info["replica"]]
+    assert main(["agent", "snapshot", "ls", "--agent", address]) == 0
+    listed = json.loads(capsys.readouterr().out)["snapshots"]
+    assert [(s["snapshot"], s["status"]) for s in listed] == [(row.snapshot_id, "ready")]
+    assert main(["agent", "snapshot", "verify", row.snapshot_id, "--agent", address]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert main(["agent", "status", "--agent", address]) == 0
+    assert json.loads(capsys.readouterr().out)["node"] == "n1"
+    done = control_call(address, "drain", replica=info["replica"])
+    assert done["state"] == "dead"
+
+
+def test_errors_are_answers(served, capsys):
+    _, address = served
+    with pytest.raises(ModelNotFound):
+        control_call(address, "restore", model="nope")
+    with pytest.raises(ProtocolError):
+        control_call(address, "restore")
+    with pytest.raises(ProtocolError):
+        control_call(address, "restore", model=7)
+    with pytest.raises(ProtocolError):
+        control_call(address, "reboot")
+    with pytest.raises(ControlError) as info:
+        control_call(address, "suspend", replica="nope")
+    assert info.value.status == 500
+    assert main(["agent", "snapshot", "evict", "missing", "--agent", address]) == 2
+    assert "no snapshot 'missing'" in capsys.readouterr().err
+
+
+def test_framing_error_closes_after_answer(served):
+    import socket
+
+    from agent.protocol import Decoder
+
+    _, address = served
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(address[5:])
+        sock.sendall(pack({"v": 99, "op": "status", "id": 1}))
+        answer = Decoder().feed(sock.recv(65536))[0]
+        assert (answer["type"], answer["code"]) == ("error", 400)
+        assert sock.recv(65536) == b""
