@@ -328,3 +328,44 @@ def cost_scenario(shape: CostShape = CostShape(), startup: StartupTimes = Startu
     return {"scenario": "cost", "shape": shape.__dict__, "startup": startup.__dict__,
             "requests": len(w), "policies": out, "doc": DOC_COST_TABLE,
             "sim_wall_s_per_sim_hour": wall / sim_h if sim_h else None}
+
+
+def trace_scenario(workload: Workload, startup: StartupTimes = StartupTimes(), *,
+                   sla_s: float = 4.0, seqs_per_replica: int = 80,
+                   kv_capacity_tokens: int = 72_089, seed: int = 0, progress: bool = False,
+                   only: tuple[str, ...] | None = None) -> dict:
+    """Replay a trace through the cost scenario's policies, sized from the trace itself.
+
+    The always-on pool is sized for the trace's busiest 10 s; occupancy and KV need come
+    from its tokens (:class:`~agent.sim.trace.TokenTiming`).
+    """
+    from agent.predictor.sizing import seqs_per_replica as kv_seqs
+
+    duration = max(60.0, workload.duration_s)
+    # sequences per replica are bounded by KV capacity at the trace's mean context
+    seqs_per_replica = max(1, min(seqs_per_replica,
+                                  kv_seqs(kv_capacity_tokens, float(workload.need_tokens.mean()))))
+    per_10s = np.bincount((workload.arrival_s // 10).astype(np.int64)) / 10.0
+    shape = CostShape(hours=duration / 3600.0, base_rps=len(workload) / duration,
+                      burst_rps=float(per_10s.max()), occupancy_s=float(workload.occupancy_s.mean()),
+                      prefill_s=float(np.median(workload.prefill_s)),
+                      need_tokens=int(workload.need_tokens.mean()),
+                      kv_capacity_tokens=kv_capacity_tokens, seqs_per_replica=seqs_per_replica,
+                      sla_s=sla_s)
+    out, wall, sim_h = [], 0.0, 0.0
+    for name, (cfg, make, initial) in cost_policies(shape, startup).items():
+        if only and name not in only:
+            continue
+        summary, rec, _ = run_workload(workload, cfg, make, max_wait_s=sla_s, sla_s=sla_s,
+                                       initial_replicas=initial, end_s=duration, seed=seed,
+                                       progress=progress)
+        summary["name"] = name
+        summary["series"] = {"t_s": rec.tick_t_s[::10].tolist(),
+                             "billed": rec.billed_replicas[::10].tolist(),
+                             "warm": rec.warm_replicas[::10].tolist()}
+        out.append(summary)
+        wall += rec.wall_s
+        sim_h += rec.sim_s / 3600.0
+    return {"scenario": "trace", "shape": shape.__dict__, "startup": startup.__dict__,
+            "requests": len(workload), "policies": out, "doc": {},
+            "sim_wall_s_per_sim_hour": wall / sim_h if sim_h else None}
