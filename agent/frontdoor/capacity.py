@@ -22,6 +22,10 @@ from agent.frontdoor.router import ReplicaLoad
 from agent.protocol import Decoder, pack
 
 PATHS = ("warm_hit", "suspended_resume", "snapshot_restore", "cold_boot")
+# The node agent's names for how a replica came up -> the telemetry path.
+NODE_PATHS = {"restore": "snapshot_restore", "staged_restore": "snapshot_restore",
+              "resume": "suspended_resume", "cold_boot": "cold_boot"}
+AGENT_SERVICE = "rewarm-agent"
 
 
 @dataclass
@@ -94,7 +98,7 @@ class NodeAgentCapacity:
 
     async def request_restore(self, model: str) -> RestoreResult:
         reasons = []
-        for host, port in self._nodes(model):
+        for host, port in await asyncio.to_thread(self._nodes, model):
             try:
                 return await asyncio.wait_for(self._ask(host, port, model), self._timeout_s)
             except (OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
@@ -117,13 +121,34 @@ class NodeAgentCapacity:
                         continue
                     if msg.get("type") == "error":
                         raise ValueError(f"{msg.get('code')}: {msg.get('reason')}")
-                    result = msg["result"]
-                    rep = result.get("replica")
-                    return RestoreResult(ReplicaLoad(**rep) if rep else None,
-                                         result.get("path", "snapshot_restore"),
-                                         result.get("restore_ms"))
+                    return _result(msg["result"])
         finally:
             writer.close()
+
+
+def _result(result: dict) -> RestoreResult:
+    """Read a node agent's ``restore`` answer: ``replica`` is either a map of
+    :class:`ReplicaLoad` fields (used at once) or the new replica's id (it is found through
+    the registry); ``path`` uses the node agent's names (:data:`NODE_PATHS`)."""
+    rep = result.get("replica")
+    load = ReplicaLoad(**rep) if isinstance(rep, dict) else None
+    path = result.get("path") or "snapshot_restore"
+    return RestoreResult(load, NODE_PATHS.get(path, path if path in PATHS else
+                                              "snapshot_restore"), result.get("restore_ms"))
+
+
+def nodes_from_registry(registry) -> Callable[[str], list[tuple[str, int]]]:
+    """Candidate node agents for a model from ``registry``'s passing ``rewarm-agent``
+    instances: those whose meta ``snapshots`` lists ``<model>@<version>`` first, then the
+    rest (a cold boot is still a way up)."""
+    def nodes(model: str) -> list[tuple[str, int]]:
+        agents = registry.healthy(AGENT_SERVICE)
+        def caches(inst) -> bool:
+            return any(s.split("@", 1)[0] == model
+                       for s in inst.meta.get("snapshots", "").split(",") if s)
+        agents.sort(key=lambda inst: (not caches(inst), inst.id))
+        return [(inst.address, inst.port) for inst in agents]
+    return nodes
 
 
 class ScalerCapacity:

@@ -60,17 +60,13 @@ def _registry(args):
                 meta={"max_seqs": "64", "active_seqs": "0", "kv_capacity_tokens": str(1 << 20),
                       "kv_used_tokens": "0"}), ttl_s=float("inf"))
         return registry
-    try:  # written by the predictor engineer; see the report if it is missing
-        from agent.cluster.consul_registry import ConsulRegistry
-    except ModuleNotFoundError:
-        sys.exit("error: --consul needs agent/cluster/consul_registry.py (not built yet)")
-    host, port = _hostport(args.consul)
-    return ConsulRegistry(host=host, port=port)
+    from agent.cluster.consul_registry import ConsulRegistry, consul_client
+    return ConsulRegistry(consul_client(args.consul))
 
 
 def _serve(args) -> int:
     from agent.frontdoor.auth import TokenAuth, check_bind
-    from agent.frontdoor.capacity import NodeAgentCapacity
+    from agent.frontdoor.capacity import NodeAgentCapacity, nodes_from_registry
     from agent.frontdoor.server import FrontDoor, FrontDoorConfig
     from agent.telemetry import Telemetry
 
@@ -83,15 +79,23 @@ def _serve(args) -> int:
     telemetry = Telemetry(args.events)
     if args.metrics_port:
         telemetry.serve_http(args.metrics_port, args.host)
+    registry = _registry(args)
     nodes = [_hostport(a) for a in args.node_agent]
-    capacity = NodeAgentCapacity(lambda model: list(nodes)) if nodes else None
+    # Static node agents when given, else every passing rewarm-agent in the registry.
+    capacity = NodeAgentCapacity((lambda model: list(nodes)) if nodes
+                                 else nodes_from_registry(registry))
+    announcer = None
+    if args.consul:
+        from agent.cluster.consul_registry import consul_client
+        from agent.frontdoor.announce import ConsulTcpAnnouncer
+        announcer = ConsulTcpAnnouncer(consul_client(args.consul))
     config = FrontDoorConfig(host=args.host, port=args.port, models=models,
                              max_queue_depth=args.max_queue_depth, max_wait_s=args.max_wait_s,
-                             max_connections=args.max_connections, announce=bool(args.consul))
+                             max_connections=args.max_connections)
 
     async def run() -> None:
-        fd = FrontDoor(config, registry=_registry(args), capacity=capacity,
-                       telemetry=telemetry, auth=auth)
+        fd = FrontDoor(config, registry=registry, capacity=capacity,
+                       telemetry=telemetry, auth=auth, announcer=announcer)
         host, port = await fd.start()
         print(f"front door listening on {host}:{port}", flush=True)
         try:

@@ -37,7 +37,7 @@ class ReplicaLoad:
     @classmethod
     def from_instance(cls, inst: ServiceInstance) -> "ReplicaLoad":
         """Build from a ``rewarm-replica`` registry entry (tag ``model=<name>``, meta
-        :data:`META_KEYS`).  Raises ValueError when the tag or a meta value is missing or
+        :data:`META_KEYS`, optional meta ``address``: ``host:port`` or a socket path).  Raises ValueError when the tag or a meta value is missing or
         not an integer."""
         model = inst.tag("model")
         if not model:
@@ -49,7 +49,9 @@ class ReplicaLoad:
             except (KeyError, ValueError):
                 raise ValueError(f"replica {inst.id!r}: meta {key!r}="
                                  f"{inst.meta.get(key)!r} is not an integer") from None
-        return cls(inst.id, model, f"{inst.address}:{inst.port}", **values)
+        # A replica on a Unix socket has port 0 and its path in meta "address".
+        address = inst.meta.get("address") or f"{inst.address}:{inst.port}"
+        return cls(inst.id, model, address, **values)
 
 
 class Router:

@@ -28,6 +28,7 @@ from agent.clock import Clock, SystemClock
 from agent.cluster.base import Registry, ServiceInstance
 from agent.errors import Overloaded, ProtocolError, RewarmError, Unauthorized
 from agent.frontdoor.admission import AdmissionQueue, Pending
+from agent.frontdoor.announce import FRONTDOOR_SERVICE, Announcer, RegistryAnnouncer
 from agent.frontdoor.auth import TokenAuth
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate
 from agent.frontdoor.links import ClientConn, ReplicaLink, packb
@@ -37,7 +38,6 @@ from agent.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 REPLICA_SERVICE = "rewarm-replica"
-FRONTDOOR_SERVICE = "rewarm-frontdoor"
 
 
 @dataclass
@@ -62,7 +62,7 @@ class FrontDoorConfig:
     restores_overall: int = 8
     limits: Limits = DEFAULT_LIMITS
     replica_limits: Limits = DEFAULT_LIMITS
-    announce: bool = False         # register as rewarm-frontdoor in the registry
+    announce: bool = False         # register as rewarm-frontdoor (see announce.py)
 
 
 @dataclass(eq=False)
@@ -87,13 +87,17 @@ class FrontDoor:
 
     def __init__(self, config: FrontDoorConfig, *, registry: Registry,
                  capacity: CapacityRequester | None = None, clock: Clock | None = None,
-                 telemetry: Telemetry | None = None, auth: TokenAuth | None = None) -> None:
+                 telemetry: Telemetry | None = None, auth: TokenAuth | None = None,
+                 announcer: Announcer | None = None) -> None:
         self.config = config
         self.registry = registry
         self.capacity = capacity
         self.clock = clock or SystemClock()
         self.telemetry = telemetry or Telemetry()
         self.auth = auth or TokenAuth()
+        if announcer is None and config.announce:
+            announcer = RegistryAnnouncer(registry, ttl_s=max(3 * config.registry_poll_s, 5.0))
+        self.announcer = announcer
         self.router = Router()
         self.gate = RestoreGate(per_model=config.restores_per_model,
                                 overall=config.restores_overall)
@@ -120,26 +124,16 @@ class FrontDoor:
             backlog=1024, reuse_address=True)
         self._tasks = [loop.create_task(self._ticker()), loop.create_task(self._sweeper()),
                        loop.create_task(self._watch_registry())]
-        if self.config.announce:
-            await asyncio.to_thread(self._announce)
+        if self.announcer is not None:
+            host, port = self.address
+            await asyncio.to_thread(self.announcer.announce, ServiceInstance(
+                FRONTDOOR_SERVICE, self.instance_id, host, port, tags=["protocol=msgpack"]))
         return self.address
 
     @property
     def address(self) -> tuple[str, int]:
         sock = self._server.sockets[0]
         return sock.getsockname()[:2]
-
-    def _announce(self) -> None:
-        """Register as ``rewarm-frontdoor``.  A registry offering ``register_tcp(instance,
-        interval_s)`` (Consul: a TCP check on the port) gets that; any other Registry gets a
-        TTL entry kept passing by the registry watcher."""
-        host, port = self.address
-        inst = ServiceInstance(FRONTDOOR_SERVICE, self.instance_id, host, port,
-                               tags=["protocol=msgpack"])
-        if hasattr(self.registry, "register_tcp"):
-            self.registry.register_tcp(inst, interval_s=5.0)
-        else:
-            self.registry.register(inst, ttl_s=max(3 * self.config.registry_poll_s, 5.0))
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop listening, let dispatched requests finish within ``grace_s``, then close."""
@@ -156,8 +150,8 @@ class FrontDoor:
             link.closed = True
             if link.transport is not None:
                 link.transport.close()
-        if self.config.announce:
-            await asyncio.to_thread(self.registry.deregister, self.instance_id)
+        if self.announcer is not None:
+            await asyncio.to_thread(self.announcer.withdraw, self.instance_id)
         self.telemetry.flush()
 
     # --- connections -----------------------------------------------------------------
@@ -424,8 +418,8 @@ class FrontDoor:
             await asyncio.sleep(self.config.registry_poll_s)
             try:
                 await self.refresh_replicas()
-                if self.config.announce and not hasattr(self.registry, "register_tcp"):
-                    await asyncio.to_thread(self.registry.pass_ttl, self.instance_id)
+                if self.announcer is not None:
+                    await asyncio.to_thread(self.announcer.heartbeat, self.instance_id)
             except Exception as exc:  # keep serving from the cached view
                 log.warning("registry poll failed: %s", exc)
 

@@ -28,3 +28,77 @@ def test_queued_requests_share_a_restore():
 def test_gate_refuses_zero_caps():
     with pytest.raises(ConfigError):
         RestoreGate(per_model=0)
+
+
+import asyncio  # noqa: E402
+
+from agent.cluster.base import ServiceInstance  # noqa: E402
+from agent.cluster.local import LocalRegistry  # noqa: E402
+from agent.errors import NoCapacity  # noqa: E402
+from agent.frontdoor.capacity import (NodeAgentCapacity, ScalerCapacity,  # noqa: E402
+                                      nodes_from_registry)
+from agent.protocol import Decoder, error_message, pack  # noqa: E402
+
+
+async def fake_node(answer):
+    """A node agent control API answering every ``restore`` with ``answer(msg)``."""
+    async def serve(reader, writer):
+        dec = Decoder()
+        while data := await reader.read(4096):
+            for msg in dec.feed(data):
+                assert msg["op"] == "restore"
+                writer.write(pack(answer(msg)))
+        writer.close()
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def test_node_agent_restore_moves_on_to_the_next_node_after_a_failure():
+    async def main():
+        bad, bad_port = await fake_node(lambda m: error_message(m["id"], 503, "no zygote"))
+        good, good_port = await fake_node(lambda m: {
+            "id": m["id"], "type": "result",
+            "result": {"replica": "node2-r1", "path": "staged_restore", "restore_ms": 812.0}})
+        cap = NodeAgentCapacity(lambda model: [("127.0.0.1", 1), ("127.0.0.1", bad_port),
+                                               ("127.0.0.1", good_port)], timeout_s=5)
+        result = await cap.request_restore("m")
+        assert (result.replica, result.path, result.restore_ms) == (None, "snapshot_restore", 812.0)
+        cap_bad = NodeAgentCapacity(lambda model: [("127.0.0.1", bad_port)], timeout_s=5)
+        with pytest.raises(NoCapacity, match="no zygote"):
+            await cap_bad.request_restore("m")
+        bad.close(), good.close()
+    asyncio.run(main())
+
+
+def test_nodes_caching_the_snapshot_come_first():
+    reg = LocalRegistry()
+    for nid, snaps in (("a", ""), ("b", "m@1,x@2"), ("c", "x@1")):
+        reg.register(ServiceInstance("rewarm-agent", nid, "10.0.0." + str(ord(nid) - 96),
+                                     7000, meta={"snapshots": snaps}), 60)
+    assert nodes_from_registry(reg)("m") == [("10.0.0.2", 7000), ("10.0.0.1", 7000),
+                                             ("10.0.0.3", 7000)]
+
+
+class FakeScaler:
+    def __init__(self):
+        self.targets = {}
+
+    def set_target(self, model, count, *, reason):
+        self.targets[model] = count
+
+    def target(self, model):
+        return self.targets.get(model, 0)
+
+
+def test_scaler_capacity_raises_the_target_and_waits_for_a_new_replica():
+    async def main():
+        warm = {"m": 1}
+        scaler = FakeScaler()
+        cap = ScalerCapacity(scaler, lambda m: warm[m], timeout_s=2, poll_s=0.01)
+        asyncio.get_running_loop().call_later(0.05, warm.__setitem__, "m", 2)
+        result = await cap.request_restore("m")
+        assert scaler.targets == {"m": 2} and result.replica is None
+        slow = ScalerCapacity(scaler, lambda m: 0, timeout_s=0.05, poll_s=0.01)
+        with pytest.raises(NoCapacity, match="timeout_s"):
+            await slow.request_restore("m")
+    asyncio.run(main())

@@ -289,3 +289,27 @@ def test_loopback_only_without_tokens():
     check_bind("0.0.0.0", TokenAuth({"t": "x" * 16}), allow_open=False)
     with pytest.raises(ConfigError):
         TokenAuth({"t": "short"})
+
+
+def test_a_request_cut_at_every_byte_boundary_or_coalesced_gets_the_same_answer():
+    async def main():
+        fd, _, host, port = await setup()
+        frame = pack({"op": "generate", "id": 3, "model": "m", "tokens": [7, 8],
+                      "max_tokens": 2})
+        answers = []
+        for cut in range(1, len(frame)):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(frame[:cut])
+            await writer.drain()
+            await asyncio.sleep(0.002)           # a separate TCP read on the server
+            writer.write(frame[cut:])
+            dec, got = Decoder(), []
+            while len(got) < 2:
+                got.extend(dec.feed(await reader.read(4096)))
+            answers.append([(m["type"], m.get("tokens")) for m in got])
+            writer.close()
+        assert answers == [[("tokens", [2, 3]), ("done", None)]] * (len(frame) - 1)
+        msgs, _ = await raw_until(host, port, frame * 5, 10)
+        assert [m.get("tokens") for m in msgs if m["type"] == "tokens"] == [[2, 3]] * 5
+        await fd.stop()
+    run(main())
