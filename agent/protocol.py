@@ -16,7 +16,12 @@ error      ``code: int, reason: str`` (and ``retry_after_ms`` with 429)
 result     ``result: map`` (stats, health, models, control-plane answers)
 =========  ===============================================================================
 
-Limits are explicit, documented in docs/protocol.md, and never disabled.  A message exactly
+Requests are checked against their op's schema by :func:`validate_request`
+(:data:`OP_SCHEMAS`: generate, stats, health, models).
+
+Limits are explicit, documented in docs/protocol.md, and never disabled.  Declared lengths
+and nesting are checked when their header arrives (:func:`scan_headers`), not when the data
+does.  A message exactly
 at a limit is accepted; one byte or one element over is refused with
 :class:`~agent.errors.MessageTooLarge` (413) or :class:`~agent.errors.ProtocolError` (400).
 """
