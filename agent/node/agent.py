@@ -141,6 +141,7 @@ class NodeAgent:
         self.replicas: dict[str, ReplicaRecord] = {}
         self.pool: dict[str, list[Zygote]] = {d: [] for d in inventory.devices}
         self.captures: dict[str, Future] = {}
+        self.staging: dict[str, tuple[int, int]] = {}   # snapshot id -> (bytes done, total)
         self.store.on_evict = self._on_evict
         self._reconcile()
         self.agent_instance = ServiceInstance(
@@ -291,15 +292,27 @@ class NodeAgent:
         """Copy the remote tier's copy of ``row`` into the local tier as a new pending row."""
         from agent.snapshot import remote
 
-        sid = f"{row.snapshot_id}.s{self.clock.now():.0f}-{os.getpid()}-{len(rec.attempts)}"
+        # Same id until a staged copy is registered, so an interrupted stage resumes.
+        prefix = f"{row.snapshot_id}.s"
+        k = sum(1 for r in self.catalog.snapshots(rec.spec.name) if r.snapshot_id.startswith(prefix))
+        sid = f"{prefix}{k}"
         dest = self.store.path(sid)
+
+        def progress(done_bytes: int, total_bytes: int) -> None:
+            with self._lock:
+                self.staging[sid] = (done_bytes, total_bytes)
+
         try:
             self.store.make_room(row.size_bytes)
-            remote.stage(Path(row.remote_uri), dest)
+            remote.stage(Path(row.remote_uri), dest, progress)
+            with self._lock:
+                self.staging.pop(sid, None)
             return cap.register_snapshot(self.catalog, self.store, sid, rec.spec,
                                          remote_uri=row.remote_uri)
         except (SnapshotError, OSError, RewarmError) as exc:
             log.error("staging %s from %s failed: %s", row.snapshot_id, row.remote_uri, exc)
+            with self._lock:
+                self.staging.pop(sid, None)
             rec.attempts.append({"path": "stage", "snapshot": row.snapshot_id,
                                  "status": "failed", "error": type(exc).__name__,
                                  "reason": str(exc)})
@@ -503,9 +516,11 @@ class NodeAgent:
                         if r.lifecycle.state is not S.DEAD]
             pool = {d: len(z) for d, z in self.pool.items()}
             captures = sorted(k for k, f in self.captures.items() if not f.done())
+            staging = {k: {"done_bytes": d, "total_bytes": t} for k, (d, t) in self.staging.items()}
         st = self.registrar.state
         return {"node": self.config.node_id, "inventory": self.inventory.describe(),
                 "replicas": replicas, "zygotes": pool, "captures_running": captures,
+                "staging": staging,
                 "models": {n: s.version for n, s in self.models.items()},
                 "registry": {"healthy": st.healthy, "failures": st.failures,
                              "last_error": st.last_error},

@@ -200,3 +200,49 @@ def test_restart_reconciles_pending(make_agent, tmp_path):
     assert {s["snapshot"]: s["status"] for s in again.snapshot_list("tiny")} == {
         row.snapshot_id: "ready", "half": "stale"}
     assert again.store.has(row.snapshot_id)
+
+
+def _flip(path: Path, offset: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_capture_is_pushed_and_corrupt_local_copy_restages(make_agent):
+    agent = make_agent(remote=True)
+    first, row = first_boot(agent)
+    assert row.remote_uri is not None and Path(row.remote_uri).is_dir()
+    assert agent.catalog.durable_ready("tiny")
+    _flip(Path(row.path) / "data-00000.bin", ALIGN + 5)
+    info = agent.restore("tiny")
+    assert info["path"] == "staged_restore"
+    assert info["snapshot"] == row.snapshot_id + ".s0"
+    assert [a["status"] for a in info["attempts"]] == ["corrupt"]
+    assert agent.catalog.snapshot(row.snapshot_id).status == "corrupt"
+    assert agent.catalog.snapshot(row.snapshot_id + ".s0").status == "ready"
+    assert tokens(agent, info["replica"]) == tokens(agent, first["replica"])
+    assert agent.backend.cold_boots == [agent.models["tiny"].key]
+    assert agent.status()["staging"] == {}
+
+
+def test_remote_unavailable_falls_back_to_cold_boot(make_agent):
+    import shutil
+
+    agent = make_agent(remote=True)
+    _, row = first_boot(agent)
+    shutil.rmtree(row.remote_uri)                 # the shared mount is gone
+    _flip(Path(row.path) / "data-00000.bin", ALIGN + 5)
+    info = agent.restore("tiny")
+    assert info["path"] == "cold_boot"
+    assert [(a["path"], a["status"]) for a in info["attempts"]] == [
+        ("restore", "corrupt"), ("stage", "failed")]
+    assert len(agent.backend.cold_boots) == 2
+
+
+def test_evicted_local_copy_restages_from_remote(make_agent):
+    agent = make_agent(remote=True)
+    _, row = first_boot(agent)
+    assert agent.snapshot_evict(row.snapshot_id)["evicted"]
+    assert agent.catalog.snapshot(row.snapshot_id).status == "ready"  # still held remotely
+    info = agent.restore("tiny")
+    assert (info["path"], info["attempts"]) == ("staged_restore", [])
