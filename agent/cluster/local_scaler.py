@@ -1,0 +1,93 @@
+"""Embedded default scaler: asks node agents (their control API) to restore, resume,
+suspend or drain replicas until a model has its target of serving replicas.
+
+``agents`` maps a node name to a ``call(op, **fields) -> dict`` function (in production
+``functools.partial(agent.node.control.control_call, address)``; tests pass fakes), so this
+module needs nothing from ``agent/node``. Ops used (``agent/node/control.py``): ``status``
+(``replicas``: ``{"replica", "model", "state"}``), ``restore`` (``model``), ``resume``,
+``suspend`` and ``drain`` (``replica``).
+
+Scale-up resumes suspended replicas first (the faster tier), then restores on the node with
+the fewest replicas. Scale-down releases the newest replicas: suspended when the
+predictor's reason says ``release=suspend`` and the node can suspend, else drained. A
+node-agent refusal to drain the last replica (409, snapshot not durable) is re-raised as
+a retryable ClusterError; so is an unreachable agent.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+from agent.errors import ClusterError, ConfigError, RewarmError
+
+log = logging.getLogger(__name__)
+
+AgentCall = Callable[..., dict]
+SERVING = ("restoring", "warm")
+
+
+class LocalScaler:
+    """A :class:`agent.cluster.base.Scaler` over one or more node agents."""
+
+    def __init__(self, agents: Mapping[str, AgentCall]) -> None:
+        if not agents:
+            raise ConfigError("LocalScaler: no node agents given; limit is >= 1",
+                              name="agents", value=0, limit=1)
+        self._agents = dict(agents)
+        self._targets: dict[str, int] = {}
+
+    def _call(self, node: str, op: str, **fields: Any) -> dict:
+        try:
+            return self._agents[node](op, **fields)
+        except (RewarmError, OSError) as exc:
+            status = getattr(exc, "code", None) if isinstance(exc, RewarmError) else None
+            raise ClusterError(f"node agent {node}: {op} failed: {exc}", service="agent",
+                               status=status, endpoint=op, retryable=True) from exc
+
+    def _replicas(self, model: str) -> list[tuple[str, dict]]:
+        out = []
+        for node in self._agents:
+            for r in self._call(node, "status").get("replicas", []):
+                if r.get("model") == model:
+                    out.append((node, r))
+        return out
+
+    def set_target(self, model: str, count: int, *, reason: str) -> None:
+        if count < 0:
+            raise ConfigError(f"LocalScaler: count={count} for {model}; limit is >= 0",
+                              name="count", value=count, limit=0)
+        reps = self._replicas(model)
+        serving = [(n, r) for n, r in reps if r.get("state") in SERVING]
+        parked = [(n, r) for n, r in reps if r.get("state") == "suspended"]
+        missing = count - len(serving)
+        while missing > 0 and parked:
+            node, r = parked.pop()
+            self._call(node, "resume", replica=r["replica"])
+            missing -= 1
+        while missing > 0:
+            load = {n: 0 for n in self._agents}
+            for n, _ in serving:
+                load[n] += 1
+            node = min(load, key=lambda n: (load[n], n))
+            rep = self._call(node, "restore", model=model)
+            serving.append((node, rep))
+            missing -= 1
+        suspend = "release=suspend" in reason
+        for node, r in reversed(serving[count:]):     # newest first
+            if suspend:
+                try:
+                    self._call(node, "suspend", replica=r["replica"])
+                    continue
+                except ClusterError as exc:   # not suspendable here: stop it instead
+                    log.info("local scaler: suspend %s failed (%s); draining", r["replica"], exc)
+            self._call(node, "drain", replica=r["replica"])
+        self._targets[model] = count
+
+    def target(self, model: str) -> int:
+        """Serving (restoring or warm) replicas of ``model`` on the agents now."""
+        try:
+            return sum(1 for _, r in self._replicas(model) if r.get("state") in SERVING)
+        except ClusterError as exc:
+            log.warning("local scaler: status failed: %s", exc)
+            return self._targets.get(model, 0)

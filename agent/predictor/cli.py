@@ -1,0 +1,150 @@
+"""``rewarm predictor``: run the predictor (embedded or in a cluster).
+
+Front doors are given with ``--frontdoor HOST:PORT`` or found in Consul
+(``rewarm-frontdoor``); the scaler is the node agents' control API (``--scaler local
+--node-agent HOST:PORT``) or Nomad (``--scaler nomad``; NOMAD_* variables honoured). With
+Consul, only the holder of the ``rewarm/predictor/leader`` lock acts. ``--ticks N`` runs N
+steps and prints each decision as a JSON line (for scripts and tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import threading
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("predictor", help="forecast demand and keep warm-pool targets")
+    p.add_argument("--model", action="append", required=True, metavar="NAME[:MIN:MAX]",
+                   help="a model to manage, optionally with its replica bounds (repeatable)")
+    p.add_argument("--registry", choices=("local", "consul"), default="local")
+    p.add_argument("--consul", metavar="HOST:PORT", help="Consul agent (CONSUL_HTTP_ADDR)")
+    p.add_argument("--scaler", choices=("local", "nomad"), default="local")
+    p.add_argument("--node-agent", action="append", default=[], metavar="HOST:PORT")
+    p.add_argument("--frontdoor", action="append", default=[], metavar="HOST:PORT")
+    p.add_argument("--catalog", help="SQLite catalog for forecast rows (agent/snapshot)")
+    p.add_argument("--lead-time-s", type=float, default=15.0)
+    p.add_argument("--restore-p99-s", type=float, default=3.6)
+    p.add_argument("--decision-latency-s", type=float, default=1.0)
+    p.add_argument("--occupancy-s", type=float, default=7.0)
+    p.add_argument("--seqs-per-replica", type=int, default=80)
+    p.add_argument("--utilisation", type=float, default=0.75)
+    p.add_argument("--gpu-cost-per-hour", type=float, default=2.80)
+    p.add_argument("--tick-s", type=float, default=1.0)
+    p.add_argument("--ticks", type=int, help="run this many ticks, print decisions, exit")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+    p.set_defaults(func=_run)
+
+
+def parse_model(spec: str) -> tuple[str, int, int]:
+    """``NAME`` or ``NAME:MIN:MAX`` -> (name, min, max); ConfigError when malformed."""
+    from agent.errors import ConfigError
+
+    parts = spec.split(":")
+    try:
+        if len(parts) == 1:
+            return parts[0], 0, 24
+        if len(parts) == 3:
+            return parts[0], int(parts[1]), int(parts[2])
+    except ValueError:
+        pass
+    raise ConfigError(f"--model {spec!r}: expected NAME or NAME:MIN:MAX", name="model",
+                      value=spec, limit="NAME[:MIN:MAX]")
+
+
+def build(args, clock):
+    """Predictor, service and the handles to close, from parsed arguments."""
+    from agent.predictor.keepalive import KeepAliveCosts
+    from agent.predictor.loop import ModelPolicy, Predictor
+    from agent.predictor.service import PredictorService, frontdoor_counters
+
+    costs = KeepAliveCosts(gpu_cost_per_s=args.gpu_cost_per_hour / 3600.0,
+                           suspended_cost_per_s=args.gpu_cost_per_hour / 3600.0 / 20.0,
+                           restore_s=args.restore_p99_s)
+    policies = []
+    for spec in args.model:
+        name, lo, hi = parse_model(spec)
+        policies.append(ModelPolicy(
+            name, min_replicas=lo, max_replicas=hi, lead_time_s=args.lead_time_s,
+            restore_p99_s=args.restore_p99_s, decision_latency_s=args.decision_latency_s,
+            occupancy_s=args.occupancy_s, seqs_per_replica=args.seqs_per_replica,
+            utilisation=args.utilisation, step_s=args.tick_s, costs=costs))
+    consul_c = kv = leader = registry = None
+    if args.registry == "consul":
+        from agent.cluster.consul_kv import SnapshotKV
+        from agent.cluster.consul_registry import ConsulRegistry, consul_client
+        from agent.cluster.leader import LeaderLock
+        import socket
+
+        consul_c = consul_client(args.consul)
+        registry = ConsulRegistry(consul_c)
+        kv = SnapshotKV(consul_c)
+        leader = LeaderLock(consul_c, clock=clock, name=socket.gethostname())
+    if args.scaler == "nomad":
+        from agent.cluster.jobs import render_replica_job
+        from agent.cluster.nomad_scaler import NomadScaler, nomad_client
+
+        bounds = {p.model: p.max_replicas for p in policies}
+        scaler = NomadScaler(nomad_client(), clock=clock,
+                             render_job=lambda m: render_replica_job(m, max(1, bounds[m])))
+    else:
+        from agent.cluster.local_scaler import LocalScaler
+        from agent.node.control import control_call
+
+        scaler = LocalScaler({a: functools.partial(control_call, a, timeout_s=600.0)
+                              for a in args.node_agent or ["127.0.0.1:7070"]})
+    catalog = None
+    if args.catalog:
+        from agent.snapshot.catalog import Catalog
+        catalog = Catalog(args.catalog, clock=clock)
+    from agent.cluster.consul_kv import snapshot_durable
+    predictor = Predictor(policies, clock=clock, scaler=scaler,
+                          snapshot_durable=snapshot_durable(catalog, kv), catalog=catalog)
+
+    def fetch():
+        doors = list(args.frontdoor)
+        if registry is not None:
+            doors += [f"{i.address}:{i.port}" for i in registry.healthy("rewarm-frontdoor")]
+        out = {}
+        for door in doors:
+            try:
+                out[door] = frontdoor_counters(door)
+            except (OSError, ValueError) as exc:
+                log.warning("predictor: front door %s: %s", door, exc)
+        return out
+
+    return PredictorService(predictor, clock=clock, fetch=fetch, leader=leader), leader
+
+
+def _run(args) -> int:
+    from agent.clock import SystemClock
+
+    clock = SystemClock()
+    service, leader = build(args, clock)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+        start_http_server(args.metrics_port)
+    stop = threading.Event()
+    try:
+        if args.ticks is not None:
+            for i in range(args.ticks):
+                if i:
+                    stop.wait(args.tick_s)
+                for d in service.step():
+                    print(json.dumps({"model": d.model, "action": d.action, "target": d.target,
+                                      "desired": d.desired, "forecast_rps": d.forecast_rps,
+                                      "actual_rps": d.actual_rps, "reason": d.reason}),
+                          flush=True)
+            return 0
+        service.run(stop, args.tick_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if leader is not None:
+            leader.release()
+    return 0

@@ -1,0 +1,118 @@
+"""The predictor as a service: sample the front doors' counters, elect a leader, tick.
+
+One step per second (``tick_s``)::
+
+    front doors' stats ──► CounterRate per (front door, model) ──► Predictor.observe
+    LeaderLock.tick() (or always leader when embedded) ──► Predictor.tick(act=leader)
+
+A front door's ``stats`` answer carries ``requests_by_model: {model: cumulative count}``.
+Counters that go down (a restarted front door) and gaps are handled by
+:class:`~agent.predictor.forecast.CounterRate`; a front door that stops answering simply
+contributes no sample (a missing sample, not a zero).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Mapping, Protocol
+
+from agent.clock import Clock
+from agent.predictor.forecast import CounterRate
+from agent.predictor.loop import Decision, Predictor
+
+log = logging.getLogger(__name__)
+
+StatsFetch = Callable[[], Mapping[str, Mapping[str, int]]]
+"""() -> {front door id: {model: cumulative requests}}."""
+
+
+class Leader(Protocol):
+    def tick(self) -> bool: ...
+
+
+class PredictorService:
+    """Drives one :class:`Predictor` from front-door counters, gated by a leader lock."""
+
+    def __init__(self, predictor: Predictor, *, clock: Clock, fetch: StatsFetch,
+                 leader: Leader | None = None) -> None:
+        self.predictor = predictor
+        self._clock = clock
+        self._fetch = fetch
+        self._leader = leader
+        self._rates: dict[tuple[str, str], CounterRate] = {}
+        self.is_leader = False
+
+    def sample(self) -> dict[str, tuple[int, float]]:
+        """Read every front door once; feed ``observe``; returns ``{model: (arrivals, window_s)}``."""
+        now = self._clock.now()
+        try:
+            stats = self._fetch()
+        except (OSError, ValueError) as exc:   # network trouble or a malformed answer
+            log.warning("predictor: front-door stats unavailable: %s", exc)
+            stats = {}
+        known = set(self.predictor.models)
+        seen: dict[str, tuple[int, float]] = {}
+        for door, counters in stats.items():
+            for model, value in (counters or {}).items():
+                if model not in known:
+                    continue
+                got = self._rates.setdefault((door, model), CounterRate()).sample(value, now)
+                if got is None:
+                    continue
+                arrivals, window_s = seen.get(model, (0, 0.0))
+                seen[model] = (arrivals + got[0], max(window_s, got[1]))
+        for model, (arrivals, window_s) in seen.items():
+            self.predictor.observe(model, arrivals, window_s)
+        return seen
+
+    def step(self) -> list[Decision]:
+        """One tick: sample, renew the lock, decide (acting only as the leader)."""
+        self.sample()
+        self.is_leader = self._leader.tick() if self._leader is not None else True
+        return self.predictor.tick(act=self.is_leader)
+
+    def run(self, stop: threading.Event, tick_s: float = 1.0) -> None:
+        """Step every ``tick_s`` seconds until ``stop`` is set (the only real-time wait)."""
+        while not stop.is_set():
+            started = self._clock.now()
+            try:
+                self.step()
+            except Exception:   # one bad tick must not end the loop; it is logged
+                log.exception("predictor: tick failed")
+            stop.wait(max(0.0, tick_s - (self._clock.now() - started)))
+
+
+def frontdoor_counters(address: str, *, timeout_s: float = 2.0,
+                       token: str | None = None) -> dict[str, int]:
+    """One front door's ``requests_by_model`` from its ``stats`` op (msgpack over TCP).
+
+    Raises OSError (unreachable, closed early, timeout) and ValueError (a malformed answer;
+    ProtocolError is one). A front door without per-model counters answers ``{}``.
+    """
+    import socket
+
+    from agent.protocol import PROTOCOL_VERSION, Decoder, pack
+
+    host, _, port = address.rpartition(":")
+    request = {"v": PROTOCOL_VERSION, "op": "stats", "id": 1}
+    if token:
+        request["token"] = token
+    decoder = Decoder()
+    with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s) as sock:
+        sock.sendall(pack(request))
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError(f"front door {address} closed before answering stats")
+            for answer in decoder.feed(data):
+                if answer.get("type") == "error":
+                    raise ValueError(f"front door {address}: stats refused: "
+                                     f"{answer.get('code')} {answer.get('reason')}")
+                if answer.get("type") == "result":
+                    counters = (answer.get("result") or {}).get("requests_by_model") or {}
+                    if not isinstance(counters, dict):
+                        raise ValueError(f"front door {address}: requests_by_model is "
+                                         f"{type(counters).__name__}, not a map")
+                    return {str(k): int(v) for k, v in counters.items()
+                            if isinstance(v, int) and v >= 0}

@@ -1,0 +1,155 @@
+"""PredictorService: front-door counters into the predictor, gated by the leader; the
+stats client against a tiny msgpack server; the ``rewarm predictor`` command."""
+
+import json
+import socket
+import threading
+
+import pytest
+
+from agent.clock import ManualClock
+from agent.errors import ConfigError
+from agent.predictor.cli import parse_model
+from agent.predictor.loop import ModelPolicy, Predictor
+from agent.predictor.service import PredictorService, frontdoor_counters
+from agent.protocol import Decoder, pack
+
+
+class Scaler:
+    def __init__(self):
+        self.t = {}
+
+    def set_target(self, model, count, *, reason):
+        self.t[model] = count
+
+    def target(self, model):
+        return self.t.get(model, 0)
+
+
+class Leader:
+    def __init__(self):
+        self.leading = True
+
+    def tick(self):
+        return self.leading
+
+
+def make(fetch, leader=None):
+    clock = ManualClock()
+    pred = Predictor([ModelPolicy("m"), ModelPolicy("n")], clock=clock, scaler=Scaler(),
+                     snapshot_durable=lambda m: True)
+    return PredictorService(pred, clock=clock, fetch=fetch, leader=leader), clock
+
+
+def test_counters_from_two_doors_sum_and_survive_a_restart():
+    feed = iter([
+        {"a": {"m": 100, "n": 5}, "b": {"m": 50}},
+        {"a": {"m": 110, "n": 5}, "b": {"m": 60, "other": 9}},
+        {"a": {"m": 4}, "b": {"m": 70}},       # a restarted: its counter went back to 4
+        {"b": {"m": 80}},                      # a is gone this second
+    ])
+    svc, clock = make(lambda: next(feed))
+    clock.advance(1)
+    assert svc.sample() == {}                  # first readings only set the baseline
+    clock.advance(1)
+    assert svc.sample() == {"m": (20, 1.0), "n": (0, 1.0)}
+    clock.advance(1)
+    assert svc.sample() == {"m": (14, 1.0)}
+    clock.advance(1)
+    assert svc.sample() == {"m": (10, 1.0)}
+
+
+def test_step_acts_only_as_leader_and_survives_a_failing_fetch():
+    leader = Leader()
+    state = {"v": 0}
+
+    def fetch():
+        state["v"] += 20
+        if state["v"] == 60:
+            raise OSError("front door unreachable")
+        return {"a": {"m": state["v"]}}
+
+    svc, clock = make(fetch, leader)
+    actions = []
+    for i in range(6):
+        clock.advance(1)
+        leader.leading = i < 4
+        actions.append(svc.step()[0].action)
+    assert actions[:4] == ["hold", "scale_up", "hold", "hold"]
+    assert actions[4:] == ["standby", "standby"] and svc.is_leader is False
+
+
+def _serve_once(answer):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def run():
+        conn, _ = srv.accept()
+        with conn:
+            dec = Decoder()
+            while True:
+                msgs = dec.feed(conn.recv(4096))
+                if msgs:
+                    assert msgs[0]["op"] == "stats"
+                    if answer is not None:
+                        conn.sendall(pack({"v": 1, "id": msgs[0]["id"], **answer}))
+                    return
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return f"127.0.0.1:{srv.getsockname()[1]}", srv, t
+
+
+@pytest.mark.parametrize("answer,expect", [
+    ({"type": "result", "result": {"requests": 9, "requests_by_model": {"m": 7, "x": -1}}},
+     {"m": 7}),
+    ({"type": "result", "result": {"requests": 9}}, {}),   # older front door: no per-model
+])
+def test_frontdoor_counters(answer, expect):
+    addr, srv, t = _serve_once(answer)
+    try:
+        assert frontdoor_counters(addr) == expect
+    finally:
+        t.join(5)
+        srv.close()
+
+
+@pytest.mark.parametrize("answer,exc", [
+    ({"type": "error", "code": 401, "reason": "token"}, ValueError),
+    ({"type": "result", "result": {"requests_by_model": [1, 2]}}, ValueError),
+    (None, ConnectionError),                                # closed without an answer
+])
+def test_frontdoor_counters_failures(answer, exc):
+    addr, srv, t = _serve_once(answer)
+    try:
+        with pytest.raises(exc):
+            frontdoor_counters(addr)
+    finally:
+        t.join(5)
+        srv.close()
+
+
+def test_parse_model():
+    assert parse_model("m") == ("m", 0, 24)
+    assert parse_model("m:1:4") == ("m", 1, 4)
+    for bad in ("m:1", "m:a:b"):
+        with pytest.raises(ConfigError):
+            parse_model(bad)
+
+
+def test_cli_ticks_against_the_nomad_standin(nomad_standin, monkeypatch, capsys):
+    from agent.cli import main
+
+    addr, srv, t = _serve_once({"type": "result", "result": {"requests_by_model": {"m": 3}}})
+    monkeypatch.setenv("NOMAD_ADDR", nomad_standin.url)
+    try:
+        assert main(["predictor", "--model", "m:1:4", "--scaler", "nomad", "--frontdoor", addr,
+                     "--ticks", "1", "--tick-s", "0.01", "--lead-time-s", "5",
+                     "--restore-p99-s", "1", "--decision-latency-s", "0.5"]) == 0
+    finally:
+        t.join(5)
+        srv.close()
+    line = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert line["model"] == "m" and line["action"] == "scale_up" and line["target"] == 1
+    assert nomad_standin.job("rewarm-replica-m")["TaskGroups"][0]["Count"] == 1
