@@ -170,7 +170,8 @@ class Simulation:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=int(math.ceil(self.end_s - t0)), unit="sim-s", leave=False)
+            bar = tqdm(total=int(math.ceil(self.end_s - t0)), unit="sim-s", leave=False,
+                       mininterval=2.0)
         inf = math.inf
         while True:
             t_arr = arrival[i] + t0 if i < n else inf
