@@ -31,7 +31,14 @@ cdef extern from "<unistd.h>" nogil:
 
 cdef extern from "xxhash.h" nogil:
     ctypedef unsigned long long XXH64_hash_t
+    ctypedef struct XXH3_state_t:
+        pass
     XXH64_hash_t XXH3_64bits(const void *data, size_t length)
+    XXH3_state_t *XXH3_createState()
+    int XXH3_freeState(XXH3_state_t *state)
+    int XXH3_64bits_reset(XXH3_state_t *state)
+    int XXH3_64bits_update(XXH3_state_t *state, const void *data, size_t length)
+    XXH64_hash_t XXH3_64bits_digest(const XXH3_state_t *state)
 
 cdef extern from "<pthread.h>" nogil:
     ctypedef unsigned long pthread_t
@@ -68,22 +75,31 @@ cdef struct Shared:
     long long next
     uint8_t *base
     int verify
+    int64_t piece          # read (and hash) unit, bytes; the hash runs while the piece is in cache
 
 
-cdef int read_full(int fd, uint8_t *dst, int64_t length, int64_t offset, int *short_read) noexcept nogil:
-    """pread until length bytes arrived; returns 0 or errno. EOF first sets short_read."""
-    cdef int64_t done = 0
+cdef int read_full(int fd, uint8_t *dst, int64_t length, int64_t offset, int64_t piece,
+                   XXH3_state_t *state, int *short_read) noexcept nogil:
+    """pread ``length`` bytes in pieces, feeding each piece to ``state`` (when not NULL) right
+    after it lands, while it is still in the CPU cache.  Returns 0 or errno; EOF sets short_read."""
+    cdef int64_t done = 0, step, part
     cdef ssize_t got
     while done < length:
-        got = pread(fd, dst + done, <size_t>(length - done), offset + done)
-        if got < 0:
-            if errno == EINTR:
-                continue
-            return errno
-        if got == 0:
-            short_read[0] = 1
-            return 0
-        done += got
+        step = piece if length - done > piece else length - done
+        part = 0
+        while part < step:
+            got = pread(fd, dst + done + part, <size_t>(step - part), offset + done + part)
+            if got < 0:
+                if errno == EINTR:
+                    continue
+                return errno
+            if got == 0:
+                short_read[0] = 1
+                return 0
+            part += got
+        if state != NULL:
+            XXH3_64bits_update(state, dst + done, <size_t>step)
+        done += step
     return 0
 
 
@@ -92,33 +108,47 @@ cdef void *worker(void *arg) noexcept nogil:
     cdef long long i
     cdef Job *job
     cdef int rc
+    cdef XXH3_state_t *state = NULL
+    if sh.verify:
+        state = XXH3_createState()
+        if state == NULL:
+            return NULL  # the jobs this thread would have taken go to the others
     while True:
         i = rw_next(&sh.next)
         if i >= sh.njobs:
-            return NULL
+            break
         job = &sh.jobs[i]
         rc = EINVAL
+        if state != NULL:
+            XXH3_64bits_reset(state)
         if job.fd_direct >= 0:
             rc = read_full(job.fd_direct, sh.base + job.buf_offset, job.length,
-                           job.file_offset, &job.short_read)
+                           job.file_offset, sh.piece, state, &job.short_read)
             if rc == 0:
                 job.used_direct = 1
-        if rc == EINVAL:
+        if rc == EINVAL:  # no direct I/O here: read it buffered, hashing from the start again
             job.short_read = 0
+            if state != NULL:
+                XXH3_64bits_reset(state)
             rc = read_full(job.fd_buffered, sh.base + job.buf_offset, job.length,
-                           job.file_offset, &job.short_read)
+                           job.file_offset, sh.piece, state, &job.short_read)
         job.err = rc
-        if rc == 0 and not job.short_read and sh.verify:
-            job.actual = XXH3_64bits(sh.base + job.buf_offset, <size_t>job.length)
+        if rc == 0 and not job.short_read and state != NULL:
+            job.actual = XXH3_64bits_digest(state)
+    if state != NULL:
+        XXH3_freeState(state)
+    return NULL
 
 
-def read_chunks(object buffer, list jobs, int threads=2, bint verify=True):
+def read_chunks(object buffer, list jobs, int threads=2, bint verify=True,
+                long long piece_bytes=1 << 20):
     """Read chunks in parallel into ``buffer`` (writable, page-aligned for O_DIRECT).
 
     jobs: list of tuples ``(fd_direct, fd_buffered, file_offset, length, buf_offset,
     expected_xxh3)``; fd_direct is -1 where no O_DIRECT descriptor could be opened.
     Returns a list of tuples ``(err, short_read, used_direct, actual_xxh3)``, one per job, in
-    order (actual is 0 when not verifying).  Raises ValueError when a job falls outside the
+    order (actual is 0 when not verifying).  ``piece_bytes``: each pread's size (a multiple of
+    4096 for O_DIRECT); each piece is hashed right after it lands, while still in cache.  Raises ValueError when a job falls outside the
     buffer; read errors are reported per job, not raised, so the caller can name the chunk.
     """
     cdef Py_buffer view
@@ -130,6 +160,8 @@ def read_chunks(object buffer, list jobs, int threads=2, bint verify=True):
     cdef int started = 0
     if threads < 1:
         raise ValueError(f"threads={threads} must be at least 1")
+    if piece_bytes < 4096 or piece_bytes % 4096:
+        raise ValueError(f"piece_bytes={piece_bytes} must be a positive multiple of 4096")
     PyObject_GetBuffer(buffer, &view, PyBUF_SIMPLE | PyBUF_WRITABLE)
     sh.jobs = <Job *>calloc(n if n > 0 else 1, sizeof(Job))
     tids = <pthread_t *>calloc(threads, sizeof(pthread_t))
@@ -152,6 +184,7 @@ def read_chunks(object buffer, list jobs, int threads=2, bint verify=True):
         sh.next = 0
         sh.base = <uint8_t *>view.buf
         sh.verify = verify
+        sh.piece = piece_bytes
         nthreads = threads if threads < n else (<int>n if n > 0 else 1)
         with nogil:
             for t in range(nthreads):

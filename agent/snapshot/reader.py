@@ -83,8 +83,30 @@ class Restored:
     buffer: HostBuffer
 
 
-def _open_files(path: Path, manifest: Manifest) -> dict[str, tuple[int, int]]:
-    """Open each data file buffered and, where allowed, with O_DIRECT; check its length."""
+# pread sizes.  Direct reads: large requests keep the device queue full.  Buffered reads (a
+# copy out of the page cache): small enough that the piece is still in L2 when it is hashed.
+DIRECT_PIECE_BYTES = 1 << 20
+# Direct reads spend most of their time waiting on the device, so they get at least this many
+# reader threads (the device's queue depth), whatever ``threads`` is: with 2 threads the
+# device sits idle while both hash; with 4, hashing hides behind the reads still in flight
+# (bench/restore_throughput.py: verification overhead 26 % -> 4 % on the development machine).
+DIRECT_IO_DEPTH = 4
+BUFFERED_PIECE_BYTES = 256 << 10
+RESIDENT_FOR_BUFFERED = 0.9     # page-cache share above which "auto" reads buffered
+
+
+def page_cache_share(path: Path, manifest: Manifest) -> float:
+    """Share (0..1) of the snapshot's data-file pages in the page cache (mincore)."""
+    files = [f for f in sorted({c.file for c in manifest.chunks}) if (path / f).is_file()]
+    sizes = [(path / f).stat().st_size for f in files]   # a missing file is reported by the reader
+    total = sum(sizes)
+    if not total:
+        return 0.0
+    return sum(_restore.resident_fraction(str(path / f)) * n for f, n in zip(files, sizes)) / total
+
+
+def _open_files(path: Path, manifest: Manifest, direct: bool = True) -> dict[str, tuple[int, int]]:
+    """Open each data file buffered and, when ``direct`` and allowed, with O_DIRECT; check its length."""
     need: dict[str, tuple[int, int]] = {}
     for i, c in enumerate(manifest.chunks):
         end = c.offset + c.length
@@ -107,6 +129,8 @@ def _open_files(path: Path, manifest: Manifest) -> dict[str, tuple[int, int]]:
                     f"{fpath}: truncated: expected at least {end} bytes, found {size} "
                     f"(chunk {last}, tensors {manifest.chunk_tensors(last)[:5]})", path=fpath,
                     chunk=last, tensors=manifest.chunk_tensors(last), expected=end, actual=size)
+            if not direct:
+                continue
             try:
                 fds[name] = (os.open(fpath, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)), fd_b)
             except OSError:  # tmpfs and some others refuse O_DIRECT: buffered it is
@@ -159,11 +183,15 @@ def tensor_views(manifest: Manifest, base: torch.Tensor) -> dict[str, torch.Tens
 
 
 def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, verify: bool = True,
-                     key: bytes | None = None, machine: Pins | None = None, threads: int = 2) -> Restored:
+                     key: bytes | None = None, machine: Pins | None = None, threads: int = 2,
+                     direct: bool | str = "auto") -> Restored:
     """Restore the snapshot at ``path`` into host memory; tensors are views into one buffer.
 
     ``buffer``: preallocated HostBuffer of at least ``total_bytes`` (allocated when None).
-    ``machine``: this machine's pins (read with machine_pins when None).  Raises SnapshotNotFound,
+    ``threads``: reader threads (direct reads use at least DIRECT_IO_DEPTH).
+    ``machine``: this machine's pins (read with machine_pins when None).  ``direct``: True reads
+    with O_DIRECT where the filesystem allows, False buffered, "auto" buffered only when the
+    data is already in the page cache (a copy from memory beats re-reading the disk).  Raises SnapshotNotFound,
     SnapshotTampered, SnapshotIncompatible (before any data is read), SnapshotCorrupt (bad or
     truncated chunk: names the chunk, file and tensors), ConfigError (buffer too small).
     After a failure the buffer's contents are undefined and no tensors are returned.
@@ -177,17 +205,21 @@ def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, veri
     elif buffer.capacity_bytes < total:
         raise ConfigError(f"{path}: buffer holds {buffer.capacity_bytes} bytes, snapshot needs {total}",
                           name="buffer", value=buffer.capacity_bytes, limit=total)
-    fds = _open_files(path, manifest)
+    if direct == "auto":
+        direct = page_cache_share(path, manifest) < RESIDENT_FOR_BUFFERED if manifest.chunks else True
+    fds = _open_files(path, manifest, bool(direct))
     try:
         jobs = [(*fds[c.file], c.offset, c.length, c.buffer_offset, c.checksum) for c in manifest.chunks]
+        piece = DIRECT_PIECE_BYTES if direct else BUFFERED_PIECE_BYTES
+        workers = max(threads, DIRECT_IO_DEPTH) if direct else threads
         start = time.perf_counter()
-        results = _restore.read_chunks(buffer.memory, jobs, threads, verify)
+        results = _restore.read_chunks(buffer.memory, jobs, workers, verify, piece)
         seconds = time.perf_counter() - start
     finally:
         _close(fds)
-    direct = _check_results(path, manifest, list(range(len(jobs))), results, verify)
-    stats = RestoreStats(bytes=total, seconds=seconds, odirect=bool(jobs) and direct == len(jobs),
-                         direct_chunks=direct, chunks=len(jobs), threads=threads, verified=verify)
+    ndirect = _check_results(path, manifest, list(range(len(jobs))), results, verify)
+    stats = RestoreStats(bytes=total, seconds=seconds, odirect=bool(jobs) and ndirect == len(jobs),
+                         direct_chunks=ndirect, chunks=len(jobs), threads=workers, verified=verify)
     return Restored(tensor_views(manifest, buffer.as_tensor(total)), manifest, stats, buffer)
 
 

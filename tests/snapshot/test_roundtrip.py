@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from agent.errors import ConfigError, SnapshotError
 from agent.snapshot.format import ALIGN, DTYPES, TENSOR_ALIGN, GoldenCheck
-from agent.snapshot.reader import HostBuffer, restore_snapshot
+from agent.snapshot.reader import DIRECT_IO_DEPTH, HostBuffer, page_cache_share, restore_snapshot
+from agent.snapshot.writer import DATA_NAME
 
 SHAPES = [(), (0,), (3, 0, 2), (1,), (5, 7), (2, 3, 4, 5)]
 
@@ -66,7 +69,7 @@ def test_tensors_are_views_into_one_caller_buffer(make_snapshot, tensors):
 
 def test_stats_and_layout(make_snapshot):
     path, manifest = make_snapshot()
-    r = restore_snapshot(path, threads=3)
+    r = restore_snapshot(path, threads=3, direct=True)
     assert r.stats.bytes == manifest.total_bytes == sum(c.length for c in manifest.chunks)
     assert manifest.total_bytes % ALIGN == 0 and all(c.length % ALIGN == 0 for c in manifest.chunks)
     assert r.stats.chunks == len(manifest.chunks) == -(-manifest.total_bytes // 8192)
@@ -115,3 +118,29 @@ def test_large_tensor_spans_many_chunks(make_snapshot):
     assert len(manifest.chunks) == 25 and manifest.chunk_tensors(0) == ["big"]
     assert manifest.chunk_tensors(24) == ["big", "tail"]
     assert torch.equal(restore_snapshot(path, threads=4).tensors["big"], big)
+
+
+def _odirect_allowed(path) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+def test_direct_modes_and_page_cache_choice(make_snapshot, tensors):
+    path, manifest = make_snapshot()
+    data = path / DATA_NAME
+    buffered = restore_snapshot(path, direct=False, threads=1)
+    assert buffered.stats.direct_chunks == 0 and not buffered.stats.odirect and buffered.stats.threads == 1
+    data.read_bytes()                                       # now in the page cache
+    assert page_cache_share(path, manifest) == 1.0
+    auto = restore_snapshot(path)                           # cached: a copy from memory
+    assert auto.stats.direct_chunks == 0 and torch.equal(auto.tensors["embed"], tensors["embed"])
+    fd = os.open(data, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    cold = restore_snapshot(path)
+    assert cold.stats.threads == DIRECT_IO_DEPTH
+    assert cold.stats.odirect == _odirect_allowed(data)    # O_DIRECT wherever the filesystem allows
+    assert cold.stats.direct_chunks == (len(manifest.chunks) if cold.stats.odirect else 0)
