@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping
 
+from agent.clock import Clock, SystemClock
 from agent.errors import ClusterError, ConfigError, RewarmError
 
 log = logging.getLogger(__name__)
@@ -30,12 +31,14 @@ SERVING = ("restoring", "warm")
 class LocalScaler:
     """A :class:`agent.cluster.base.Scaler` over one or more node agents."""
 
-    def __init__(self, agents: Mapping[str, AgentCall]) -> None:
+    def __init__(self, agents: Mapping[str, AgentCall], clock: Clock | None = None) -> None:
         if not agents:
             raise ConfigError("LocalScaler: no node agents given; limit is >= 1",
                               name="agents", value=0, limit=1)
         self._agents = dict(agents)
+        self._clock = clock or SystemClock()
         self._targets: dict[str, int] = {}
+        self._parked: dict[str, tuple[str, str, float]] = {}   # replica -> (node, model, at_s)
 
     def _call(self, node: str, op: str, **fields: Any) -> dict:
         try:
@@ -64,6 +67,7 @@ class LocalScaler:
         while missing > 0 and parked:
             node, r = parked.pop()
             self._call(node, "resume", replica=r["replica"])
+            self._parked.pop(r["replica"], None)
             missing -= 1
         while missing > 0:
             load = {n: 0 for n in self._agents}
@@ -78,11 +82,29 @@ class LocalScaler:
             if suspend:
                 try:
                     self._call(node, "suspend", replica=r["replica"])
+                    self._parked[r["replica"]] = (node, model, self._clock.now())
                     continue
                 except ClusterError as exc:   # not suspendable here: stop it instead
                     log.info("local scaler: suspend %s failed (%s); draining", r["replica"], exc)
             self._call(node, "drain", replica=r["replica"])
         self._targets[model] = count
+
+    def expire_parked(self, model: str, park_s: float) -> list[str]:
+        """Drain ``model``'s replicas suspended by this scaler more than ``park_s`` ago (the
+        keep-alive's suspended stage is over); returns their ids. Failures are logged."""
+        now = self._clock.now()
+        done = []
+        for rid, (node, m, at_s) in list(self._parked.items()):
+            if m != model or now - at_s < park_s:
+                continue
+            try:
+                self._call(node, "drain", replica=rid)
+            except ClusterError as exc:
+                log.warning("local scaler: stopping parked %s failed: %s", rid, exc)
+                continue
+            del self._parked[rid]
+            done.append(rid)
+        return done
 
     def target(self, model: str) -> int:
         """Serving (restoring or warm) replicas of ``model`` on the agents now."""

@@ -148,17 +148,28 @@ class NomadScaler:
             return self._targets.get(model, 0)
 
     def publish_cached_snapshots(self, models: list[str], node_id: str | None = None) -> dict:
-        """Set this node's dynamic metadata ``rewarm_snapshots`` to the comma-separated
-        models it caches (the replica job's ``set_contains`` affinity reads it)."""
-        req = _NodeMetadata(**self._n.requester_settings)
-        body = {"Meta": {SNAPSHOTS_META_KEY: ",".join(sorted(set(models))) or None}}
-        try:
-            return req.request(method="post", params={"node_id": node_id}, json=body).json()
-        except nexc.URLNotAuthorizedNomadException as exc:
-            raise AclDenied(f"nomad: ACL token denied /v1/client/metadata (needs node:write): "
-                            f"{_text(exc)}", service="nomad", status=403,
-                            endpoint="/v1/client/metadata") from exc
-        except nexc.BaseNomadException as exc:
-            raise ClusterError(f"nomad: /v1/client/metadata failed: {_text(exc)}",
-                               service="nomad", status=_status(exc),
-                               endpoint="/v1/client/metadata") from exc
+        """:func:`publish_cached_snapshots` with this scaler's client."""
+        return publish_cached_snapshots(self._n, models, node_id)
+
+
+def publish_cached_snapshots(client: nomad.Nomad, models: list[str],
+                             node_id: str | None = None) -> dict:
+    """Set a node's dynamic metadata ``rewarm_snapshots`` to the comma-separated models it
+    caches (the replica job's ``set_contains`` affinity reads it; an empty list unsets it).
+
+    ``POST /v1/client/metadata`` (Nomad "Client HTTP API", dynamic node metadata); returns
+    Nomad's answer (``Meta``, ``Dynamic``, ``Static``). Raises AclDenied (403, needs
+    node:write) or ClusterError.
+    """
+    req = _NodeMetadata(**client.requester_settings)
+    body = {"Meta": {SNAPSHOTS_META_KEY: ",".join(sorted(set(models))) or None}}
+    try:
+        return req.request(method="post", params={"node_id": node_id}, json=body).json()
+    except nexc.URLNotAuthorizedNomadException as exc:
+        raise AclDenied(f"nomad: ACL token denied /v1/client/metadata (needs node:write): "
+                        f"{_text(exc)}", service="nomad", status=403,
+                        endpoint="/v1/client/metadata") from exc
+    except nexc.BaseNomadException as exc:
+        raise ClusterError(f"nomad: /v1/client/metadata failed: {_text(exc)}",
+                           service="nomad", status=_status(exc),
+                           endpoint="/v1/client/metadata") from exc

@@ -97,7 +97,7 @@ def build(args, clock):
         from agent.node.control import control_call
 
         scaler = LocalScaler({a: functools.partial(control_call, a, timeout_s=600.0)
-                              for a in args.node_agent or ["127.0.0.1:7070"]})
+                              for a in args.node_agent or ["127.0.0.1:7070"]}, clock=clock)
     catalog = None
     if args.catalog:
         from agent.snapshot.catalog import Catalog
@@ -118,7 +118,8 @@ def build(args, clock):
                 log.warning("predictor: front door %s: %s", door, exc)
         return out
 
-    return PredictorService(predictor, clock=clock, fetch=fetch, leader=leader), leader
+    return PredictorService(predictor, clock=clock, fetch=fetch, leader=leader,
+                            scaler=scaler), leader
 
 
 def _run(args) -> int:
@@ -128,7 +129,7 @@ def _run(args) -> int:
     service, leader = build(args, clock)
     if args.metrics_port:
         from prometheus_client import start_http_server
-        start_http_server(args.metrics_port)
+        start_http_server(args.metrics_port, registry=service.registry)
     stop = threading.Event()
     try:
         if args.ticks is not None:

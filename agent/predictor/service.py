@@ -17,6 +17,8 @@ import logging
 import threading
 from typing import Callable, Mapping, Protocol
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from agent.clock import Clock
 from agent.predictor.forecast import CounterRate
 from agent.predictor.loop import Decision, Predictor
@@ -32,16 +34,34 @@ class Leader(Protocol):
 
 
 class PredictorService:
-    """Drives one :class:`Predictor` from front-door counters, gated by a leader lock."""
+    """Drives one :class:`Predictor` from front-door counters, gated by a leader lock.
+
+    Metrics (prometheus-client, on ``registry``): ``rewarm_predictor_forecast_rps{model}``,
+    ``rewarm_predictor_actual_rps{model}``, ``rewarm_predictor_target_replicas{model}``,
+    ``rewarm_predictor_keepalive_seconds{model,tier}``, ``rewarm_predictor_leader``.
+    After each acting tick a scaler with ``expire_parked(model, park_s)`` is told how long
+    suspended replicas may stay parked (keep-alive ``stop_s - warm_s``).
+    """
 
     def __init__(self, predictor: Predictor, *, clock: Clock, fetch: StatsFetch,
-                 leader: Leader | None = None) -> None:
+                 leader: Leader | None = None, scaler: object | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
         self.predictor = predictor
         self._clock = clock
         self._fetch = fetch
         self._leader = leader
+        self._scaler = scaler
         self._rates: dict[tuple[str, str], CounterRate] = {}
         self.is_leader = False
+        self.registry = registry or CollectorRegistry()
+        g = lambda name, doc, labels=("model",): Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
+        self._forecast = g("rewarm_predictor_forecast_rps", "Forecast request rate at lead time")
+        self._actual = g("rewarm_predictor_actual_rps", "Observed request rate, last window")
+        self._target = g("rewarm_predictor_target_replicas", "Warm-pool target")
+        self._keepalive = g("rewarm_predictor_keepalive_seconds", "Breakeven keep-alive",
+                            ("model", "tier"))
+        self._leading = Gauge("rewarm_predictor_leader", "1 while this predictor acts",
+                              registry=self.registry)
 
     def sample(self) -> dict[str, tuple[int, float]]:
         """Read every front door once; feed ``observe``; returns ``{model: (arrivals, window_s)}``."""
@@ -70,7 +90,19 @@ class PredictorService:
         """One tick: sample, renew the lock, decide (acting only as the leader)."""
         self.sample()
         self.is_leader = self._leader.tick() if self._leader is not None else True
-        return self.predictor.tick(act=self.is_leader)
+        self._leading.set(1 if self.is_leader else 0)
+        decisions = self.predictor.tick(act=self.is_leader)
+        expire = getattr(self._scaler, "expire_parked", None)
+        for d in decisions:
+            self._forecast.labels(d.model).set(d.forecast_rps)
+            if d.actual_rps is not None:
+                self._actual.labels(d.model).set(d.actual_rps)
+            self._target.labels(d.model).set(d.target)
+            self._keepalive.labels(d.model, "warm").set(d.keepalive.warm_s)
+            self._keepalive.labels(d.model, "stop").set(d.keepalive.stop_s)
+            if self.is_leader and expire is not None:
+                expire(d.model, max(0.0, d.keepalive.stop_s - d.keepalive.warm_s))
+        return decisions
 
     def run(self, stop: threading.Event, tick_s: float = 1.0) -> None:
         """Step every ``tick_s`` seconds until ``stop`` is set (the only real-time wait)."""

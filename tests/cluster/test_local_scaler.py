@@ -94,3 +94,19 @@ def test_bad_configuration():
         LocalScaler({})
     with pytest.raises(ConfigError):
         LocalScaler({"a": FakeAgent("a")}).set_target("m", -1, reason="x")
+
+
+def test_parked_replicas_stop_after_the_suspended_stage():
+    from agent.clock import ManualClock
+
+    clock = ManualClock()
+    a = FakeAgent("a")
+    s = LocalScaler({"a": a}, clock=clock)
+    s.set_target("m", 2, reason="up")
+    s.set_target("m", 1, reason="low; release=suspend")
+    assert s.expire_parked("m", 30.0) == []
+    clock.advance(29.9)
+    assert s.expire_parked("m", 30.0) == []
+    clock.advance(0.1)
+    assert s.expire_parked("m", 30.0) == ["a-2"]
+    assert list(a.replicas) == ["a-1"]

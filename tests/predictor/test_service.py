@@ -153,3 +153,38 @@ def test_cli_ticks_against_the_nomad_standin(nomad_standin, monkeypatch, capsys)
     line = json.loads(capsys.readouterr().out.splitlines()[0])
     assert line["model"] == "m" and line["action"] == "scale_up" and line["target"] == 1
     assert nomad_standin.job("rewarm-replica-m")["TaskGroups"][0]["Count"] == 1
+
+
+def test_metrics_and_parked_expiry_follow_the_decisions():
+    from prometheus_client import generate_latest
+
+    expired = []
+
+    class Parking(Scaler):
+        def expire_parked(self, model, park_s):
+            expired.append((model, park_s))
+
+    clock = ManualClock()
+    scaler = Parking()
+    pred = Predictor([ModelPolicy("m")], clock=clock, scaler=scaler,
+                     snapshot_durable=lambda m: True)
+    count = {"v": 0}
+
+    def fetch():
+        count["v"] += 20
+        return {"a": {"m": count["v"]}}
+
+    leader = Leader()
+    svc = PredictorService(pred, clock=clock, fetch=fetch, leader=leader, scaler=scaler)
+    for _ in range(3):
+        clock.advance(1)
+        svc.step()
+    text = generate_latest(svc.registry).decode()
+    assert 'rewarm_predictor_actual_rps{model="m"} 20.0' in text
+    assert 'rewarm_predictor_leader 1.0' in text
+    assert len(expired) == 3 and expired[0][0] == "m"
+    leader.leading = False
+    clock.advance(1)
+    svc.step()
+    assert len(expired) == 3                  # a standby never stops anything
+    assert 'rewarm_predictor_leader 0.0' in generate_latest(svc.registry).decode()
