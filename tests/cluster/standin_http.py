@@ -30,6 +30,7 @@ class StandIn:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True   # one reply, not a 40 ms delayed-ACK stall
 
             def log_message(self, *args):  # quiet
                 pass

@@ -5,7 +5,9 @@ import pathlib
 
 import pytest
 
-from agent.cli import main
+import argparse
+
+from agent.cluster.cli import register
 from agent.cluster.jobs import JOBS_DIR, load_hcl, render_replica_job
 from agent.cluster.nomad_scaler import GROUP, JOB_PREFIX, SNAPSHOTS_META_KEY
 from agent.errors import ConfigError
@@ -68,7 +70,10 @@ def test_render_limits_at_their_values():
 
 
 def test_cli_prints_the_job(capsys):
-    assert main(["jobs", "render", "--model", "m", "--max-replicas", "3"]) == 0
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["jobs", "render", "--model", "m", "--max-replicas", "3"])
+    assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["Job"]["TaskGroups"][0]["Scaling"]["Max"] == 3
 

@@ -139,14 +139,20 @@ def test_parse_model():
 
 
 def test_cli_ticks_against_the_nomad_standin(nomad_standin, monkeypatch, capsys):
-    from agent.cli import main
+    import argparse
 
+    from agent.predictor.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
     addr, srv, t = _serve_once({"type": "result", "result": {"requests_by_model": {"m": 3}}})
     monkeypatch.setenv("NOMAD_ADDR", nomad_standin.url)
     try:
-        assert main(["predictor", "--model", "m:1:4", "--scaler", "nomad", "--frontdoor", addr,
-                     "--ticks", "1", "--tick-s", "0.01", "--lead-time-s", "5",
-                     "--restore-p99-s", "1", "--decision-latency-s", "0.5"]) == 0
+        args = parser.parse_args([
+            "predictor", "--model", "m:1:4", "--scaler", "nomad", "--frontdoor", addr,
+            "--ticks", "1", "--tick-s", "0.01", "--lead-time-s", "5", "--restore-p99-s", "1",
+            "--decision-latency-s", "0.5"])
+        assert args.func(args) == 0
     finally:
         t.join(5)
         srv.close()
