@@ -78,7 +78,7 @@ def _cost_axes(result: dict, ax_bars, ax_time) -> None:
         ax_time.plot(np.asarray(s["t_s"]) / 3600.0, s["billed"], lw=0.8, label=p["name"])
     ax_time.set_xlabel("hours")
     ax_time.set_ylabel("billed replicas (GPUs)")
-    ax_time.set_title("GPUs held over the day")
+    ax_time.set_title("GPUs held over time")
     ax_time.legend(fontsize=7)
 
 

@@ -124,19 +124,26 @@ def run_spike_once(workload: Workload, shape: SpikeShape, cold_start_s: float, b
 
 
 def min_buffer_zero_drops(workload: Workload, shape: SpikeShape, cold_start_s: float, *,
-                          hi: float = 0.6, tol: float = 0.005) -> float | None:
+                          hi: float = 0.6, tol: float = 0.005,
+                          log: list | None = None) -> float | None:
     """Smallest buffer (fraction) with zero dropped calls, by bisection to ``tol``.
 
     None when even ``hi`` drops calls.  Assumes drops fall as the buffer grows (checked at
-    both ends)."""
-    if run_spike_once(workload, shape, cold_start_s, hi)[0]["dropped"]:
+    both ends).  Each run's summary is appended to ``log`` when given."""
+    def dropped(buffer: float) -> int:
+        summary = run_spike_once(workload, shape, cold_start_s, buffer)[0]
+        if log is not None:
+            log.append(summary)
+        return summary["dropped"]
+
+    if dropped(hi):
         return None
     lo_b = 0.0
-    if not run_spike_once(workload, shape, cold_start_s, lo_b)[0]["dropped"]:
+    if not dropped(lo_b):
         return 0.0
     while hi - lo_b > tol:
         mid = (lo_b + hi) / 2
-        if run_spike_once(workload, shape, cold_start_s, mid)[0]["dropped"]:
+        if dropped(mid):
             lo_b = mid
         else:
             hi = mid
@@ -158,15 +165,17 @@ def spike_scenario(shape: SpikeShape = SpikeShape(),
 
     wall0 = time.perf_counter()
     w = spike_workload(shape, seed)
-    sweep, series = [], []
+    sweep, series, runs = [], [], []
     items = cold_starts_s
     if progress:
         from tqdm import tqdm
         items = tqdm(cold_starts_s, desc="spike sweep", unit="cold-start")
     for cs in items:
         at10, rec = run_spike_once(w, shape, cs, 0.10)
+        runs.append(at10)
         sweep.append({"cold_start_s": cs,
-                      "min_buffer_pct_zero_drops": _pct(min_buffer_zero_drops(w, shape, cs)),
+                      "min_buffer_pct_zero_drops": _pct(min_buffer_zero_drops(w, shape, cs,
+                                                                              log=runs)),
                       "dropped_at_10pct": at10["dropped"],
                       "shortage_minutes_at_10pct": at10["shortage_minutes"],
                       "peak_shortfall_at_10pct": at10["peak_shortfall"],
@@ -178,7 +187,9 @@ def spike_scenario(shape: SpikeShape = SpikeShape(),
     return {"scenario": "spike", "shape": shape.__dict__, "sweep": sweep, "series": series,
             "demand": {"t_s": t.tolist(), "calls": w.offered_concurrency(t).tolist()},
             "doc": {str(k): v for k, v in AOT_DOC_SPIKE.items()}, "requests_per_run": len(w),
-            "wall_s": wall, "sim_wall_s_per_sim_hour": None}
+            "runs": len(runs), "wall_s": wall,
+            "sim_wall_s_per_sim_hour": sum(r["wall_s"] for r in runs)
+            / sum(r["sim_hours"] for r in runs)}
 
 
 def _pct(x: float | None) -> float | None:

@@ -5,26 +5,30 @@ import json
 import pytest
 
 from agent.cli import main
-from agent.sim.scenarios import (CostShape, SpikeShape, cost_scenario, min_buffer_zero_drops,
-                                 run_spike_once, spike_workload)
+from agent.sim.plots import plot
+from agent.sim.scenarios import (CostShape, SpikeShape, cost_scenario, run_spike_once,
+                                 spike_scenario, spike_workload)
 
 SHORT_SPIKE = SpikeShape(platform_calls=600, call_s=60.0, steady_s=300.0, ramp_s=300.0,
                          hold_s=600.0, tail_s=120.0, seqs_per_replica=16, tenant_share=0.04)
 
 
 @pytest.mark.slow
-def test_spike_slower_cold_start_needs_more_buffer():
-    w = spike_workload(SHORT_SPIKE, seed=1)
-    fast = run_spike_once(w, SHORT_SPIKE, 10.0, 0.10)[0]
-    slow = run_spike_once(w, SHORT_SPIKE, 200.0, 0.10)[0]
-    assert fast["dropped"] <= slow["dropped"]
-    assert fast["shortage_minutes"] < slow["shortage_minutes"]
-    assert slow["peak_shortfall"] > 0
-    b_fast = min_buffer_zero_drops(w, SHORT_SPIKE, 10.0, tol=0.02)
-    b_slow = min_buffer_zero_drops(w, SHORT_SPIKE, 200.0, tol=0.02)
-    assert b_fast is not None and b_slow is not None and b_fast < b_slow
+def test_spike_sweep_slower_cold_start_needs_more_buffer(tmp_path):
+    r = spike_scenario(SHORT_SPIKE, cold_starts_s=(10.0, 200.0), seed=1)
+    fast, slow = r["sweep"]
+    assert {"cold_start_s", "min_buffer_pct_zero_drops", "dropped_at_10pct",
+            "shortage_minutes_at_10pct"} <= set(fast)
+    assert fast["min_buffer_pct_zero_drops"] < slow["min_buffer_pct_zero_drops"]
+    assert fast["dropped_at_10pct"] <= slow["dropped_at_10pct"]
+    assert fast["shortage_minutes_at_10pct"] < slow["shortage_minutes_at_10pct"]
+    assert slow["peak_shortfall_at_10pct"] > 0
+    assert r["sim_wall_s_per_sim_hour"] > 0 and r["runs"] > 4
     # the bisection's answer really drops nothing
-    assert run_spike_once(w, SHORT_SPIKE, 200.0, b_slow)[0]["dropped"] == 0
+    w = spike_workload(SHORT_SPIKE, seed=1)
+    b = slow["min_buffer_pct_zero_drops"] / 100
+    assert run_spike_once(w, SHORT_SPIKE, 200.0, b)[0]["dropped"] == 0
+    assert plot(r, tmp_path / "spike.png").stat().st_size > 10_000
 
 
 def test_cost_short_run_orders_policies():
