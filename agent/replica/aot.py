@@ -221,8 +221,9 @@ class PackagedForward:
         return self.manifest["target"]
 
     def __call__(self, tokens, input_pos, cache_batch_idx, k_caches, v_caches) -> torch.Tensor:
-        out = self.model(tokens, input_pos, cache_batch_idx, list(k_caches), list(v_caches))
-        return out[0] if isinstance(out, (list, tuple)) else out
+        # The exported signature flattens to [tokens, input_pos, cache_batch_idx, *k, *v] and
+        # returns [logits]; boxed_run takes ownership of the list it is given.
+        return self.model.boxed_run([tokens, input_pos, cache_batch_idx, *k_caches, *v_caches])[0]
 
 
 def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str = "cpu",
@@ -259,10 +260,13 @@ def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str
                 f"{tuple(spec['shape'])} {spec['dtype']}", path=package, field=name,
                 value=(tuple(tensor.shape), str(tensor.dtype)), limit=(tuple(spec["shape"]), spec["dtype"]))
         bound[name] = tensor if tensor.is_contiguous() else tensor.contiguous()
-    model = torch._inductor.aoti_load_package(str(package))
+    # The C++ loader directly: torch._inductor.aoti_load_package would first import the whole
+    # of Inductor (seconds of Python imports at every boot) only to wrap this same object.
+    model = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
     unknown = set(model.get_constant_fqns()) - set(bound)
     if unknown:
         raise InvalidCheckpoint(f"{package}: constants {sorted(unknown)[:3]} not in its manifest",
                                 path=package, field=sorted(unknown)[0], value=None, limit=None)
-    model.load_constants(bound, check_full_update=True, user_managed=True)
+    # (map, use_inactive, check_full_update, user_managed, allow_h2d_copy)
+    model.load_constants(bound, False, True, True, False)
     return PackagedForward(path=package_dir, manifest=manifest, weights=bound, model=model)

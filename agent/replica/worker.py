@@ -321,11 +321,14 @@ class Worker:
                     self._send(request.writer, done)
 
 
-def ready_line(address: str, worker: Worker, started_unix: float) -> str:
-    """The one JSON line a worker prints on stdout once it listens (parents wait for it)."""
+def ready_line(address: str, worker: Worker, started_unix: float,
+               imports_done_unix: float | None = None) -> str:
+    """The one JSON line a worker prints on stdout once it listens (parents wait for it):
+    address, pid, state, wall-clock stamps (``*_unix``, seconds) and the load phases."""
     stats = worker.stats()
     return json.dumps({"ready": address, "pid": os.getpid(), "state": worker.state.value,
-                       "started_unix": started_unix, "ready_unix": time.time(),
+                       "started_unix": started_unix, "imports_done_unix": imports_done_unix,
+                       "ready_unix": time.time(),
                        "phases_s": stats.get("phases_s", {}), "path": stats.get("path")})
 
 
@@ -341,7 +344,6 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
     not exactly one is given.
     """
     from agent.errors import ConfigError
-    from agent.replica import zygote
 
     started_unix = started_unix or time.time()
     chosen = [x for x in (model_dir, snapshot, zygote_mode or None) if x]
@@ -352,6 +354,9 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
     parent = os.getppid()
     import torch
 
+    from agent.replica import zygote
+
+    imports_done_unix = time.time()
     torch.set_num_threads(threads or os.cpu_count() or 1)
     loaded, buffer = None, None
     if zygote_mode:
@@ -365,7 +370,7 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
                     parent_pid=parent)
 
     def ready(address: str) -> None:
-        print(ready_line(address, worker, started_unix), flush=True)
+        print(ready_line(address, worker, started_unix, imports_done_unix), flush=True)
 
     asyncio.run(worker.serve(listen, ready))
     return 0

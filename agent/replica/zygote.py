@@ -121,7 +121,10 @@ def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
         packaged = aot.load_package(release, weights)
         max_seqs, max_seq_len = packaged.manifest["max_seqs"], packaged.manifest["max_seq_len"]
         forward, digest, package_dir, path = packaged, packaged.digest, str(packaged.path), "aot"
-    engine = Engine(config, weights, max_seqs=max_seqs, max_seq_len=max_seq_len, forward=forward)
+    # With a package the eager module is not built (building it on the meta device imports
+    # torch._dynamo: seconds at every boot).
+    engine = Engine(config, None if forward is not None else weights, max_seqs=max_seqs,
+                    max_seq_len=max_seq_len, forward=forward)
     if compile and forward is None:
         engine.forward = torch.compile(engine.model, dynamic=True)
         path = "jit"
