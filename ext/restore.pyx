@@ -29,7 +29,8 @@ cdef extern from "<sys/mman.h>" nogil:
 cdef extern from "<unistd.h>" nogil:
     int _SC_PAGESIZE
 
-cdef extern from "xxhash.h" nogil:
+cdef extern from "xxh3_dispatch.h" nogil:
+    # xxhash.h, included by xxh3_dispatch.h with its run-time kernel choice
     ctypedef unsigned long long XXH64_hash_t
     ctypedef struct XXH3_state_t:
         pass
@@ -39,6 +40,10 @@ cdef extern from "xxhash.h" nogil:
     int XXH3_64bits_reset(XXH3_state_t *state)
     int XXH3_64bits_update(XXH3_state_t *state, const void *data, size_t length)
     XXH64_hash_t XXH3_64bits_digest(const XXH3_state_t *state)
+    int rw_update(XXH3_state_t *state, const void *data, size_t length)
+    const char *rw_update_name
+    void rw_pick_update()
+    int rw_force_update(const char *name)
 
 cdef extern from "<pthread.h>" nogil:
     ctypedef unsigned long pthread_t
@@ -98,7 +103,7 @@ cdef int read_full(int fd, uint8_t *dst, int64_t length, int64_t offset, int64_t
                 return 0
             part += got
         if state != NULL:
-            XXH3_64bits_update(state, dst + done, <size_t>step)
+            rw_update(state, dst + done, <size_t>step)
         done += step
     return 0
 
@@ -203,17 +208,34 @@ def read_chunks(object buffer, list jobs, int threads=2, bint verify=True,
         PyBuffer_Release(&view)
 
 
+rw_pick_update()
+
+
+def hash_kernel(str force=None):
+    """The XXH3 vector kernel in use ("avx512", "avx2" or "default"); ``force`` selects one
+    (tests compare them).  Raises ValueError if ``force`` is not available here."""
+    if force is not None and rw_force_update(force.encode()) != 0:
+        raise ValueError(f"XXH3 kernel {force!r} not available on this CPU or build")
+    return rw_update_name.decode()
+
+
 def xxh3_64(object data):
     """XXH3-64 of a bytes-like object (any contiguous buffer), computed with the GIL released."""
     cdef Py_buffer view
     cdef uint64_t h
+    cdef XXH3_state_t *state = XXH3_createState()
+    if state == NULL:
+        raise MemoryError("XXH3 state")
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
     try:
         with nogil:
-            h = XXH3_64bits(view.buf, <size_t>view.len)
+            XXH3_64bits_reset(state)
+            rw_update(state, view.buf, <size_t>view.len)
+            h = XXH3_64bits_digest(state)
         return h
     finally:
         PyBuffer_Release(&view)
+        XXH3_freeState(state)
 
 
 def resident_fraction(str path):

@@ -75,3 +75,39 @@ def test_cli_inspect_verify_import(tmp_path, capsys, make_snapshot):
     save_file({"w": torch.ones(3)}, hf / "model.safetensors")
     assert main(["import", str(hf), str(tmp_path / "imp"), "--name", "m", "--version", "v1"]) == 0
     assert "m v1, 1 tensors" in capsys.readouterr().out
+
+
+def test_every_hash_kernel_gives_the_same_xxh3():
+    data = bytes(range(256)) * 4099 + b"tail"
+    chosen = _restore.hash_kernel()
+    try:
+        values = {}
+        for kernel in ("default", "avx2", "avx512"):
+            try:
+                _restore.hash_kernel(kernel)
+            except ValueError:
+                continue               # not on this CPU
+            values[kernel] = [_restore.xxh3_64(data[:n]) for n in (0, 3, 240, 241, 1024, 100_000, len(data))]
+        assert len(values) >= 1 and all(v == values["default"] for v in values.values())
+        assert values["default"][1] == 0x78AF5F94892F3950 or data[:3] != b"abc"
+    finally:
+        _restore.hash_kernel(chosen)
+    with pytest.raises(ValueError, match="not available"):
+        _restore.hash_kernel("neon")
+
+
+def test_piecewise_hash_equals_one_shot(tmp_path):
+    payload = os.urandom(3 * 4096 * 17)
+    p = tmp_path / "f"
+    p.write_bytes(payload)
+    buf = HostBuffer.allocate(len(payload))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        for piece in (4096, 8192 * 3, 1 << 20):
+            res = _restore.read_chunks(buf.memory, [(-1, fd, 0, len(payload), 0, 0)], 1, True, piece)
+            assert res[0][3] == _restore.xxh3_64(payload)
+            assert bytes(buf.memory[:len(payload)]) == payload
+        with pytest.raises(ValueError, match="piece_bytes"):
+            _restore.read_chunks(buf.memory, [], 1, True, 1000)
+    finally:
+        os.close(fd)
