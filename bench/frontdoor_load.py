@@ -4,10 +4,11 @@ Three processes: stub replicas (answer at once over the protocol), the front doo
 open-loop load generator (Poisson arrivals, or replay of an Azure LLM trace's arrival times)
 over ``--conns`` (>= 64) connections.  Reported (and written with ``--json PATH``):
 
-- ``direct_rps`` / ``frontdoor_rps``: answers per second at a saturating offered load,
-  straight to a stub replica / through the front door;
+- ``direct_rps`` / ``frontdoor_rps``: the highest offered Poisson rate (a ladder rising by
+  25 %) at which every request was answered 200, straight to a stub replica / through the
+  front door;
 - ``frontdoor_cpu_us_per_request``: the front door process's user+system CPU (from
-  /proc/<pid>/stat) during the saturating run divided by the requests it answered;
+  /proc/<pid>/stat) during that run divided by the requests it answered;
 - ``p50_added_ms`` / ``p99_added_ms``: latency percentiles through the front door minus the
   same percentiles straight to a replica, both at half of ``frontdoor_rps``;
 - overload at twice ``frontdoor_rps``: ``offered``, ``ok``, ``shed_429``, ``expired_504``,
@@ -220,13 +221,32 @@ def _run_load(port: int, rate: float, duration_s: float, conns: int, trace: bool
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _ladder(port: int, pid: int | None, args) -> tuple[dict, float]:
+    """Offer rising Poisson rates; the maximum is the last rate fully served (every request
+    answered 200, none shed).  Returns that run and the process's CPU per request there."""
+    best, cpu_us = None, float("nan")
+    rate = args.start_rps
+    while rate <= args.saturate_rps:
+        cpu0 = _cpu_s(pid) if pid else 0.0
+        run = _run_load(port, rate, args.duration, args.conns)
+        if run["ok"] < run["offered"]:
+            break
+        best = run
+        if pid:
+            cpu_us = (_cpu_s(pid) - cpu0) * 1e6 / run["ok"]
+        rate *= 1.25
+    return best or run, cpu_us
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--role", default="main", choices=["main", "replicas", "frontdoor", "load"])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--conns", type=int, default=64)
-    ap.add_argument("--duration", type=float, default=3.0)
-    ap.add_argument("--saturate-rps", type=float, default=40_000.0)
+    ap.add_argument("--duration", type=float, default=2.0)
+    ap.add_argument("--start-rps", type=float, default=2_000.0)
+    ap.add_argument("--saturate-rps", type=float, default=60_000.0,
+                    help="the ladder of offered rates stops here")
     ap.add_argument("--port", type=int)
     ap.add_argument("--ports", type=int, nargs="*")
     ap.add_argument("--rate", type=float)
@@ -247,8 +267,8 @@ def main() -> None:
         return None
 
     reps, ports = _spawn("--role", "replicas")
-    # The maximum rate is measured with deadlines long enough that nothing is shed (the
-    # front door queues what it cannot yet send); overload uses --deadline-ms.
+    # The maximum rate is measured with deadlines long enough that nothing is shed;
+    # the overload run uses --deadline-ms (and so sheds and expires).
     sat_fd, (sat_port,) = _spawn("--role", "frontdoor", "--ports", *ports,
                                  "--max-seqs", str(args.max_seqs), "--deadline-ms", "600000")
     fd, (fd_port,) = _spawn("--role", "frontdoor", "--ports", *ports,
@@ -257,10 +277,8 @@ def main() -> None:
     pid = fd.pid
     try:
         rss_idle = _vm(pid, "VmRSS")
-        direct = _run_load(int(ports[0]), args.saturate_rps, args.duration, args.conns)
-        cpu0 = _cpu_s(sat_fd.pid)
-        sat = _run_load(int(sat_port), args.saturate_rps, args.duration, args.conns)
-        cpu_us = (_cpu_s(sat_fd.pid) - cpu0) * 1e6 / max(1, sat["ok"])
+        direct, _ = _ladder(int(ports[0]), None, args)
+        sat, cpu_us = _ladder(int(sat_port), sat_fd.pid, args)
         half = max(100.0, sat["rps"] / 2)
         d_half = _run_load(int(ports[0]), half, args.duration, args.conns, seed=1)
         f_half = _run_load(int(sat_port), half, args.duration, args.conns, seed=1)
@@ -271,6 +289,7 @@ def main() -> None:
             "frontdoor_cpu_us_per_request": cpu_us, "half_rate_rps": half,
             "p50_added_ms": f_half["p50_ms"] - d_half["p50_ms"],
             "p99_added_ms": f_half["p99_ms"] - d_half["p99_ms"],
+            "half_rate_direct": d_half, "half_rate_frontdoor": f_half,
             "trace_replay": trace, "overload": {k: over[k] for k in (
                 "offered", "ok", "shed_429", "expired_504", "other_errors", "lost")},
             "rss_idle_bytes": rss_idle, "rss_peak_bytes": _vm(pid, "VmHWM"),
