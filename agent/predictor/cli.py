@@ -9,7 +9,6 @@ steps and prints each decision as a JSON line (for scripts and tests).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import logging

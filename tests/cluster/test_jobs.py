@@ -1,11 +1,9 @@
 """Every job spec parses (python-hcl2) and has the fields the code relies on."""
 
+import argparse
 import json
-import pathlib
 
 import pytest
-
-import argparse
 
 from agent.cluster.cli import register
 from agent.cluster.jobs import JOBS_DIR, load_hcl, render_replica_job

@@ -2,7 +2,6 @@
 
 import pytest
 
-from agent.clock import ManualClock
 from agent.cluster.consul_registry import consul_client
 from agent.cluster.leader import LEADER_KEY, LeaderLock
 from agent.errors import ConfigError
