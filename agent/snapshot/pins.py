@@ -50,8 +50,9 @@ def machine_pins(device: str = "cpu") -> Pins:
 
 
 def pins_device(pins: Pins) -> str:
-    """The device a snapshot with these pins restores onto: "cpu" or "cuda"."""
-    return "cpu" if pins.cuda_driver == "cpu" else "cuda"
+    """The device whose pins to compare with: "cuda" for a GPU snapshot where a GPU is
+    present, else "cpu" (a GPU snapshot then fails the check, naming the GPU pins)."""
+    return "cuda" if pins.cuda_driver != "cpu" and torch.cuda.is_available() else "cpu"
 
 
 def check_pins(snapshot: Pins, machine: Pins, path: Path | str | None) -> None:

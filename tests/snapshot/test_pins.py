@@ -54,3 +54,13 @@ def test_envelope_format_version_mismatch(make_snapshot):
     with pytest.raises(SnapshotIncompatible) as err:
         restore_snapshot(path)
     assert err.value.mismatches == {"format_version": (FORMAT_VERSION + 1, FORMAT_VERSION)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_gpu_snapshot_on_a_cpu_machine_names_the_gpu_pins(make_snapshot):
+    gpu_pins = dataclasses.replace(machine_pins("cpu"), cuda_driver="570.86.15", gpu_name="NVIDIA H200", gpu_cc="9.0")
+    path, _ = make_snapshot(pins=gpu_pins)
+    with pytest.raises(SnapshotIncompatible) as err:
+        restore_snapshot(path)
+    assert err.value.mismatches == {"cuda_driver": ("570.86.15", "cpu"), "gpu_name": ("NVIDIA H200", None),
+                                    "gpu_cc": ("9.0", None)}
