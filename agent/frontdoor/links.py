@@ -90,7 +90,10 @@ class ClientConn(_Batched):
         except ProtocolError as err:
             self.fail(err)
             return
-        self.frame_start_s = (self.frame_start_s or now) if self.decoder.buffered_bytes else None
+        if not self.decoder.buffered_bytes:
+            self.frame_start_s = None
+        elif self.frame_start_s is None:
+            self.frame_start_s = now
         handle = self.fd.handle
         for message in messages:
             if self.closed:

@@ -33,6 +33,7 @@ from agent.frontdoor.auth import TokenAuth
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate
 from agent.frontdoor.links import ClientConn, ReplicaLink, packb
 from agent.frontdoor.router import ReplicaLoad, Router
+from agent.frontdoor.watch import RegistryWatcher
 from agent.protocol import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, error_message, validate_request
 from agent.telemetry import Telemetry
 
@@ -57,7 +58,8 @@ class FrontDoorConfig:
     frame_deadline_s: float = 30.0
     tick_s: float = 0.005          # queue expiry resolution
     sweep_s: float = 0.25          # idle / slow-frame checks
-    registry_poll_s: float = 0.5
+    registry_poll_s: float = 0.5   # polling period (registries without blocking queries)
+    registry_wait_s: float = 5.0   # longest blocking query (Consul)
     restores_per_model: int = 2
     restores_overall: int = 8
     limits: Limits = DEFAULT_LIMITS
@@ -107,10 +109,13 @@ class FrontDoor:
         self.known_models: set[str] = set(config.models)
         self.last_restore: dict[str, tuple[float, str, float | None]] = {}
         self.counts = {"requests": 0, "dispatched": 0, "done": 0, "errors": 0}
+        self.arrivals: dict[str, int] = {}  # generate requests per model (predictor input)
         self.instance_id = f"frontdoor-{uuid.uuid4().hex[:12]}"
         self._server: asyncio.base_events.Server | None = None
         self._tasks: list[asyncio.Task] = []
         self._queued_models: set[str] = set()
+        self._watcher: RegistryWatcher | None = None
+        self._last_beat_s = float("-inf")
         self._upserted: dict[str, float] = {}  # replica id -> when a restore reported it
 
     # --- lifecycle -------------------------------------------------------------------
@@ -119,11 +124,14 @@ class FrontDoor:
         """Listen and start the background loops; returns the bound ``(host, port)``."""
         loop = asyncio.get_running_loop()
         await self.refresh_replicas()
+        self._watcher = RegistryWatcher(
+            self.registry, REPLICA_SERVICE, poll_s=self.config.registry_poll_s,
+            wait_s=self.config.registry_wait_s, on_change=self.apply_replicas, loop=loop,
+            on_tick=self._heartbeat).start()
         self._server = await loop.create_server(
             lambda: ClientConn(self), self.config.host, self.config.port,
             backlog=1024, reuse_address=True)
-        self._tasks = [loop.create_task(self._ticker()), loop.create_task(self._sweeper()),
-                       loop.create_task(self._watch_registry())]
+        self._tasks = [loop.create_task(self._ticker()), loop.create_task(self._sweeper())]
         if self.announcer is not None:
             host, port = self.address
             await asyncio.to_thread(self.announcer.announce, ServiceInstance(
@@ -139,6 +147,8 @@ class FrontDoor:
         """Stop listening, let dispatched requests finish within ``grace_s``, then close."""
         if self._server is not None:
             self._server.close()
+        if self._watcher is not None:
+            self._watcher.stop()
         deadline = self.clock.now() + grace_s
         while any(link.in_flight for link in self.links.values()) and self.clock.now() < deadline:
             await asyncio.sleep(0.01)
@@ -194,6 +204,7 @@ class FrontDoor:
     def _generate(self, conn: ClientConn, rid: Any, message: dict) -> None:
         self.counts["requests"] += 1
         model = message["model"]
+        self.arrivals[model] = self.arrivals.get(model, 0) + 1
         if model not in self.known_models:
             self._refuse(conn, rid, model, 404, f"unknown model {model!r}")
             return
@@ -413,20 +424,25 @@ class FrontDoor:
                     conn.close_after_flush()
             self.telemetry.flush()
 
-    async def _watch_registry(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.registry_poll_s)
+    def _heartbeat(self) -> None:
+        """Keep a TTL announcement passing (called from the watcher thread)."""
+        now = self.clock.now()
+        if self.announcer is not None and now - self._last_beat_s >= self.config.registry_poll_s:
+            self._last_beat_s = now
             try:
-                await self.refresh_replicas()
-                if self.announcer is not None:
-                    await asyncio.to_thread(self.announcer.heartbeat, self.instance_id)
-            except Exception as exc:  # keep serving from the cached view
-                log.warning("registry poll failed: %s", exc)
+                self.announcer.heartbeat(self.instance_id)
+            except Exception as exc:
+                log.warning("front door heartbeat failed: %s", exc)
 
     async def refresh_replicas(self) -> None:
-        """Replace the router's view with the registry's passing replicas.  A replica's
-        reported use is raised to at least what this front door has dispatched to it."""
-        instances = await asyncio.to_thread(self.registry.healthy, REPLICA_SERVICE)
+        """Read the registry now (startup, tests) and apply it."""
+        self.apply_replicas(await asyncio.to_thread(self.registry.healthy, REPLICA_SERVICE))
+
+    def apply_replicas(self, instances: list[ServiceInstance]) -> None:
+        """Replace the router's view with these passing replicas.  A replica's reported use
+        is raised to at least what this front door has dispatched to it; one missing from
+        the list leaves the view unless a restore reported it within the last
+        3 x ``registry_poll_s`` (it may not be registered yet)."""
         seen = set()
         for inst in instances:
             try:
@@ -443,7 +459,7 @@ class FrontDoor:
                 load.kv_used_tokens = max(load.kv_used_tokens, sum(r.need_tokens for r in ours))
             self.router.upsert(load)
         now = self.clock.now()
-        grace_s = 3 * self.config.registry_poll_s  # a restored replica may not be listed yet
+        grace_s = 3 * self.config.registry_poll_s
         for model in self.router.models():
             for load in self.router.warm(model):
                 if load.replica_id not in seen and now - self._upserted.get(
@@ -460,7 +476,7 @@ class FrontDoor:
             return {m: {"warm": len(self.router.warm(m)),
                         "queued": len(self.queues.get(m) or ())}
                     for m in sorted(self.known_models)}
-        return {**self.counts, "connections": len(self.conns),
+        return {**self.counts, "arrivals": dict(self.arrivals), "connections": len(self.conns),
                 "restores_in_flight": self.gate.total,
                 "queued": {m: len(q) for m, q in self.queues.items() if q},
                 "replicas": {r.replica_id: {"model": r.model, "active_seqs": r.active_seqs,
