@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 
 from agent.errors import RewarmError
@@ -98,8 +99,12 @@ def _serve(args) -> int:
                        telemetry=telemetry, auth=auth, announcer=announcer)
         host, port = await fd.start()
         print(f"front door listening on {host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await fd.stop()
 
