@@ -154,7 +154,7 @@ class _State:
     seqs: int
     arrivals: int = 0
     window_s: float = 0.0
-    last_tick_s: float | None = None
+    fed_until_s: float | None = None
     last_arrival_s: float | None = None
     target: int | None = None
     acting: bool = False
@@ -232,12 +232,22 @@ class Predictor:
         return [self._tick_model(st, now, act) for st in self._models.values()]
 
     # -- one model ------------------------------------------------------------------------
-    def _feed(self, st: _State, now: float) -> float | None:
+    def _feed(self, st: _State, now: float) -> tuple[float | None, float | None]:
+        """Advance the smoothers by the whole steps elapsed; returns (rate, window start).
+
+        Steps are counted on the clock (``fed_until_s``), not per call, so ticks that come
+        late or early neither stretch nor compress the forecast's time scale. A tick inside
+        the current step feeds nothing and keeps the arrivals for the next (window start
+        None). The arrivals observed since the last step are spread evenly over the steps.
+        """
         p = st.policy
-        steps = 1
-        if st.last_tick_s is not None:
-            steps = max(1, round((now - st.last_tick_s) / p.step_s))
-        st.last_tick_s = now
+        if st.fed_until_s is None:
+            st.fed_until_s = now - p.step_s
+        steps = int((now - st.fed_until_s) / p.step_s + 1e-9)
+        if steps <= 0:
+            return None, None
+        start = st.fed_until_s
+        st.fed_until_s += steps * p.step_s
         actual = None
         if st.window_s > 0:
             actual = st.arrivals / st.window_s
@@ -246,16 +256,16 @@ class Predictor:
             st.holt.reset(actual or 0.0)   # a gap too long to bridge: start over
             st.fast.reset(actual or 0.0)
             st.longrun.update(actual)
-            return actual
+            return actual, start
         for _ in range(steps):
             st.holt.update(actual)
             st.fast.update(actual)
             st.longrun.update(actual)
-        return actual
+        return actual, start
 
     def _tick_model(self, st: _State, now: float, act: bool) -> Decision:
         p = st.policy
-        actual = self._feed(st, now)
+        actual, window_start_s = self._feed(st, now)
         forecast = st.holt.forecast(p.lead_time_s / p.step_s)
         level = st.holt.level or 0.0
         demand = max(forecast, st.fast.forecast(0))
@@ -276,8 +286,8 @@ class Predictor:
                  "keepalive warm=%.1fs stop=%.1fs idle=%.1fs", p.model, action, previous,
                  decision.target, reason, actual, forecast, level, desired, plan.warm_s, plan.stop_s,
                  idle_s)
-        if act and self._catalog is not None:
-            self._catalog.record_forecast(p.model, now - p.step_s, forecast, actual,
+        if act and self._catalog is not None and window_start_s is not None:
+            self._catalog.record_forecast(p.model, window_start_s, forecast, actual,
                                           decision.target)
         return decision
 

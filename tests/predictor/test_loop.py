@@ -197,3 +197,21 @@ def test_capacity_from_kv_report():
     for _ in range(30):
         d = step(p, clock, 20)
     assert d.target == 5                    # 140 / (40 x 0.75) = 4.67
+
+
+def test_ticks_are_counted_on_the_clock_not_per_call():
+    p, clock, _, catalog, _ = make()
+    st = p._models["m"]
+    for _ in range(4):                      # ticks every 0.5 s: one Holt step per second
+        clock.advance(0.5)
+        p.observe("m", 10, window_s=0.5)
+        p.tick()
+    assert st.holt.samples == 2
+    assert st.holt.level == pytest.approx(20.0)      # 10 arrivals per 0.5 s = 20 req/s
+    # one row per step, keyed by the start of the step's window (steps anchor on tick one)
+    assert [r[1] for r in catalog.rows] == [-0.5, 0.5]
+    clock.advance(2.6)                      # a late tick: three whole steps since 1.5 s
+    p.observe("m", 52, window_s=2.6)        # (plus the 0.5 s kept from the tick at 2.0 s)
+    p.tick()
+    assert st.holt.samples == 5 and catalog.rows[-1][1] == 1.5
+    assert st.holt.level == pytest.approx(20.0)      # 62 arrivals over 3.1 s
