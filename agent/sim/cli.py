@@ -27,7 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--startup-json", type=Path, help="start-up seconds per tier (bench JSON)")
     p.add_argument("--hours", type=float, default=24.0, help="cost: simulated hours (24)")
     p.add_argument("--cold-starts", default=None,
-                   help="spike: comma-separated cold-start seconds (26,60,120,180,260,336)")
+                   help="spike: comma-separated cold-start seconds (restore,26,60,120,180,260,336)")
     p.add_argument("--speedup", type=float, default=1.0, help="trace: time compression")
     p.add_argument("--background-rps", type=float, default=0.0,
                    help="trace: steady background traffic of other tenants (req/s)")
@@ -72,8 +72,9 @@ def run(args) -> int:
     progress = not args.no_progress
     only = tuple(args.policy) if args.policy else None
     if args.scenario == "spike":
-        cold = scenarios.DEFAULT_COLD_STARTS if not args.cold_starts else tuple(
-            float(x) for x in args.cold_starts.split(","))
+        # the documents' points, plus rewarm's own start-up: a snapshot restore
+        cold = (startup.restore_s[1],) + scenarios.DEFAULT_COLD_STARTS if not args.cold_starts \
+            else tuple(float(x) for x in args.cold_starts.split(","))
         result = scenarios.spike_scenario(cold_starts_s=cold, seed=args.seed, progress=progress)
     elif args.scenario == "cost":
         result = scenarios.cost_scenario(scenarios.CostShape(hours=args.hours), startup,

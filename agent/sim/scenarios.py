@@ -187,7 +187,7 @@ def spike_scenario(shape: SpikeShape = SpikeShape(),
     return {"scenario": "spike", "shape": shape.__dict__, "sweep": sweep, "series": series,
             "demand": {"t_s": t.tolist(), "calls": w.offered_concurrency(t).tolist()},
             "doc": {str(k): v for k, v in AOT_DOC_SPIKE.items()}, "requests_per_run": len(w),
-            "runs": len(runs), "wall_s": wall,
+            "runs": len(runs), "wall_s": wall, "warmup_s": 5 * shape.call_s,
             "sim_wall_s_per_sim_hour": sum(r["wall_s"] for r in runs)
             / sum(r["sim_hours"] for r in runs)}
 
