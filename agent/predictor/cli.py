@@ -31,7 +31,9 @@ def register(subparsers) -> None:
     p.add_argument("--restore-p99-s", type=float, default=3.6)
     p.add_argument("--decision-latency-s", type=float, default=1.0)
     p.add_argument("--occupancy-s", type=float, default=7.0)
-    p.add_argument("--seqs-per-replica", type=int, default=80)
+    p.add_argument("--seqs-per-replica", type=int, default=80,
+                   help="until a replica reports its KV capacity")
+    p.add_argument("--mean-context-tokens", type=float, default=900.0)
     p.add_argument("--utilisation", type=float, default=0.75)
     p.add_argument("--gpu-cost-per-hour", type=float, default=2.80)
     p.add_argument("--tick-s", type=float, default=1.0)
@@ -60,7 +62,7 @@ def build(args, clock):
     """Predictor, service and the handles to close, from parsed arguments."""
     from agent.predictor.keepalive import KeepAliveCosts
     from agent.predictor.loop import ModelPolicy, Predictor
-    from agent.predictor.service import PredictorService, frontdoor_counters
+    from agent.predictor.service import PredictorService, frontdoor_stats
 
     costs = KeepAliveCosts(gpu_cost_per_s=args.gpu_cost_per_hour / 3600.0,
                            suspended_cost_per_s=args.gpu_cost_per_hour / 3600.0 / 20.0,
@@ -72,6 +74,7 @@ def build(args, clock):
             name, min_replicas=lo, max_replicas=hi, lead_time_s=args.lead_time_s,
             restore_p99_s=args.restore_p99_s, decision_latency_s=args.decision_latency_s,
             occupancy_s=args.occupancy_s, seqs_per_replica=args.seqs_per_replica,
+            mean_context_tokens=args.mean_context_tokens,
             utilisation=args.utilisation, step_s=args.tick_s, costs=costs))
     consul_c = kv = leader = registry = None
     if args.registry == "consul":
@@ -112,7 +115,7 @@ def build(args, clock):
         out = {}
         for door in doors:
             try:
-                out[door] = frontdoor_counters(door)
+                out[door] = frontdoor_stats(door)
             except (OSError, ValueError) as exc:
                 log.warning("predictor: front door %s: %s", door, exc)
         return out

@@ -80,6 +80,7 @@ class ModelPolicy:
     phi: float = 0.9
     react_alpha: float = 0.5
     rate_window_s: float = 600.0
+    mean_context_tokens: float = 900.0
     step_s: float = 1.0
     scale_down_cooldown_s: float = 30.0
     costs: KeepAliveCosts = field(default_factory=KeepAliveCosts)
@@ -99,6 +100,7 @@ class ModelPolicy:
                         self.min_replicas, self.max_replicas)
         Holt(self.alpha, self.beta, self.phi)
         Holt(self.react_alpha, 0.0)
+        seqs_per_replica(0, self.mean_context_tokens)   # > 0, else ConfigError
         if not self.rate_window_s >= self.step_s:
             raise ConfigError(
                 f"ModelPolicy {self.model}: rate_window_s={self.rate_window_s}; limit is "
@@ -213,10 +215,13 @@ class Predictor:
             st.last_arrival_s = self._clock.now()
 
     def update_capacity(self, model: str, kv_capacity_tokens: int,
-                        mean_context_tokens: float) -> int:
-        """Re-derive sequences per replica from a replica's reported KV capacity; returns it."""
+                        mean_context_tokens: float | None = None) -> int:
+        """Re-derive sequences per replica from a replica's reported KV capacity (tokens)
+        and the mean context length (default: the policy's ``mean_context_tokens``; design
+        document: 72,089 / 900 = 80); returns it (at least 1)."""
         st = self._state(model)
-        st.seqs = max(1, seqs_per_replica(kv_capacity_tokens, mean_context_tokens))
+        ctx = st.policy.mean_context_tokens if mean_context_tokens is None else mean_context_tokens
+        st.seqs = max(1, seqs_per_replica(kv_capacity_tokens, ctx))
         return st.seqs
 
     def update_restore_p99(self, model: str, restore_p99_s: float) -> None:

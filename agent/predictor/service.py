@@ -5,8 +5,10 @@ One step per second (``tick_s``)::
     front doors' stats ──► CounterRate per (front door, model) ──► Predictor.observe
     LeaderLock.tick() (or always leader when embedded) ──► Predictor.tick(act=leader)
 
-A front door's ``stats`` answer carries ``requests_by_model: {model: cumulative count}``.
-Counters that go down (a restarted front door) and gaps are handled by
+A front door's ``stats`` answer carries ``requests_by_model: {model: cumulative count}``
+and ``replicas: {id: {model, kv_capacity_tokens, ...}}``; the smallest KV capacity seen per
+model re-sizes its sequences per replica (``Predictor.update_capacity`` with the policy's
+``mean_context_tokens``). Counters that go down (a restarted front door) and gaps are handled by
 :class:`~agent.predictor.forecast.CounterRate`; a front door that stops answering simply
 contributes no sample (a missing sample, not a zero).
 """
@@ -25,8 +27,9 @@ from agent.predictor.loop import Decision, Predictor
 
 log = logging.getLogger(__name__)
 
-StatsFetch = Callable[[], Mapping[str, Mapping[str, int]]]
-"""() -> {front door id: {model: cumulative requests}}."""
+StatsFetch = Callable[[], Mapping[str, Mapping[str, Mapping[str, int]]]]
+"""() -> {front door id: {"requests_by_model": {model: cumulative requests},
+"kv_capacity_tokens": {model: tokens}}} (what :func:`frontdoor_stats` returns per door)."""
 
 
 class Leader(Protocol):
@@ -73,8 +76,12 @@ class PredictorService:
             stats = {}
         known = set(self.predictor.models)
         seen: dict[str, tuple[int, float]] = {}
-        for door, counters in stats.items():
-            for model, value in (counters or {}).items():
+        capacity: dict[str, int] = {}
+        for door, door_stats in stats.items():
+            for model, tokens in (door_stats.get("kv_capacity_tokens") or {}).items():
+                if model in known and tokens > 0:
+                    capacity[model] = min(tokens, capacity.get(model, tokens))
+            for model, value in (door_stats.get("requests_by_model") or {}).items():
                 if model not in known:
                     continue
                 got = self._rates.setdefault((door, model), CounterRate()).sample(value, now)
@@ -84,6 +91,8 @@ class PredictorService:
                 seen[model] = (arrivals + got[0], max(window_s, got[1]))
         for model, (arrivals, window_s) in seen.items():
             self.predictor.observe(model, arrivals, window_s)
+        for model, tokens in capacity.items():
+            self.predictor.update_capacity(model, tokens)
         return seen
 
     def step(self) -> list[Decision]:
@@ -115,12 +124,15 @@ class PredictorService:
             stop.wait(max(0.0, tick_s - (self._clock.now() - started)))
 
 
-def frontdoor_counters(address: str, *, timeout_s: float = 2.0,
-                       token: str | None = None) -> dict[str, int]:
-    """One front door's ``requests_by_model`` from its ``stats`` op (msgpack over TCP).
+def frontdoor_stats(address: str, *, timeout_s: float = 2.0,
+                    token: str | None = None) -> dict[str, dict[str, int]]:
+    """One front door's counters and replica capacities from its ``stats`` op (msgpack/TCP).
 
-    Raises OSError (unreachable, closed early, timeout) and ValueError (a malformed answer;
-    ProtocolError is one). A front door without per-model counters answers ``{}``.
+    Returns ``{"requests_by_model": {model: count}, "kv_capacity_tokens": {model: tokens}}``
+    (the smallest capacity among the model's warm replicas; entries that are not
+    non-negative integers are dropped). Raises OSError (unreachable, closed early, timeout)
+    and ValueError (an error answer or a malformed one; ProtocolError is one). A front door
+    without per-model counters gives an empty ``requests_by_model``.
     """
     import socket
 
@@ -142,9 +154,25 @@ def frontdoor_counters(address: str, *, timeout_s: float = 2.0,
                     raise ValueError(f"front door {address}: stats refused: "
                                      f"{answer.get('code')} {answer.get('reason')}")
                 if answer.get("type") == "result":
-                    counters = (answer.get("result") or {}).get("requests_by_model") or {}
-                    if not isinstance(counters, dict):
-                        raise ValueError(f"front door {address}: requests_by_model is "
-                                         f"{type(counters).__name__}, not a map")
-                    return {str(k): int(v) for k, v in counters.items()
-                            if isinstance(v, int) and v >= 0}
+                    return _parse_stats(address, answer.get("result") or {})
+
+
+def _count(v) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _parse_stats(address: str, result: dict) -> dict[str, dict[str, int]]:
+    counters = result.get("requests_by_model") or {}
+    replicas = result.get("replicas") or {}
+    for name, value in (("requests_by_model", counters), ("replicas", replicas)):
+        if not isinstance(value, dict):
+            raise ValueError(f"front door {address}: {name} is {type(value).__name__}, "
+                             "not a map")
+    capacity: dict[str, int] = {}
+    for rep in replicas.values():
+        if isinstance(rep, dict) and isinstance(rep.get("model"), str) \
+                and _count(rep.get("kv_capacity_tokens")):
+            m, tokens = rep["model"], rep["kv_capacity_tokens"]
+            capacity[m] = min(tokens, capacity.get(m, tokens))
+    return {"requests_by_model": {str(k): v for k, v in counters.items() if _count(v)},
+            "kv_capacity_tokens": capacity}

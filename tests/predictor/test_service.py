@@ -11,7 +11,7 @@ from agent.clock import ManualClock
 from agent.errors import ConfigError
 from agent.predictor.cli import parse_model
 from agent.predictor.loop import ModelPolicy, Predictor
-from agent.predictor.service import PredictorService, frontdoor_counters
+from agent.predictor.service import PredictorService, frontdoor_stats
 from agent.protocol import Decoder, pack
 
 
@@ -48,7 +48,8 @@ def test_counters_from_two_doors_sum_and_survive_a_restart():
         {"a": {"m": 4}, "b": {"m": 70}},       # a restarted: its counter went back to 4
         {"b": {"m": 80}},                      # a is gone this second
     ])
-    svc, clock = make(lambda: next(feed))
+    svc, clock = make(lambda: {door: {"requests_by_model": c}
+                               for door, c in next(feed).items()})
     clock.advance(1)
     assert svc.sample() == {}                  # first readings only set the baseline
     clock.advance(1)
@@ -67,7 +68,7 @@ def test_step_acts_only_as_leader_and_survives_a_failing_fetch():
         state["v"] += 20
         if state["v"] == 60:
             raise OSError("front door unreachable")
-        return {"a": {"m": state["v"]}}
+        return {"a": {"requests_by_model": {"m": state["v"]}}}
 
     svc, clock = make(fetch, leader)
     actions = []
@@ -102,14 +103,19 @@ def _serve_once(answer):
 
 
 @pytest.mark.parametrize("answer,expect", [
-    ({"type": "result", "result": {"requests": 9, "requests_by_model": {"m": 7, "x": -1}}},
-     {"m": 7}),
-    ({"type": "result", "result": {"requests": 9}}, {}),   # older front door: no per-model
+    ({"type": "result", "result": {
+        "requests": 9, "requests_by_model": {"m": 7, "x": -1, "y": True},
+        "replicas": {"r1": {"model": "m", "kv_capacity_tokens": 72089},
+                     "r2": {"model": "m", "kv_capacity_tokens": 36000},
+                     "r3": {"model": "n", "kv_capacity_tokens": "lots"}}}},
+     {"requests_by_model": {"m": 7}, "kv_capacity_tokens": {"m": 36000}}),
+    ({"type": "result", "result": {"requests": 9}},           # no per-model counters
+     {"requests_by_model": {}, "kv_capacity_tokens": {}}),
 ])
-def test_frontdoor_counters(answer, expect):
+def test_frontdoor_stats(answer, expect):
     addr, srv, t = _serve_once(answer)
     try:
-        assert frontdoor_counters(addr) == expect
+        assert frontdoor_stats(addr) == expect
     finally:
         t.join(5)
         srv.close()
@@ -118,16 +124,28 @@ def test_frontdoor_counters(answer, expect):
 @pytest.mark.parametrize("answer,exc", [
     ({"type": "error", "code": 401, "reason": "token"}, ValueError),
     ({"type": "result", "result": {"requests_by_model": [1, 2]}}, ValueError),
+    ({"type": "result", "result": {"replicas": "r1"}}, ValueError),
     (None, ConnectionError),                                # closed without an answer
 ])
-def test_frontdoor_counters_failures(answer, exc):
+def test_frontdoor_stats_failures(answer, exc):
     addr, srv, t = _serve_once(answer)
     try:
         with pytest.raises(exc):
-            frontdoor_counters(addr)
+            frontdoor_stats(addr)
     finally:
         t.join(5)
         srv.close()
+
+
+def test_reported_kv_capacity_resizes_the_pool():
+    svc, clock = make(lambda: {"a": {"requests_by_model": {"m": 20 * int(clock.now())},
+                                     "kv_capacity_tokens": {"m": 36000}},
+                               "b": {"kv_capacity_tokens": {"m": 72089, "zz": 5}}})
+    for _ in range(40):
+        clock.advance(1)
+        d = svc.step()[0]
+    # 36,000 / 900 = 40 sequences per replica: 140 in flight / 30 = 4.67 -> 5
+    assert d.model == "m" and d.target == 5
 
 
 def test_parse_model():
@@ -178,7 +196,7 @@ def test_metrics_and_parked_expiry_follow_the_decisions():
 
     def fetch():
         count["v"] += 20
-        return {"a": {"m": count["v"]}}
+        return {"a": {"requests_by_model": {"m": count["v"]}}}
 
     leader = Leader()
     svc = PredictorService(pred, clock=clock, fetch=fetch, leader=leader, scaler=scaler)
