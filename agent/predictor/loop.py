@@ -12,8 +12,11 @@ Per model, every tick::
                       Little's law (sizing.py) ──► desired replicas
                                                   │
         desired > target ──► scale_up now
-        desired < target ──► low for cooldown and keep-alive? ──no──► hold ("cooldown")
+        desired < target ──► low for the cooldown? ──no──► hold ("cooldown")
                                    │ yes
+                             idle past the keep-alive? ──no──► hold ("keep-alive")
+                                   │ yes   (to zero: idle since the last request;
+                                   │        otherwise: low for the keep-alive time)
                              snapshot durable? ──no──► hold ("snapshot not durable")
                                    │ yes
                              scale_down (release tier: suspend | stop, keepalive.py)
@@ -289,8 +292,8 @@ class Predictor:
                             plan, idle_s)
         log.info("predictor %s: %s %d->%d (%s) actual=%s forecast=%.3f level=%.3f desired=%d "
                  "keepalive warm=%.1fs stop=%.1fs idle=%.1fs", p.model, action, previous,
-                 decision.target, reason, actual, forecast, level, desired, plan.warm_s, plan.stop_s,
-                 idle_s)
+                 decision.target, reason, actual, forecast, level, desired, plan.warm_s,
+                 plan.stop_s, idle_s)
         if act and self._catalog is not None and window_start_s is not None:
             self._catalog.record_forecast(p.model, window_start_s, forecast, actual,
                                           decision.target)
