@@ -5,7 +5,7 @@ One step per second (``tick_s``)::
     front doors' stats ──► CounterRate per (front door, model) ──► Predictor.observe
     LeaderLock.tick() (or always leader when embedded) ──► Predictor.tick(act=leader)
 
-A front door's ``stats`` answer carries ``requests_by_model: {model: cumulative count}``
+A front door's ``stats`` answer carries ``arrivals: {model: cumulative count}``
 and ``replicas: {id: {model, kv_capacity_tokens, ...}}``; the smallest KV capacity seen per
 model re-sizes its sequences per replica (``Predictor.update_capacity`` with the policy's
 ``mean_context_tokens``). Counters that go down (a restarted front door) and gaps are handled by
@@ -28,7 +28,7 @@ from agent.predictor.loop import Decision, Predictor
 log = logging.getLogger(__name__)
 
 StatsFetch = Callable[[], Mapping[str, Mapping[str, Mapping[str, int]]]]
-"""() -> {front door id: {"requests_by_model": {model: cumulative requests},
+"""() -> {front door id: {"arrivals": {model: cumulative requests},
 "kv_capacity_tokens": {model: tokens}}} (what :func:`frontdoor_stats` returns per door)."""
 
 
@@ -81,7 +81,7 @@ class PredictorService:
             for model, tokens in (door_stats.get("kv_capacity_tokens") or {}).items():
                 if model in known and tokens > 0:
                     capacity[model] = min(tokens, capacity.get(model, tokens))
-            for model, value in (door_stats.get("requests_by_model") or {}).items():
+            for model, value in (door_stats.get("arrivals") or {}).items():
                 if model not in known:
                     continue
                 got = self._rates.setdefault((door, model), CounterRate()).sample(value, now)
@@ -128,11 +128,11 @@ def frontdoor_stats(address: str, *, timeout_s: float = 2.0,
                     token: str | None = None) -> dict[str, dict[str, int]]:
     """One front door's counters and replica capacities from its ``stats`` op (msgpack/TCP).
 
-    Returns ``{"requests_by_model": {model: count}, "kv_capacity_tokens": {model: tokens}}``
+    Returns ``{"arrivals": {model: count}, "kv_capacity_tokens": {model: tokens}}``
     (the smallest capacity among the model's warm replicas; entries that are not
     non-negative integers are dropped). Raises OSError (unreachable, closed early, timeout)
     and ValueError (an error answer or a malformed one; ProtocolError is one). A front door
-    without per-model counters gives an empty ``requests_by_model``.
+    without per-model counters gives an empty ``arrivals``.
     """
     import socket
 
@@ -162,9 +162,9 @@ def _count(v) -> bool:
 
 
 def _parse_stats(address: str, result: dict) -> dict[str, dict[str, int]]:
-    counters = result.get("requests_by_model") or {}
+    counters = result.get("arrivals") or {}
     replicas = result.get("replicas") or {}
-    for name, value in (("requests_by_model", counters), ("replicas", replicas)):
+    for name, value in (("arrivals", counters), ("replicas", replicas)):
         if not isinstance(value, dict):
             raise ValueError(f"front door {address}: {name} is {type(value).__name__}, "
                              "not a map")
@@ -174,5 +174,5 @@ def _parse_stats(address: str, result: dict) -> dict[str, dict[str, int]]:
                 and _count(rep.get("kv_capacity_tokens")):
             m, tokens = rep["model"], rep["kv_capacity_tokens"]
             capacity[m] = min(tokens, capacity.get(m, tokens))
-    return {"requests_by_model": {str(k): v for k, v in counters.items() if _count(v)},
+    return {"arrivals": {str(k): v for k, v in counters.items() if _count(v)},
             "kv_capacity_tokens": capacity}

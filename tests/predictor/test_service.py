@@ -48,7 +48,7 @@ def test_counters_from_two_doors_sum_and_survive_a_restart():
         {"a": {"m": 4}, "b": {"m": 70}},       # a restarted: its counter went back to 4
         {"b": {"m": 80}},                      # a is gone this second
     ])
-    svc, clock = make(lambda: {door: {"requests_by_model": c}
+    svc, clock = make(lambda: {door: {"arrivals": c}
                                for door, c in next(feed).items()})
     clock.advance(1)
     assert svc.sample() == {}                  # first readings only set the baseline
@@ -68,7 +68,7 @@ def test_step_acts_only_as_leader_and_survives_a_failing_fetch():
         state["v"] += 20
         if state["v"] == 60:
             raise OSError("front door unreachable")
-        return {"a": {"requests_by_model": {"m": state["v"]}}}
+        return {"a": {"arrivals": {"m": state["v"]}}}
 
     svc, clock = make(fetch, leader)
     actions = []
@@ -104,13 +104,13 @@ def _serve_once(answer):
 
 @pytest.mark.parametrize("answer,expect", [
     ({"type": "result", "result": {
-        "requests": 9, "requests_by_model": {"m": 7, "x": -1, "y": True},
+        "requests": 9, "arrivals": {"m": 7, "x": -1, "y": True},
         "replicas": {"r1": {"model": "m", "kv_capacity_tokens": 72089},
                      "r2": {"model": "m", "kv_capacity_tokens": 36000},
                      "r3": {"model": "n", "kv_capacity_tokens": "lots"}}}},
-     {"requests_by_model": {"m": 7}, "kv_capacity_tokens": {"m": 36000}}),
+     {"arrivals": {"m": 7}, "kv_capacity_tokens": {"m": 36000}}),
     ({"type": "result", "result": {"requests": 9}},           # no per-model counters
-     {"requests_by_model": {}, "kv_capacity_tokens": {}}),
+     {"arrivals": {}, "kv_capacity_tokens": {}}),
 ])
 def test_frontdoor_stats(answer, expect):
     addr, srv, t = _serve_once(answer)
@@ -123,7 +123,7 @@ def test_frontdoor_stats(answer, expect):
 
 @pytest.mark.parametrize("answer,exc", [
     ({"type": "error", "code": 401, "reason": "token"}, ValueError),
-    ({"type": "result", "result": {"requests_by_model": [1, 2]}}, ValueError),
+    ({"type": "result", "result": {"arrivals": [1, 2]}}, ValueError),
     ({"type": "result", "result": {"replicas": "r1"}}, ValueError),
     (None, ConnectionError),                                # closed without an answer
 ])
@@ -138,7 +138,7 @@ def test_frontdoor_stats_failures(answer, exc):
 
 
 def test_reported_kv_capacity_resizes_the_pool():
-    svc, clock = make(lambda: {"a": {"requests_by_model": {"m": 20 * int(clock.now())},
+    svc, clock = make(lambda: {"a": {"arrivals": {"m": 20 * int(clock.now())},
                                      "kv_capacity_tokens": {"m": 36000}},
                                "b": {"kv_capacity_tokens": {"m": 72089, "zz": 5}}})
     for _ in range(40):
@@ -163,7 +163,7 @@ def test_cli_ticks_against_the_nomad_standin(nomad_standin, monkeypatch, capsys)
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    addr, srv, t = _serve_once({"type": "result", "result": {"requests_by_model": {"m": 3}}})
+    addr, srv, t = _serve_once({"type": "result", "result": {"arrivals": {"m": 3}}})
     monkeypatch.setenv("NOMAD_ADDR", nomad_standin.url)
     try:
         args = parser.parse_args([
@@ -196,7 +196,7 @@ def test_metrics_and_parked_expiry_follow_the_decisions():
 
     def fetch():
         count["v"] += 20
-        return {"a": {"requests_by_model": {"m": count["v"]}}}
+        return {"a": {"arrivals": {"m": count["v"]}}}
 
     leader = Leader()
     svc = PredictorService(pred, clock=clock, fetch=fetch, leader=leader, scaler=scaler)
@@ -212,3 +212,35 @@ def test_metrics_and_parked_expiry_follow_the_decisions():
     svc.step()
     assert len(expired) == 3                  # a standby never stops anything
     assert 'rewarm_predictor_leader 0.0' in generate_latest(svc.registry).decode()
+
+
+def test_reads_the_real_front_doors_stats():
+    """Against agent/frontdoor's server: its per-model ``arrivals`` counter (404s included)."""
+    import asyncio
+
+    from agent.cluster.local import LocalRegistry
+    from agent.frontdoor.server import FrontDoor, FrontDoorConfig
+
+    async def main():
+        fd = FrontDoor(FrontDoorConfig(registry_poll_s=0.05), registry=LocalRegistry())
+        host, port = await fd.start()
+        try:
+            before = await asyncio.to_thread(frontdoor_stats, f"{host}:{port}")
+            reader, writer = await asyncio.open_connection(host, port)
+            for i in range(3):
+                writer.write(pack({"v": 1, "op": "generate", "id": i, "model": "nope",
+                                   "tokens": [1], "max_tokens": 1}))
+            await writer.drain()
+            dec, answers = Decoder(), []
+            while len(answers) < 3:
+                answers += dec.feed(await reader.read(4096))
+            writer.close()
+            after = await asyncio.to_thread(frontdoor_stats, f"{host}:{port}")
+        finally:
+            await fd.stop()
+        return before, after, answers
+
+    before, after, answers = asyncio.run(main())
+    assert before == {"arrivals": {}, "kv_capacity_tokens": {}}
+    assert {a["code"] for a in answers} == {404}
+    assert after["arrivals"] == {"nope": 3}
