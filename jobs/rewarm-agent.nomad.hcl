@@ -37,8 +37,11 @@ job "rewarm-agent" {
 
       config {
         command = "rewarm"
-        args    = ["agent", "serve", "--state-dir", "/var/lib/rewarm", "--registry", "consul",
-                   "--port", "${NOMAD_PORT_control}"]
+        # models to serve are directories under the snapshot volume (config.json +
+        # model.safetensors), placed there by the operator or a prestart task
+        args    = ["agent", "run", "--state-dir", "/var/lib/rewarm",
+                   "--model-dir", "/var/lib/rewarm/models/default",
+                   "--listen", "0.0.0.0:${NOMAD_PORT_control}", "--registry", "consul"]
       }
 
       volume_mount {

@@ -27,8 +27,9 @@ job "rewarm-frontdoor" {
 
       config {
         command = "rewarm"
-        args    = ["frontdoor", "--port", "${NOMAD_PORT_api}", "--registry", "consul",
-                   "--scaler", "nomad"]
+        args    = ["frontdoor", "--host", "0.0.0.0", "--port", "${NOMAD_PORT_api}",
+                   "--consul", "${attr.unique.network.ip-address}:8500",
+                   "--tokens", "/etc/rewarm/tokens", "--metrics-port", "9400"]
       }
 
       resources {

@@ -3,6 +3,11 @@ job "rewarm-predictor" {
   type        = "service"
   datacenters = ["*"]
 
+  # the models to manage, NAME:MIN:MAX (one per instance of the --model flag)
+  meta {
+    models = "smollm2:0:8"
+  }
+
   group "predictor" {
     count = 2
 
@@ -28,7 +33,8 @@ job "rewarm-predictor" {
 
       config {
         command = "rewarm"
-        args    = ["predictor", "--registry", "consul", "--scaler", "nomad",
+        args    = ["predictor", "--model", "${NOMAD_META_models}", "--registry", "consul",
+                   "--consul", "${attr.unique.network.ip-address}:8500", "--scaler", "nomad",
                    "--metrics-port", "${NOMAD_PORT_metrics}"]
       }
 

@@ -37,13 +37,25 @@ job "rewarm-replica-__MODEL__" {
     task "replica" {
       driver = "raw_exec"
 
-      # The allocation holds the GPU lease; the node agent restores into a zygote on it.
-      # Stopping the allocation drains the replica.
+      # The allocation holds the GPU lease: it asks this node's agent to restore the model
+      # on the device Nomad gave it (into a waiting zygote), then stays up; stopping the
+      # allocation (SIGTERM) drains that replica through the agent.
       config {
-        command = "rewarm"
-        args    = ["agent", "adopt", "--model", "__MODEL__", "--port", "${NOMAD_PORT_replica}",
-                   "--alloc", "${NOMAD_ALLOC_ID}"]
+        command = "/bin/sh"
+        args = ["-c", <<-EOT
+          set -e
+          agent="${attr.unique.network.ip-address}:7070"
+          uuid=$(echo "$NVIDIA_VISIBLE_DEVICES" | cut -d, -f1)
+          index=$(nvidia-smi --query-gpu=index,uuid --format=csv,noheader | grep "$uuid" | cut -d, -f1)
+          r=$(rewarm agent restore __MODEL__ --agent "$agent" --device "cuda:$index" \
+              | python3 -c 'import json, sys; print(json.load(sys.stdin)["replica"])')
+          trap 'rewarm agent drain "$r" --agent "$agent"; exit 0' TERM INT
+          while :; do sleep 3600 & wait $!; done
+          EOT
+        ]
       }
+
+      kill_timeout = "60s"
 
       resources {
         cpu    = 1000

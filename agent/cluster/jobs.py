@@ -11,6 +11,7 @@ Nomad's API job shape (``ID``, ``Name``, ``Type``, ``Datacenters``, ``TaskGroups
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,28 @@ _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 MAX_REPLICAS_LIMIT = 1024
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\"}
+_ESCAPE = re.compile(r'\\(.)')
+_HEREDOC = re.compile(r"^<<(-?)([A-Za-z_][A-Za-z0-9_]*)\n(.*?)\n?[ \t]*\2$", re.S)
+
+
+def _template_literal(text: str) -> str:
+    # HCL template escapes: "$${" is a literal "${", "%%{" a literal "%{"
+    return text.replace("$${", "${").replace("%%{", "%{")
+
+
+def _string(raw: str) -> str:
+    """The value of a python-hcl2 string token (it keeps quotes, escapes and heredoc marks)."""
+    body = raw[1:-1]
+    heredoc = _HEREDOC.match(body)
+    if heredoc:
+        text = heredoc.group(3)
+        if heredoc.group(1):            # <<-: strip the common indentation
+            text = textwrap.dedent(text)
+        return _template_literal(text + "\n")
+    return _template_literal(_ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), m.group(0)), body))
+
+
 def _clean(value: Any) -> Any:
     """python-hcl2 keeps string quotes and adds ``__is_block__``/``__comments__``: drop them."""
     if isinstance(value, dict):
@@ -32,7 +55,7 @@ def _clean(value: Any) -> Any:
     if isinstance(value, list):
         return [_clean(v) for v in value]
     if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
-        return value[1:-1]
+        return _string(value)
     return value
 
 
@@ -54,9 +77,21 @@ def _task(name: str, t: dict) -> dict:
     devices = [{"Name": dev, "Count": d.get("count", 1)}
                for dev, d in _labelled(res.get("device", []))]
     return {"Name": name, "Driver": t["driver"], "Config": _one(t, "config"),
-            "Env": _one(t, "env") or None,
+            "Env": _one(t, "env") or None, "KillTimeout": _duration_ns(t.get("kill_timeout")),
             "Resources": {"CPU": res.get("cpu", 100), "MemoryMB": res.get("memory", 300),
                           "Devices": devices or None}}
+
+
+def _duration_ns(text: str | None) -> int | None:
+    """``"60s"``/``"500ms"``/``"2m"`` -> nanoseconds (the API's time.Duration); None stays."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", str(text))
+    if not m:
+        raise ConfigError(f"jobs: duration {text!r} is not N(ms|s|m|h)", name="duration",
+                          value=text, limit="N(ms|s|m|h)")
+    scale = {"ms": 1e6, "s": 1e9, "m": 60e9, "h": 3600e9}[m.group(2)]
+    return int(float(m.group(1)) * scale)
 
 
 def _group(name: str, g: dict) -> dict:
@@ -88,7 +123,7 @@ def to_api_job(parsed: dict) -> dict:
     """Nomad API JSON for the (single) job in ``parsed`` (the output of :func:`load_hcl`)."""
     (job_id, job), = _labelled(parsed["job"])
     return {"ID": job_id, "Name": job_id, "Type": job.get("type", "service"),
-            "Datacenters": job.get("datacenters", ["*"]),
+            "Datacenters": job.get("datacenters", ["*"]), "Meta": _one(job, "meta") or None,
             "Constraints": [{"LTarget": c["attribute"], "Operand": c.get("operator", "="),
                              "RTarget": c["value"]} for c in job.get("constraint", [])] or None,
             "TaskGroups": [_group(n, g) for n, g in _labelled(job["group"])]}

@@ -85,3 +85,38 @@ def test_systemd_units_restart_and_read_the_environment_file():
         assert "Restart=on-failure" in text and "EnvironmentFile=" in text
         assert "ExecStart=" in text
     assert (JOBS_DIR / "systemd" / "rewarm.env.example").exists()
+
+
+def test_hcl_strings_are_unescaped_like_hcl():
+    parsed = load_hcl('x = "a\\"b\\\\c $${y}\\n"\n'
+                      'h = <<-EOT\n    one "q"\n      two $${z}\n    EOT\n'
+                      'k = <<EOT\nraw\nEOT\n')
+    assert parsed == {"x": 'a"b\\c ${y}\n', "h": 'one "q"\n  two ${z}\n', "k": "raw\n"}
+
+
+def test_replica_task_restores_through_the_agent_and_drains_on_stop():
+    task = render_replica_job("m", 2)["TaskGroups"][0]["Tasks"][0]
+    assert task["Config"]["command"] == "/bin/sh"
+    script = task["Config"]["args"][1]
+    assert script.startswith("set -e\n") and "EOT" not in script
+    assert "rewarm agent restore m " in script and "rewarm agent drain" in script
+    assert "${attr.unique.network.ip-address}:7070" in script   # Nomad interpolates it
+    assert task["KillTimeout"] == 60 * 10**9
+
+
+def test_predictor_job_meta_feeds_its_model_flag():
+    from agent.cluster.jobs import to_api_job
+
+    job = to_api_job(parse("rewarm-predictor.nomad.hcl"))
+    assert job["Meta"]["models"].count(":") == 2
+    args = job["TaskGroups"][0]["Tasks"][0]["Config"]["args"]
+    assert args[args.index("--model") + 1] == "${NOMAD_META_models}"
+
+
+def test_durations_convert_to_nanoseconds():
+    from agent.cluster.jobs import _duration_ns
+
+    assert _duration_ns("500ms") == 500_000_000 and _duration_ns("2m") == 120 * 10**9
+    assert _duration_ns(None) is None
+    with pytest.raises(ConfigError):
+        _duration_ns("soon")
