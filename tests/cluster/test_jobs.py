@@ -84,7 +84,12 @@ def test_systemd_units_restart_and_read_the_environment_file():
         text = unit.read_text()
         assert "Restart=on-failure" in text and "EnvironmentFile=" in text
         assert "ExecStart=" in text
-    assert (JOBS_DIR / "systemd" / "rewarm.env.example").exists()
+    env = (JOBS_DIR / "systemd" / "rewarm.env.example").read_text()
+    defined = {line.split("=", 1)[0].lstrip("# ") for line in env.splitlines() if "=" in line}
+    import re
+    for unit in units:
+        used = set(re.findall(r"\$\{(\w+)\}", unit.read_text()))
+        assert used <= defined, (unit.name, used - defined)
 
 
 def test_hcl_strings_are_unescaped_like_hcl():
