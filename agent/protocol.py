@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import msgpack
 
@@ -76,7 +76,7 @@ _CONTAINERS = frozenset((dict, list))
 def _depth(value: Any, limit: int, depth: int = 1) -> None:
     """Raise ProtocolError when ``value`` (at ``depth``) nests deeper than ``limit``.
 
-    The common case, a container of scalars only, is settled by one C-level pass
+    A container of scalars only, the common case, is settled by one C-level pass
     (``isdisjoint(map(type, ...))``) instead of a Python loop over its items.
     """
     if depth > limit:
@@ -84,11 +84,12 @@ def _depth(value: Any, limit: int, depth: int = 1) -> None:
             f"message nesting depth {depth} exceeds max_depth({limit})",
             field="depth", value=depth, limit=limit)
     items = value.values() if type(value) is dict else value
-    if _CONTAINERS.isdisjoint(map(type, items)):
-        return
     for item in items:
-        if type(item) in _CONTAINERS:
-            _depth(item, limit, depth + 1)
+        kind = type(item)
+        if kind is list or kind is dict:
+            inner = item.values() if kind is dict else item
+            if depth + 1 > limit or not _CONTAINERS.isdisjoint(map(type, inner)):
+                _depth(item, limit, depth + 1)
 
 
 class Decoder:
@@ -128,6 +129,14 @@ class Decoder:
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         limit = self.limits.max_message_bytes
         out: list[dict[str, Any]] = []
+        if len(data) <= limit - (self._fed - self._boundary):  # fits: the common case
+            self._unpacker.feed(data)
+            start = self._fed
+            self._fed += len(data)
+            self._drain(out)
+            if self._fed > self._boundary:
+                self._scan(memoryview(data), start)
+            return out
         view = memoryview(data)
         while view:
             # Never hand the unpacker more than it may buffer for one message.
@@ -136,11 +145,14 @@ class Decoder:
                 raise MessageTooLarge(
                     f"message exceeds max_message_bytes({limit})",
                     field="message", value=self.buffered_bytes + len(view), limit=limit)
-            piece, view = view[:room], view[room:]
+            if len(view) <= room:
+                piece, view = view, view[:0]
+            else:
+                piece, view = view[:room], view[room:]
             self._unpacker.feed(piece)
             start = self._fed
             self._fed += len(piece)
-            out.extend(self._drain())
+            self._drain(out)
             if self._fed > self._boundary:  # a message is incomplete: check its headers now
                 self._scan(piece, start)
         return out
@@ -167,30 +179,37 @@ class Decoder:
         self._scan_pos += pos
         self._scan_tail = tail
 
-    def _drain(self) -> Iterator[dict[str, Any]]:
-        while True:
-            try:
-                message = self._unpacker.unpack()
-            except msgpack.OutOfData:
-                return
-            except msgpack.StackError:  # raised with an empty message
-                raise ProtocolError(
-                    f"bad message: nesting exceeds msgpack's stack and max_depth"
-                    f"({self.limits.max_depth})", field="depth", value=None,
-                    limit=self.limits.max_depth) from None
-            except ValueError as exc:  # msgpack's limit errors and invalid UTF-8
-                text = str(exc)
-                found = _MSGPACK_LIMIT.match(text)
-                if found:  # "<n> exceeds max_<kind>_len(<limit>)"
-                    raise MessageTooLarge(f"bad message: {text}", field=found[2],
-                                          value=int(found[1]), limit=int(found[3])) from None
-                raise ProtocolError(f"bad message: {text}", field="message", value=None,
-                                    limit=None) from None
-            except Exception as exc:  # ExtraData, FormatError
-                raise ProtocolError(f"bad message: {type(exc).__name__}: {exc}",
-                                    field="message", value=None, limit=None) from None
-            self._boundary = self._unpacker.tell()
-            yield validate_envelope(message, self.limits)
+    def _drain(self, out: list[dict[str, Any]]) -> None:
+        """Append every complete message to ``out`` (a plain loop over the unpacker: this
+        is the hot path)."""
+        unpacker, limits = self._unpacker, self.limits
+        tell = unpacker.tell
+        try:
+            for message in unpacker:
+                self._boundary = tell()
+                if type(message) is dict and message.get("v") == PROTOCOL_VERSION:
+                    _depth(message, limits.max_depth)  # the common case, checked inline
+                    out.append(message)
+                else:
+                    out.append(validate_envelope(message, limits))
+        except ProtocolError:
+            raise
+        except msgpack.StackError:  # raised with an empty message
+            raise ProtocolError(
+                f"bad message: nesting exceeds msgpack's stack and max_depth"
+                f"({limits.max_depth})", field="depth", value=None,
+                limit=limits.max_depth) from None
+        except ValueError as exc:  # msgpack's limit errors and invalid UTF-8
+            text = str(exc)
+            found = _MSGPACK_LIMIT.match(text)
+            if found:  # "<n> exceeds max_<kind>_len(<limit>)"
+                raise MessageTooLarge(f"bad message: {text}", field=found[2],
+                                      value=int(found[1]), limit=int(found[3])) from None
+            raise ProtocolError(f"bad message: {text}", field="message", value=None,
+                                limit=None) from None
+        except Exception as exc:  # ExtraData, FormatError
+            raise ProtocolError(f"bad message: {type(exc).__name__}: {exc}",
+                                field="message", value=None, limit=None) from None
 
 
 # msgpack type bytes -> (header bytes, kind); see the msgpack spec's "Formats" table.
@@ -330,6 +349,9 @@ OP_SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 """The front door's operations and their fields (docs/protocol.md)."""
 
+_REQUIRED = {op: frozenset(k for k, (_, req) in fields.items() if req)
+             for op, fields in OP_SCHEMAS.items()}
+
 
 def _bad(field: str, value: Any, limit: Any, why: str) -> ProtocolError:
     return ProtocolError(f"field {field!r}: {why}", field=field, value=value, limit=limit)
@@ -359,9 +381,12 @@ def validate_request(message: dict[str, Any], limits: Limits = DEFAULT_LIMITS,
         if type(value) not in spec[0]:
             raise _bad(key, type(value).__name__, [t.__name__ for t in spec[0]],
                        f"wrong type {type(value).__name__}")
-    for key, (_, required) in schema.items():
-        if required and key not in message:
-            raise _bad(key, None, "required", f"missing for op {op!r}")
+    required = _REQUIRED.get(op) if schemas is OP_SCHEMAS else None
+    if required is None:
+        required = frozenset(k for k, (_, req) in schema.items() if req)
+    if not required <= message.keys():
+        missing = sorted(required - message.keys())[0]
+        raise _bad(missing, None, "required", f"missing for op {op!r}")
     rid = message["id"]
     if type(rid) is str and len(rid) > limits.max_name_bytes:
         raise _bad("id", len(rid), limits.max_name_bytes, "too long")

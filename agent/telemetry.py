@@ -6,7 +6,8 @@ path, queue_wait_ms, restore_ms, ttft_ms, sla_breached, timestamp_ms) with the a
 or ``refused`` for requests answered with an error before reaching a replica.  Events are
 kept in memory and written in batches so that the request path only appends a tuple.
 
-Metrics (prometheus-client, served on an HTTP port by :meth:`Telemetry.serve_http`):
+Metrics (prometheus-client custom collector reading plain counters at scrape time, served
+on an HTTP port by :meth:`Telemetry.serve_http`):
 ``rewarm_requests_total{path,code}``, ``rewarm_queue_depth{model}``,
 ``rewarm_ttft_seconds`` and ``rewarm_queue_wait_seconds`` histograms,
 ``rewarm_restores_in_flight``.
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import json
 import time
+from bisect import bisect_left
 from pathlib import Path
 from typing import Any, TextIO
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 EVENT_FIELDS = ("request_id", "model", "path", "code", "queue_wait_ms", "restore_ms",
                 "ttft_ms", "sla_breached", "timestamp_ms")
@@ -38,6 +41,55 @@ def _num(x: float | None) -> str:
     return repr(float(x))
 
 
+class _Histogram:
+    """Bucket counts kept as plain ints (prometheus-client's Histogram takes a lock and
+    does more per observation; this is one bisect)."""
+
+    __slots__ = ("counts", "sum", "n")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(_BUCKETS) + 1)
+        self.sum, self.n = 0.0, 0
+
+    def observe(self, x: float) -> None:
+        self.counts[bisect_left(_BUCKETS, x)] += 1
+        self.sum += x
+        self.n += 1
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, _BUCKETS), "+Inf"), counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+
+
+class _Collector:
+    """Exposes :class:`Telemetry`'s plain counters at scrape time (prometheus-client custom
+    collector), so the request path never touches a metrics lock."""
+
+    def __init__(self, t: "Telemetry") -> None:
+        self.t = t
+
+    def collect(self):
+        t = self.t
+        requests = CounterMetricFamily("rewarm_requests", "Requests answered, by path and code",
+                                       labels=("path", "code"))
+        for (path, code), n in list(t.request_counts.items()):
+            requests.add_metric((path, str(code)), n)
+        depth = GaugeMetricFamily("rewarm_queue_depth", "Requests waiting for capacity",
+                                  labels=("model",))
+        for model, n in list(t.depths.items()):
+            depth.add_metric((model,), n)
+        yield requests
+        yield depth
+        yield t.ttft.family("rewarm_ttft_seconds", "Time to first token at the front door")
+        yield t.queue_wait.family("rewarm_queue_wait_seconds", "Time spent queued for capacity")
+        yield GaugeMetricFamily("rewarm_restores_in_flight", "Restores asked for, not finished",
+                                value=t.restores)
+
+
 class Telemetry:
     """Collects cold-start events and metrics.
 
@@ -49,18 +101,11 @@ class Telemetry:
     def __init__(self, events_path: Path | str | None = None, *,
                  registry: CollectorRegistry | None = None, flush_events: int = 1024) -> None:
         self.registry = registry or CollectorRegistry()
-        self._requests = Counter("rewarm_requests", "Requests answered, by path and code",
-                                 ("path", "code"), registry=self.registry)
-        self._depth = Gauge("rewarm_queue_depth", "Requests waiting for capacity",
-                            ("model",), registry=self.registry)
-        self._ttft = Histogram("rewarm_ttft_seconds", "Time to first token at the front door",
-                               buckets=_BUCKETS, registry=self.registry)
-        self._wait = Histogram("rewarm_queue_wait_seconds", "Time spent queued for capacity",
-                               buckets=_BUCKETS, registry=self.registry)
-        self._restores = Gauge("rewarm_restores_in_flight", "Restores asked for, not finished",
-                               registry=self.registry)
-        self._children: dict[tuple[str, int], Any] = {}
-        self._depth_children: dict[str, Any] = {}
+        self.request_counts: dict[tuple[str, int], int] = {}
+        self.depths: dict[str, int] = {}
+        self.ttft, self.queue_wait = _Histogram(), _Histogram()
+        self.restores = 0
+        self.registry.register(_Collector(self))
         self._quoted: dict[str, str] = {}
         self._file: TextIO | None = open(events_path, "a") if events_path else None
         self._buffer: list[tuple] = []
@@ -71,14 +116,12 @@ class Telemetry:
               restore_ms: float | None, ttft_ms: float | None, sla_breached: bool) -> None:
         """Record one request's outcome (``timestamp_ms``: wall clock, ms since the epoch)."""
         key = (path, code)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self._requests.labels(path, str(code))
-        child.inc()
+        counts = self.request_counts
+        counts[key] = counts.get(key, 0) + 1
         if ttft_ms is not None:
-            self._ttft.observe(ttft_ms / 1000.0)
+            self.ttft.observe(ttft_ms / 1000.0)
         if queue_wait_ms:
-            self._wait.observe(queue_wait_ms / 1000.0)
+            self.queue_wait.observe(queue_wait_ms / 1000.0)
         self.events += 1
         if self._file is not None:
             self._buffer.append((request_id, model, path, code, queue_wait_ms, restore_ms,
@@ -87,13 +130,10 @@ class Telemetry:
                 self.flush()
 
     def queue_depth(self, model: str, depth: int) -> None:
-        gauge = self._depth_children.get(model)
-        if gauge is None:
-            gauge = self._depth_children[model] = self._depth.labels(model)
-        gauge.set(depth)
+        self.depths[model] = depth
 
     def restores_in_flight(self, n: int) -> None:
-        self._restores.set(n)
+        self.restores = n
 
     def flush(self) -> None:
         """Write buffered events as JSON lines."""

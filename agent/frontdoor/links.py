@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from agent.errors import ProtocolError
-from agent.protocol import PROTOCOL_VERSION, Decoder, error_message
+from agent.protocol import Decoder, error_message
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.frontdoor.server import FrontDoor, Request
@@ -144,13 +144,11 @@ class ReplicaLink(_Batched):
         rid = next(self._ids)
         req.replica_rid = rid
         self.in_flight[rid] = req
-        msg = req.message
-        out = {"v": PROTOCOL_VERSION, "op": "generate", "id": rid, "model": msg["model"],
-               "max_tokens": msg["max_tokens"]}
-        for key in ("tokens", "prompt", "seed", "stop"):
-            if key in msg:
-                out[key] = msg[key]
-        data = _packb(out)
+        msg = req.message  # forwarded as it came, less what is the front door's own
+        msg["id"] = rid
+        msg.pop("token", None)
+        msg.pop("deadline_ms", None)
+        data = _packb(msg)
         if self.ready:
             self.send(data)
         else:

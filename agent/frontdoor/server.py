@@ -67,8 +67,10 @@ class FrontDoorConfig:
     announce: bool = False         # register as rewarm-frontdoor (see announce.py)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
+    """One generate request inside the front door (its connection, ids, clock times)."""
+
     conn: ClientConn
     client_id: Any
     message: dict
