@@ -18,6 +18,7 @@ def cython_extensions():
             sources=["ext/restore.pyx"],
             # xxhash.h (Debian: libxxhash-dev) is used header-only with XXH_INLINE_ALL.
             define_macros=[("XXH_INLINE_ALL", "1")],
+            include_dirs=["ext"],  # ext/xxh3_dispatch.h: run-time choice of XXH3's vector kernel
             extra_compile_args=["-O3"],
         ),
     ]
