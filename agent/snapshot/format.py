@@ -161,8 +161,9 @@ def _int(path: Any, what: str, value: Any, lo: int = 0, hi: int = 1 << 62, nulla
     return value
 
 
-def _list(path: Any, what: str, value: Any, limit: int = MAX_ENTRIES) -> list:
+def _list(path: Any, what: str, value: Any, limit: int | None = None) -> list:
     value = _typed(path, what, value, list)
+    limit = MAX_ENTRIES if limit is None else limit
     if len(value) > limit:
         raise _bad(path, what, f"at most {limit} entries", len(value))
     return value

@@ -111,3 +111,12 @@ def test_wrong_magic_and_non_map(good):
     with pytest.raises(SnapshotCorrupt, match="magic"):
         decode_manifest(msgpack.packb(5), "m")
     assert encode_manifest(fmt.manifest_from_dict(good)) == encode_manifest(fmt.manifest_from_dict(good))
+
+
+def test_entry_count_limit_at_and_over(good, monkeypatch):
+    monkeypatch.setattr(fmt, "MAX_ENTRIES", len(good["tensors"]))
+    assert len(decode_manifest(_envelope(good), "m").tensors) == fmt.MAX_ENTRIES     # at the limit
+    good["tensors"].append(["extra", "uint8", [0], [1], 0, 0])
+    with pytest.raises(SnapshotCorrupt) as err:                                      # one over
+        decode_manifest(_envelope(good), "m")
+    assert err.value.actual == fmt.MAX_ENTRIES + 1 and "tensors" in str(err.value)

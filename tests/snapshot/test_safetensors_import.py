@@ -135,3 +135,11 @@ def test_import_rejects_duplicates_across_files_and_missing_config(tmp_path):
         st.import_hf(hf, tmp_path / "s")
     assert err.value.field == "w" and "duplicate" in str(err.value)
     assert not (tmp_path / "s").exists() and not (tmp_path / "s.partial").exists()
+
+
+def test_ndim_limit_at_and_over(tmp_path):
+    p = tmp_path / "n.safetensors"
+    _raw(p, {"a": {"dtype": "U8", "shape": [1] * st.MAX_NDIM, "data_offsets": [0, 1]}}, b"\0")
+    assert st.read_safetensors_header(p)["tensors"]["a"]["shape"] == [1] * st.MAX_NDIM
+    _raw(p, {"a": {"dtype": "U8", "shape": [1] * (st.MAX_NDIM + 1), "data_offsets": [0, 1]}}, b"\0")
+    assert _err(p).field == "a"
