@@ -94,12 +94,14 @@ class Telemetry:
     """Collects cold-start events and metrics.
 
     ``events_path``: JSON-lines file appended to (None: events are counted, not written);
-    ``flush_events``: events buffered before a write.  ``registry``: the Prometheus
-    registry (a fresh one by default, so several front doors in one test process coexist).
+    ``flush_events``: events buffered before a write (small, so that formatting a batch,
+    about 2 us per event, never stalls the event loop for long: 128 events ~ 0.3 ms).
+    ``registry``: the Prometheus registry (a fresh one by default, so several front doors
+    in one test process coexist).
     """
 
     def __init__(self, events_path: Path | str | None = None, *,
-                 registry: CollectorRegistry | None = None, flush_events: int = 1024) -> None:
+                 registry: CollectorRegistry | None = None, flush_events: int = 128) -> None:
         self.registry = registry or CollectorRegistry()
         self.request_counts: dict[tuple[str, int], int] = {}
         self.depths: dict[str, int] = {}

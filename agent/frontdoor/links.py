@@ -167,6 +167,8 @@ class ReplicaLink(_Batched):
                 on_answer(self, req, message)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.closed:  # closed on purpose (replica gone from the registry, shutdown)
+            return
         self.closed = True
         self.fd.replica_failed(self, f"connection to replica lost ({exc or 'closed'})")
 

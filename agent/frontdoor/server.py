@@ -206,12 +206,14 @@ class FrontDoor:
     def _generate(self, conn: ClientConn, rid: Any, message: dict) -> None:
         self.counts["requests"] += 1
         model = message["model"]
-        self.arrivals[model] = self.arrivals.get(model, 0) + 1
-        if model not in self.known_models:
+        if model not in self.known_models:  # (not counted by model: names are the client's)
             self._refuse(conn, rid, model, 404, f"unknown model {model!r}")
             return
+        self.arrivals[model] = self.arrivals.get(model, 0) + 1
         now = self.clock.now()
         prompt = message.get("tokens")
+        # KV need: prompt tokens (a text prompt counted at ~3 characters per BPE token, an
+        # overestimate for English with a byte-level BPE vocabulary) + max_tokens.
         need = (len(prompt) if prompt is not None else len(message["prompt"]) // 3 + 1)
         need += message["max_tokens"]
         deadline_ms = message.get("deadline_ms") or self.config.models.get(
@@ -304,6 +306,7 @@ class FrontDoor:
     def replica_failed(self, link: ReplicaLink, reason: str) -> None:
         """The link broke: its requests get 503 and the replica leaves the view until the
         registry shows it again."""
+        link.closed = True
         if self.links.get(link.replica_id) is link:
             del self.links[link.replica_id]
         self.router.remove(link.replica_id)
@@ -467,6 +470,13 @@ class FrontDoor:
                 if load.replica_id not in seen and now - self._upserted.get(
                         load.replica_id, -grace_s) >= grace_s:
                     self.router.remove(load.replica_id)
+                    self._upserted.pop(load.replica_id, None)
+        for rid, link in list(self.links.items()):  # gone and idle: hang up
+            if rid not in seen and not link.in_flight and self.router.get(rid) is None:
+                del self.links[rid]
+                link.closed = True
+                if link.transport is not None:
+                    link.transport.close()
         for model in list(self._queued_models):
             if self.queues[model]:
                 self._drain(model)

@@ -2,7 +2,7 @@
 
 Each request gets one ``tokens`` message (``max_tokens`` ids counting up from the prompt's
 length) and a ``done``.  ``hold`` keeps answers back until :meth:`release`; ``fail_with``
-answers every request with that error code instead.
+answers every request with that error code instead; ``crash`` hangs up on the first request.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from agent.protocol import Decoder, error_message, pack
 class StubReplica:
     def __init__(self, model: str = "m", replica_id: str = "r1", *, max_seqs: int = 64,
                  kv_capacity_tokens: int = 1 << 20, hold: bool = False,
-                 fail_with: int | None = None) -> None:
+                 fail_with: int | None = None, crash: bool = False) -> None:
         self.model, self.replica_id = model, replica_id
         self.max_seqs, self.kv_capacity_tokens = max_seqs, kv_capacity_tokens
-        self.hold, self.fail_with = hold, fail_with
+        self.hold, self.fail_with, self.crash = hold, fail_with, crash
         self.received: list[dict] = []
         self._held: list[tuple[asyncio.Transport, bytes]] = []
         self._server = None
@@ -65,6 +65,9 @@ class _Conn(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.stub.crash:
+            self.transport.abort()
+            return
         out = []
         for msg in self.decoder.feed(data):
             self.stub.received.append(msg)

@@ -313,3 +313,40 @@ def test_a_request_cut_at_every_byte_boundary_or_coalesced_gets_the_same_answer(
         assert [m.get("tokens") for m in msgs if m["type"] == "tokens"] == [[2, 3]] * 5
         await fd.stop()
     run(main())
+
+
+def test_replica_errors_are_forwarded_and_a_crash_answers_503():
+    from agent.errors import MessageTooLarge
+
+    async def main():
+        fd, stubs, host, port = await setup(stub={"fail_with": 413})
+        c = await AsyncClient.connect(host, port)
+        with pytest.raises(MessageTooLarge):
+            await c.generate("m", tokens=[1], max_tokens=1)
+        assert fd.router.get("r0").active_seqs == 0   # completion counted
+        stubs[0].fail_with, stubs[0].crash = None, True
+        with pytest.raises(NoCapacity, match="lost"):
+            await c.generate("m", tokens=[1], max_tokens=1)
+        assert fd.router.get("r0") is None             # out of the view until listed again
+        await c.close()
+        await fd.stop()
+    run(main())
+
+
+def test_a_replica_leaving_the_registry_is_hung_up_on():
+    async def main():
+        fd, stubs, host, port = await setup(registry_poll_s=0.02)
+        c = await AsyncClient.connect(host, port)
+        await c.generate("m", tokens=[1], max_tokens=1)
+        link = fd.links["r0"]
+        fd.registry.deregister("r0")
+        for _ in range(200):
+            if "r0" not in fd.links:
+                break
+            await asyncio.sleep(0.01)
+        assert "r0" not in fd.links and link.closed and fd.router.get("r0") is None
+        with pytest.raises(NoCapacity):
+            await c.generate("m", tokens=[1], max_tokens=1)
+        await c.close()
+        await fd.stop()
+    run(main())
