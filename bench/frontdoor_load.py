@@ -9,6 +9,9 @@ over ``--conns`` (>= 64) connections.  Reported (and written with ``--json PATH`
   front door;
 - ``frontdoor_cpu_us_per_request``: the front door process's user+system CPU (from
   /proc/<pid>/stat) during that run divided by the requests it answered;
+- ``bare_relay_cpu_us_per_request``: a relay with no front-door logic (decode, re-id,
+  forward, batched writes) carrying the same load at ``frontdoor_rps``: the machine's floor
+  for this traffic, to read the front door's figure against;
 - ``p50_added_ms`` / ``p99_added_ms``: latency percentiles through the front door minus the
   same percentiles straight to a replica, both at half of ``frontdoor_rps``;
 - overload at twice ``frontdoor_rps``: ``offered``, ``ok``, ``shed_429``, ``expired_504``,
@@ -99,7 +102,66 @@ async def _frontdoor(ports: list[int], max_seqs: int, deadline_ms: float) -> Non
                              max_wait_s=deadline_ms / 1000.0)
     fd = FrontDoor(config, registry=registry, telemetry=Telemetry(events))
     host, port = await fd.start()
+    import gc
+    gc.freeze()  # as `rewarm frontdoor` does
     print("READY", port, flush=True)
+    await asyncio.Event().wait()
+
+
+# --- role: bare relay (calibration: what the same traffic costs with no front-door logic)
+
+class _Out(asyncio.Protocol):
+    """Write batching as the front door does it: one transport.write per loop turn."""
+
+    def __init__(self):
+        self.buf, self.t = [], None
+        self.loop = asyncio.get_running_loop()
+
+    def send(self, data):
+        if not self.buf:
+            self.loop.call_soon(self.flush)
+        self.buf.append(data)
+
+    def flush(self):
+        buf, self.buf = self.buf, []
+        self.t.write(b"".join(buf))
+
+
+async def _relay(port: int) -> None:
+    import itertools
+    import msgpack
+    loop = asyncio.get_running_loop()
+    pending: dict[int, tuple] = {}
+    ids = itertools.count()
+    packb = msgpack.Packer(use_bin_type=True).pack
+
+    class Up(_Out):
+        def connection_made(self, t):
+            self.t, self.u = t, msgpack.Unpacker(raw=False)
+
+        def data_received(self, data):
+            self.u.feed(data)
+            for m in self.u:
+                conn, cid = (pending.pop if m["type"] == "done" else pending.get)(m["id"])
+                m["id"] = cid
+                conn.send(packb(m))
+
+    _, up = await loop.create_connection(Up, "127.0.0.1", port)
+
+    class Client(_Out):
+        def connection_made(self, t):
+            self.t, self.u = t, msgpack.Unpacker(raw=False)
+
+        def data_received(self, data):
+            self.u.feed(data)
+            for m in self.u:
+                rid = next(ids)
+                pending[rid] = (self, m["id"])
+                m["id"] = rid
+                up.send(packb(m))
+
+    server = await loop.create_server(Client, "127.0.0.1", 0)
+    print("READY", server.sockets[0].getsockname()[1], flush=True)
     await asyncio.Event().wait()
 
 
@@ -240,7 +302,8 @@ def _ladder(port: int, pid: int | None, args) -> tuple[dict, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--role", default="main", choices=["main", "replicas", "frontdoor", "load"])
+    ap.add_argument("--role", default="main",
+                    choices=["main", "replicas", "frontdoor", "relay", "load"])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--conns", type=int, default=64)
     ap.add_argument("--duration", type=float, default=2.0)
@@ -260,6 +323,8 @@ def main() -> None:
         return asyncio.run(_replicas(2))
     if args.role == "frontdoor":
         return asyncio.run(_frontdoor(args.ports, args.max_seqs, args.deadline_ms))
+    if args.role == "relay":
+        return asyncio.run(_relay(args.port))
     if args.role == "load":
         arrivals, max_tokens = _arrivals(args.rate, args.duration, args.trace, args.seed)
         drain_s = 5.0 + args.duration * 4  # a saturated front door works off its queue
@@ -274,11 +339,15 @@ def main() -> None:
     fd, (fd_port,) = _spawn("--role", "frontdoor", "--ports", *ports,
                             "--max-seqs", str(args.max_seqs),
                             "--deadline-ms", str(args.deadline_ms))
+    relay, (relay_port,) = _spawn("--role", "relay", "--port", ports[1])
     pid = fd.pid
     try:
         rss_idle = _vm(pid, "VmRSS")
         direct, _ = _ladder(int(ports[0]), None, args)
         sat, cpu_us = _ladder(int(sat_port), sat_fd.pid, args)
+        cpu0 = _cpu_s(relay.pid)
+        relay_run = _run_load(int(relay_port), sat["rps"], args.duration, args.conns)
+        relay_us = (_cpu_s(relay.pid) - cpu0) * 1e6 / max(1, relay_run["ok"])
         half = max(100.0, sat["rps"] / 2)
         d_half = _run_load(int(ports[0]), half, args.duration, args.conns, seed=1)
         f_half = _run_load(int(sat_port), half, args.duration, args.conns, seed=1)
@@ -287,6 +356,7 @@ def main() -> None:
         result = {
             "direct_rps": direct["rps"], "frontdoor_rps": sat["rps"],
             "frontdoor_cpu_us_per_request": cpu_us, "half_rate_rps": half,
+            "bare_relay_cpu_us_per_request": relay_us,
             "p50_added_ms": f_half["p50_ms"] - d_half["p50_ms"],
             "p99_added_ms": f_half["p99_ms"] - d_half["p99_ms"],
             "half_rate_direct": d_half, "half_rate_frontdoor": f_half,
@@ -296,11 +366,12 @@ def main() -> None:
             "conns": args.conns, "duration_s": args.duration,
             "targets": {"frontdoor_cpu_us_per_request": 30, "p99_added_ms": 2, "lost": 0}}
     finally:
-        for proc in (fd, sat_fd, reps):
+        for proc in (fd, sat_fd, relay, reps):
             proc.terminate()
     rows = [("direct_rps", f"{result['direct_rps']:.0f}"),
             ("frontdoor_rps", f"{result['frontdoor_rps']:.0f}"),
             ("frontdoor_cpu_us_per_request", f"{cpu_us:.1f}  (target <= 30)"),
+            ("bare_relay_cpu_us_per_request", f"{relay_us:.1f}  (same rate; the floor here)"),
             ("p50_added_ms @ half rate", f"{result['p50_added_ms']:.2f}"),
             ("p99_added_ms @ half rate", f"{result['p99_added_ms']:.2f}  (target <= 2)"),
             ("trace replay ok/offered", f"{trace['ok']}/{trace['offered']}"),
