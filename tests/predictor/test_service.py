@@ -215,24 +215,27 @@ def test_metrics_and_parked_expiry_follow_the_decisions():
 
 
 def test_reads_the_real_front_doors_stats():
-    """Against agent/frontdoor's server: its per-model ``arrivals`` counter (404s included)."""
+    """Against agent/frontdoor's server: its per-model ``arrivals`` counter counts requests
+    for configured models only (model names of 404s are client input and are not kept)."""
     import asyncio
 
     from agent.cluster.local import LocalRegistry
     from agent.frontdoor.server import FrontDoor, FrontDoorConfig
 
     async def main():
-        fd = FrontDoor(FrontDoorConfig(registry_poll_s=0.05), registry=LocalRegistry())
+        fd = FrontDoor(FrontDoorConfig(registry_poll_s=0.05, models={"m": 50.0}),
+                       registry=LocalRegistry())
         host, port = await fd.start()
         try:
             before = await asyncio.to_thread(frontdoor_stats, f"{host}:{port}")
             reader, writer = await asyncio.open_connection(host, port)
-            for i in range(3):
-                writer.write(pack({"v": 1, "op": "generate", "id": i, "model": "nope",
+            for i in range(6):
+                writer.write(pack({"v": 1, "op": "generate", "id": i,
+                                   "model": "nope" if i < 3 else "m",
                                    "tokens": [1], "max_tokens": 1}))
             await writer.drain()
             dec, answers = Decoder(), []
-            while len(answers) < 3:
+            while len(answers) < 6:
                 answers += dec.feed(await reader.read(4096))
             writer.close()
             after = await asyncio.to_thread(frontdoor_stats, f"{host}:{port}")
@@ -242,5 +245,7 @@ def test_reads_the_real_front_doors_stats():
 
     before, after, answers = asyncio.run(main())
     assert before == {"arrivals": {}, "kv_capacity_tokens": {}}
-    assert {a["code"] for a in answers} == {404}
-    assert after["arrivals"] == {"nope": 3}
+    codes = {a["id"]: a["code"] for a in answers}
+    assert [codes[i] for i in range(3)] == [404, 404, 404]
+    assert all(codes[i] in (503, 504) for i in range(3, 6))  # no replica can come for "m"
+    assert after["arrivals"] == {"m": 3}
