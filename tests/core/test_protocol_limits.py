@@ -111,6 +111,9 @@ GOOD = {"v": 1, "op": "generate", "id": 7, "model": "m", "tokens": [1, 2], "max_
     ({"prompt": "hi"}, "prompt"),
     ({"model": "m" * 129}, "model"),
     ({"id": [1]}, "id"),
+    ({"id": "x" * 129}, "id"),
+    ({"seed": 1.5}, "seed"),
+    ({"stop": [1, "a"]}, "stop"),
 ])
 def test_request_schema_refusals_name_the_field(change, field):
     with pytest.raises(ProtocolError) as err:
@@ -120,7 +123,8 @@ def test_request_schema_refusals_name_the_field(change, field):
 
 def test_request_schema_accepts_limits_and_rejects_missing():
     assert validate_request({**GOOD, "max_tokens": 4096, "deadline_ms": 600_000,
-                             "tokens": [0, 2 ** 31 - 1], "model": "m" * 128})
+                             "tokens": [0, 2 ** 31 - 1], "model": "m" * 128,
+                             "id": "x" * 128, "seed": None, "stop": [2]})
     missing = dict(GOOD)
     del missing["model"]
     with pytest.raises(ProtocolError, match="missing"):
