@@ -98,9 +98,14 @@ class NodeAgentCapacity:
 
     async def request_restore(self, model: str) -> RestoreResult:
         reasons = []
+        loop = asyncio.get_running_loop()
         for host, port in await asyncio.to_thread(self._nodes, model):
+            started = loop.time()
             try:
-                return await asyncio.wait_for(self._ask(host, port, model), self._timeout_s)
+                result = await asyncio.wait_for(self._ask(host, port, model), self._timeout_s)
+                if result.restore_ms is None:  # the node did not say: what the front door saw
+                    result.restore_ms = (loop.time() - started) * 1000.0
+                return result
             except (OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
                 reasons.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
         raise NoCapacity(f"model {model!r}: no node could restore a replica "

@@ -63,6 +63,11 @@ def test_node_agent_restore_moves_on_to_the_next_node_after_a_failure():
                                                ("127.0.0.1", good_port)], timeout_s=5)
         result = await cap.request_restore("m")
         assert (result.replica, result.path, result.restore_ms) == (None, "snapshot_restore", 812.0)
+        plain, plain_port = await fake_node(lambda m: {
+            "id": m["id"], "type": "result", "result": {"replica": "n3-r1", "path": "cold_boot"}})
+        result = await NodeAgentCapacity(lambda model: [("127.0.0.1", plain_port)]).request_restore("m")
+        assert result.path == "cold_boot" and result.restore_ms > 0
+        plain.close()
         cap_bad = NodeAgentCapacity(lambda model: [("127.0.0.1", bad_port)], timeout_s=5)
         with pytest.raises(NoCapacity, match="no zygote"):
             await cap_bad.request_restore("m")
