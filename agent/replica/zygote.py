@@ -37,6 +37,8 @@ from agent.replica.golden import DEFAULT_MAX_TOKENS as GOLDEN_MAX_TOKENS
 from agent.replica.golden import DEFAULT_SEED as GOLDEN_SEED
 from agent.replica.golden import GOLDEN_TEXTS
 DEFAULT_BUFFER_BYTES = 1 << 30
+MAX_SEQS_LIMIT = 4096
+"""Most KV slots a snapshot may ask for (the design document sizes ~80 sequences per A100)."""
 
 
 @dataclass
@@ -153,7 +155,7 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     phases["weights_s"] = time.perf_counter() - t
     extra = restored.manifest.extra
     config = LlamaConfig.from_dict(extra["model_config"], path=snapshot)
-    engine_cfg = extra["engine"]
+    engine_cfg = check_engine_config(extra.get("engine"), config, snapshot)
     t = time.perf_counter()
     forward, digest, package_dir = None, None, None
     ref = extra.get("aot_package")
@@ -175,6 +177,24 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     phases["golden_s"] = time.perf_counter() - t
     return Loaded(config, restored.tensors, engine, restored.manifest.model, golden, path, digest,
                   package_dir, extra.get("tokenizer_dir"), phases, keepalive=restored.buffer)
+
+
+def check_engine_config(engine: Any, config: LlamaConfig, where: Any = None) -> dict[str, int]:
+    """Validate a snapshot's engine sizes before they size the KV cache: ``max_seqs`` in
+    [1, MAX_SEQS_LIMIT], ``max_seq_len`` in [1, config.max_position_embeddings].
+    Raises ConfigError naming the field, the value and the limit."""
+    from agent.errors import ConfigError
+
+    if not isinstance(engine, dict):
+        raise ConfigError(f"{where}: engine configuration missing", name="engine",
+                          value=type(engine).__name__, limit="map")
+    limits = {"max_seqs": MAX_SEQS_LIMIT, "max_seq_len": config.max_position_embeddings}
+    for name, limit in limits.items():
+        value = engine.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+            raise ConfigError(f"{where}: engine {name}={value!r} must be an integer in [1, {limit}]",
+                              name=name, value=value, limit=limit)
+    return {name: engine[name] for name in limits}
 
 
 def capture(loaded: Loaded, dest: Path) -> Manifest:

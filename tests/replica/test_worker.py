@@ -160,3 +160,19 @@ def test_capture_writes_a_snapshot_that_restores_with_its_golden_check(booted, t
     restored = zygote.restore(dest)
     assert restored.golden == booted.golden and restored.identity == booted.identity
     assert restored.engine.kv.max_seqs == 4 and restored.engine.kv.max_seq_len == 64
+
+
+def test_engine_sizes_from_a_snapshot_are_checked_at_and_over_their_limits(booted):
+    from agent.errors import ConfigError
+
+    cfg = booted.config
+    ok = {"max_seqs": zygote.MAX_SEQS_LIMIT, "max_seq_len": cfg.max_position_embeddings}
+    assert zygote.check_engine_config(ok, cfg) == ok
+    for name, over in (("max_seqs", zygote.MAX_SEQS_LIMIT + 1),
+                       ("max_seq_len", cfg.max_position_embeddings + 1),
+                       ("max_seqs", 0), ("max_seq_len", "64")):
+        with pytest.raises(ConfigError) as err:
+            zygote.check_engine_config({**ok, name: over}, cfg)
+        assert err.value.name == name and err.value.value == over
+    with pytest.raises(ConfigError):
+        zygote.check_engine_config(None, cfg)
