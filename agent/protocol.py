@@ -84,6 +84,8 @@ def _depth(value: Any, limit: int, depth: int = 1) -> None:
             f"message nesting depth {depth} exceeds max_depth({limit})",
             field="depth", value=depth, limit=limit)
     items = value.values() if type(value) is dict else value
+    if _CONTAINERS.isdisjoint(map(type, items)):
+        return
     for item in items:
         kind = type(item)
         if kind is list or kind is dict:

@@ -225,11 +225,17 @@ class FrontDoor:
             if replica is not None:
                 self._dispatch(req, replica)
                 return
+        warm = self.router.warm(model)
+        if warm and need > max(r.kv_capacity_tokens for r in warm):
+            largest = max(r.kv_capacity_tokens for r in warm)
+            self._refuse(conn, rid, model, 413, f"request needs {need} KV tokens; the "
+                         f"largest replica of {model!r} holds {largest}")
+            return
         if queue is None:
             queue = self.queues[model] = AdmissionQueue(
                 model, clock=self.clock, max_depth=self.config.max_queue_depth,
                 max_wait_s=self.config.max_wait_s)
-        if self.capacity is None and not self.router.warm(model):
+        if self.capacity is None and not warm:
             self._refuse(conn, rid, model, 503, f"model {model!r}: no warm replica and no "
                          f"capacity requester configured")
             return

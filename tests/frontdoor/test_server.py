@@ -350,3 +350,17 @@ def test_a_replica_leaving_the_registry_is_hung_up_on():
         await c.close()
         await fd.stop()
     run(main())
+
+
+def test_a_request_no_replica_could_ever_hold_is_413_at_once():
+    from agent.errors import MessageTooLarge
+
+    async def main():
+        fd, _, host, port = await setup(stub={"kv_capacity_tokens": 100})
+        c = await AsyncClient.connect(host, port)
+        assert (await c.generate("m", tokens=[1] * 90, max_tokens=10)).tokens[0] == 90
+        with pytest.raises(MessageTooLarge, match="holds 100"):
+            await c.generate("m", tokens=[1] * 90, max_tokens=11)
+        await c.close()
+        await fd.stop()
+    run(main())
