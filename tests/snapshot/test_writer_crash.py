@@ -19,20 +19,33 @@ from agent.snapshot.format import MANIFEST_NAME
 from agent.snapshot.reader import restore_snapshot
 from agent.snapshot.writer import clean_partials
 
-CHILD = r"""
-import sys, time, torch
+# Imports torch once, then forks one writer per destination read from stdin and prints its
+# pid; on the next line ("reap") it waits for that writer and prints "exit <status> <write
+# seconds or ->".  Reaping only when told keeps the pid valid (a zombie) until the test has
+# sent its SIGKILL.  torch runs single-threaded so that forking is safe.
+DRIVER = r"""
+import os, sys, time, torch
+torch.set_num_threads(1)
 from agent.snapshot.format import ModelIdentity
 from agent.snapshot.writer import write_snapshot
 data = {f"w{i}": torch.full((1 << 20,), i, dtype=torch.int32) for i in range(8)}   # 32 MiB
 print("ready", flush=True)
-t = time.perf_counter()
-write_snapshot(sys.argv[1], data, model=ModelIdentity("crash", "1", "sha256:0"), chunk_bytes=1 << 16)
-print("done", time.perf_counter() - t, flush=True)
+for line in sys.stdin:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        t = time.perf_counter()
+        write_snapshot(line.strip(), data, model=ModelIdentity("crash", "1", "sha256:0"), chunk_bytes=1 << 16)
+        os.write(w, str(time.perf_counter() - t).encode())
+        os._exit(0)
+    os.close(w)
+    print(pid, flush=True)
+    sys.stdin.readline()
+    _, status = os.waitpid(pid, 0)
+    print("exit", status, os.read(r, 64).decode() or "-", flush=True)
+    os.close(r)
 """
-
-
-def _child(dest):
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(dest)], stdout=subprocess.PIPE, text=True)
 
 
 def _assert_nothing_half_ready(root) -> list:
@@ -46,24 +59,40 @@ def _assert_nothing_half_ready(root) -> list:
 
 @pytest.mark.slow
 def test_sigkill_at_random_points_leaves_nothing_ready(tmp_path):
-    proc = _child(tmp_path / "full")
-    assert proc.stdout.readline().strip() == "ready"
-    line = proc.stdout.readline().split()
-    assert proc.wait(60) == 0 and line[0] == "done"
-    write_s = float(line[1])     # spreads the kill points over the write; not a timing assertion
-    assert len(_assert_nothing_half_ready(tmp_path)) == 1
-    rng = random.Random(20261130)
-    killed_partial = 0
-    for k in range(8):
-        dest = tmp_path / f"s{k}"
-        proc = _child(dest)
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0, write_s * 1.1))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(60)
-        killed_partial += (tmp_path / f"s{k}.partial").exists()
-        ready = _assert_nothing_half_ready(tmp_path)
-        assert dest in ready or not (dest / MANIFEST_NAME).exists()
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert driver.stdout.readline().strip() == "ready"
+
+        def start(dest) -> int:
+            driver.stdin.write(f"{dest}\n")
+            driver.stdin.flush()
+            return int(driver.stdout.readline())
+
+        def reap() -> list[str]:
+            driver.stdin.write("reap\n")
+            driver.stdin.flush()
+            return driver.stdout.readline().split()
+
+        start(tmp_path / "full")
+        _, status, seconds = reap()
+        assert status == "0"
+        write_s = float(seconds)   # spreads the kill points over a write; not a timing assertion
+        assert len(_assert_nothing_half_ready(tmp_path)) == 1
+        rng = random.Random(20261130)
+        killed_partial = 0
+        for k in range(8):
+            dest = tmp_path / f"s{k}"
+            pid = start(dest)
+            time.sleep(rng.uniform(0, write_s * 1.1))
+            os.kill(pid, signal.SIGKILL)
+            assert reap()[0] == "exit"
+            killed_partial += (tmp_path / f"s{k}.partial").exists()
+            ready = _assert_nothing_half_ready(tmp_path)
+            assert dest in ready or not (dest / MANIFEST_NAME).exists()
+    finally:
+        driver.stdin.close()
+        driver.wait(60)
     removed = clean_partials(tmp_path)
     assert len(removed) == killed_partial >= 1
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
