@@ -45,6 +45,8 @@ class HostBuffer:
             raise ConfigError(f"buffer size {nbytes} bytes must be >= 0", name="nbytes", value=nbytes, limit=0)
         capacity = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         memory = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if capacity >= (2 << 20) and hasattr(mmap, "MADV_HUGEPAGE"):
+            memory.madvise(mmap.MADV_HUGEPAGE)   # fewer page faults and TLB misses while filling
         if prefault:
             if hasattr(mmap, "MADV_POPULATE_WRITE"):
                 memory.madvise(mmap.MADV_POPULATE_WRITE)

@@ -115,7 +115,10 @@ def push(snapshot_dir: Path | str, remote_root: Path | str, *, key: bytes | None
             out.flush()
             os.fsync(out.fileno())
         remote = dataclasses.replace(manifest, chunks=chunks)
-        (partial / MANIFEST_NAME).write_bytes(encode_manifest(remote, key))
+        with open(partial / MANIFEST_NAME, "wb") as f:
+            f.write(encode_manifest(remote, key))
+            f.flush()
+            os.fsync(f.fileno())
         os.rename(partial, dest)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
