@@ -488,6 +488,13 @@ class NodeAgent:
     def tick(self) -> None:
         """One pass of the agent loop: registrations and TTLs (with backoff), load meta."""
         for rec in self.live_replicas_all():
+            alive = getattr(rec.handle, "alive", None)
+            if alive is not None and not alive():
+                log.error("replica %s: its process died; deregistering", rec.lifecycle.replica_id)
+                self.registrar.drop(rec.lifecycle.replica_id)
+                rec.lifecycle.move(S.DEAD, "process died")
+                self._record(rec)
+                continue
             if rec.lifecycle.state is S.WARM and rec.handle is not None:
                 try:
                     stats = rec.handle.stats()

@@ -43,7 +43,8 @@ class WorkerProcess:
     """One ``rewarm replica`` process; ``argv_extra`` picks its mode."""
 
     def __init__(self, run_dir: Path, argv_extra: list[str], *, ready_timeout_s: float,
-                 threads: int | None = None, env: dict[str, str] | None = None) -> None:
+                 threads: int | None = None, env: dict[str, str] | None = None,
+                 fsize_limit_bytes: int | None = None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         n = next(_seq)
         self.socket_path = run_dir / f"w{os.getpid()}-{n}.sock"
@@ -54,7 +55,8 @@ class WorkerProcess:
             argv += ["--threads", str(threads)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log,
-                                         env={**os.environ, **(env or {})})
+                                         env={**os.environ, **(env or {})},
+                                         preexec_fn=_fsize_limit(fsize_limit_bytes))
         self.pid = self.proc.pid
         self.ready = self._wait_ready(ready_timeout_s)
         self.address = self.ready["ready"]
@@ -103,6 +105,18 @@ class WorkerProcess:
         return self.proc.poll() is None
 
 
+def _fsize_limit(limit_bytes: int | None):
+    """preexec_fn capping the files a worker may write (RLIMIT_FSIZE), or None."""
+    if limit_bytes is None:
+        return None
+
+    def apply() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return apply
+
+
 class ProcessReplica:
     def __init__(self, replica_id: str, worker: WorkerProcess, timeout_s: float) -> None:
         self.replica_id, self.worker, self.timeout_s = replica_id, worker, timeout_s
@@ -121,6 +135,9 @@ class ProcessReplica:
         res = self.worker.call({"op": "stats"}, self.timeout_s)
         res.pop("answers", None)
         return res
+
+    def alive(self) -> bool:
+        return self.worker.alive()
 
     def in_flight(self) -> int:
         if not self.worker.alive():
@@ -165,10 +182,12 @@ class ProcessBackend:
     threads: int | None = None
     ready_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
+    fsize_limit_bytes: int | None = None   # RLIMIT_FSIZE for new workers (fault injection)
 
     def zygote(self, device: str) -> ProcessZygote:
         worker = WorkerProcess(Path(self.run_dir), ["--zygote", "--buffer-mib", str(self.buffer_mib)],
-                               ready_timeout_s=self.ready_timeout_s, threads=self.threads)
+                               ready_timeout_s=self.ready_timeout_s, threads=self.threads,
+                               fsize_limit_bytes=self.fsize_limit_bytes)
         return ProcessZygote(device, worker, self.request_timeout_s)
 
     def cold_boot(self, spec: ModelSpec, device: str, replica_id: str) -> ProcessReplica:
@@ -176,5 +195,5 @@ class ProcessBackend:
         if spec.release is not None:
             extra += ["--release", str(spec.release)]
         worker = WorkerProcess(Path(self.run_dir), extra, ready_timeout_s=self.ready_timeout_s,
-                               threads=self.threads)
+                               threads=self.threads, fsize_limit_bytes=self.fsize_limit_bytes)
         return ProcessReplica(replica_id, worker, self.request_timeout_s)

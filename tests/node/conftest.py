@@ -74,7 +74,19 @@ C_STATE, C_TID, C_LOCK, C_CHECKPOINT, C_RESTORE, C_UNLOCK = range(6)
 def tiny_dir(tmp_path_factory) -> pathlib.Path:
     from agent.replica.synthetic import make_synthetic
 
-    return make_synthetic(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=3)
+    model = make_synthetic(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=3)
+    return widen_context(model)
+
+
+def widen_context(model_dir: pathlib.Path, positions: int = 1024) -> pathlib.Path:
+    """Raise max_position_embeddings (RoPE is computed per position, the weights do not change)
+    so the replica's default KV length (512) fits the tiny preset's 256-token context."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
 
 
 class DownableRegistry(LocalRegistry):
