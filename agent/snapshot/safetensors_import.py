@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 from pathlib import Path
 
@@ -116,14 +117,20 @@ def read_safetensors_header(path: Path | str) -> dict:
 
 
 def load_safetensors(path: Path | str) -> dict[str, torch.Tensor]:
-    """All tensors of a validated safetensors file, as views into one bytearray (CPU)."""
+    """All tensors of a validated safetensors file (CPU), as views of a private, copy-on-write
+    map of it: pages are read when used, so importing a checkpoint larger than memory streams."""
     header = read_safetensors_header(path)
     with open(path, "rb") as f:
-        f.seek(header["data_start"])
-        data = bytearray(os.fstat(f.fileno()).st_size - header["data_start"])
-        if f.readinto(data) != len(data):
-            raise _bad(Path(path), "data section", "short read", len(data), "file changed while reading")
-    base = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        size = os.fstat(f.fileno()).st_size
+        data_size = sum(t["end"] - t["begin"] for t in header["tensors"].values())
+        if size != header["data_start"] + data_size:
+            raise _bad(Path(path), "file size", size, header["data_start"] + data_size,
+                       "file changed since its header was validated")
+        if data_size:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            base = torch.frombuffer(mm, dtype=torch.uint8, offset=header["data_start"], count=data_size)
+        else:
+            base = torch.empty(0, dtype=torch.uint8)
     out = {}
     for name, t in header["tensors"].items():
         itemsize = t["dtype"].itemsize

@@ -102,6 +102,12 @@ def test_load_matches_safetensors_library(tmp_path):
     for k in ref:
         assert ours[k].dtype == ref[k].dtype and torch.equal(ours[k], ref[k]), k
     assert st.read_safetensors_header(p)["metadata"] == {"format": "pt"}
+    # views of one map of the file, not copies
+    assert ours["a"].untyped_storage().data_ptr() == ours["b"].untyped_storage().data_ptr()
+    with open(p, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(InvalidCheckpoint):     # bytes after the last tensor: a hole
+        st.load_safetensors(p)
 
 
 def test_import_hf_dir(tmp_path):
