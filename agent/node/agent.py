@@ -28,7 +28,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from agent.clock import Clock, SystemClock
 from agent.cluster.base import Registry, ServiceInstance
@@ -47,6 +47,13 @@ from agent.snapshot.reader import read_manifest, verify_chunks
 from agent.snapshot.store import LocalStore
 
 log = logging.getLogger(__name__)
+
+
+class SnapshotSummary(Protocol):
+    """The cluster-wide per-model summary (agent/cluster/consul_kv.py's SnapshotKV)."""
+
+    def publish(self, model: str, snapshot_id: str, status: str, *, durable: bool,
+                node: str = "", updated_s: float = 0.0) -> bool: ...
 
 
 class ScaleInBlocked(RewarmError, RuntimeError):
@@ -125,7 +132,8 @@ class NodeAgent:
                  catalog: Catalog, store: LocalStore, registry: Registry, inventory: Inventory,
                  clock: Clock | None = None, suspender: Suspender | None = None,
                  executor: ThreadPoolExecutor | None = None,
-                 sleep: Callable[[float], None] | None = None) -> None:
+                 sleep: Callable[[float], None] | None = None,
+                 summary: SnapshotSummary | None = None) -> None:
         import time
 
         self.config = config
@@ -135,6 +143,7 @@ class NodeAgent:
         self.clock = clock or SystemClock()
         self.registrar = Registrar(registry, clock=self.clock)
         self.suspender = suspender
+        self.summary = summary
         self.executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent")
         self._sleep = sleep or time.sleep
         self._lock = threading.RLock()
@@ -251,6 +260,7 @@ class NodeAgent:
             staged = self._stage(rec, row)
             if staged is not None and self._try_restore(rec, staged, "staged_restore"):
                 self.catalog.set_status(staged.snapshot_id, "ready", "staged and restored")
+                self.publish(staged.snapshot_id)
                 return
         self._cold_boot(rec)
 
@@ -276,6 +286,7 @@ class NodeAgent:
                       row.snapshot_id, status, exc)
             if row.status in ("pending", "ready"):
                 self.catalog.set_status(row.snapshot_id, status, f"{type(exc).__name__}: {exc}")
+                self.publish(row.snapshot_id)
             self.store.remove(row.snapshot_id)
             rec.attempts.append({"path": path, "snapshot": row.snapshot_id,
                                  "status": "stale-pins" if isinstance(exc, SnapshotIncompatible)
@@ -346,13 +357,28 @@ class NodeAgent:
 
     def _capture(self, rec: ReplicaRecord) -> SnapshotRow | None:
         try:
-            return cap.capture_first_boot(rec.handle, rec.spec, catalog=self.catalog,
-                                          store=self.store, backend=self.backend,
-                                          device=rec.device, remote_root=self.config.remote_root)
+            row = cap.capture_first_boot(rec.handle, rec.spec, catalog=self.catalog,
+                                         store=self.store, backend=self.backend,
+                                         device=rec.device, remote_root=self.config.remote_root)
+            self.publish(row.snapshot_id)
+            return row
         except (DiskFull, SnapshotError, OSError, RewarmError, RuntimeError) as exc:
             log.error("capture of %s failed; it keeps serving and the next cold boot tries "
                       "again: %s", rec.spec.key, exc)
             return None
+
+    def publish(self, snapshot_id: str) -> None:
+        """Move the cluster summary for this snapshot's model (best effort: Consul may be down;
+        the summary only moves forward, so a later publish catches up)."""
+        if self.summary is None:
+            return
+        row = self.catalog.snapshot(snapshot_id)
+        try:
+            self.summary.publish(row.model_name, snapshot_id, row.status,
+                                 durable=row.remote_uri is not None, node=self.config.node_id,
+                                 updated_s=row.updated_s)
+        except (RewarmError, OSError) as exc:
+            log.warning("snapshot summary for %s not published: %s", row.model_name, exc)
 
     def snapshot_durable(self, model: str) -> bool:
         """A ready snapshot that survives this node: pushed remotely (or, with no remote tier

@@ -30,7 +30,8 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                 registry: Registry | None = None, remote_root: Path | None = None,
                 capacity_bytes: int = 64 << 30, node_id: str | None = None,
                 release: Path | None = None, listen: str = "127.0.0.1:0",
-                zygotes_per_device: int = 1, suspender=None, **config) -> NodeAgent:
+                zygotes_per_device: int = 1, suspender=None, summary=None,
+                **config) -> NodeAgent:
     """A NodeAgent with its catalog (``state_dir/catalog.db``) and local tier
     (``state_dir/snapshots``).  Defaults: in-process backend, embedded LocalRegistry."""
     from agent.cluster.local import LocalRegistry
@@ -46,17 +47,19 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                      backend=backend or InProcessBackend(), catalog=Catalog(state_dir / "catalog.db"),
                      store=LocalStore(state_dir / "snapshots", capacity_bytes),
                      registry=registry or LocalRegistry(), inventory=Inventory.detect(),
-                     suspender=suspender)
+                     suspender=suspender, summary=summary)
 
 
-def _registry(kind: str) -> Registry:
+def _registry(kind: str):
+    """(registry, per-model snapshot summary or None) for ``--registry``."""
     if kind == "consul":
+        from agent.cluster.consul_kv import SnapshotKV
         from agent.cluster.consul_registry import ConsulRegistry, consul_client
 
-        return ConsulRegistry(consul_client())
+        return ConsulRegistry(consul_client()), SnapshotKV(consul_client())
     from agent.cluster.local import LocalRegistry
 
-    return LocalRegistry()
+    return LocalRegistry(), None
 
 
 def _suspender():
@@ -100,8 +103,9 @@ def run_agent(args: argparse.Namespace) -> int:
         backend = ProcessBackend(state / "run", buffer_mib=args.buffer_mib, threads=args.threads)
     else:
         backend = InProcessBackend(buffer_bytes=args.buffer_mib << 20)
+    registry, summary = _registry(args.registry)
     agent = build_agent(state, [Path(d) for d in args.model_dir], backend=backend,
-                        registry=_registry(args.registry),
+                        registry=registry, summary=summary,
                         remote_root=Path(args.remote) if args.remote else None,
                         capacity_bytes=int(args.capacity_gib * (1 << 30)), node_id=args.node_id,
                         release=Path(args.release) if args.release else None, listen=args.listen,
