@@ -42,7 +42,7 @@ def _table(result: dict) -> str:
         rows = ["cold start s | min buffer % (0 drops) | dropped @10% | shortage min @10% | "
                 "peak shortfall @10%"]
         for r in result["sweep"]:
-            rows.append(f"{r['cold_start_s']:>12.0f} | {str(r['min_buffer_pct_zero_drops']):>21} | "
+            rows.append(f"{r['cold_start_s']:>12g} | {str(r['min_buffer_pct_zero_drops']):>21} | "
                         f"{r['dropped_at_10pct']:>12} | {r['shortage_minutes_at_10pct']:>17.2f} | "
                         f"{r['peak_shortfall_at_10pct']:>19}")
         rows.append("AOT document: 26 s needs < 3%, 5.6 min ~18%; at 10% 26 s drops nothing, "

@@ -87,7 +87,7 @@ def _cost_axes(result: dict, ax_bars, ax_time) -> None:
     ax_time.legend(fontsize=7)
 
 
-def plot(result: dict, path: Path) -> Path:
+def plot(result: dict, path: Path, dpi: int = 110) -> Path:
     """Draw ``result`` (a ``spike``, ``cost`` or ``trace`` result dict) into PNG ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,6 +99,6 @@ def plot(result: dict, path: Path) -> Path:
     else:
         _cost_axes(result, axes[0], axes[1])
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

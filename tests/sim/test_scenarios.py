@@ -44,7 +44,10 @@ def test_cost_short_run_orders_policies():
 
 def test_cli_cost_json_and_plot(tmp_path):
     out, png = tmp_path / "cost.json", tmp_path / "cost.png"
+    startup = tmp_path / "bench.json"
+    startup.write_text(json.dumps({"zygote_restore_s": 1.5, "naive_s": [50, 70]}))
     rc = main(["simulate", "--scenario", "cost", "--hours", "0.1", "--no-progress",
+               "--startup-json", str(startup),
                "--policy", "always_on", "--policy", "rewarm", "--json", str(out),
                "--plot", str(png)])
     assert rc == 0
@@ -53,6 +56,7 @@ def test_cli_cost_json_and_plot(tmp_path):
     for p in data["policies"]:
         assert {"gpu_hours_per_day", "cost_per_1000_requests", "sla_compliance"} <= set(p)
     assert data["sim_wall_s_per_sim_hour"] > 0
+    assert data["startup"]["restore_s"] == [1.5, 1.5] and data["startup"]["naive_s"] == [50, 70]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
