@@ -40,6 +40,7 @@ from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_
 from agent.node.inventory import Inventory
 from agent.node.lifecycle import Lifecycle, ReplicaState as S
 from agent.node.registration import Registrar
+from agent.node.snapshots import SnapshotOps
 from agent.node.suspend import ResumeFailed, Suspender, _bounded
 from agent.snapshot.catalog import Catalog, SnapshotRow
 from agent.snapshot.pins import check_pins
@@ -125,7 +126,7 @@ def _classify(exc: BaseException, snapshot: Path) -> str:
     return "stale"
 
 
-class NodeAgent:
+class NodeAgent(SnapshotOps):
     """One per node. Thread-safe; blocking methods are called from the control server's threads."""
 
     def __init__(self, config: AgentConfig, *, models: list[ModelSpec], backend: Backend,
@@ -157,30 +158,6 @@ class NodeAgent:
             "rewarm-agent", f"rewarm-agent-{config.node_id}", config.control_address,
             config.control_port, meta=self._agent_meta())
         self.registrar.want(self.agent_instance)
-
-    # -- start-up ----------------------------------------------------------------------------
-    def _reconcile(self) -> None:
-        """Make catalog and local tier agree after a restart or a crash mid-capture."""
-        from agent.snapshot.writer import clean_partials
-
-        clean_partials(self.store.root)
-        for row in self.catalog.snapshots():
-            if row.status == "pending":  # a capture or staging that never finished
-                self.catalog.set_status(row.snapshot_id, "stale", "unfinished at restart")
-            path = self.store.path(row.snapshot_id)
-            present = (path / "manifest.msgpack").is_file()
-            if present and row.status == "ready" and not self.store.has(row.snapshot_id):
-                self.store.add(row.snapshot_id, f"{row.model_name}@{row.model_version}")
-            elif not present and row.status == "ready" and row.remote_uri is None:
-                self.catalog.set_status(row.snapshot_id, "stale", "local copy gone; no remote copy")
-
-    def _on_evict(self, snapshot_id: str) -> None:
-        try:
-            row = self.catalog.snapshot(snapshot_id)
-        except SnapshotError:
-            return
-        if row.remote_uri is None and row.status in ("pending", "ready"):
-            self.catalog.set_status(snapshot_id, "stale", "evicted from the local tier; no remote copy")
 
     # -- zygote pool -------------------------------------------------------------------------
     def refill_pool(self) -> int:
@@ -367,26 +344,6 @@ class NodeAgent:
                       "again: %s", rec.spec.key, exc)
             return None
 
-    def publish(self, snapshot_id: str) -> None:
-        """Move the cluster summary for this snapshot's model (best effort: Consul may be down;
-        the summary only moves forward, so a later publish catches up)."""
-        if self.summary is None:
-            return
-        row = self.catalog.snapshot(snapshot_id)
-        try:
-            self.summary.publish(row.model_name, snapshot_id, row.status,
-                                 durable=row.remote_uri is not None, node=self.config.node_id,
-                                 updated_s=row.updated_s)
-        except (RewarmError, OSError) as exc:
-            log.warning("snapshot summary for %s not published: %s", row.model_name, exc)
-
-    def snapshot_durable(self, model: str) -> bool:
-        """A ready snapshot that survives this node: pushed remotely (or, with no remote tier
-        configured, ready locally)."""
-        if self.config.remote_root is None:
-            return any(True for _ in self.catalog.snapshots(model, status="ready"))
-        return self.catalog.durable_ready(model)
-
     # -- drain, suspend, resume --------------------------------------------------------------
     def _rec(self, replica_id: str) -> ReplicaRecord:
         with self._lock:
@@ -485,30 +442,6 @@ class NodeAgent:
         self._record(rec)
         self.registrar.want(self._replica_instance(rec))
         return {**rec.describe(), "steps_s": times.steps_s}
-
-    # -- snapshots ---------------------------------------------------------------------------
-    def snapshot_list(self, model: str | None = None) -> list[dict[str, Any]]:
-        return [{"snapshot": r.snapshot_id, "model": r.model_name, "version": r.model_version,
-                 "status": r.status, "reason": r.reason, "size_bytes": r.size_bytes,
-                 "local": self.store.has(r.snapshot_id), "remote": r.remote_uri,
-                 "driver": r.driver_version} for r in self.catalog.snapshots(model)]
-
-    def snapshot_verify(self, snapshot_id: str) -> dict[str, Any]:
-        """Re-read every chunk of the local copy; a failure marks it corrupt."""
-        row = self.catalog.snapshot(snapshot_id)
-        try:
-            with self.store.reading(snapshot_id) as path:
-                verified = verify_chunks(path, read_manifest(path))
-        except SnapshotCorrupt as exc:
-            if row.status in ("pending", "ready"):
-                self.catalog.set_status(snapshot_id, "corrupt", f"verify: {exc}")
-            return {"snapshot": snapshot_id, "ok": False, "reason": str(exc)}
-        return {"snapshot": snapshot_id, "ok": True, "bytes": verified, "status": row.status}
-
-    def snapshot_evict(self, snapshot_id: str) -> dict[str, Any]:
-        """Remove the local copy (refused while a restore reads it)."""
-        self.catalog.snapshot(snapshot_id)  # SnapshotNotFound for an unknown id
-        return {"snapshot": snapshot_id, "evicted": self.store.remove(snapshot_id)}
 
     # -- loop, status, registration ------------------------------------------------------------
     def tick(self) -> None:
