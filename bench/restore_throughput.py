@@ -9,7 +9,8 @@ and one torch.save file, then measures on that same data (best of --repeat runs 
   over a sweep of block size × queue depth (threads each issuing one pread at a time), and the
   best setting again in turn with each cold restore run (the disk's speed drifts on a shared
   machine; the limit is the best seen);
-- memcpy: one host-to-host copy of min(N GiB, 1 GiB) between two prefaulted buffers;
+- memcpy: one host-to-host copy of min(N GiB, 1 GiB) between two prefaulted buffers, run in
+  turn with the warm restores;
 - rewarm cold (page cache dropped: fsync + posix_fadvise DONTNEED, checked with mincore) and
   warm (file in the page cache), with and without verification;
 - safetensors.torch.load_file cold and warm.  load_file maps the file and returns tensors whose
@@ -127,16 +128,11 @@ def odirect_sweep(data: Path, nbytes: int, buf: HostBuffer, repeat: int) -> tupl
     return best_cfg, sweep
 
 
-def memcpy_gbps(nbytes: int, repeat: int) -> float:
-    n = min(nbytes, 1 << 30)
-    src = torch.ones(n, dtype=torch.uint8)
-    dst = torch.zeros(n, dtype=torch.uint8)
-
-    def run():
-        t = time.perf_counter()
-        dst.copy_(src)
-        return time.perf_counter() - t
-    return n / best(run, repeat) / 1e9
+def memcpy_once(src: torch.Tensor, dst: torch.Tensor) -> float:
+    """Seconds for one copy of ``src`` into ``dst`` (uint8, prefaulted; torch's threads)."""
+    t = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t
 
 
 ODIRECT_USED: dict[str, bool] = {}
@@ -237,18 +233,22 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = read_manifest(snap).total_bytes
     buf = HostBuffer.allocate(nbytes, prefault=True)      # a zygote's buffer, allocated ahead
     (block, qd), sweep = odirect_sweep(data, nbytes, buf, args.repeat)
-    mem = memcpy_gbps(nbytes, args.repeat)
     cold_share, warm_share = [], []
     t = interleaved({
         "raw": lambda: raw_odirect(data, nbytes, buf, block, qd),
         "cold": lambda: rewarm_once(snap, data, buf, True, True, cold_share),
         "cold_nv": lambda: rewarm_once(snap, data, buf, True, False, cold_share),
     }, args.repeat)
+    n_copy = min(nbytes, 1 << 30)
+    src, dst = torch.ones(n_copy, dtype=torch.uint8), torch.zeros(n_copy, dtype=torch.uint8)
     t.update(interleaved({
+        "memcpy": lambda: memcpy_once(src, dst),
         "warm": lambda: rewarm_once(snap, data, buf, False, True, warm_share),
         "warm_nv": lambda: rewarm_once(snap, data, buf, False, False, warm_share),
     }, args.repeat))
+    del src, dst
     limit = max(max(sweep.values()), nbytes / t["raw"] / 1e9)
+    mem = n_copy / t["memcpy"] / 1e9
     cold, cold_nv, warm, warm_nv = t["cold"], t["cold_nv"], t["warm"], t["warm_nv"]
     cold_share, warm_share = max(cold_share), min(warm_share)
     del buf
