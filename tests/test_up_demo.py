@@ -1,0 +1,141 @@
+"""Unit tests of the demo's pieces: trace window, length scaling, summary and table, and the
+registry adapter of ``rewarm up`` (no processes, no model)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from agent.cluster.base import ServiceInstance
+from agent.cluster.local import LocalRegistry
+from agent.demo import (MAX_OUTPUT, MAX_PROMPT, Outcome, format_table, percentile, replay_plan,
+                        scale_lengths, summarise)
+from agent.errors import ConfigError, InvalidTrace
+from agent.up import UnixPathRegistry, register
+
+HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+def write_trace(path, rows):
+    path.write_text(HEADER + "".join(f"2023-11-16 18:17:{s:010.7f},{c},{g}\n" for s, c, g in rows))
+    return path
+
+
+def test_scale_lengths_clamps_and_divides():
+    assert scale_lengths(1469, 13) == (23, 3)          # the code trace's medians
+    assert scale_lengths(0, 0) == (4, 1)               # floors
+    assert scale_lengths(10**6, 10**6) == (MAX_PROMPT, MAX_OUTPUT)
+    assert scale_lengths(64 * 10, 4 * 7) == (10, 7)
+
+
+def test_replay_plan_window_and_compression(tmp_path):
+    trace = write_trace(tmp_path / "t.csv", [(0.0, 640, 8), (1.0, 64, 4), (3.0, 6400, 400),
+                                             (9.0, 100, 4)])
+    plan = replay_plan(trace, replay_s=2.0, speedup=2.0)   # trace seconds [0, 4)
+    assert [r.at_s for r in plan] == [0.0, 0.5, 1.5]
+    assert [(r.prompt_tokens, r.output_tokens) for r in plan] == [(10, 2), (4, 1), (64, 16)]
+
+
+def test_replay_plan_request_limit_at_and_over(tmp_path):
+    trace = write_trace(tmp_path / "t.csv", [(i * 0.1, 100, 4) for i in range(5)])
+    assert len(replay_plan(trace, replay_s=10, speedup=1, max_requests=5)) == 5
+    with pytest.raises(ConfigError) as err:
+        replay_plan(trace, replay_s=10, speedup=1, max_requests=4)
+    assert err.value.limit == 4
+
+
+@pytest.mark.parametrize("name", ["replay_s", "speedup"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_replay_plan_refuses_bad_numbers(tmp_path, name, value):
+    trace = write_trace(tmp_path / "t.csv", [(0.0, 100, 4)])
+    kw = {"replay_s": 1.0, "speedup": 1.0, name: value}
+    with pytest.raises(ConfigError) as err:
+        replay_plan(trace, **kw)
+    assert err.value.name == name
+
+
+def test_replay_plan_bad_trace_is_typed(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text(HEADER + "2023-11-16 18:17:00.0,lots,4\n")
+    with pytest.raises(InvalidTrace) as err:
+        replay_plan(bad, replay_s=1, speedup=1)
+    assert err.value.field == "ContextTokens"
+
+
+def test_percentile_nearest_rank():
+    assert percentile([], 50) is None
+    assert percentile([5.0], 99) == 5.0
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 100) == 100.0
+
+
+def sample_summary():
+    outcomes = [Outcome(200, "cold_boot", 900.0), Outcome(200, "snapshot_restore", 300.0),
+                Outcome(200, "warm_hit", 10.0), Outcome(200, "warm_hit", 30.0),
+                Outcome(429), Outcome(504), Outcome(503)]
+    restores = [{"path": "cold_boot", "outcome": "ok", "duration_s": 2.5},
+                {"path": "restore", "outcome": "ok", "duration_s": 0.4,
+                 "phases_s": {"weights_s": 0.1, "golden_s": 0.2}}]
+    return summarise(outcomes, restores=restores, golden={"passed": 1, "failed": 0},
+                     gpu_seconds=12.345, always_on_gpu_seconds=40.0,
+                     example_completion="Paris", extra={"probe_match": True, "forward": "eager"})
+
+
+def test_summarise_counts_every_outcome_class():
+    s = sample_summary()
+    assert s["requests"] == 7
+    assert s["requests_by_path"] == {"cold_boot": 1, "snapshot_restore": 1,
+                                     "suspended_resume": 0, "warm_hit": 2}
+    assert (s["shed"], s["expired"], s["lost"]) == (1, 1, 1)
+    assert s["ttft_ms"]["warm_hit"] == {"p50": 10.0, "p99": 30.0}
+    assert s["ttft_ms"]["suspended_resume"] == {"p50": None, "p99": None}
+    assert (s["golden_checks_passed"], s["golden_checks_failed"]) == (1, 0)
+    assert s["gpu_seconds"] == 12.35 and s["always_on_gpu_seconds"] == 40.0
+    # the issue's keys, and the document is JSON
+    for key in ("requests_by_path", "ttft_ms", "golden_checks_passed", "golden_checks_failed",
+                "shed", "expired", "lost", "gpu_seconds", "always_on_gpu_seconds",
+                "example_completion"):
+        assert key in s
+    assert json.loads(json.dumps(s)) == s
+
+
+def test_unknown_path_counts_as_warm_hit():
+    s = summarise([Outcome(200, None, 5.0)], restores=[], golden={}, gpu_seconds=0,
+                  always_on_gpu_seconds=0, example_completion="")
+    assert s["requests_by_path"]["warm_hit"] == 1
+
+
+def test_format_table_shows_paths_phases_and_lost():
+    text = format_table(sample_summary())
+    assert "cold_boot                 1          900          900" in text
+    assert "restore            0.40 s  (weights 0.10s golden 0.20s)" in text
+    assert "lost                1" in text
+    assert "1 passed, 0 failed" in text
+    assert "identical after restore" in text
+    assert "'Paris'" in text
+
+
+def test_unix_path_registry_strips_the_prefix_only():
+    reg = LocalRegistry()
+    reg.register(ServiceInstance("rewarm-replica", "a", "unix:/tmp/a.sock", 0,
+                                 meta={"address": "unix:/tmp/a.sock"}), ttl_s=60)
+    reg.register(ServiceInstance("rewarm-replica", "b", "10.0.0.1", 7000,
+                                 meta={"address": "10.0.0.1:7000"}), ttl_s=60)
+    got = {i.id: i.meta["address"] for i in UnixPathRegistry(reg).healthy("rewarm-replica")}
+    assert got == {"a": "/tmp/a.sock", "b": "10.0.0.1:7000"}
+    # the wrapped registry keeps its own view; other calls are delegated
+    assert reg.healthy("rewarm-replica")[0].meta["address"].startswith(("unix:", "10."))
+    UnixPathRegistry(reg).deregister("a")
+    assert [i.id for i in reg.healthy("rewarm-replica")] == ["b"]
+
+
+def test_up_parser_defaults():
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["up", "--demo", "--json", "x.json"])
+    assert args.demo and args.json == "x.json" and not args.no_aot
+    assert args.replay_s == 75.0 and args.speedup == 2.0
