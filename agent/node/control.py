@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from pathlib import Path
 from typing import Any
 
 from agent.errors import ERROR_BY_CODE, ProtocolError, RewarmError
@@ -105,6 +106,8 @@ class ControlServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        if self.listen.startswith("unix:"):
+            Path(self.listen[5:]).unlink(missing_ok=True)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()

@@ -75,3 +75,17 @@ def test_framing_error_closes_after_answer(served):
         answer = Decoder().feed(sock.recv(65536))[0]
         assert (answer["type"], answer["code"]) == ("error", 400)
         assert sock.recv(65536) == b""
+
+
+def test_unix_socket_removed_on_close(make_agent, tmp_path):
+    agent = make_agent()
+    path = tmp_path / "c.sock"
+    server = ControlServer(agent, f"unix:{path}")
+
+    async def cycle():
+        await server.start()
+        assert path.exists()
+        await server.close()
+
+    asyncio.run(cycle())
+    assert not path.exists()
