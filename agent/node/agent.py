@@ -38,7 +38,7 @@ from agent.errors import (ConfigError, CudaCheckpointError, DiskFull, GoldenMism
 from agent.node import capture as cap
 from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_id
 from agent.node.inventory import Inventory
-from agent.node.lifecycle import Lifecycle, ReplicaState as S
+from agent.node.lifecycle import IllegalTransition, Lifecycle, ReplicaState as S
 from agent.node.registration import Registrar
 from agent.node.snapshots import SnapshotOps
 from agent.node.suspend import ResumeFailed, Suspender, _bounded
@@ -411,7 +411,10 @@ class NodeAgent(SnapshotOps):
         rec = self._rec(replica_id)
         suspender, pid = self._need_suspender(rec)
         if rec.lifecycle.state is not S.WARM:
-            rec.lifecycle.move(S.SUSPENDED)  # raises IllegalTransition with the allowed moves
+            raise IllegalTransition(
+                f"replica {replica_id} is {rec.lifecycle.state.value}; only a warm replica "
+                "can be suspended", replica=replica_id,
+                value=(rec.lifecycle.state.value, S.SUSPENDED.value), limit=[S.WARM.value])
         self.registrar.drop(replica_id)
         try:
             times = suspender.suspend(pid)
@@ -427,6 +430,11 @@ class NodeAgent(SnapshotOps):
         its snapshot instead (the answer then describes the new replica)."""
         rec = self._rec(replica_id)
         suspender, pid = self._need_suspender(rec)
+        if rec.lifecycle.state is not S.SUSPENDED:
+            raise IllegalTransition(
+                f"replica {replica_id} is {rec.lifecycle.state.value}, not suspended",
+                replica=replica_id, value=(rec.lifecycle.state.value, S.WARM.value),
+                limit=[S.SUSPENDED.value])
         try:
             times = suspender.resume(pid)
         except ResumeFailed as exc:

@@ -246,3 +246,12 @@ def test_evicted_local_copy_restages_from_remote(make_agent):
     assert agent.catalog.snapshot(row.snapshot_id).status == "ready"  # still held remotely
     info = agent.restore("tiny")
     assert (info["path"], info["attempts"]) == ("staged_restore", [])
+
+
+def test_in_process_replica_cannot_be_suspended(make_agent):
+    agent = make_agent()
+    info = agent.restore("tiny")
+    with pytest.raises(ConfigError) as err:
+        agent.suspend(info["replica"])
+    assert "no CUDA checkpoint support" in str(err.value)
+    agent.captures[agent.models["tiny"].key].result(timeout=120)

@@ -15,6 +15,7 @@ from agent.clock import ManualClock
 from agent.cluster.local import LocalRegistry
 from agent.node.agent import AgentConfig, NodeAgent
 from agent.node.backend import ModelSpec
+from agent.node.lifecycle import IllegalTransition
 from agent.node.cuda_checkpoint import CudaCheckpointDriver
 from agent.node.inventory import Inventory
 from agent.node.processes import ProcessBackend
@@ -58,6 +59,8 @@ def test_process_replicas_end_to_end(tmp_path, tiny_dir, cuda_ffi, fake_libcuda_
         assert second["replica"] not in [i.id for i in registry.healthy("rewarm-replica")]
         res = agent.resume(second["replica"])
         assert res["state"] == "warm"
+        with pytest.raises(IllegalTransition):
+            agent.resume(second["replica"])           # warm now: nothing to resume
         assert second["replica"] in [i.id for i in registry.healthy("rewarm-replica")]
 
         # a failed resume (out of device memory): kill the process, restore from the snapshot
