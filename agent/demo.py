@@ -43,14 +43,15 @@ SAMPLE_S = 0.25
 # Keep-alive inputs shortened for the demo (the production defaults are the design document's
 # $2.80/GPU-hour, a 600 s rate window and a 30 s cooldown, which keep an idle replica minutes).
 DEMO_POLICY_TEXT = ("demo keep-alive: GPU cost 0.05/s, wait cost 0.01/s, restore 2 s, "
-                    "rate window 20 s, cooldown 3 s (production: 2.80/h, 600 s, 30 s)")
+                    "rate window 20 s, cooldown 3 s (production: 2.80/h, 600 s, 30 s); "
+                    "at most 1 replica on this machine")
 
 
 def demo_policy() -> dict[str, Any]:
     """:class:`~agent.predictor.loop.ModelPolicy` overrides that shorten the keep-alive."""
     from agent.predictor.keepalive import KeepAliveCosts
 
-    return {"scale_down_cooldown_s": 3.0, "rate_window_s": 20.0,
+    return {"scale_down_cooldown_s": 3.0, "rate_window_s": 20.0, "max_replicas": 1,
             "costs": KeepAliveCosts(gpu_cost_per_s=0.05, suspended_cost_per_s=0.0025,
                                     wait_cost_per_s=0.01, restore_s=2.0)}
 
@@ -337,7 +338,11 @@ def wait_scaled_to_zero(stack, timeout_s: float, say) -> float:
         ready = bool(agent.catalog.snapshots(model, status="ready"))
         if ready and not said_ready:
             said_ready = True
-            say(f"  snapshot captured, verified and marked ready after {waited:.1f} s idle")
+            say(f"  snapshot captured, verified and marked ready after {waited:.1f} s idle; "
+                "predictor started")
+            # Started only now: LocalScaler counts restoring and warm replicas, not one still
+            # cold-booting, so an earlier tick would cold-boot a second replica.
+            stack.start_predicting()
         live = [r for r in agent.status()["replicas"] if r["model"] == model]
         if ready and not live:
             return waited
@@ -369,7 +374,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
     _fresh_state(state)
     stack = Stack(state, model_dir, release, host=args.host, port=args.port,
                   threads=args.threads, predictor_overrides=demo_policy(),
-                  start_predictor=False)
+                  start_predictor=False, restores_per_model=1)
     stack.start()
     sampler = Sampler(stack.agent)
     try:
@@ -379,7 +384,6 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
         first = asyncio.run(_single(stack.frontdoor_address, stack.model, probe, PROBE_MAX_TOKENS))
         say(f"  answered: code {first.code}, path {first.path}, TTFT {_ms(first.ttft_ms)} ms")
         say(f"2. idle until the keep-alive scales the model to zero ({DEMO_POLICY_TEXT})")
-        stack.start_predicting()
         waited = wait_scaled_to_zero(stack, args.idle_timeout_s, say)
         say(f"  scaled to zero after {waited:.1f} s idle")
         say(f"3. the probe again, then {len(plan)} requests of {trace.name} "

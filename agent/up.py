@@ -165,6 +165,7 @@ class Stack:
     predictor_overrides: dict[str, Any] = field(default_factory=dict)
     predictor_tick_s: float = 1.0
     start_predictor: bool = True
+    restores_per_model: int = 2
 
     def __post_init__(self) -> None:
         self.agent = self.frontdoor = self.predictor = None
@@ -212,6 +213,13 @@ class Stack:
             log.exception("rewarm up: services failed")
         finally:
             ready.set()
+            # Restores the front door asked for and control connections still open end here
+            # (their clients get an error or a closed connection), not at interpreter exit.
+            pending = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._loop.close()
 
     async def _serve(self, ready: threading.Event) -> None:
@@ -228,7 +236,7 @@ class Stack:
         node = (host, int(port))
         self.frontdoor = FrontDoor(
             FrontDoorConfig(host=self.host, port=self.port, models={self.model: 60_000.0},
-                            registry_poll_s=0.2),
+                            registry_poll_s=0.2, restores_per_model=self.restores_per_model),
             registry=UnixPathRegistry(self.agent.registrar.registry),
             capacity=NodeAgentCapacity(lambda model: [node], timeout_s=600.0))
         fd_host, fd_port = await self.frontdoor.start()
