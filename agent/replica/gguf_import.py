@@ -73,8 +73,10 @@ def config_from_gguf(reader, dtype: str = "float32") -> LlamaConfig:
         num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv")),
         vocab_size=int(_field(reader, "llama.vocab_size", len(tokens))),
         max_position_embeddings=int(_field(reader, "llama.context_length")),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        # GGUF stores these as float32: take the shortest decimal that rounds to it (1e-05,
+        # not 9.9999997e-06), which is what the original config.json said.
+        rms_norm_eps=float(str(np.float32(_field(reader, "llama.attention.layer_norm_rms_epsilon")))),
+        rope_theta=float(str(np.float32(_field(reader, "llama.rope.freq_base", 10000.0)))),
         tie_word_embeddings="output.weight" not in names,
         dtype=dtype,
         bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", -1)),
