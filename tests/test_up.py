@@ -1,0 +1,136 @@
+"""End to end: ``rewarm up --demo`` on a tiny synthetic model and a short trace, and
+``rewarm up`` stopped by Ctrl-C (SIGINT) leaving no process behind.  Both run the real
+command in a child process (replicas are its own children), so they are slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """The ``tiny`` preset with 512 positions: the engine's default KV length (512) must fit
+    the model, else the snapshot the cold boot captures cannot be restored."""
+    from agent.replica.synthetic import make_synthetic
+
+    out = make_synthetic(tmp_path_factory.mktemp("up") / "tiny", "tiny")
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = 512
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def short_trace(path: Path, n: int = 24, rate_rps: float = 2.0) -> Path:
+    rng = random.Random(3)
+    t = 0.0
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for _ in range(n):
+        t += rng.expovariate(rate_rps)
+        lines.append(f"2023-11-16 18:17:{t:010.7f},{rng.randint(100, 3000)},{rng.randint(4, 40)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (the state directory names every replica's
+    socket), this test process excluded."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_gone(text: str, timeout_s: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_mentioning(text)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_demo_end_to_end(tmp_path, tiny_model):
+    state = tmp_path / "state"
+    out = tmp_path / "demo.json"
+    trace = short_trace(tmp_path / "trace.csv")
+    proc = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "up", "--demo", "--model-dir", str(tiny_model),
+         "--no-aot", "--trace", str(trace), "--replay-s", "5", "--speedup", "2",
+         "--state-dir", str(state), "--json", str(out), "--idle-timeout-s", "120"],
+        cwd=REPO, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["requests_by_path"]["cold_boot"] >= 1
+    assert s["requests_by_path"]["snapshot_restore"] >= 1
+    assert s["golden_checks_failed"] == 0 and s["golden_checks_passed"] >= 1
+    assert s["lost"] == 0
+    assert s["probe_match"] is True
+    served = sum(s["requests_by_path"].values())
+    assert served + s["shed"] + s["expired"] + s["lost"] == s["requests"]
+    from agent.demo import replay_plan
+    assert s["requests"] == 2 + len(replay_plan(trace, replay_s=5, speedup=2))  # + 2 probes
+    assert 0 < s["gpu_seconds"] < s["always_on_gpu_seconds"]
+    assert s["ttft_ms"]["cold_boot"]["p50"] > 0
+    assert any(r["path"] == "restore" and r["outcome"] == "ok" for r in s["restores"])
+    assert "rewarm demo: requests as a client saw them" in proc.stdout
+    assert "scaled to zero after" in proc.stdout
+    assert wait_gone(str(state)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model):
+    from agent.client import Client
+
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "up", "--model-dir", str(tiny_model), "--no-aot",
+         "--state-dir", str(state)], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        address = None
+        deadline = time.monotonic() + 120
+        lines = []
+        while address is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "front door listening on " in line:
+                address = line.split("front door listening on ", 1)[1].split()[0]
+        assert address, "".join(lines)
+        host, _, port = address.rpartition(":")
+        client = Client(host, int(port))
+        try:
+            done = client.generate("tiny", tokens=[1, 2, 3, 4], max_tokens=4)
+        finally:
+            client.close()
+        assert done.done["path"] == "cold_boot" and len(done.tokens) == 4
+        assert processes_mentioning(str(state / "run")), "no replica process was started"
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, rest[-3000:]
+        assert "stopping" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert wait_gone(str(state)) == []
