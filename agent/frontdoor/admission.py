@@ -21,7 +21,7 @@ from agent.clock import Clock
 from agent.errors import ConfigError, Overloaded
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a queued request is a thing, not a value (hashable)
 class Pending:
     """One request waiting for capacity.
 
@@ -37,6 +37,7 @@ class Pending:
     need_tokens: int
     payload: Any = field(default=None, repr=False)
     give_up_s: float = field(default=float("inf"), repr=False)  # set by AdmissionQueue.offer
+    cancelled: bool = field(default=False, repr=False)           # set by AdmissionQueue.cancel
 
 
 class AdmissionQueue:
@@ -104,7 +105,17 @@ class AdmissionQueue:
 
     def peek(self) -> Pending | None:
         """The earliest-deadline request still held, without taking it."""
-        return self._heap[0][2] if self._heap else None
+        heap = self._heap
+        while heap and heap[0][2].cancelled:  # lazy removal (see cancel)
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+    def cancel(self, p: Pending) -> None:
+        """Forget a queued request whose client went away (O(1); its heap entry is dropped
+        when it reaches the top).  Only for requests offered and not yet taken out."""
+        if not p.cancelled:
+            p.cancelled = True
+            self._live -= 1
 
     def pop_earliest(self) -> Pending | None:
         """Take the earliest-deadline request (None when empty).  Does not check expiry:

@@ -69,6 +69,7 @@ class ClientConn(_Batched):
         self.last_active_s = fd.clock.now()
         self.frame_start_s: float | None = None  # when the current partial frame began
         self.in_flight = 0
+        self.queued: set = set()  # this connection's Pending entries in admission queues
         self.tenant: str | None = None
         self.token: str | None = None  # the last token that checked out
 

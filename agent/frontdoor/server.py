@@ -175,7 +175,13 @@ class FrontDoor:
         return True
 
     def forget(self, conn: ClientConn) -> None:
+        """The connection closed: its queued requests leave their queues (no one to answer)."""
         self.conns.discard(conn)
+        for p in conn.queued:
+            queue = self.queues[p.model]
+            queue.cancel(p)
+            self.telemetry.queue_depth(p.model, len(queue))
+        conn.queued.clear()
 
     # --- requests --------------------------------------------------------------------
 
@@ -239,12 +245,14 @@ class FrontDoor:
             self._refuse(conn, rid, model, 503, f"model {model!r}: no warm replica and no "
                          f"capacity requester configured")
             return
+        pending = Pending(rid, model, now, req.deadline_s, need, req)
         try:
-            queue.offer(Pending(rid, model, now, req.deadline_s, need, req))
+            queue.offer(pending)
         except Overloaded as err:
             self._refuse(conn, rid, model, 429, err.message, retry_after_ms=err.retry_after_ms)
             return
         conn.in_flight += 1
+        conn.queued.add(pending)
         self._queued_models.add(model)
         self.telemetry.queue_depth(model, len(queue))
         self._maybe_restore(model)
@@ -339,13 +347,11 @@ class FrontDoor:
         while queue:
             head = queue.peek()
             req: Request = head.payload
-            if req.conn.closed:
-                queue.pop_earliest()
-                continue
             replica = self.router.choose(model, head.need_tokens)
             if replica is None:
                 break
             queue.pop_earliest()
+            req.conn.queued.discard(head)
             req.conn.in_flight -= 1
             req.queue_wait_ms = (now - req.arrival_s) * 1000.0
             if restored is not None and restored[0] >= req.arrival_s:
@@ -387,6 +393,7 @@ class FrontDoor:
         elif not self.gate.in_flight.get(model) and not self.router.warm(model):
             for p in queue.drain():  # nothing can succeed now: say so promptly
                 req: Request = p.payload
+                req.conn.queued.discard(p)
                 req.conn.in_flight -= 1
                 self._refuse(req.conn, req.client_id, model, 503,
                              f"model {model!r}: no capacity can be restored: {reason}")
@@ -405,9 +412,8 @@ class FrontDoor:
                 queue = self.queues[model]
                 for p in queue.expire():
                     req: Request = p.payload
+                    req.conn.queued.discard(p)
                     req.conn.in_flight -= 1
-                    if req.conn.closed:
-                        continue
                     if p.deadline_s <= now:
                         self._refuse(req.conn, req.client_id, model, 504,
                                      f"deadline passed after {(now - p.arrival_s) * 1000:.0f} ms "

@@ -70,3 +70,16 @@ def test_bad_configuration_is_refused():
         AdmissionQueue("m", clock=ManualClock(), max_depth=0, max_wait_s=1)
     with pytest.raises(ConfigError):
         AdmissionQueue("m", clock=ManualClock(), max_depth=1, max_wait_s=0)
+
+
+def test_cancelled_requests_free_their_place_and_are_never_popped():
+    clock, q = make(depth=2)
+    a, b = p("a", 101.0, clock), p("b", 102.0, clock)
+    q.offer(a)
+    q.offer(b)
+    q.cancel(a)
+    q.cancel(a)  # twice is once
+    assert len(q) == 1
+    q.offer(p("c", 103.0, clock))  # the freed place is usable
+    assert [q.pop_earliest().request_id for _ in range(2)] == ["b", "c"]
+    assert q.pop_earliest() is None and len(q) == 0

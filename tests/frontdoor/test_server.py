@@ -364,3 +364,29 @@ def test_a_request_no_replica_could_ever_hold_is_413_at_once():
         await c.close()
         await fd.stop()
     run(main())
+
+
+def test_a_client_leaving_takes_its_queued_requests_out_of_the_queue():
+    async def main():
+        fd, stubs, host, port = await setup(stub={"max_seqs": 1, "hold": True},
+                                            max_queue_depth=1,
+                                            capacity=FakeCapacity(fail=True, delay_s=5))
+        c = await AsyncClient.connect(host, port)
+        first = asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1))
+        leaving = await AsyncClient.connect(host, port)
+        queued = asyncio.create_task(leaving.generate("m", tokens=[1], max_tokens=1))
+        await asyncio.sleep(0.1)
+        assert len(fd.queues["m"]) == 1
+        await leaving.close()
+        await asyncio.sleep(0.1)
+        assert len(fd.queues["m"]) == 0
+        later = asyncio.create_task(c.generate("m", tokens=[2, 2], max_tokens=1))
+        await asyncio.sleep(0.05)
+        assert len(fd.queues["m"]) == 1         # took the place, not refused with 429
+        stubs[0].hold = False
+        stubs[0].release()
+        assert (await first).tokens == [1] and (await later).tokens == [2]
+        queued.cancel()
+        await c.close()
+        await fd.stop()
+    run(main())
