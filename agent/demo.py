@@ -383,6 +383,8 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
         say("1. first request: no snapshot yet, so a cold boot")
         first = asyncio.run(_single(stack.frontdoor_address, stack.model, probe, PROBE_MAX_TOKENS))
         say(f"  answered: code {first.code}, path {first.path}, TTFT {_ms(first.ttft_ms)} ms")
+        if first.code != 200:
+            raise RuntimeError(f"the first request failed: {first.code} {first.reason}")
         say(f"2. idle until the keep-alive scales the model to zero ({DEMO_POLICY_TEXT})")
         waited = wait_scaled_to_zero(stack, args.idle_timeout_s, say)
         say(f"  scaled to zero after {waited:.1f} s idle")

@@ -346,7 +346,7 @@ def run_up(args: argparse.Namespace) -> int:
         threading.Event().wait()
     except KeyboardInterrupt:
         print("rewarm up: stopping (draining replicas)", flush=True)
-    except RewarmError as err:
+    except (RewarmError, TimeoutError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
