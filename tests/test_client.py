@@ -4,6 +4,7 @@ import asyncio
 import pathlib
 import sys
 import threading
+import time
 
 import pytest
 
@@ -16,6 +17,7 @@ from agent.errors import (ClusterError, DeadlineExceeded, MessageTooLarge,  # no
                           ModelNotFound, NoCapacity, Overloaded, ProtocolError, Unauthorized)
 from agent.frontdoor.announce import ConsulTcpAnnouncer  # noqa: E402
 from agent.frontdoor.server import FrontDoor, FrontDoorConfig  # noqa: E402
+from agent.protocol import pack  # noqa: E402
 from tests.standins import consul_clock, consul_standin  # noqa: E402,F401
 
 
@@ -79,18 +81,19 @@ def test_async_client_multiplexes_requests(served):
 def test_a_429_is_retried_and_succeeds_when_room_appears():
     s = Served(stub={"max_seqs": 1, "hold": True}, max_queue_depth=1)
     try:
-        holder = Client(s.host, s.port)
-        holder._sock.sendall(__import__("agent.protocol", fromlist=["pack"]).pack(
-            {"op": "generate", "id": 1, "model": "m", "tokens": [1], "max_tokens": 1}))
-        queued = Client(s.host, s.port, max_retries=0)
+        holder = Client(s.host, s.port, timeout_s=10)
+        holder._sock.sendall(pack({"op": "generate", "id": 1, "model": "m", "tokens": [1],
+                                   "max_tokens": 1}))  # sent, never read: holds the slot
+        queued = Client(s.host, s.port, max_retries=0, timeout_s=10)
         t = threading.Thread(target=lambda: queued.generate("m", tokens=[1], max_tokens=1,
-                                                            deadline_ms=3000))
+                                                            deadline_ms=3000),
+                             daemon=True)  # never holds the test run open
         t.start()
-        import time
         time.sleep(0.2)  # the replica's slot is held and the queue holds one
         with pytest.raises(Overloaded):
-            Client(s.host, s.port, max_retries=0).generate("m", tokens=[1], max_tokens=1)
-        retrying = Client(s.host, s.port, max_retries=20, max_retry_wait_ms=100)
+            Client(s.host, s.port, max_retries=0, timeout_s=10).generate("m", tokens=[1],
+                                                                         max_tokens=1)
+        retrying = Client(s.host, s.port, max_retries=20, max_retry_wait_ms=100, timeout_s=10)
         def free():
             s.stub.hold = False
             s.stub.release()
