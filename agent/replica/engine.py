@@ -93,6 +93,8 @@ class Engine:
                  device: str = "cpu", prefill_chunk: int = 256, temperature: float = 1.0,
                  top_k: int | None = None) -> None:
         self.config = config
+        if weights is not None and any(t.device != torch.device(device) for t in weights.values()):
+            weights = {k: t.to(device) for k, t in weights.items()}  # e.g. host restore -> GPU
         self.model = Transformer.from_weights(config, weights) if weights is not None else None
         if forward is None and self.model is None:
             raise ProtocolError("Engine needs weights or a forward callable", field="weights",
@@ -106,6 +108,7 @@ class Engine:
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._active: dict[int, _Seq] = {}
         self._next_id = 0
+        self.plan: KVPlan | None = None  # set by Engine.sized
 
     @classmethod
     def sized(cls, config: LlamaConfig, weights, *, budget_bytes: int, max_seq_len: int,

@@ -51,11 +51,6 @@ _HF_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_pr
 _HF_W13 = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 
 
-def hf_layer_names(i: int) -> list[str]:
-    """The Hugging Face tensor names of layer ``i`` (9 tensors)."""
-    return [f"model.layers.{i}.{n}" for n in (*_HF_QKV, *_HF_W13, *_HF_RENAME)]
-
-
 def hf_expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face Llama checkpoint of this config must hold, with its shape."""
     h, i = config.hidden_size, config.intermediate_size

@@ -103,3 +103,17 @@ def test_warmup_runs_each_shape_class_and_refuses_when_busy(tiny_engine):
     tiny_engine.step()
     with pytest.raises(ProtocolError, match="warmup"):
         tiny_engine.warmup()
+
+
+def test_bfloat16_runtime_dtype_runs_and_is_deterministic(tiny_dir):
+    import dataclasses
+
+    from agent.replica.config import LlamaConfig
+    from agent.replica.weights import load_hf_weights
+
+    config = dataclasses.replace(LlamaConfig.from_dir(tiny_dir), dtype="bfloat16")
+    engine = Engine(config, load_hf_weights(tiny_dir, config), max_seqs=2, max_seq_len=32)
+    assert engine.k_caches[0].dtype == torch.bfloat16
+    out = engine.generate(PROMPTS[:2], 5)
+    assert out == engine.generate(PROMPTS[:2], 5) and all(len(o) == 5 for o in out)
+    assert engine.capacity()["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
