@@ -84,8 +84,8 @@ class Engine:
 
     ``weights`` are runtime-layout tensors (adopted without a copy); they may be None when
     ``forward`` is given and carries its own weights.  ``max_seqs`` slots of ``max_seq_len``
-    tokens are allocated at construction: ``2 * max_seqs * max_seq_len *
-    config.kv_bytes_per_token / 2`` bytes per cache list.
+    tokens are allocated at construction: ``max_seqs * max_seq_len * config.kv_bytes_per_token``
+    bytes for K and V together (weights already on another device are moved to ``device``).
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor] | None, *,
