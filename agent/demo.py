@@ -81,8 +81,12 @@ def replay_plan(trace: Path, *, replay_s: float, speedup: float,
     Reads the trace with :func:`agent.sim.trace.load_trace` (which validates every field and
     raises InvalidTrace).  Raises ConfigError for ``replay_s``/``speedup`` not > 0 or a window
     of more than ``max_requests`` requests."""
+    from agent.errors import InvalidTrace
     from agent.sim.trace import TokenTiming, load_trace
 
+    if not Path(trace).is_file():
+        raise InvalidTrace(f"trace {trace} not found (pass --trace PATH)", path=trace, line=None,
+                           field="path", value=str(trace), limit="an existing file")
     for name, value in (("replay_s", replay_s), ("speedup", speedup)):
         if not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"{name}={value}; limit is > 0", name=name, value=value, limit="> 0")
@@ -315,6 +319,11 @@ def default_trace() -> Path:
     return Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_code.csv"
 
 
+def trace_path(args: argparse.Namespace) -> Path:
+    """``--trace`` or :func:`default_trace`."""
+    return Path(args.trace) if args.trace else default_trace()
+
+
 def _vocabulary(model_dir: Path, vocab_size: int):
     """(tokenizer or None, probe token ids, token ids to build replay prompts from)."""
     if (Path(model_dir) / "tokenizer.json").is_file():
@@ -367,7 +376,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
     import logging   # one line per predictor tick would bury the demo's own lines
     logging.getLogger("agent.predictor.loop").setLevel(logging.WARNING)
 
-    trace = Path(args.trace) if args.trace else default_trace()
+    trace = trace_path(args)
     plan = replay_plan(trace, replay_s=args.replay_s, speedup=args.speedup)
     tok, probe, base = _vocabulary(model_dir, LlamaConfig.from_dir(model_dir).vocab_size)
     state = Path(args.state_dir)

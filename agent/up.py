@@ -333,6 +333,9 @@ def run_up(args: argparse.Namespace) -> int:
     state.mkdir(parents=True, exist_ok=True)
     stack = None
     try:
+        if args.demo:   # a missing or bad trace is said before minutes of preparation
+            from agent import demo
+            demo.replay_plan(demo.trace_path(args), replay_s=args.replay_s, speedup=args.speedup)
         model_dir, release, forward_note = prepare_model(args)
         if args.demo:
             from agent import demo

@@ -139,3 +139,9 @@ def test_up_parser_defaults():
     args = parser.parse_args(["up", "--demo", "--json", "x.json"])
     assert args.demo and args.json == "x.json" and not args.no_aot
     assert args.replay_s == 75.0 and args.speedup == 2.0
+
+
+def test_replay_plan_missing_trace_is_typed(tmp_path):
+    with pytest.raises(InvalidTrace) as err:
+        replay_plan(tmp_path / "nope.csv", replay_s=1, speedup=1)
+    assert err.value.field == "path"
