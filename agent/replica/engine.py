@@ -28,6 +28,8 @@ from agent.replica.kv import KVPlan, KVSlotAllocator, plan_kv
 from agent.replica.model import Transformer, new_kv_caches
 
 Forward = Callable[..., torch.Tensor]
+MAX_SEED = 2**63 - 1
+"""Largest sampling seed (torch.Generator.manual_seed takes a signed 64-bit value)."""
 
 
 def mark_dynamic_inputs(tokens: torch.Tensor, input_pos: torch.Tensor, cache_batch_idx: torch.Tensor,
@@ -160,8 +162,8 @@ class Engine:
     def submit(self, prompt: Sequence[int], max_tokens: int, seed: int | None = None,
                stop: set[int] | frozenset[int] | None = None) -> int:
         """Queue one sequence; returns its id.  Raises ProtocolError (empty prompt, token id
-        out of [0, vocab_size), max_tokens < 1) or CapacityExceeded (prompt + max_tokens longer
-        than a slot) before anything is allocated."""
+        out of [0, vocab_size), max_tokens < 1, seed outside [0, MAX_SEED]) or
+        CapacityExceeded (prompt + max_tokens longer than a slot) before anything is allocated."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ProtocolError("prompt has no tokens", field="tokens", value=0, limit=1)
@@ -172,6 +174,9 @@ class Engine:
         if max_tokens < 1:
             raise ProtocolError(f"max_tokens={max_tokens} must be >= 1", field="max_tokens",
                                 value=max_tokens, limit=1)
+        if seed is not None and not 0 <= int(seed) <= MAX_SEED:
+            raise ProtocolError(f"seed={seed} outside [0, {MAX_SEED}]", field="seed", value=seed,
+                                limit=MAX_SEED)
         self.kv.check(len(prompt) + max_tokens)
         gen = None if seed is None else torch.Generator().manual_seed(int(seed))
         seq = _Seq(self._next_id, prompt, max_tokens, frozenset(stop or ()), gen)

@@ -117,3 +117,13 @@ def test_bfloat16_runtime_dtype_runs_and_is_deterministic(tiny_dir):
     out = engine.generate(PROMPTS[:2], 5)
     assert out == engine.generate(PROMPTS[:2], 5) and all(len(o) == 5 for o in out)
     assert engine.capacity()["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+
+
+def test_seed_limit_at_and_over(tiny_engine):
+    from agent.replica.engine import MAX_SEED
+
+    tiny_engine.cancel(tiny_engine.submit([1], 1, seed=MAX_SEED))
+    for bad in (MAX_SEED + 1, -1):
+        with pytest.raises(ProtocolError) as e:
+            tiny_engine.submit([1], 1, seed=bad)
+        assert e.value.field == "seed" and e.value.limit == MAX_SEED
