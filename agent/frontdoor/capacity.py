@@ -84,6 +84,27 @@ class RestoreGate:
         self.total = max(0, self.total - 1)
 
 
+class RestoreTimes:
+    """Recent restore durations per model and their p99 (nearest rank over the last
+    ``window`` restores).  The design document sets admission deadlines from the restore
+    latency's p99, not its mean ("Deadline-Aware Admission Control")."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.window = window
+        self._samples: dict[str, list[float]] = {}
+        self._p99: dict[str, float] = {}
+
+    def record(self, model: str, restore_ms: float) -> None:
+        samples = self._samples.setdefault(model, [])
+        samples.append(float(restore_ms))
+        del samples[:-self.window]
+        ordered = sorted(samples)
+        self._p99[model] = ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+    def p99_ms(self, model: str) -> float | None:
+        return self._p99.get(model)
+
+
 class NodeAgentCapacity:
     """Restores through node agents' control API: ``{"op": "restore", "model": M}`` answered
     by ``{"type": "result", "result": {"replica": {...ReplicaLoad fields}, "path",

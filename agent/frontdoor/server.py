@@ -30,7 +30,7 @@ from agent.errors import Overloaded, ProtocolError, RewarmError, Unauthorized
 from agent.frontdoor.admission import AdmissionQueue, Pending
 from agent.frontdoor.announce import FRONTDOOR_SERVICE, Announcer, RegistryAnnouncer
 from agent.frontdoor.auth import TokenAuth
-from agent.frontdoor.capacity import CapacityRequester, RestoreGate
+from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
 from agent.frontdoor.links import ClientConn, ReplicaLink, packb
 from agent.frontdoor.router import ReplicaLoad, Router
 from agent.frontdoor.watch import RegistryWatcher
@@ -43,14 +43,16 @@ REPLICA_SERVICE = "rewarm-replica"
 
 @dataclass
 class FrontDoorConfig:
-    """Knobs, with units in their names.  ``models``: model -> default deadline (ms), which
-    should come from the measured restore p99 plus headroom (design document, "Deadline-Aware
-    Admission Control"); models seen in the registry get ``default_deadline_ms``."""
+    """Knobs, with units in their names.  ``models``: model -> default deadline (ms).  Models
+    not listed (seen in the registry) get ``default_deadline_ms`` until restores are measured,
+    then ``max(default_deadline_ms, deadline_per_restore_p99 x restore p99)``: deadlines
+    follow the restore latency's p99 (design document, "Deadline-Aware Admission Control")."""
 
     host: str = "127.0.0.1"
     port: int = 0
     models: dict[str, float] = field(default_factory=dict)
     default_deadline_ms: float = 30_000.0
+    deadline_per_restore_p99: float = 1.5  # unconfigured models: max(default, this x p99)
     max_queue_depth: int = 1024
     max_wait_s: float = 60.0
     max_connections: int = 4096
@@ -110,6 +112,8 @@ class FrontDoor:
         self.conns: set[ClientConn] = set()
         self.known_models: set[str] = set(config.models)
         self.last_restore: dict[str, tuple[float, str, float | None]] = {}
+        self.restore_times = RestoreTimes()
+        self._deadline_ms = dict(config.models)  # model -> default deadline (ms)
         self.counts = {"requests": 0, "dispatched": 0, "done": 0, "errors": 0}
         self.arrivals: dict[str, int] = {}  # generate requests per model (predictor input)
         self.instance_id = f"frontdoor-{uuid.uuid4().hex[:12]}"
@@ -222,7 +226,7 @@ class FrontDoor:
         # overestimate for English with a byte-level BPE vocabulary) + max_tokens.
         need = (len(prompt) if prompt is not None else len(message["prompt"]) // 3 + 1)
         need += message["max_tokens"]
-        deadline_ms = message.get("deadline_ms") or self.config.models.get(
+        deadline_ms = message.get("deadline_ms") or self._deadline_ms.get(
             model, self.config.default_deadline_ms)
         req = Request(conn, rid, message, model, now, now + deadline_ms / 1000.0, need)
         queue = self.queues.get(model)
@@ -245,6 +249,8 @@ class FrontDoor:
             self._refuse(conn, rid, model, 503, f"model {model!r}: no warm replica and no "
                          f"capacity requester configured")
             return
+        p99_ms = self.restore_times.p99_ms(model)
+        queue.expected_wait_s = p99_ms / 1000.0 if p99_ms and not warm else 0.0
         pending = Pending(rid, model, now, req.deadline_s, need, req)
         try:
             queue.offer(pending)
@@ -369,10 +375,13 @@ class FrontDoor:
 
     async def _restore(self, model: str) -> None:
         ok = False
+        started = self.clock.now()
         try:
             result = await self.capacity.request_restore(model)
             ok = True
-            self.last_restore[model] = (self.clock.now(), result.path, result.restore_ms)
+            now = self.clock.now()
+            self.last_restore[model] = (now, result.path, result.restore_ms)
+            self._restore_measured(model, result.restore_ms or (now - started) * 1000.0)
             if result.replica is not None:
                 self.router.upsert(result.replica)
                 self.known_models.add(model)
@@ -398,6 +407,13 @@ class FrontDoor:
                 self._refuse(req.conn, req.client_id, model, 503,
                              f"model {model!r}: no capacity can be restored: {reason}")
             self.telemetry.queue_depth(model, 0)
+
+    def _restore_measured(self, model: str, restore_ms: float) -> None:
+        self.restore_times.record(model, restore_ms)
+        if model not in self.config.models:
+            self._deadline_ms[model] = max(
+                self.config.default_deadline_ms,
+                self.config.deadline_per_restore_p99 * self.restore_times.p99_ms(model))
 
     # --- background loops ------------------------------------------------------------
 

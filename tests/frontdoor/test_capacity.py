@@ -107,3 +107,16 @@ def test_scaler_capacity_raises_the_target_and_waits_for_a_new_replica():
         with pytest.raises(NoCapacity, match="timeout_s"):
             await slow.request_restore("m")
     asyncio.run(main())
+
+
+def test_restore_p99_is_the_nearest_rank_over_a_window():
+    from agent.frontdoor.capacity import RestoreTimes
+    times = RestoreTimes(window=100)
+    assert times.p99_ms("m") is None
+    for ms in range(1, 101):          # 1..100 ms
+        times.record("m", ms)
+    assert times.p99_ms("m") == 99.0
+    times.record("m", 5000.0)         # window slides: 2..100 and 5000
+    assert times.p99_ms("m") == 100.0
+    times.record("other", 7.0)
+    assert times.p99_ms("other") == 7.0

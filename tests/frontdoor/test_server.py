@@ -390,3 +390,29 @@ def test_a_client_leaving_takes_its_queued_requests_out_of_the_queue():
         await c.close()
         await fd.stop()
     run(main())
+
+
+def test_measured_restore_p99_sets_default_deadlines_and_refuses_hopeless_waits():
+    class SlowRestores(FakeCapacity):
+        async def request_restore(self, model):
+            result = await super().request_restore(model)
+            result.restore_ms = 20_000.0   # as the node agent reports it
+            return result
+
+    async def main():
+        fd, _, host, port = await setup(replicas=0, capacity=SlowRestores(delay_s=0.01),
+                                        max_wait_s=10.0, default_deadline_ms=5000.0)
+        fd.known_models.add("n")           # seen in the registry, not configured
+        c = await AsyncClient.connect(host, port, max_retries=0)
+        g = await c.generate("n", tokens=[1], max_tokens=1)
+        assert g.done["path"] == "snapshot_restore"
+        assert fd._deadline_ms["n"] == 30_000.0       # 1.5 x p99, above the 5 s default
+        assert fd._deadline_ms["m"] == 5000.0         # configured models keep theirs
+        for rid in list(fd.router._replicas):         # the restored replicas go away
+            fd.router.remove(rid)
+        with pytest.raises(Overloaded, match="expected wait") as err:
+            await c.generate("n", tokens=[1], max_tokens=1)
+        assert err.value.retry_after_ms == 20_000     # p99 20 s > max_wait_s 10 s
+        await c.close()
+        await fd.stop()
+    run(main())
