@@ -12,7 +12,8 @@ State machine of one ``generate`` request::
 
 Routing and admission are the pure :class:`~agent.frontdoor.router.Router` and
 :class:`~agent.frontdoor.admission.AdmissionQueue`; this module only wires them to sockets.
-The registry is polled off the request path into the router's cached view.
+The registry is read off the request path (a watcher thread: Consul blocking queries, or
+polling) into the router's cached view.
 """
 
 from __future__ import annotations
