@@ -70,16 +70,22 @@ def plan_kv(config: LlamaConfig, budget_bytes: int, max_seq_len: int,
 
 def kv_budget_bytes(weights_bytes: int, *, device: str = "cpu", cpu_budget_bytes: int | None = None,
                     overhead_bytes: int = 0) -> int:
-    """Memory the KV cache may take: on CUDA, free memory now (weights already resident) less
-    ``overhead_bytes`` (the design document keeps ~3 GB for activations and the CUDA context);
-    on CPU, the configured ``cpu_budget_bytes`` (CPU memory is shared, so it is configuration)."""
+    """Memory the KV cache may take, the design document's way (seeds/002: 40 GB - 26 GB weights
+    - ~3 GB activations/CUDA context = 11 GB).
+
+    On CUDA: free device memory now (the weights, ``weights_bytes``, are already resident, so
+    they are not subtracted again) less ``overhead_bytes``.  On CPU, memory is shared with
+    everything else on the host, so the replica's total is configuration: ``cpu_budget_bytes``
+    less ``weights_bytes`` and ``overhead_bytes``.  Never negative.  Raises ConfigError when a
+    CPU replica has no ``cpu_budget_bytes``.
+    """
     if device.startswith("cuda"):
         free, _total = torch.cuda.mem_get_info(torch.device(device))
         return max(0, free - overhead_bytes)
     if cpu_budget_bytes is None:
         raise ConfigError("a CPU replica needs kv_budget_bytes (configuration)", name="kv_budget_bytes",
                           value=None, limit=None)
-    return max(0, cpu_budget_bytes - overhead_bytes)
+    return max(0, cpu_budget_bytes - weights_bytes - overhead_bytes)
 
 
 class KVSlotAllocator:

@@ -37,7 +37,10 @@ def test_max_seq_len_limit_is_the_context_length():
 
 
 def test_cpu_budget_is_configuration():
-    assert kv_budget_bytes(100, cpu_budget_bytes=1000, overhead_bytes=10) == 990
+    # the design document's A100 arithmetic with GB as 2**30: 40 - 26 - 3 = 11
+    gib = 1 << 30
+    assert kv_budget_bytes(26 * gib, cpu_budget_bytes=40 * gib, overhead_bytes=3 * gib) == 11 * gib
+    assert kv_budget_bytes(100, cpu_budget_bytes=50) == 0
     with pytest.raises(ConfigError, match="kv_budget_bytes"):
         kv_budget_bytes(100)
 
