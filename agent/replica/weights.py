@@ -81,6 +81,9 @@ def read_header(path: Path) -> tuple[int, dict[str, dict]]:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InvalidCheckpoint(f"{path}: header is not JSON ({exc})", path=path,
                                     field="header", value=None, limit=None) from None
+    if not isinstance(header, dict):
+        raise InvalidCheckpoint(f"{path}: header is not a JSON object", path=path, field="header",
+                                value=type(header).__name__, limit="object")
     header.pop("__metadata__", None)
     data_start, data_len = 8 + n, size - 8 - n
     for name, entry in header.items():
@@ -89,7 +92,12 @@ def read_header(path: Path) -> tuple[int, dict[str, dict]]:
             raise InvalidCheckpoint(f"{path}: tensor {name!r} has unsupported dtype "
                                     f"{entry.get('dtype') if isinstance(entry, dict) else entry!r}",
                                     path=path, field=name, value=entry, limit=sorted(_ST_DTYPES))
-        begin, end = entry["data_offsets"]
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (_ints(shape) and _ints(offsets) and len(offsets) == 2):
+            raise InvalidCheckpoint(f"{path}: tensor {name!r} needs a shape and two data_offsets of "
+                                    f"non-negative integers, got {shape!r} and {offsets!r}",
+                                    path=path, field=name, value=(shape, offsets), limit=None)
+        begin, end = offsets
         nbytes = math.prod(entry["shape"]) * torch.empty((), dtype=dtype).element_size()
         if not 0 <= begin <= end <= data_len or end - begin != nbytes:
             raise InvalidCheckpoint(f"{path}: tensor {name!r} bytes [{begin}, {end}) do not fit "
@@ -97,6 +105,11 @@ def read_header(path: Path) -> tuple[int, dict[str, dict]]:
                                     path=path, field=name, value=(begin, end), limit=data_len)
         entry["torch_dtype"] = dtype
     return data_start, header
+
+
+def _ints(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
 def _group_key(name: str) -> tuple[int, int]:

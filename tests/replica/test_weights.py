@@ -121,6 +121,9 @@ def test_header_length_limit_at_and_over(tmp_path, monkeypatch):
     ({"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}, "do not fit"),      # length != shape
     ({"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}, "do not fit"),      # past data end
     ({"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}, "unsupported dtype"),
+    ({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}, "non-negative integers"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0]}, "two data_offsets"),
+    ({"dtype": "F32", "data_offsets": [0, 8]}, "needs a shape"),
 ])
 def test_bad_entries(tmp_path, entry, message):
     with pytest.raises(InvalidCheckpoint, match=message):
@@ -134,3 +137,6 @@ def test_truncated_file_and_bad_json(tmp_path):
     (tmp_path / "j.safetensors").write_bytes(struct.pack("<Q", 3) + b"{x}")
     with pytest.raises(InvalidCheckpoint, match="not JSON"):
         read_header(tmp_path / "j.safetensors")
+    (tmp_path / "l.safetensors").write_bytes(struct.pack("<Q", 2) + b"[]")
+    with pytest.raises(InvalidCheckpoint, match="not a JSON object"):
+        read_header(tmp_path / "l.safetensors")
