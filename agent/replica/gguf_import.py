@@ -65,13 +65,18 @@ def config_from_gguf(reader, dtype: str = "float32") -> LlamaConfig:
                                 field="general.architecture", value=arch, limit="llama")
     names = {t.name for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(_field(reader, "llama.vocab_size", len(tokens)))
+    if len(tokens) != vocab:
+        raise InvalidCheckpoint(f"GGUF: {len(tokens)} tokens in tokenizer.ggml.tokens, "
+                                f"llama.vocab_size says {vocab}", path=None,
+                                field="tokenizer.ggml.tokens", value=len(tokens), limit=vocab)
     return LlamaConfig(
         hidden_size=int(_field(reader, "llama.embedding_length")),
         intermediate_size=int(_field(reader, "llama.feed_forward_length")),
         num_hidden_layers=int(_field(reader, "llama.block_count")),
         num_attention_heads=int(_field(reader, "llama.attention.head_count")),
         num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv")),
-        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens))),
+        vocab_size=vocab,
         max_position_embeddings=int(_field(reader, "llama.context_length")),
         # GGUF stores these as float32: take the shortest decimal that rounds to it (1e-05,
         # not 9.9999997e-06), which is what the original config.json said.

@@ -43,7 +43,12 @@ def build_from_gguf(tokens: Sequence[str], merges: Sequence[str],
             raise InvalidCheckpoint(f"GGUF merges: entry {rank} {merge!r} is not two symbols",
                                     path=None, field="tokenizer.ggml.merges", value=merge, limit=2)
         pairs.append((parts[0], parts[1]))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    try:
+        model = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+    except Exception as exc:  # the library's own error, e.g. a merge naming an unknown symbol
+        raise InvalidCheckpoint(f"GGUF tokenizer: {exc}", path=None, field="tokenizer.ggml.merges",
+                                value=None, limit=None) from None
+    tok = Tokenizer(model)
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),

@@ -126,3 +126,26 @@ def test_tensor_shape_disagreeing_with_metadata_is_named(tmp_path, small):
     bad["model.layers.1.mlp.down_proj.weight"] = torch.zeros(config.hidden_size, config.intermediate_size - 2)
     with pytest.raises(InvalidCheckpoint, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*\(64, 126\).*\(64, 128\)"):
         import_gguf(write_gguf(tmp_path / "m.gguf", config, bad), tmp_path / "hf")
+
+
+def test_tokenizer_errors_are_typed():
+    from agent.replica.tokenizer import build_from_gguf
+
+    with pytest.raises(InvalidCheckpoint, match="duplicates"):
+        build_from_gguf(["a", "b", "a"], [])
+    with pytest.raises(InvalidCheckpoint, match="not two symbols"):
+        build_from_gguf(["a", "b", "ab"], ["a b c"])
+    with pytest.raises(InvalidCheckpoint, match="out of vocabulary") as e:
+        build_from_gguf(["a", "b", "ab"], ["a z"])
+    assert e.value.field == "tokenizer.ggml.merges"
+
+
+def test_cli_import_gguf(tmp_path, small, capsys):
+    from agent.cli import main
+
+    config, hf = small
+    path = write_gguf(tmp_path / "m.gguf", config, hf)
+    assert main(["model", "import-gguf", str(path), str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "out")
+    assert LlamaConfig.from_dir(tmp_path / "out").dtype == "bfloat16"
+    assert {t.dtype for t in load_hf_weights(tmp_path / "out").values()} == {torch.bfloat16}
