@@ -36,7 +36,7 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_gguf(path, config: LlamaConfig, hf: dict, arch: str = "llama"):
+def write_gguf(path, config: LlamaConfig, hf: dict, arch: str = "llama", vocab_size: int | None = None):
     tokens, merges, types = byte_vocab()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_hidden_layers)
@@ -47,7 +47,7 @@ def write_gguf(path, config: LlamaConfig, hf: dict, arch: str = "llama"):
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(config.rope_theta)
-    w.add_vocab_size(len(tokens))
+    w.add_vocab_size(len(tokens) if vocab_size is None else vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_merges(merges)
@@ -149,3 +149,11 @@ def test_cli_import_gguf(tmp_path, small, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path / "out")
     assert LlamaConfig.from_dir(tmp_path / "out").dtype == "bfloat16"
     assert {t.dtype for t in load_hf_weights(tmp_path / "out").values()} == {torch.bfloat16}
+
+
+def test_token_count_must_match_vocab_size(tmp_path, small):
+    config, hf = small
+    path = write_gguf(tmp_path / "m.gguf", config, hf, vocab_size=config.vocab_size + 1)
+    with pytest.raises(InvalidCheckpoint, match="llama.vocab_size") as e:
+        import_gguf(path, tmp_path / "hf")
+    assert (e.value.value, e.value.limit) == (config.vocab_size, config.vocab_size + 1)
