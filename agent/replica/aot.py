@@ -120,7 +120,9 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
     torch._inductor.aoti_compile_and_package(
         exported, package_path=str(partial),
         inductor_configs={"aot_inductor.package_constants_in_so": False,
-                          "aot_inductor.metadata": {"rewarm.target": target}})
+                          "aot_inductor.metadata": {"rewarm.target": target},
+                          # GPU kernels are autotuned here, at build time, never at boot.
+                          "max_autotune": device.startswith("cuda")})
     partial.replace(package)
     compile_s = time.perf_counter() - started - export_s
     constants = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
