@@ -145,3 +145,45 @@ def test_replay_plan_missing_trace_is_typed(tmp_path):
     with pytest.raises(InvalidTrace) as err:
         replay_plan(tmp_path / "nope.csv", replay_s=1, speedup=1)
     assert err.value.field == "path"
+
+
+class FakeAgent:
+    """What AgentCapacity uses of NodeAgent: restore, replicas, _replica_instance."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.replicas = {"r1": object()}
+
+    def restore(self, model):
+        if self.fail:
+            raise RuntimeError("zygote died")
+        return {"replica": "r1", "path": "restore"}
+
+    def _replica_instance(self, rec):
+        return ServiceInstance("rewarm-replica", "r1", "unix:/tmp/r1.sock", 0,
+                               tags=["model=m"],
+                               meta={"address": "unix:/tmp/r1.sock", "max_seqs": "8",
+                                     "active_seqs": "0", "kv_capacity_tokens": "4096",
+                                     "kv_used_tokens": "0"})
+
+
+def test_agent_capacity_returns_the_replica_at_once():
+    import asyncio
+
+    from agent.up import AgentCapacity
+
+    got = asyncio.run(AgentCapacity(FakeAgent()).request_restore("m"))
+    assert got.path == "snapshot_restore" and got.restore_ms >= 0
+    assert (got.replica.replica_id, got.replica.address, got.replica.kv_capacity_tokens) == \
+        ("r1", "/tmp/r1.sock", 4096)
+
+
+def test_agent_capacity_failure_is_no_capacity():
+    import asyncio
+
+    from agent.errors import NoCapacity
+    from agent.up import AgentCapacity
+
+    with pytest.raises(NoCapacity) as err:
+        asyncio.run(AgentCapacity(FakeAgent(fail=True)).request_restore("m"))
+    assert "zygote died" in str(err.value) and err.value.model == "m"
