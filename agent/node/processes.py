@@ -105,6 +105,14 @@ class WorkerProcess:
         return self.proc.poll() is None
 
 
+def device_env(device: str) -> dict[str, str]:
+    """``cuda:N`` → the worker sees only GPU N (as its cuda:0); ``cpu`` → it sees none."""
+    if device.startswith("cuda"):
+        _, _, index = device.partition(":")
+        return {"CUDA_VISIBLE_DEVICES": index or "0"}
+    return {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def _fsize_limit(limit_bytes: int | None):
     """preexec_fn capping the files a worker may write (RLIMIT_FSIZE), or None."""
     if limit_bytes is None:
@@ -187,7 +195,7 @@ class ProcessBackend:
     def zygote(self, device: str) -> ProcessZygote:
         worker = WorkerProcess(Path(self.run_dir), ["--zygote", "--buffer-mib", str(self.buffer_mib)],
                                ready_timeout_s=self.ready_timeout_s, threads=self.threads,
-                               fsize_limit_bytes=self.fsize_limit_bytes)
+                               env=device_env(device), fsize_limit_bytes=self.fsize_limit_bytes)
         return ProcessZygote(device, worker, self.request_timeout_s)
 
     def cold_boot(self, spec: ModelSpec, device: str, replica_id: str) -> ProcessReplica:
@@ -195,5 +203,6 @@ class ProcessBackend:
         if spec.release is not None:
             extra += ["--release", str(spec.release)]
         worker = WorkerProcess(Path(self.run_dir), extra, ready_timeout_s=self.ready_timeout_s,
-                               threads=self.threads, fsize_limit_bytes=self.fsize_limit_bytes)
+                               threads=self.threads, env=device_env(device),
+                               fsize_limit_bytes=self.fsize_limit_bytes)
         return ProcessReplica(replica_id, worker, self.request_timeout_s)

@@ -90,3 +90,11 @@ def test_process_replicas_end_to_end(tmp_path, tiny_dir, cuda_ffi, fake_libcuda_
         assert agent.replicas[third["replica"]].handle.generate(PROMPTS, 5, seed=1) == want
     finally:
         agent.close()
+
+
+def test_device_env_pins_one_gpu():
+    from agent.node.processes import device_env
+
+    assert device_env("cuda:3") == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert device_env("cuda") == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert device_env("cpu") == {"CUDA_VISIBLE_DEVICES": ""}
