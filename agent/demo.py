@@ -43,7 +43,7 @@ SAMPLE_S = 0.25
 # Keep-alive inputs shortened for the demo (the production defaults are the design document's
 # $2.80/GPU-hour, a 600 s rate window and a 30 s cooldown, which keep an idle replica minutes).
 DEMO_POLICY_TEXT = ("demo keep-alive: GPU cost 0.05/s, wait cost 0.01/s, restore 2 s, "
-                    "rate window 20 s, cooldown 3 s (production: 2.80/h, 600 s, 30 s); "
+                    "rate window 20 s, cooldown 10 s (production: 2.80/h, 600 s, 30 s); "
                     "at most 1 replica on this machine")
 
 
@@ -51,7 +51,7 @@ def demo_policy() -> dict[str, Any]:
     """:class:`~agent.predictor.loop.ModelPolicy` overrides that shorten the keep-alive."""
     from agent.predictor.keepalive import KeepAliveCosts
 
-    return {"scale_down_cooldown_s": 3.0, "rate_window_s": 20.0, "max_replicas": 1,
+    return {"scale_down_cooldown_s": 10.0, "rate_window_s": 20.0, "max_replicas": 1,
             "costs": KeepAliveCosts(gpu_cost_per_s=0.05, suspended_cost_per_s=0.0025,
                                     wait_cost_per_s=0.01, restore_s=2.0)}
 
@@ -374,7 +374,8 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
         print(text, flush=True)
 
     import logging   # one line per predictor tick would bury the demo's own lines
-    logging.getLogger("agent.predictor.loop").setLevel(logging.WARNING)
+    if logging.getLogger().getEffectiveLevel() >= logging.INFO:
+        logging.getLogger("agent.predictor.loop").setLevel(logging.WARNING)
 
     trace = trace_path(args)
     plan = replay_plan(trace, replay_s=args.replay_s, speedup=args.speedup)
@@ -383,7 +384,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
     _fresh_state(state)
     stack = Stack(state, model_dir, release, host=args.host, port=args.port,
                   threads=args.threads, predictor_overrides=demo_policy(),
-                  start_predictor=False, restores_per_model=1)
+                  start_predictor=False, restores_per_model=1, max_replicas=1)
     stack.start()
     sampler = Sampler(stack.agent)
     try:
@@ -423,7 +424,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
     example = tok.decode(probe_again.tokens) if tok is not None else str(probe_again.tokens)
     summary = summarise([first, probe_again, *outcomes], restores=restores, golden=golden,
                         gpu_seconds=sampler.replica_s,
-                        always_on_gpu_seconds=span_s * max(1, sampler.peak),
+                        always_on_gpu_seconds=span_s,
                         example_completion=(PROBE_TEXT + example) if tok is not None else example,
                         extra={"probe_match": probe_again.tokens == first.tokens,
                                "forward": forward_note, "trace": trace.name,

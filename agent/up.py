@@ -60,9 +60,9 @@ def register(subparsers) -> None:
     p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
     p.add_argument("--trace", metavar="PATH", help="--demo: Azure LLM trace CSV (default: "
                    "../shared/traces/azure_llm_2023_code.csv next to the repository)")
-    p.add_argument("--replay-s", type=float, default=75.0,
+    p.add_argument("--replay-s", type=float, default=80.0,
                    help="--demo: wall-clock seconds of trace replay")
-    p.add_argument("--speedup", type=float, default=2.0,
+    p.add_argument("--speedup", type=float, default=2.5,
                    help="--demo: trace seconds per wall-clock second")
     p.add_argument("--idle-timeout-s", type=float, default=180.0,
                    help="--demo: give up waiting for scale-to-zero after this long")
@@ -156,27 +156,48 @@ class AgentCapacity:
     the agent's ``restore`` answer (agent/node/agent.py ``ReplicaRecord.describe``), so the
     front door waits for the registry to show it, and meanwhile starts a second restore for
     the still-queued request (a second cold boot before any snapshot exists).  This returns the
-    replica's load at once, built from the registry entry the agent publishes."""
+    replica's load at once, built from the registry entry the agent publishes.
 
-    def __init__(self, agent) -> None:
-        self.agent = agent
+    ``max_replicas`` (None: no cap) caps the model's replicas on this node: at the cap no
+    restore starts; the answer is the existing replica once it is warm (path ``warm_hit``,
+    after ``wait_s`` so a queue that stays non-empty does not spin), so queued requests wait
+    for it instead of a second replica competing for the same cores."""
+
+    def __init__(self, agent, max_replicas: int | None = None, wait_s: float = 0.25) -> None:
+        self.agent, self.max_replicas, self.wait_s = agent, max_replicas, wait_s
+
+    def _live(self, model: str) -> list:
+        with self.agent._lock:
+            return [r for r in self.agent.replicas.values() if r.spec.name == model
+                    and r.lifecycle.state.value in ("cold", "restoring", "warm")]
+
+    def _load(self, rec):
+        from agent.frontdoor.router import ReplicaLoad
+
+        return ReplicaLoad.from_instance(UnixPathRegistry._strip(self.agent._replica_instance(rec)))
 
     async def request_restore(self, model: str):
         from agent.errors import NoCapacity
         from agent.frontdoor.capacity import NODE_PATHS, RestoreResult
-        from agent.frontdoor.router import ReplicaLoad
 
         loop = asyncio.get_running_loop()
         start = loop.time()
+        while self.max_replicas is not None and len(self._live(model)) >= self.max_replicas:
+            await asyncio.sleep(self.wait_s)
+            warm = [r for r in self._live(model) if r.lifecycle.state.value == "warm"]
+            if warm:
+                return RestoreResult(await asyncio.to_thread(self._load, warm[0]), "warm_hit",
+                                     (loop.time() - start) * 1000.0)
+            if loop.time() - start > 600.0:
+                raise NoCapacity(f"model {model!r}: at max_replicas={self.max_replicas} and "
+                                 "none warm within 600 s", model=model)
         try:
             desc = await asyncio.to_thread(self.agent.restore, model)
         except Exception as exc:   # noqa: BLE001 - every failure is "no capacity" to the door
             raise NoCapacity(f"model {model!r}: the node agent could not bring up a replica: "
                              f"{type(exc).__name__}: {exc}", model=model) from exc
-        rec = self.agent.replicas[desc["replica"]]
-        inst = UnixPathRegistry._strip(self.agent._replica_instance(rec))
-        return RestoreResult(ReplicaLoad.from_instance(inst),
-                             NODE_PATHS.get(desc.get("path"), "snapshot_restore"),
+        load = await asyncio.to_thread(self._load, self.agent.replicas[desc["replica"]])
+        return RestoreResult(load, NODE_PATHS.get(desc.get("path"), "snapshot_restore"),
                              (loop.time() - start) * 1000.0)
 
 
@@ -199,6 +220,7 @@ class Stack:
     predictor_tick_s: float = 1.0
     start_predictor: bool = True
     restores_per_model: int = 2
+    max_replicas: int | None = None
 
     def __post_init__(self) -> None:
         self.agent = self.frontdoor = self.predictor = None
@@ -269,7 +291,7 @@ class Stack:
             FrontDoorConfig(host=self.host, port=self.port, models={self.model: 60_000.0},
                             registry_poll_s=0.2, restores_per_model=self.restores_per_model),
             registry=UnixPathRegistry(self.agent.registrar.registry),
-            capacity=AgentCapacity(self.agent))
+            capacity=AgentCapacity(self.agent, self.max_replicas))
         fd_host, fd_port = await self.frontdoor.start()
         self.frontdoor_address = f"{fd_host}:{fd_port}"
         ready.set()

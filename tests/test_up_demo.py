@@ -138,7 +138,7 @@ def test_up_parser_defaults():
     register(parser.add_subparsers())
     args = parser.parse_args(["up", "--demo", "--json", "x.json"])
     assert args.demo and args.json == "x.json" and not args.no_aot
-    assert args.replay_s == 75.0 and args.speedup == 2.0
+    assert args.replay_s == 80.0 and args.speedup == 2.5
 
 
 def test_replay_plan_missing_trace_is_typed(tmp_path):
@@ -147,16 +147,26 @@ def test_replay_plan_missing_trace_is_typed(tmp_path):
     assert err.value.field == "path"
 
 
+class Rec:
+    def __init__(self, state: str) -> None:
+        import types
+        self.spec = types.SimpleNamespace(name="m")
+        self.lifecycle = types.SimpleNamespace(state=types.SimpleNamespace(value=state))
+
+
 class FakeAgent:
     """What AgentCapacity uses of NodeAgent: restore, replicas, _replica_instance."""
 
     def __init__(self, fail: bool = False) -> None:
+        import threading
         self.fail = fail
-        self.replicas = {"r1": object()}
+        self.replicas = {}
+        self._lock = threading.Lock()
 
     def restore(self, model):
         if self.fail:
             raise RuntimeError("zygote died")
+        self.replicas["r1"] = Rec("warm")
         return {"replica": "r1", "path": "restore"}
 
     def _replica_instance(self, rec):
@@ -187,3 +197,28 @@ def test_agent_capacity_failure_is_no_capacity():
     with pytest.raises(NoCapacity) as err:
         asyncio.run(AgentCapacity(FakeAgent(fail=True)).request_restore("m"))
     assert "zygote died" in str(err.value) and err.value.model == "m"
+
+
+def test_agent_capacity_at_the_cap_answers_with_the_warm_replica():
+    import asyncio
+
+    from agent.up import AgentCapacity
+
+    agent = FakeAgent()
+    agent.replicas["r1"] = Rec("restoring")
+
+    async def warm_later():
+        await asyncio.sleep(0.05)
+        agent.replicas["r1"] = Rec("warm")
+
+    async def main():
+        cap = AgentCapacity(agent, max_replicas=1, wait_s=0.01)
+        _, got = await asyncio.gather(warm_later(), cap.request_restore("m"))
+        return got
+
+    got = asyncio.run(main())
+    assert got.path == "warm_hit" and got.replica.replica_id == "r1"
+    agent.fail = True        # restore is never called at the cap
+    agent.replicas["r1"] = Rec("warm")
+    got = asyncio.run(AgentCapacity(agent, max_replicas=1, wait_s=0.01).request_restore("m"))
+    assert got.path == "warm_hit"
