@@ -123,6 +123,10 @@ def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
         packaged = aot.load_package(release, weights)
         max_seqs, max_seq_len = packaged.manifest["max_seqs"], packaged.manifest["max_seq_len"]
         forward, digest, package_dir, path = packaged, packaged.digest, str(packaged.path), "aot"
+    else:
+        # A KV slot longer than the model's context would be refused when the snapshot is
+        # restored (the restore checks engine sizes against the config): cap it here.
+        max_seq_len = min(max_seq_len, config.max_position_embeddings)
     # With a package the eager module is not built (building it on the meta device imports
     # torch._dynamo: seconds at every boot).
     engine = Engine(config, None if forward is not None else weights, max_seqs=max_seqs,
