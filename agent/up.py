@@ -124,32 +124,6 @@ def prepare_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
 
 # --- the stack ---------------------------------------------------------------------------------
 
-class UnixPathRegistry:
-    """Adapter: the node agent publishes a Unix-socket replica's meta ``address`` as
-    ``unix:PATH`` (agent/node/agent.py ``_replica_instance``) while the front door connects
-    to a bare socket path (agent/frontdoor/router.py ``ReplicaLoad.from_instance``,
-    server.py ``_connect``); ``healthy`` strips the prefix, everything else is delegated."""
-
-    def __init__(self, registry) -> None:
-        self._registry = registry
-
-    def __getattr__(self, name: str):
-        return getattr(self._registry, name)
-
-    def healthy(self, name: str, tag: str | None = None):
-        return [self._strip(inst) for inst in self._registry.healthy(name, tag)]
-
-    @staticmethod
-    def _strip(inst):
-        import dataclasses
-
-        address = inst.meta.get("address", "")
-        if address.startswith("unix:"):
-            inst = dataclasses.replace(inst, meta={**inst.meta, "address": address[5:]})
-        return inst
-
-
-
 class AgentCapacity:
     """Adapter: the front door's CapacityRequester over the in-process node agent.
 
@@ -175,7 +149,7 @@ class AgentCapacity:
     def _load(self, rec):
         from agent.frontdoor.router import ReplicaLoad
 
-        return ReplicaLoad.from_instance(UnixPathRegistry._strip(self.agent._replica_instance(rec)))
+        return ReplicaLoad.from_instance(self.agent._replica_instance(rec))
 
     async def request_restore(self, model: str):
         from agent.errors import NoCapacity
@@ -291,7 +265,7 @@ class Stack:
         self.frontdoor = FrontDoor(
             FrontDoorConfig(host=self.host, port=self.port, models={self.model: 60_000.0},
                             registry_poll_s=0.2, restores_per_model=self.restores_per_model),
-            registry=UnixPathRegistry(self.agent.registrar.registry),
+            registry=self.agent.registrar.registry,
             capacity=AgentCapacity(self.agent, self.max_replicas))
         fd_host, fd_port = await self.frontdoor.start()
         self.frontdoor_address = f"{fd_host}:{fd_port}"

@@ -13,7 +13,7 @@ from agent.cluster.local import LocalRegistry
 from agent.demo import (MAX_OUTPUT, MAX_PROMPT, Outcome, format_table, percentile, replay_plan,
                         scale_lengths, summarise)
 from agent.errors import ConfigError, InvalidTrace
-from agent.up import UnixPathRegistry, register
+from agent.up import register
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -117,20 +117,6 @@ def test_format_table_shows_paths_phases_and_lost():
     assert "1 passed, 0 failed" in text
     assert "identical after restore" in text
     assert "'Paris'" in text
-
-
-def test_unix_path_registry_strips_the_prefix_only():
-    reg = LocalRegistry()
-    reg.register(ServiceInstance("rewarm-replica", "a", "unix:/tmp/a.sock", 0,
-                                 meta={"address": "unix:/tmp/a.sock"}), ttl_s=60)
-    reg.register(ServiceInstance("rewarm-replica", "b", "10.0.0.1", 7000,
-                                 meta={"address": "10.0.0.1:7000"}), ttl_s=60)
-    got = {i.id: i.meta["address"] for i in UnixPathRegistry(reg).healthy("rewarm-replica")}
-    assert got == {"a": "/tmp/a.sock", "b": "10.0.0.1:7000"}
-    # the wrapped registry keeps its own view; other calls are delegated
-    assert reg.healthy("rewarm-replica")[0].meta["address"].startswith(("unix:", "10."))
-    UnixPathRegistry(reg).deregister("a")
-    assert [i.id for i in reg.healthy("rewarm-replica")] == ["b"]
 
 
 def test_up_parser_defaults():

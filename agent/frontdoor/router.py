@@ -51,6 +51,8 @@ class ReplicaLoad:
                                  f"{inst.meta.get(key)!r} is not an integer") from None
         # A replica on a Unix socket has port 0 and its path in meta "address".
         address = inst.meta.get("address") or f"{inst.address}:{inst.port}"
+        if address.startswith("unix:"):  # the node agent's and worker's spelling of a socket
+            address = address[len("unix:"):]
         return cls(inst.id, model, address, **values)
 
 

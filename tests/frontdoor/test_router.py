@@ -49,3 +49,14 @@ def test_from_instance_reads_tag_and_meta():
     inst.meta["max_seqs"] = "eight"
     with pytest.raises(ValueError, match="max_seqs"):
         ReplicaLoad.from_instance(inst)
+
+
+def test_from_instance_accepts_the_unix_prefix_the_node_agent_publishes():
+    meta = {"max_seqs": "8", "active_seqs": "0", "kv_capacity_tokens": "4096",
+            "kv_used_tokens": "0"}
+    inst = ServiceInstance("rewarm-replica", "r1", "unix:/run/r1.sock", 0, tags=["model=m"],
+                           meta={**meta, "address": "unix:/run/r1.sock"})
+    assert ReplicaLoad.from_instance(inst).address == "/run/r1.sock"
+    bare = ServiceInstance("rewarm-replica", "r2", "", 0, tags=["model=m"],
+                           meta={**meta, "address": "/run/r2.sock"})
+    assert ReplicaLoad.from_instance(bare).address == "/run/r2.sock"
