@@ -418,3 +418,35 @@ def _check_generate(message: dict[str, Any], limits: Limits) -> None:
     deadline = message.get("deadline_ms")
     if deadline is not None and not 0 < deadline <= limits.max_deadline_ms:
         raise _bad("deadline_ms", deadline, limits.max_deadline_ms, "must be within (0, limit]")
+
+
+def request(address: str, message: dict[str, Any], *, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Blocking one-request client shared by the CLI, the node agent, the predictor and tests.
+
+    ``address`` is ``host:port`` or ``unix:PATH``.  Sends ``message`` and returns every answer
+    up to and including the final one (type ``done``, ``error`` or ``result``).
+    Raises TimeoutError (after ``timeout_s`` without progress), ConnectionError (closed
+    before a final answer), ProtocolError for a malformed answer.
+    """
+    import socket
+
+    if address.startswith("unix:"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target: Any = address[len("unix:"):]
+    else:
+        host, _, port = address.rpartition(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        target = (host or "127.0.0.1", int(port))
+    sock.settimeout(timeout_s)
+    decoder, answers = Decoder(), []
+    with sock:
+        sock.connect(target)
+        sock.sendall(pack(message))
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError(f"{address} closed the connection before answering")
+            for answer in decoder.feed(data):
+                answers.append(answer)
+                if answer.get("type") in ("done", "error", "result"):
+                    return answers

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from pathlib import Path
 from typing import Any
 
 from agent.errors import ERROR_BY_CODE, ProtocolError, RewarmError
 from agent.node.agent import NodeAgent
-from agent.protocol import Decoder, error_message, pack, read_messages
+from agent.protocol import Decoder, error_message, pack, read_messages, request
 
 log = logging.getLogger(__name__)
 
@@ -142,29 +141,15 @@ def control_call(address: str, op: str, *, timeout_s: float = 600.0, **fields: A
     Raises ControlError (or the typed error for the wire code: 404 ModelNotFound, ...),
     ConnectionError, TimeoutError.
     """
-    if address.startswith("unix:"):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        target: Any = address[5:]
-    else:
-        host, _, port = address.rpartition(":")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        target = (host or "127.0.0.1", int(port))
-    sock.settimeout(timeout_s)
-    decoder = Decoder()
-    with sock:
-        sock.connect(target)
-        sock.sendall(pack({"op": op, "id": 1, **fields}))
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                raise ConnectionError(f"agent at {address} closed the connection before answering")
-            for answer in decoder.feed(data):
-                if answer.get("type") == "result":
-                    return answer["result"]
-                if answer.get("type") == "error":
-                    code, reason = answer.get("code"), answer.get("reason", "")
-                    cls = ERROR_BY_CODE.get(code)
-                    if cls is not None:
-                        raise cls(f"agent: {reason}", op=op, status=code, reason=reason)
-                    raise ControlError(f"agent: {op} failed ({code}): {reason}", op=op,
-                                       status=code, reason=reason)
+    answer = request(address, {"op": op, "id": 1, **fields}, timeout_s=timeout_s)[-1]
+    if answer.get("type") == "error":
+        code, reason = answer.get("code"), answer.get("reason", "")
+        cls = ERROR_BY_CODE.get(code)
+        if cls is not None:
+            raise cls(f"agent: {reason}", op=op, status=code, reason=reason)
+        raise ControlError(f"agent: {op} failed ({code}): {reason}", op=op,
+                           status=code, reason=reason)
+    if answer.get("type") != "result":
+        raise ControlError(f"agent: {op} answered {answer.get('type')!r}, expected a result",
+                           op=op, status=None, reason="unexpected answer")
+    return answer["result"]

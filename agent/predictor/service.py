@@ -134,27 +134,16 @@ def frontdoor_stats(address: str, *, timeout_s: float = 2.0,
     and ValueError (an error answer or a malformed one; ProtocolError is one). A front door
     without per-model counters gives an empty ``arrivals``.
     """
-    import socket
+    from agent.protocol import PROTOCOL_VERSION, request
 
-    from agent.protocol import PROTOCOL_VERSION, Decoder, pack
-
-    host, _, port = address.rpartition(":")
-    request = {"v": PROTOCOL_VERSION, "op": "stats", "id": 1}
+    message = {"v": PROTOCOL_VERSION, "op": "stats", "id": 1}
     if token:
-        request["token"] = token
-    decoder = Decoder()
-    with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s) as sock:
-        sock.sendall(pack(request))
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                raise ConnectionError(f"front door {address} closed before answering stats")
-            for answer in decoder.feed(data):
-                if answer.get("type") == "error":
-                    raise ValueError(f"front door {address}: stats refused: "
-                                     f"{answer.get('code')} {answer.get('reason')}")
-                if answer.get("type") == "result":
-                    return _parse_stats(address, answer.get("result") or {})
+        message["token"] = token
+    answer = request(address, message, timeout_s=timeout_s)[-1]
+    if answer.get("type") != "result":
+        raise ValueError(f"front door {address}: stats refused: "
+                         f"{answer.get('code')} {answer.get('reason')}")
+    return _parse_stats(address, answer.get("result") or {})
 
 
 def _count(v) -> bool:

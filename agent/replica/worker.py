@@ -377,28 +377,8 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
 
 
 def call(address: str, message: dict, *, timeout_s: float = 120.0) -> list[dict]:
-    """A blocking one-request client (tests, benchmarks, the node agent's probes): send
-    ``message`` to the worker at ``address`` and return every answer up to and including the
-    final one (``done``, ``error`` or ``result``).  Raises TimeoutError, ConnectionError."""
-    import socket
+    """A blocking one-request client (tests, benchmarks, the node agent's probes); see
+    :func:`agent.protocol.request`."""
+    from agent.protocol import request
 
-    if address.startswith("unix:"):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        target: Any = address[5:]
-    else:
-        host, _, port = address.rpartition(":")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        target = (host, int(port))
-    sock.settimeout(timeout_s)
-    decoder, answers = Decoder(), []
-    with sock:
-        sock.connect(target)
-        sock.sendall(pack(message))
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                raise ConnectionError(f"{address} closed the connection before answering")
-            for answer in decoder.feed(data):
-                answers.append(answer)
-                if answer.get("type") in ("done", "error", "result"):
-                    return answers
+    return request(address, message, timeout_s=timeout_s)
