@@ -124,66 +124,16 @@ def prepare_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
 
 # --- the stack ---------------------------------------------------------------------------------
 
-class AgentCapacity:
-    """Adapter: the front door's CapacityRequester over the in-process node agent.
-
-    :class:`~agent.frontdoor.capacity.NodeAgentCapacity` gets only the new replica's id from
-    the agent's ``restore`` answer (agent/node/agent.py ``ReplicaRecord.describe``), so the
-    front door waits for the registry to show it, and meanwhile starts a second restore for
-    the still-queued request (a second cold boot before any snapshot exists).  This returns the
-    replica's load at once, built from the registry entry the agent publishes.
-
-    ``max_replicas`` (None: no cap) caps the model's replicas on this node: at the cap no
-    restore starts; the answer is the existing replica once it is warm (path ``warm_hit``,
-    after ``wait_s`` so a queue that stays non-empty does not spin), so queued requests wait
-    for it instead of a second replica competing for the same cores."""
-
-    def __init__(self, agent, max_replicas: int | None = None, wait_s: float = 0.25) -> None:
-        self.agent, self.max_replicas, self.wait_s = agent, max_replicas, wait_s
-
-    def _live(self, model: str) -> list:
-        with self.agent._lock:
-            return [r for r in self.agent.replicas.values() if r.spec.name == model
-                    and r.lifecycle.state.value in ("cold", "restoring", "warm")]
-
-    def _load(self, rec):
-        from agent.frontdoor.router import ReplicaLoad
-
-        return ReplicaLoad.from_instance(self.agent._replica_instance(rec))
-
-    async def request_restore(self, model: str):
-        from agent.errors import NoCapacity
-        from agent.frontdoor.capacity import NODE_PATHS, RestoreResult
-
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        while self.max_replicas is not None and len(self._live(model)) >= self.max_replicas:
-            await asyncio.sleep(self.wait_s)
-            warm = [r for r in self._live(model) if r.lifecycle.state.value == "warm"]
-            if warm:
-                return RestoreResult(await asyncio.to_thread(self._load, warm[0]), "warm_hit",
-                                     (loop.time() - start) * 1000.0)
-            if loop.time() - start > 600.0:
-                raise NoCapacity(f"model {model!r}: at max_replicas={self.max_replicas} and "
-                                 "none warm within 600 s", model=model)
-        try:
-            desc = await asyncio.to_thread(self.agent.restore, model)
-        except Exception as exc:   # noqa: BLE001 - every failure is "no capacity" to the door
-            raise NoCapacity(f"model {model!r}: the node agent could not bring up a replica: "
-                             f"{type(exc).__name__}: {exc}", model=model) from exc
-        load = await asyncio.to_thread(self._load, self.agent.replicas[desc["replica"]])
-        return RestoreResult(load, NODE_PATHS.get(desc.get("path"), "snapshot_restore"),
-                             (loop.time() - start) * 1000.0)
-
-
 @dataclass
 class Stack:
     """Agent, control API, front door and predictor running on a background event loop.
 
     ``frontdoor_address``/``agent_address`` are ``HOST:PORT``; ``model`` is the served model's
     name.  ``predictor_overrides`` are :class:`~agent.predictor.loop.ModelPolicy` fields
-    (the demo shortens the keep-alive with them).  Start with :meth:`start`, end with
-    :meth:`close` (idempotent)."""
+    (the demo shortens the keep-alive with them).  ``max_replicas`` is the node agent's
+    ``max_replicas_per_model`` (None: no cap); the front door asks the agent for capacity
+    through its control API (:class:`~agent.frontdoor.capacity.NodeAgentCapacity`), as it would
+    a remote node.  Start with :meth:`start`, end with :meth:`close` (idempotent)."""
 
     state_dir: Path
     model_dir: Path
@@ -217,7 +167,8 @@ class Stack:
         backend = ProcessBackend(self.state_dir / "run", buffer_mib=size_mib + 64,
                                  threads=self.threads)
         self.agent = build_agent(self.state_dir, [Path(self.model_dir)], backend=backend,
-                                 release=self.release, node_id="up")
+                                 release=self.release, node_id="up",
+                                 max_replicas_per_model=self.max_replicas)
         self.model = ModelSpec(Path(self.model_dir)).name
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run_loop, args=(ready,), name="up-loop",
@@ -253,6 +204,7 @@ class Stack:
             self._loop.close()
 
     async def _serve(self, ready: threading.Event) -> None:
+        from agent.frontdoor.capacity import NodeAgentCapacity
         from agent.frontdoor.server import FrontDoor, FrontDoorConfig
         from agent.node.control import ControlServer
 
@@ -266,7 +218,7 @@ class Stack:
             FrontDoorConfig(host=self.host, port=self.port, models={self.model: 60_000.0},
                             registry_poll_s=0.2, restores_per_model=self.restores_per_model),
             registry=self.agent.registrar.registry,
-            capacity=AgentCapacity(self.agent, self.max_replicas))
+            capacity=NodeAgentCapacity(lambda model: [(host, int(port))], timeout_s=600.0))
         fd_host, fd_port = await self.frontdoor.start()
         self.frontdoor_address = f"{fd_host}:{fd_port}"
         ready.set()

@@ -8,8 +8,6 @@ import json
 
 import pytest
 
-from agent.cluster.base import ServiceInstance
-from agent.cluster.local import LocalRegistry
 from agent.demo import (MAX_OUTPUT, MAX_PROMPT, Outcome, format_table, percentile, replay_plan,
                         scale_lengths, summarise)
 from agent.errors import ConfigError, InvalidTrace
@@ -131,80 +129,3 @@ def test_replay_plan_missing_trace_is_typed(tmp_path):
     with pytest.raises(InvalidTrace) as err:
         replay_plan(tmp_path / "nope.csv", replay_s=1, speedup=1)
     assert err.value.field == "path"
-
-
-class Rec:
-    def __init__(self, state: str) -> None:
-        import types
-        self.spec = types.SimpleNamespace(name="m")
-        self.lifecycle = types.SimpleNamespace(state=types.SimpleNamespace(value=state))
-
-
-class FakeAgent:
-    """What AgentCapacity uses of NodeAgent: restore, replicas, _replica_instance."""
-
-    def __init__(self, fail: bool = False) -> None:
-        import threading
-        self.fail = fail
-        self.replicas = {}
-        self._lock = threading.Lock()
-
-    def restore(self, model):
-        if self.fail:
-            raise RuntimeError("zygote died")
-        self.replicas["r1"] = Rec("warm")
-        return {"replica": "r1", "path": "restore"}
-
-    def _replica_instance(self, rec):
-        return ServiceInstance("rewarm-replica", "r1", "unix:/tmp/r1.sock", 0,
-                               tags=["model=m"],
-                               meta={"address": "unix:/tmp/r1.sock", "max_seqs": "8",
-                                     "active_seqs": "0", "kv_capacity_tokens": "4096",
-                                     "kv_used_tokens": "0"})
-
-
-def test_agent_capacity_returns_the_replica_at_once():
-    import asyncio
-
-    from agent.up import AgentCapacity
-
-    got = asyncio.run(AgentCapacity(FakeAgent()).request_restore("m"))
-    assert got.path == "snapshot_restore" and got.restore_ms >= 0
-    assert (got.replica.replica_id, got.replica.address, got.replica.kv_capacity_tokens) == \
-        ("r1", "/tmp/r1.sock", 4096)
-
-
-def test_agent_capacity_failure_is_no_capacity():
-    import asyncio
-
-    from agent.errors import NoCapacity
-    from agent.up import AgentCapacity
-
-    with pytest.raises(NoCapacity) as err:
-        asyncio.run(AgentCapacity(FakeAgent(fail=True)).request_restore("m"))
-    assert "zygote died" in str(err.value) and err.value.model == "m"
-
-
-def test_agent_capacity_at_the_cap_answers_with_the_warm_replica():
-    import asyncio
-
-    from agent.up import AgentCapacity
-
-    agent = FakeAgent()
-    agent.replicas["r1"] = Rec("restoring")
-
-    async def warm_later():
-        await asyncio.sleep(0.05)
-        agent.replicas["r1"] = Rec("warm")
-
-    async def main():
-        cap = AgentCapacity(agent, max_replicas=1, wait_s=0.01)
-        _, got = await asyncio.gather(warm_later(), cap.request_restore("m"))
-        return got
-
-    got = asyncio.run(main())
-    assert got.path == "warm_hit" and got.replica.replica_id == "r1"
-    agent.fail = True        # restore is never called at the cap
-    agent.replicas["r1"] = Rec("warm")
-    got = asyncio.run(AgentCapacity(agent, max_replicas=1, wait_s=0.01).request_restore("m"))
-    assert got.path == "warm_hit"

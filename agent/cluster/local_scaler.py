@@ -8,7 +8,9 @@ module needs nothing from ``agent/node``. Ops used (``agent/node/control.py``): 
 ``suspend`` and ``drain`` (``replica``).
 
 Scale-up resumes suspended replicas first (the faster tier), then restores on the node with
-the fewest replicas. Scale-down releases the newest replicas: suspended when the
+the fewest replicas; a node at its replica cap answers with a replica it already has (path
+``warm``) and is not asked again in that call.  Replicas coming up (``cold``: a cold boot in
+progress, ``restoring``) count toward the target, so a slow cold boot is not doubled. Scale-down releases the newest replicas: suspended when the
 predictor's reason says ``release=suspend`` and the node can suspend, else drained. A
 node-agent refusal to drain the last replica (409, snapshot not durable) is re-raised as
 a retryable ClusterError; so is an unreachable agent.
@@ -25,7 +27,9 @@ from agent.errors import ClusterError, ConfigError, RewarmError
 log = logging.getLogger(__name__)
 
 AgentCall = Callable[..., dict]
-SERVING = ("restoring", "warm")
+UP = ("cold", "restoring", "warm")
+"""States that count toward a target: coming up (``cold``: a cold boot in progress; a node
+agent keeps no record in ``cold`` otherwise) or serving."""
 
 
 class LocalScaler:
@@ -61,7 +65,7 @@ class LocalScaler:
             raise ConfigError(f"LocalScaler: count={count} for {model}; limit is >= 0",
                               name="count", value=count, limit=0)
         reps = self._replicas(model)
-        serving = [(n, r) for n, r in reps if r.get("state") in SERVING]
+        serving = [(n, r) for n, r in reps if r.get("state") in UP]
         parked = [(n, r) for n, r in reps if r.get("state") == "suspended"]
         missing = count - len(serving)
         while missing > 0 and parked:
@@ -69,16 +73,25 @@ class LocalScaler:
             self._call(node, "resume", replica=r["replica"])
             self._parked.pop(r["replica"], None)
             missing -= 1
-        while missing > 0:
-            load = {n: 0 for n in self._agents}
+        full: set[str] = set()   # nodes at their replica cap (answered with a replica they had)
+        while missing > 0 and len(full) < len(self._agents):
+            load = {n: 0 for n in self._agents if n not in full}
             for n, _ in serving:
-                load[n] += 1
+                if n in load:
+                    load[n] += 1
             node = min(load, key=lambda n: (load[n], n))
             rep = self._call(node, "restore", model=model)
+            if rep.get("path") == "warm":
+                full.add(node)
+                continue
             serving.append((node, rep))
             missing -= 1
         suspend = "release=suspend" in reason
-        for node, r in reversed(serving[count:]):     # newest first
+        # Release the newest warm replicas; one still coming up is left to finish (it cannot
+        # be drained yet), and counts again at the next call.
+        warm = [(n, r) for n, r in serving if r.get("state") == "warm"]
+        extra = max(0, len(serving) - count)
+        for node, r in reversed(warm[len(warm) - min(extra, len(warm)):]):   # newest first
             if suspend:
                 try:
                     self._call(node, "suspend", replica=r["replica"])
@@ -107,9 +120,9 @@ class LocalScaler:
         return done
 
     def target(self, model: str) -> int:
-        """Serving (restoring or warm) replicas of ``model`` on the agents now."""
+        """Replicas of ``model`` coming up or warm (states :data:`UP`) on the agents now."""
         try:
-            return sum(1 for _, r in self._replicas(model) if r.get("state") in SERVING)
+            return sum(1 for _, r in self._replicas(model) if r.get("state") in UP)
         except ClusterError as exc:
             log.warning("local scaler: status failed: %s", exc)
             return self._targets.get(model, 0)

@@ -18,13 +18,13 @@ from typing import Callable, Protocol
 
 from agent.cluster.base import Scaler
 from agent.errors import ConfigError, NoCapacity
-from agent.frontdoor.router import ReplicaLoad
+from agent.frontdoor.router import META_KEYS, ReplicaLoad
 from agent.protocol import Decoder, pack
 
 PATHS = ("warm_hit", "suspended_resume", "snapshot_restore", "cold_boot")
 # The node agent's names for how a replica came up -> the telemetry path.
 NODE_PATHS = {"restore": "snapshot_restore", "staged_restore": "snapshot_restore",
-              "resume": "suspended_resume", "cold_boot": "cold_boot"}
+              "resume": "suspended_resume", "cold_boot": "cold_boot", "warm": "warm_hit"}
 AGENT_SERVICE = "rewarm-agent"
 
 
@@ -127,7 +127,7 @@ class NodeAgentCapacity:
                 if result.restore_ms is None:  # the node did not say: what the front door saw
                     result.restore_ms = (loop.time() - started) * 1000.0
                 return result
-            except (OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
+            except (OSError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
                 reasons.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
         raise NoCapacity(f"model {model!r}: no node could restore a replica "
                          f"({'; '.join(reasons) or 'no candidate nodes'})", model=model)
@@ -153,11 +153,23 @@ class NodeAgentCapacity:
 
 
 def _result(result: dict) -> RestoreResult:
-    """Read a node agent's ``restore`` answer: ``replica`` is either a map of
-    :class:`ReplicaLoad` fields (used at once) or the new replica's id (it is found through
-    the registry); ``path`` uses the node agent's names (:data:`NODE_PATHS`)."""
+    """Read a node agent's ``restore`` answer (agent/node/agent.py ``ReplicaRecord.describe``).
+
+    The replica is used at once when the answer carries its ``address`` and ``load`` (the
+    :data:`~agent.frontdoor.router.META_KEYS` ints), or when ``replica`` is itself a map of
+    :class:`ReplicaLoad` fields; otherwise it is found through the registry.  ``path`` uses
+    the node agent's names (:data:`NODE_PATHS`).  Raises KeyError/ValueError/TypeError on a
+    malformed answer."""
     rep = result.get("replica")
-    load = ReplicaLoad(**rep) if isinstance(rep, dict) else None
+    load = None
+    if isinstance(rep, dict):
+        load = ReplicaLoad(**rep)
+    elif isinstance(rep, str) and result.get("address") and isinstance(result.get("load"), dict):
+        address = str(result["address"])
+        if address.startswith("unix:"):
+            address = address[len("unix:"):]
+        values = {k: int(result["load"][k]) for k in META_KEYS}
+        load = ReplicaLoad(rep, str(result.get("model", "")), address, **values)
     path = result.get("path") or "snapshot_restore"
     return RestoreResult(load, NODE_PATHS.get(path, path if path in PATHS else
                                               "snapshot_restore"), result.get("restore_ms"))

@@ -65,6 +65,7 @@ class FrontDoorConfig:
     registry_wait_s: float = 5.0   # longest blocking query (Consul)
     restores_per_model: int = 2
     restores_overall: int = 8
+    at_capacity_backoff_s: float = 0.25  # a restore answered by an existing replica: ask again after
     limits: Limits = DEFAULT_LIMITS
     replica_limits: Limits = DEFAULT_LIMITS
     announce: bool = False         # register as rewarm-frontdoor (see announce.py)
@@ -113,6 +114,7 @@ class FrontDoor:
         self.conns: set[ClientConn] = set()
         self.known_models: set[str] = set(config.models)
         self.last_restore: dict[str, tuple[float, str, float | None]] = {}
+        self._capped_until: dict[str, float] = {}  # model -> clock time to ask for capacity again
         self.restore_times = RestoreTimes()
         self._deadline_ms = dict(config.models)  # model -> default deadline (ms)
         self.counts = {"requests": 0, "dispatched": 0, "done": 0, "errors": 0}
@@ -367,7 +369,7 @@ class FrontDoor:
         self.telemetry.queue_depth(model, len(queue))
 
     def _maybe_restore(self, model: str) -> None:
-        if self.capacity is None:
+        if self.capacity is None or self.clock.now() < self._capped_until.get(model, 0.0):
             return
         for _ in range(self.gate.wanted(model, len(self.queues[model]))):
             self.gate.started(model)
@@ -384,7 +386,7 @@ class FrontDoor:
             self.last_restore[model] = (now, result.path, result.restore_ms)
             self._restore_measured(model, result.restore_ms or (now - started) * 1000.0)
             if result.replica is not None:
-                self.router.upsert(result.replica)
+                self._upsert(result.replica)
                 self.known_models.add(model)
                 self._upserted[result.replica.replica_id] = self.clock.now()
         except Exception as exc:  # the requester's failure, whatever it is, ends this restore
@@ -398,7 +400,13 @@ class FrontDoor:
             return
         self._drain(model)
         if ok:
-            if queue:
+            if queue and result.path == "warm_hit":
+                # The node is at its replica cap and answered with a replica it already had:
+                # asking again at once would spin; queued requests go as it frees slots.
+                backoff_s = self.config.at_capacity_backoff_s
+                self._capped_until[model] = self.clock.now() + backoff_s
+                asyncio.get_running_loop().call_later(backoff_s, self._maybe_restore, model)
+            elif queue:
                 self._maybe_restore(model)
         elif not self.gate.in_flight.get(model) and not self.router.warm(model):
             for p in queue.drain():  # nothing can succeed now: say so promptly
@@ -472,6 +480,16 @@ class FrontDoor:
         """Read the registry now (startup, tests) and apply it."""
         self.apply_replicas(await asyncio.to_thread(self.registry.healthy, REPLICA_SERVICE))
 
+    def _upsert(self, load: ReplicaLoad) -> None:
+        """Put a reported load in the router, raised to at least what this front door has
+        dispatched to the replica and not yet seen answered (a report may predate them)."""
+        link = self.links.get(load.replica_id)
+        if link is not None:
+            ours = link.in_flight.values()
+            load.active_seqs = max(load.active_seqs, len(link.in_flight))
+            load.kv_used_tokens = max(load.kv_used_tokens, sum(r.need_tokens for r in ours))
+        self.router.upsert(load)
+
     def apply_replicas(self, instances: list[ServiceInstance]) -> None:
         """Replace the router's view with these passing replicas.  A replica's reported use
         is raised to at least what this front door has dispatched to it; one missing from
@@ -486,12 +504,7 @@ class FrontDoor:
                 continue
             seen.add(load.replica_id)
             self.known_models.add(load.model)
-            link = self.links.get(load.replica_id)
-            if link is not None:
-                ours = link.in_flight.values()
-                load.active_seqs = max(load.active_seqs, len(link.in_flight))
-                load.kv_used_tokens = max(load.kv_used_tokens, sum(r.need_tokens for r in ours))
-            self.router.upsert(load)
+            self._upsert(load)
         now = self.clock.now()
         grace_s = 3 * self.config.registry_poll_s
         for model in self.router.models():

@@ -32,8 +32,9 @@ from typing import Any, Callable, Protocol
 
 from agent.clock import Clock, SystemClock
 from agent.cluster.base import Registry, ServiceInstance
+from agent.frontdoor.router import META_KEYS
 from agent.errors import (ConfigError, CudaCheckpointError, DiskFull, GoldenMismatch,
-                          ModelNotFound, RewarmError, SnapshotCorrupt, SnapshotError,
+                          ModelNotFound, NoCapacity, RewarmError, SnapshotCorrupt, SnapshotError,
                           SnapshotIncompatible)
 from agent.node import capture as cap
 from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_id
@@ -48,6 +49,9 @@ from agent.snapshot.reader import read_manifest, verify_chunks
 from agent.snapshot.store import LocalStore
 
 log = logging.getLogger(__name__)
+
+LOAD_KEYS = META_KEYS
+"""A replica's load as its worker's ``stats`` reports it, in the front door's router's keys."""
 
 
 class SnapshotSummary(Protocol):
@@ -76,12 +80,18 @@ class AgentConfig:
     remote_root: Path | None = None
     control_address: str = "127.0.0.1"
     control_port: int = 0
+    max_replicas_per_model: int | None = None   # None: no cap on this node
+    replica_wait_poll_s: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("restore_timeout_s", "drain_timeout_s", "drain_poll_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0", name=name,
                                   value=getattr(self, name), limit=0)
+        if self.max_replicas_per_model is not None and self.max_replicas_per_model < 1:
+            raise ConfigError(f"max_replicas_per_model={self.max_replicas_per_model} must be "
+                              ">= 1 (or None for no cap)", name="max_replicas_per_model",
+                              value=self.max_replicas_per_model, limit=1)
         if self.zygotes_per_device < 0:
             raise ConfigError(f"zygotes_per_device={self.zygotes_per_device} must be >= 0",
                               name="zygotes_per_device", value=self.zygotes_per_device, limit=0)
@@ -97,12 +107,24 @@ class ReplicaRecord:
     path: str = ""                      # restore | staged_restore | cold_boot
     attempts: list[dict] = field(default_factory=list)
 
-    def describe(self) -> dict[str, Any]:
-        return {"replica": self.lifecycle.replica_id, "model": self.spec.name,
-                "version": self.spec.version, "device": self.device,
-                "state": self.lifecycle.state.value, "snapshot": self.snapshot_id,
-                "path": self.path, "address": self.handle.address if self.handle else None,
-                "attempts": self.attempts}
+    def describe(self, *, load: bool = False) -> dict[str, Any]:
+        """The replica as the control API reports it.  With ``load`` (and a running
+        handle) adds ``load``: its ``max_seqs``, ``active_seqs``, ``kv_capacity_tokens`` and
+        ``kv_used_tokens`` (ints, KV in tokens), so a front door can route to it at once
+        instead of waiting for the registry to show it."""
+        out = {"replica": self.lifecycle.replica_id, "model": self.spec.name,
+               "version": self.spec.version, "device": self.device,
+               "state": self.lifecycle.state.value, "snapshot": self.snapshot_id,
+               "path": self.path, "address": self.handle.address if self.handle else None,
+               "attempts": self.attempts}
+        if load and self.handle is not None:
+            try:
+                stats = self.handle.stats()
+            except (OSError, RewarmError, RuntimeError):
+                stats = {}
+            if all(k in stats for k in LOAD_KEYS):
+                out["load"] = {k: int(stats[k]) for k in LOAD_KEYS}
+        return out
 
 
 class _Failed(Exception):
@@ -201,15 +223,24 @@ class NodeAgent(SnapshotOps):
     def restore(self, model: str, device: str | None = None) -> dict[str, Any]:
         """Bring up one warm replica of ``model`` (ladder in the module docstring).
 
-        Returns the replica's description (``path``: restore | staged_restore | cold_boot,
-        ``attempts``: each failed step with its reason).  Raises ModelNotFound, ConfigError,
-        and what a cold boot raises when even that fails.
+        Returns the replica's description with its ``load`` (``path``: restore |
+        staged_restore | cold_boot, ``attempts``: each failed step with its reason).  When
+        the node already has ``max_replicas_per_model`` of the model coming up or warm, no
+        new one starts: the answer is the first of them to be warm, with ``path`` ``warm``
+        (a second replica on the same cores would only compete with the first).  Raises
+        ModelNotFound, ConfigError, NoCapacity (at the cap and none warm within
+        ``restore_timeout_s``), and what a cold boot raises when even that fails.
         """
         spec, device = self.spec(model), self._device(device)
         rid = new_replica_id(self.config.node_id)
         rec = ReplicaRecord(Lifecycle(rid, clock=self.clock), spec, device)
         with self._lock:
-            self.replicas[rid] = rec
+            if self._at_cap(model):
+                rec = None
+            else:
+                self.replicas[rid] = rec
+        if rec is None:
+            return self._wait_warm(model)
         self._record(rec)
         start = self.clock.now()
         try:
@@ -223,7 +254,37 @@ class NodeAgent(SnapshotOps):
             self.executor.submit(self.refill_pool)
         self.catalog.record_cold_start(spec.name, rec.path, "ok", self.clock.now() - start, rid)
         self._go_warm(rec)
-        return rec.describe()
+        return rec.describe(load=True)
+
+    def _at_cap(self, model: str) -> bool:
+        """Whether ``model`` has ``max_replicas_per_model`` replicas coming up or warm (call
+        with the lock held)."""
+        cap_n = self.config.max_replicas_per_model
+        if cap_n is None:
+            return False
+        up = (S.COLD, S.RESTORING, S.WARM)
+        return sum(1 for r in self.replicas.values()
+                   if r.spec.name == model and r.lifecycle.state in up) >= cap_n
+
+    def _wait_warm(self, model: str) -> dict[str, Any]:
+        """At the cap: the first of ``model``'s replicas to be warm, described with path
+        ``warm``; a fresh restore if they have all gone meanwhile."""
+        deadline = self.clock.now() + self.config.restore_timeout_s
+        while True:
+            with self._lock:
+                warm = [r for r in self.replicas.values()
+                        if r.spec.name == model and r.lifecycle.state is S.WARM]
+                at_cap = self._at_cap(model)
+            if warm:
+                return {**warm[0].describe(load=True), "path": "warm"}
+            if not at_cap:
+                return self.restore(model)
+            if self.clock.now() >= deadline:
+                raise NoCapacity(f"model {model!r}: node {self.config.node_id} is at "
+                                 f"max_replicas_per_model({self.config.max_replicas_per_model})"
+                                 f" and none became warm within restore_timeout_s"
+                                 f"({self.config.restore_timeout_s})", model=model)
+            self._sleep(self.config.replica_wait_poll_s)
 
     def _ladder(self, rec: ReplicaRecord) -> None:
         spec = rec.spec
@@ -548,5 +609,4 @@ class NodeAgent(SnapshotOps):
 
 
 def _load_meta(stats: dict[str, Any]) -> dict[str, str]:
-    keys = ("kv_capacity_tokens", "kv_used_tokens", "max_seqs", "active_seqs")
-    return {k: str(stats[k]) for k in keys if k in stats}
+    return {k: str(stats[k]) for k in LOAD_KEYS if k in stats}

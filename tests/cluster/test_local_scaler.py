@@ -110,3 +110,35 @@ def test_parked_replicas_stop_after_the_suspended_stage():
     clock.advance(0.1)
     assert s.expire_parked("m", 30.0) == ["a-2"]
     assert list(a.replicas) == ["a-1"]
+
+
+def test_a_replica_still_cold_booting_counts_and_is_not_drained():
+    a = FakeAgent("a")
+    a.replicas["a-boot"] = {"replica": "a-boot", "model": "m", "state": "cold"}
+    s = LocalScaler({"a": a})
+    assert s.target("m") == 1
+    s.set_target("m", 1, reason="up")
+    assert [op for op, _ in a.calls].count("restore") == 0      # not a second cold boot
+    s.set_target("m", 2, reason="up")
+    assert [op for op, _ in a.calls].count("restore") == 1
+    s.set_target("m", 0, reason="idle; release=stop")
+    # Only the warm one can go now; the booting one is released at a later call once warm.
+    assert list(a.replicas) == ["a-boot"]
+    a.replicas["a-boot"]["state"] = "warm"
+    s.set_target("m", 0, reason="idle; release=stop")
+    assert a.replicas == {}
+
+
+def test_a_node_at_its_cap_is_not_counted_twice():
+    a, b = FakeAgent("a"), FakeAgent("b")
+    original = a.__call__
+
+    def capped(op, **f):
+        if op == "restore" and a.replicas:            # a holds at most one replica
+            a.calls.append((op, f))
+            return {**next(iter(a.replicas.values())), "path": "warm"}
+        return original(op, **f)
+    s = LocalScaler({"a": capped, "b": b})
+    s.set_target("m", 3, reason="up")
+    assert (len(a.replicas), len(b.replicas)) == (1, 2)
+    assert s.target("m") == 3

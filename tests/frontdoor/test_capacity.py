@@ -120,3 +120,22 @@ def test_restore_p99_is_the_nearest_rank_over_a_window():
     assert times.p99_ms("m") == 100.0
     times.record("other", 7.0)
     assert times.p99_ms("other") == 7.0
+
+
+def test_a_node_answer_with_address_and_load_is_routable_at_once():
+    from agent.frontdoor.capacity import _result
+
+    r = _result({"replica": "up-r1", "model": "m", "address": "unix:/run/r1.sock",
+                 "path": "cold_boot", "load": {"max_seqs": 4, "active_seqs": 1,
+                                               "kv_capacity_tokens": 2048, "kv_used_tokens": 7}})
+    assert r.path == "cold_boot"
+    assert (r.replica.replica_id, r.replica.model, r.replica.address) == ("up-r1", "m",
+                                                                           "/run/r1.sock")
+    assert (r.replica.max_seqs, r.replica.active_seqs, r.replica.headroom_tokens) == (4, 1, 2041)
+    reused = _result({"replica": "up-r1", "model": "m", "address": "127.0.0.1:9",
+                      "path": "warm", "load": {"max_seqs": 4, "active_seqs": 4,
+                                               "kv_capacity_tokens": 2048, "kv_used_tokens": 0}})
+    assert reused.path == "warm_hit" and reused.replica.address == "127.0.0.1:9"
+    assert _result({"replica": "up-r2", "path": "restore"}).replica is None   # via registry
+    with pytest.raises(KeyError):
+        _result({"replica": "x", "model": "m", "address": "a:1", "load": {"max_seqs": 1}})

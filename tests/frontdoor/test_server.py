@@ -416,3 +416,39 @@ def test_measured_restore_p99_sets_default_deadlines_and_refuses_hopeless_waits(
         await c.close()
         await fd.stop()
     run(main())
+
+
+class AtCapCapacity:
+    """A node at its replica cap: every restore answers with the replica it already has."""
+
+    def __init__(self, stub):
+        self.stub, self.calls = stub, 0
+
+    async def request_restore(self, model):
+        from agent.frontdoor.router import ReplicaLoad
+        self.calls += 1
+        return RestoreResult(ReplicaLoad.from_instance(self.stub.instance()), "warm_hit", 1.0)
+
+
+def test_a_node_at_its_cap_is_asked_again_after_a_backoff_not_in_a_loop():
+    async def main():
+        # One replica with one slot held by a request it does not answer yet: the rest queue.
+        fd, stubs, host, port = await setup(stub={"max_seqs": 1, "hold": True},
+                                            at_capacity_backoff_s=0.2)
+        cap = AtCapCapacity(stubs[0])
+        fd.capacity = cap
+        c = await AsyncClient.connect(host, port)
+        first = asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1))
+        await asyncio.sleep(0.05)
+        queued = [asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1))
+                  for _ in range(3)]
+        await asyncio.sleep(1.0)
+        # ~1 s / 0.2 s backoff: a handful of asks, not thousands.
+        assert 1 <= cap.calls <= 8, cap.calls
+        assert len(stubs[0].received) == 1      # the re-reported replica's slot stays taken
+        stubs[0].hold = False
+        stubs[0].release()
+        assert [(await t).tokens for t in [first, *queued]] == [[1]] * 4
+        await c.close()
+        await fd.stop()
+    run(main())

@@ -255,3 +255,29 @@ def test_in_process_replica_cannot_be_suspended(make_agent):
         agent.suspend(info["replica"])
     assert "no CUDA checkpoint support" in str(err.value)
     agent.captures[agent.models["tiny"].key].result(timeout=120)
+
+
+def test_restore_answer_carries_the_load_and_the_cap_reuses_the_warm_replica(make_agent):
+    from agent.errors import NoCapacity
+    from agent.node.lifecycle import Lifecycle
+    from agent.node.agent import ReplicaRecord
+
+    agent = make_agent(max_replicas_per_model=1, restore_timeout_s=5.0)
+    first = agent.restore("tiny")
+    assert first["path"] == "cold_boot" and first["address"]
+    assert set(first["load"]) == {"max_seqs", "active_seqs", "kv_capacity_tokens",
+                                  "kv_used_tokens"}
+    assert first["load"]["kv_capacity_tokens"] > 0 and first["load"]["active_seqs"] == 0
+    again = agent.restore("tiny")
+    assert (again["replica"], again["path"]) == (first["replica"], "warm")
+    assert len(agent.replicas) == 1 and len(agent.backend.cold_boots) == 1
+    # At the cap with the only replica still coming up: wait for it, then give up typed.
+    agent.drain(first["replica"], force=True)
+    booting = ReplicaRecord(Lifecycle("n1-booting", clock=agent.clock), agent.models["tiny"], "cpu")
+    agent.replicas["n1-booting"] = booting
+    before = agent.clock.now()
+    with pytest.raises(NoCapacity, match="max_replicas_per_model"):
+        agent.restore("tiny")
+    assert agent.clock.now() - before >= 5.0
+    with pytest.raises(ConfigError, match="max_replicas_per_model"):
+        AgentConfig(node_id="x", max_replicas_per_model=0)
