@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import uuid
 from dataclasses import dataclass, field
 from typing import Any

@@ -14,7 +14,7 @@ serve only after their cold start.  We sweep cold-start time against buffer size
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
