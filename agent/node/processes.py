@@ -25,6 +25,7 @@ from agent.errors import GoldenMismatch, RewarmError
 from agent.node.backend import ModelSpec
 
 _seq = itertools.count(1)
+EXIT_GRACE_S = 10.0   # how long a worker that stopped answering may take to exit
 
 
 class WorkerError(RewarmError, RuntimeError):
@@ -54,9 +55,13 @@ class WorkerProcess:
         if threads:
             argv += ["--threads", str(threads)]
         with open(self.log_path, "ab") as log:
+            # Its own process group: a terminal's Ctrl-C reaches the agent only, which drains
+            # its replicas in order (in-flight requests finish); PDEATHSIG still ends the worker
+            # if the agent dies (agent/replica/worker.py die_with_parent).
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log,
                                          env={**os.environ, **(env or {})},
-                                         preexec_fn=_fsize_limit(fsize_limit_bytes))
+                                         preexec_fn=_fsize_limit(fsize_limit_bytes),
+                                         process_group=0)
         self.pid = self.proc.pid
         self.ready = self._wait_ready(ready_timeout_s)
         self.address = self.ready["ready"]
@@ -148,9 +153,20 @@ class ProcessReplica:
         return self.worker.alive()
 
     def in_flight(self) -> int:
+        """Sequences the worker is serving or holds waiting; 0 once it has exited.  Raises
+        ConnectionError/FileNotFoundError when its socket cannot be reached but the process
+        still runs ``EXIT_GRACE_S`` later (it is stuck, not exiting)."""
         if not self.worker.alive():
             return 0
-        st = self.stats()
+        try:
+            st = self.stats()
+        except (ConnectionError, FileNotFoundError) as exc:
+            # An exiting worker stops answering and removes its socket before it is gone.
+            try:
+                self.worker.proc.wait(timeout=EXIT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                raise exc from None
+            return 0
         return int(st.get("active_seqs", 0)) + int(st.get("waiting_seqs", 0))
 
     def capture(self, dest: Path) -> None:

@@ -88,6 +88,17 @@ def test_process_replicas_end_to_end(tmp_path, tiny_dir, cuda_ffi, fake_libcuda_
         assert third["attempts"] and third["attempts"][0]["path"] == "restore"
         assert third["path"] == "cold_boot"
         assert agent.replicas[third["replica"]].handle.generate(PROMPTS, 5, seed=1) == want
+
+        # Workers are in their own process group (a terminal's Ctrl-C reaches the agent only);
+        # one that exits on its own reads as 0 in flight, not as a missing socket.
+        exiting = agent.replicas[third["replica"]].handle
+        assert os.getpgid(exiting.pid) == exiting.pid != os.getpgid(0)
+        os.kill(exiting.pid, signal.SIGTERM)
+        seen = []
+        while exiting.alive() and len(seen) < 10_000:   # every read while it exits: no raise
+            seen.append(exiting.in_flight())
+        assert set(seen) <= {0} and not exiting.alive()
+        assert exiting.in_flight() == 0
     finally:
         agent.close()
 
