@@ -33,6 +33,7 @@ import torch
 
 from agent.errors import ConfigError, InvalidCheckpoint, TargetMismatch
 from agent.replica.config import LlamaConfig
+from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS  # noqa: F401 (re-exported)
 from agent.replica.targets import current_target
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,6 @@ log = logging.getLogger(__name__)
 PACKAGE_NAME = "model.pt2"
 MANIFEST_NAME = "package.json"
 PACKAGE_FORMAT = 1
-DEFAULT_MAX_SEQS = 8
-DEFAULT_MAX_SEQ_LEN = 512
 MAX_MANIFEST_BYTES = 16 << 20
 
 

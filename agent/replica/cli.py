@@ -95,7 +95,7 @@ def _replica(args: argparse.Namespace) -> int:
 
 
 def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
-    from agent.replica.aot import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS
+    from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS
 
     p = sub.add_parser("build", help="torch.export + AOTInductor: one package for this machine's target")
     p.add_argument("model_dir", help="HF-layout model directory (config.json, *.safetensors)")
