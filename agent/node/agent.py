@@ -22,8 +22,6 @@ keeps registrations and TTLs current.  Replica states move only through
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,10 +37,10 @@ from agent.errors import (ConfigError, CudaCheckpointError, DiskFull, GoldenMism
 from agent.node import capture as cap
 from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_id
 from agent.node.inventory import Inventory
-from agent.node.lifecycle import IllegalTransition, Lifecycle, ReplicaState as S
+from agent.node.lifecycle import Lifecycle, ReplicaState as S
 from agent.node.registration import Registrar
 from agent.node.snapshots import SnapshotOps
-from agent.node.suspend import ResumeFailed, Suspender, _bounded
+from agent.node.suspend import Suspender, SuspendOps, _bounded
 from agent.snapshot.catalog import Catalog, SnapshotRow
 from agent.snapshot.pins import check_pins
 from agent.snapshot.reader import read_manifest, verify_chunks
@@ -148,7 +146,7 @@ def _classify(exc: BaseException, snapshot: Path) -> str:
     return "stale"
 
 
-class NodeAgent(SnapshotOps):
+class NodeAgent(SnapshotOps, SuspendOps):
     """One per node. Thread-safe; blocking methods are called from the control server's threads."""
 
     def __init__(self, config: AgentConfig, *, models: list[ModelSpec], backend: Backend,
@@ -456,61 +454,6 @@ class NodeAgent(SnapshotOps):
                 log.warning("shutdown of %s: %s", rec.lifecycle.replica_id, exc)
         rec.lifecycle.move(S.DEAD, reason)
         self._record(rec)
-
-    def _need_suspender(self, rec: ReplicaRecord) -> tuple[Suspender, int]:
-        if self.suspender is None or rec.handle is None or rec.handle.pid is None:
-            raise ConfigError(
-                f"replica {rec.lifecycle.replica_id} cannot be suspended: "
-                + ("no CUDA checkpoint support configured" if self.suspender is None
-                   else "it has no process of its own"),
-                name="suspend", value=rec.lifecycle.replica_id, limit="GPU replica process")
-        return self.suspender, rec.handle.pid
-
-    def suspend(self, replica_id: str) -> dict[str, Any]:
-        """Park the replica's device memory in host RAM (lock + checkpoint); it stops serving.
-        Raises ConfigError (not suspendable), CudaCheckpointError (it keeps serving)."""
-        rec = self._rec(replica_id)
-        suspender, pid = self._need_suspender(rec)
-        if rec.lifecycle.state is not S.WARM:
-            raise IllegalTransition(
-                f"replica {replica_id} is {rec.lifecycle.state.value}; only a warm replica "
-                "can be suspended", replica=replica_id,
-                value=(rec.lifecycle.state.value, S.SUSPENDED.value), limit=[S.WARM.value])
-        self.registrar.drop(replica_id)
-        try:
-            times = suspender.suspend(pid)
-        except CudaCheckpointError:
-            self.registrar.want(self._replica_instance(rec))
-            raise
-        rec.lifecycle.move(S.SUSPENDED, "lock+checkpoint")
-        self._record(rec)
-        return {**rec.describe(), "steps_s": times.steps_s}
-
-    def resume(self, replica_id: str) -> dict[str, Any]:
-        """Restore + unlock.  A failed resume kills the process and restores the model from
-        its snapshot instead (the answer then describes the new replica)."""
-        rec = self._rec(replica_id)
-        suspender, pid = self._need_suspender(rec)
-        if rec.lifecycle.state is not S.SUSPENDED:
-            raise IllegalTransition(
-                f"replica {replica_id} is {rec.lifecycle.state.value}, not suspended",
-                replica=replica_id, value=(rec.lifecycle.state.value, S.WARM.value),
-                limit=[S.SUSPENDED.value])
-        try:
-            times = suspender.resume(pid)
-        except ResumeFailed as exc:
-            log.error("%s; killing pid %d and restoring from a snapshot", exc, pid)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            rec.lifecycle.move(S.DEAD, f"resume failed: {exc.name}")
-            self._record(rec)
-            return {**self.restore(rec.spec.name, rec.device), "resume_failed": str(exc)}
-        rec.lifecycle.move(S.WARM, "restore+unlock")
-        self._record(rec)
-        self.registrar.want(self._replica_instance(rec))
-        return {**rec.describe(), "steps_s": times.steps_s}
 
     # -- loop, status, registration ------------------------------------------------------------
     def tick(self) -> None:

@@ -16,13 +16,19 @@ Failures leave the process in a known, reported state:
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from agent.clock import Clock, SystemClock
 from agent.errors import ConfigError, CudaCheckpointError, DriverUnavailable
 from agent.node.cuda_checkpoint import CudaCheckpointDriver, ProcessState
+from agent.node.lifecycle import IllegalTransition, ReplicaState as S
+
+log = logging.getLogger("agent.node.agent")
 
 T = TypeVar("T")
 
@@ -135,3 +141,66 @@ def _bounded(fn: Callable[[], T], timeout_s: float, step: str) -> T:
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
     return box["value"]  # type: ignore[return-value]
+
+
+class SuspendOps:
+    """The node agent's ``suspend``/``resume`` ops over :class:`Suspender`.
+
+    A mixin of :class:`agent.node.agent.NodeAgent` (it uses the agent's ``suspender``,
+    ``registrar``, ``restore`` and replica records); kept apart so that agent.py holds the
+    restore ladder and capture."""
+
+    def _need_suspender(self, rec) -> tuple[Suspender, int]:
+        if self.suspender is None or rec.handle is None or rec.handle.pid is None:
+            raise ConfigError(
+                f"replica {rec.lifecycle.replica_id} cannot be suspended: "
+                + ("no CUDA checkpoint support configured" if self.suspender is None
+                   else "it has no process of its own"),
+                name="suspend", value=rec.lifecycle.replica_id, limit="GPU replica process")
+        return self.suspender, rec.handle.pid
+
+    def suspend(self, replica_id: str) -> dict[str, Any]:
+        """Park the replica's device memory in host RAM (lock + checkpoint); it stops serving.
+        Raises ConfigError (not suspendable), CudaCheckpointError (it keeps serving)."""
+        rec = self._rec(replica_id)
+        suspender, pid = self._need_suspender(rec)
+        if rec.lifecycle.state is not S.WARM:
+            raise IllegalTransition(
+                f"replica {replica_id} is {rec.lifecycle.state.value}; only a warm replica "
+                "can be suspended", replica=replica_id,
+                value=(rec.lifecycle.state.value, S.SUSPENDED.value), limit=[S.WARM.value])
+        self.registrar.drop(replica_id)
+        try:
+            times = suspender.suspend(pid)
+        except CudaCheckpointError:
+            self.registrar.want(self._replica_instance(rec))
+            raise
+        rec.lifecycle.move(S.SUSPENDED, "lock+checkpoint")
+        self._record(rec)
+        return {**rec.describe(), "steps_s": times.steps_s}
+
+    def resume(self, replica_id: str) -> dict[str, Any]:
+        """Restore + unlock.  A failed resume kills the process and restores the model from
+        its snapshot instead (the answer then describes the new replica)."""
+        rec = self._rec(replica_id)
+        suspender, pid = self._need_suspender(rec)
+        if rec.lifecycle.state is not S.SUSPENDED:
+            raise IllegalTransition(
+                f"replica {replica_id} is {rec.lifecycle.state.value}, not suspended",
+                replica=replica_id, value=(rec.lifecycle.state.value, S.WARM.value),
+                limit=[S.SUSPENDED.value])
+        try:
+            times = suspender.resume(pid)
+        except ResumeFailed as exc:
+            log.error("%s; killing pid %d and restoring from a snapshot", exc, pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            rec.lifecycle.move(S.DEAD, f"resume failed: {exc.name}")
+            self._record(rec)
+            return {**self.restore(rec.spec.name, rec.device), "resume_failed": str(exc)}
+        rec.lifecycle.move(S.WARM, "restore+unlock")
+        self._record(rec)
+        self.registrar.want(self._replica_instance(rec))
+        return {**rec.describe(), "steps_s": times.steps_s}
