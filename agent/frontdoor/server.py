@@ -113,6 +113,7 @@ class FrontDoor:
         self.conns: set[ClientConn] = set()
         self.known_models: set[str] = set(config.models)
         self.last_restore: dict[str, tuple[float, str, float | None]] = {}
+        self.came_up: dict[str, tuple[float, str, float | None]] = {}  # replica -> restore
         self._capped_until: dict[str, float] = {}  # model -> clock time to ask for capacity again
         self.restore_times = RestoreTimes()
         self._deadline_ms = dict(config.models)  # model -> default deadline (ms)
@@ -306,6 +307,7 @@ class FrontDoor:
         del link.in_flight[req.replica_rid]
         self.router.on_complete(link.replica_id, req.need_tokens)
         req.conn.in_flight -= 1
+        self._settle_path(req)
         ttft_ms = (req.ttft_s - req.arrival_s) * 1000.0
         if kind == "done":
             self.counts["done"] += 1
@@ -324,6 +326,14 @@ class FrontDoor:
                              now > req.deadline_s)
         if self.queues.get(req.model):
             self._drain(req.model)
+
+    def _settle_path(self, req: Request) -> None:
+        """A request that arrived before the replica serving it was brought up waited for that
+        restore: it takes the restore's path.  (The registry may show the new replica, and the
+        queue dispatch to it, before the restore's answer reaches this front door.)"""
+        came_up = self.came_up.get(req.replica_id)
+        if req.path == "warm_hit" and came_up is not None and req.arrival_s <= came_up[0]:
+            req.path, req.restore_ms = came_up[1], came_up[2]
 
     def replica_failed(self, link: ReplicaLink, reason: str) -> None:
         """The link broke: its requests get 503 and the replica leaves the view until the
@@ -386,6 +396,10 @@ class FrontDoor:
             self._restore_measured(model, result.restore_ms or (now - started) * 1000.0)
             if result.replica is not None:
                 self._upsert(result.replica)
+                if result.path != "warm_hit":
+                    self.came_up[result.replica.replica_id] = (now, result.path, result.restore_ms)
+                    while len(self.came_up) > 1024:       # oldest first out
+                        del self.came_up[next(iter(self.came_up))]
                 self.known_models.add(model)
                 self._upserted[result.replica.replica_id] = self.clock.now()
         except Exception as exc:  # the requester's failure, whatever it is, ends this restore

@@ -452,3 +452,41 @@ def test_a_node_at_its_cap_is_asked_again_after_a_backoff_not_in_a_loop():
         await c.close()
         await fd.stop()
     run(main())
+
+
+class RegistryFirstCapacity:
+    """A node agent that registers the new replica, then answers the restore late: the
+    registry shows the replica (and the queue is dispatched to it) before the answer.  The
+    replica holds its answers until the test releases them."""
+
+    def __init__(self, registry, answer_after_s):
+        self.registry, self.answer_after_s = registry, answer_after_s
+        self.stub = None
+
+    async def request_restore(self, model):
+        from agent.frontdoor.router import ReplicaLoad
+        self.stub = await StubReplica(model, "booted-1", hold=True).start()
+        self.registry.register(self.stub.instance(), 60)
+        await asyncio.sleep(self.answer_after_s)
+        return RestoreResult(ReplicaLoad.from_instance(self.stub.instance()), "cold_boot", 900.0)
+
+
+def test_a_request_dispatched_before_the_restore_answer_still_counts_as_that_restore():
+    async def main():
+        fd, _, host, port = await setup(replicas=0, registry_poll_s=0.02)
+        cap = fd.capacity = RegistryFirstCapacity(fd.registry, answer_after_s=0.3)
+        c = await AsyncClient.connect(host, port)
+        first = asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1))
+        await asyncio.sleep(0.2)
+        assert len(cap.stub.received) == 1                 # dispatched through the registry
+        await asyncio.sleep(0.3)                           # the restore's answer is in
+        cap.stub.hold = False
+        cap.stub.release()
+        first = await first
+        assert first.done["path"] == "cold_boot"           # it waited for the cold boot
+        later = await c.generate("m", tokens=[1], max_tokens=1)
+        assert later.done["path"] == "warm_hit"            # arrived once the replica was up
+        assert later.done["replica"] == first.done["replica"] == "booted-1"
+        await c.close()
+        await fd.stop()
+    run(main())
