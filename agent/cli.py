@@ -11,6 +11,8 @@ import importlib
 import logging
 import sys
 
+from agent.errors import RewarmError
+
 # One place where every subcommand group is registered.
 COMMAND_MODULES = (
     "agent.snapshot.cli",    # rewarm snapshot ..., rewarm import
@@ -46,7 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = args.func(args)
+    try:
+        result = args.func(args)
+    except (RewarmError, OSError) as exc:
+        # A typed error names the thing, the value and the limit: say it, without a traceback
+        # (--log-level DEBUG shows where it came from).
+        logging.getLogger("agent.cli").debug("command failed", exc_info=True)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
     return int(result or 0)
 
 

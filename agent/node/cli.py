@@ -60,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--remote", default=None, help="remote snapshot tier (shared path)")
     p.add_argument("--capacity-gib", type=float, default=64.0, help="local tier capacity")
     p.add_argument("--zygotes", type=int, default=1, help="zygotes kept per device")
+    p.add_argument("--max-replicas-per-model", type=int, default=None, metavar="N",
+                   help="at N replicas of a model, a restore answers with a warm one instead "
+                        "of starting another (default: no cap)")
     p.add_argument("--backend", choices=["process", "inproc"], default="process")
     p.add_argument("--buffer-mib", type=int, default=1024, help="restore buffer per zygote")
     p.add_argument("--threads", type=int, default=None, help="torch threads per replica")

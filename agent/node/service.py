@@ -109,7 +109,8 @@ def run_agent(args: argparse.Namespace) -> int:
                         remote_root=Path(args.remote) if args.remote else None,
                         capacity_bytes=int(args.capacity_gib * (1 << 30)), node_id=args.node_id,
                         release=Path(args.release) if args.release else None, listen=args.listen,
-                        zygotes_per_device=args.zygotes, suspender=_suspender())
+                        zygotes_per_device=args.zygotes, suspender=_suspender(),
+                        max_replicas_per_model=args.max_replicas_per_model)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -1,4 +1,5 @@
-"""The command line's parser is cheap: building it (every ``--help``) imports no torch."""
+"""The command line: building the parser (every ``--help``) imports no torch; a typed error
+is one line on stderr and exit status 2, never a traceback."""
 
 import subprocess
 import sys
@@ -12,3 +13,12 @@ def test_building_the_parser_imports_no_torch():
                          check=True).stdout.split()
     assert {"up", "build", "replica", "snapshot"} <= set(out[0].split(","))
     assert out[1] == "False"
+
+
+def test_a_typed_error_is_one_line_and_exit_2(tmp_path, capsys):
+    from agent.cli import main
+
+    assert main(["snapshot", "verify", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nope" in err and "Traceback" not in err
+    assert err.count("\n") == 1
