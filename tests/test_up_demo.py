@@ -148,3 +148,10 @@ def test_a_port_in_use_is_a_config_error_naming_it_before_any_preparation():
         check_port("203.0.113.7", 7400)          # not an address of this machine
     assert err.value.value == "203.0.113.7:7400"
     check_port("127.0.0.1", 0)                    # any free port: nothing to check
+
+
+def test_json_without_demo_is_refused(capsys):
+    from agent.cli import main
+
+    assert main(["up", "--json", "out.json"]) == 2
+    assert "--json" in capsys.readouterr().err and not __import__("os").path.exists("out.json")

@@ -290,10 +290,12 @@ class Predictor:
         decision = Decision(p.model, now, actual, forecast, level, desired, previous,
                             st.target if st.target is not None else 0, action, reason,
                             plan, idle_s)
-        log.info("predictor %s: %s %d->%d (%s) actual=%s forecast=%.3f level=%.3f desired=%d "
-                 "keepalive warm=%.1fs stop=%.1fs idle=%.1fs", p.model, action, previous,
-                 decision.target, reason, actual, forecast, level, desired, plan.warm_s,
-                 plan.stop_s, idle_s)
+        # A tick that changes nothing is DEBUG: an idle fleet would log every second otherwise.
+        log.log(logging.INFO if decision.target != previous else logging.DEBUG,
+                "predictor %s: %s %d->%d (%s) actual=%s forecast=%.3f level=%.3f desired=%d "
+                "keepalive warm=%.1fs stop=%.1fs idle=%.1fs", p.model, action, previous,
+                decision.target, reason, actual, forecast, level, desired, plan.warm_s,
+                plan.stop_s, idle_s)
         if act and self._catalog is not None and window_start_s is not None:
             self._catalog.record_forecast(p.model, window_start_s, forecast, actual,
                                           decision.target)
