@@ -52,6 +52,14 @@ from agent.snapshot.format import MANIFEST_NAME, Pins  # noqa: E402
 from agent.snapshot.manifest import encode_manifest, read_manifest  # noqa: E402
 from agent.snapshot.store import LocalStore  # noqa: E402
 
+# Every fault, in the order they run (``--faults`` picks a subset by these names).
+FAULT_NAMES = ("consul_down_at_start", "flipped_byte_in_chunk", "truncated_data_file",
+               "manifest_digest_wrong",
+               *(f"pin_mismatch_{f.name}" for f in dataclasses.fields(Pins)),
+               "golden_tokens_mismatch", "kill9_during_capture", "disk_full_during_capture",
+               "remote_unavailable_during_staging", "consul_down_mid_run",
+               "zygote_killed_mid_restore")
+
 PROMPTS = [[1, 40, 31, 179, 28], [50, 34, 28, 46, 30], [12, 34, 56, 78]]  # < 256: any vocab here
 MAX_TOKENS, SEED = 6, 7
 
@@ -271,6 +279,7 @@ class Matrix:
                 ("remote_unavailable_during_staging", self.remote_unavailable),
                 ("consul_down_mid_run", self.consul_mid_run),
                 ("zygote_killed_mid_restore", self.zygote_killed)]
+        assert tuple(n for n, _ in out) == FAULT_NAMES[1:], "FAULT_NAMES is out of date"
         return out
 
     def _partial_seen(self, timeout_s: float) -> bool:
@@ -391,9 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", default=None, help="default: the imported SmolLM2-135M")
     parser.add_argument("--preset", default=None, help="a synthetic model instead (tiny, small)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
-    parser.add_argument("--faults", default=None, help="comma-separated subset of fault names")
+    parser.add_argument("--faults", default=None,
+                        help="comma-separated subset of: " + ", ".join(FAULT_NAMES))
     parser.add_argument("--work", default=str(REPO / "var" / "bench" / "fault_matrix"))
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.faults.split(",")) - set(FAULT_NAMES)) if args.faults else []
+    if unknown:
+        parser.error(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULT_NAMES)}")
     logging.basicConfig(level=logging.CRITICAL)   # the faults log errors on purpose
 
     work = Path(args.work)

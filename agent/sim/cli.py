@@ -53,9 +53,11 @@ def _table(result: dict) -> str:
     for p in result["policies"]:
         d = result["doc"].get(p["name"], {})
         q99 = p["ttft_ms"]["queued"]["p99"]
+        basis = p.get("cost_per_1000_requests_doc_basis")   # only where the document has a row
+        basis = "-" if basis is None or math.isnan(basis) else f"{basis:.3f}"
         rows.append(
             f"{p['name']:<20} | {p['gpu_hours_per_day']:7.1f} ({d.get('gpu_hours_per_day', '-'):>3}) | "
-            f"{p['cost_per_1000_requests']:.3f} ({p.get('cost_per_1000_requests_doc_basis', math.nan):.3f};"
+            f"{p['cost_per_1000_requests']:.3f} ({basis};"
             f" doc {d.get('cost_per_1000_requests', '-')}) | {100 * p['sla_compliance']:.3f} "
             f"({100 * d['sla_compliance'] if d else '-'}) | {p['shed']} | {p['expired']} | "
             f"{'-' if q99 is None else f'{q99:.0f}'}")
