@@ -60,6 +60,9 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=None,
                    help=f"front door port (default {DEFAULT_PORT}, rewarm generate's default; "
                         "with --demo: any free port; 0: any free port)")
+    p.add_argument("--agent-listen", default=None, metavar="HOST:PORT",
+                   help="node agent control API (default 127.0.0.1:7733, where rewarm agent "
+                        "commands look; with --demo: any free port)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per replica")
     p.add_argument("--demo", action="store_true", help="run the demonstration and exit")
     p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
@@ -156,6 +159,7 @@ class Stack:
     start_predictor: bool = True
     restores_per_model: int = 2
     max_replicas: int | None = None
+    agent_listen: str = "127.0.0.1:0"
 
     def __post_init__(self) -> None:
         self.agent = self.frontdoor = self.predictor = None
@@ -189,7 +193,7 @@ class Stack:
             failure = self._failure
             self.close()
             if failure is not None:
-                raise _serve_error(failure, self.host, self.port) from failure
+                raise failure
             raise RuntimeError(f"rewarm up: services not listening within {timeout_s} s")
         agent_loop = threading.Thread(target=self.agent.run, args=(self._stop, 0.5),
                                       name="agent-loop", daemon=True)
@@ -225,8 +229,12 @@ class Stack:
         from agent.node.control import ControlServer
 
         self._stop_async = asyncio.Event()
-        control = ControlServer(self.agent, "127.0.0.1:0")
-        self.agent_address = await control.start()
+        control = ControlServer(self.agent, self.agent_listen)
+        agent_host, _, agent_port = self.agent_listen.rpartition(":")
+        try:
+            self.agent_address = await control.start()
+        except OSError as exc:
+            raise _serve_error(exc, agent_host, int(agent_port), "node agent control API") from exc
         host, _, port = self.agent_address.rpartition(":")
         self.agent.agent_instance.address, self.agent.agent_instance.port = host, int(port)
         self.agent.registrar.want(self.agent.agent_instance)
@@ -235,7 +243,11 @@ class Stack:
                             registry_poll_s=0.2, restores_per_model=self.restores_per_model),
             registry=self.agent.registrar.registry,
             capacity=NodeAgentCapacity(lambda model: [(host, int(port))], timeout_s=600.0))
-        fd_host, fd_port = await self.frontdoor.start()
+        try:
+            fd_host, fd_port = await self.frontdoor.start()
+        except OSError as exc:
+            await control.close()
+            raise _serve_error(exc, self.host, self.port) from exc
         self.frontdoor_address = f"{fd_host}:{fd_port}"
         ready.set()
         try:
@@ -320,7 +332,7 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _serve_error(exc: Exception, host: str, port: int) -> Exception:
+def _serve_error(exc: Exception, host: str, port: int, what: str = "front door") -> Exception:
     """The error ``rewarm up`` reports when its services cannot start: an address that cannot
     be bound is a ConfigError naming it (and, when in use, what to do); anything else is
     returned as it is."""
@@ -329,17 +341,18 @@ def _serve_error(exc: Exception, host: str, port: int) -> Exception:
     from agent.errors import ConfigError
 
     if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
-        return ConfigError(f"front door cannot listen on {host}:{port}: address already in use "
-                           "(another rewarm up?); stop it or pass --port (0: any free port)",
+        flag = "--port" if what == "front door" else "--agent-listen"
+        return ConfigError(f"{what} cannot listen on {host}:{port}: address already in use "
+                           f"(another rewarm up?); stop it or pass {flag} (port 0: any free port)",
                            name="port", value=port, limit="a free port")
     if isinstance(exc, OSError):
-        return ConfigError(f"front door cannot listen on {host}:{port}: "
+        return ConfigError(f"{what} cannot listen on {host}:{port}: "
                            f"{exc.strerror or exc}", name="host:port", value=f"{host}:{port}",
                            limit="an address of this machine and a port it may bind")
     return exc
 
 
-def check_port(host: str, port: int) -> None:
+def check_port(host: str, port: int, what: str = "front door") -> None:
     """Raise :class:`~agent.errors.ConfigError` now when ``host:port`` cannot be bound (before
     minutes of model preparation); port 0 always passes."""
     import socket
@@ -351,12 +364,12 @@ def check_port(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise _serve_error(exc, host, port) from exc
+            raise _serve_error(exc, host, port, what) from exc
 
 
 def run_up(args: argparse.Namespace) -> int:
     """``rewarm up [--demo]``: prepare the model, start the stack, serve or run the demo."""
-    from agent.errors import RewarmError
+    from agent.errors import ConfigError, RewarmError
 
     if args.json and not args.demo:
         print("error: --json writes the demo's numbers; it needs --demo", file=sys.stderr)
@@ -368,8 +381,16 @@ def run_up(args: argparse.Namespace) -> int:
     stack = None
     if args.port is None:
         args.port = 0 if args.demo else DEFAULT_PORT
+    if args.agent_listen is None:
+        from agent.node.cli import DEFAULT_AGENT
+        args.agent_listen = "127.0.0.1:0" if args.demo else DEFAULT_AGENT
     try:
         check_port(args.host, args.port)   # said before minutes of preparation, as is
+        agent_host, _, agent_port = args.agent_listen.rpartition(":")
+        if not agent_port.isdigit():
+            raise ConfigError(f"--agent-listen {args.agent_listen!r} is not HOST:PORT",
+                              name="agent_listen", value=args.agent_listen, limit="HOST:PORT")
+        check_port(agent_host, int(agent_port), what="node agent control API")
         if args.demo:   # a missing or bad trace
             from agent import demo
             demo.replay_plan(demo.trace_path(args), replay_s=args.replay_s, speedup=args.speedup)
@@ -378,7 +399,7 @@ def run_up(args: argparse.Namespace) -> int:
             from agent import demo
             return demo.run_demo(args, model_dir, release, forward_note)
         stack = Stack(state, model_dir, release, host=args.host, port=args.port,
-                      threads=args.threads).start()
+                      threads=args.threads, agent_listen=args.agent_listen).start()
         print(f"rewarm up: model {stack.model} ({forward_note}); front door listening on "
               f"{stack.frontdoor_address} (clients: rewarm generate --address "
               f"{stack.frontdoor_address} --model {stack.model} \"...\"); node agent control "

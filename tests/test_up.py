@@ -103,7 +103,8 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model):
     state = tmp_path / "state"
     proc = subprocess.Popen(
         [sys.executable, "-m", "agent.cli", "up", "--model-dir", str(tiny_model), "--no-aot",
-         "--port", "0", "--state-dir", str(state)], cwd=REPO, stdout=subprocess.PIPE,
+         "--port", "0", "--agent-listen", "127.0.0.1:0", "--state-dir", str(state)], cwd=REPO,
+        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     try:
         address = None

@@ -142,6 +142,8 @@ def test_a_port_in_use_is_a_config_error_naming_it_before_any_preparation():
         port = held.getsockname()[1]
         with pytest.raises(ConfigError) as err:
             check_port("127.0.0.1", port)
+        with pytest.raises(ConfigError, match="node agent control API .* --agent-listen"):
+            check_port("127.0.0.1", port, what="node agent control API")
     assert err.value.value == port and f"127.0.0.1:{port}" in str(err.value)
     assert "--port" in str(err.value)
     with pytest.raises(ConfigError) as err:
