@@ -147,19 +147,25 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     """Restore a captured replica from ``snapshot`` (into ``buffer`` when given, e.g. a
     zygote's).  Binds the AOT package the snapshot names (``release`` overrides where to look;
     a package that is missing or built for another target falls back to eager, which the golden
-    check still guards).  Raises what restore_snapshot raises (SnapshotIncompatible,
+    check still guards).  Raises SnapshotIncompatible before reading any data when the snapshot
+    is not a captured replica snapshot (:func:`check_replica_manifest`: e.g. a weights-only
+    ``rewarm import``), what restore_snapshot raises (SnapshotIncompatible,
     SnapshotCorrupt, ...), InvalidCheckpoint (package digest differs) and GoldenMismatch."""
     from agent.errors import TargetMismatch
     from agent.replica.golden import verify_golden
+    from agent.snapshot.manifest import read_manifest
     from agent.snapshot.reader import restore_snapshot
 
     phases: dict[str, float] = {}
     t = time.perf_counter()
+    # Refuse what is not a captured replica snapshot (e.g. `rewarm import`'s weights-only
+    # snapshots) before any data is read into the buffer.
+    check_replica_manifest(read_manifest(snapshot), snapshot)
     restored = restore_snapshot(snapshot, buffer=buffer, verify=verify, threads=threads)
     phases["weights_s"] = time.perf_counter() - t
-    extra = restored.manifest.extra
+    extra = check_replica_manifest(restored.manifest, snapshot)  # the manifest actually read
     config = LlamaConfig.from_dict(extra["model_config"], path=snapshot)
-    engine_cfg = check_engine_config(extra.get("engine"), config, snapshot)
+    engine_cfg = check_engine_config(extra["engine"], config, snapshot)
     t = time.perf_counter()
     forward, digest, package_dir = None, None, None
     ref = extra.get("aot_package")
@@ -181,6 +187,53 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     phases["golden_s"] = time.perf_counter() - t
     return Loaded(config, restored.tensors, engine, restored.manifest.model, golden, path, digest,
                   package_dir, extra.get("tokenizer_dir"), phases, keepalive=restored.buffer)
+
+
+REPLICA_EXTRA_KEYS = ("model_config", "engine")
+"""Manifest ``extra`` keys every captured replica snapshot carries (see :func:`capture`)."""
+
+
+def check_replica_manifest(manifest: Manifest, where: Any) -> dict[str, Any]:
+    """Check that ``manifest`` is a captured replica snapshot and return its ``extra``.
+
+    A captured snapshot carries ``model_config``, ``engine`` and a golden check; its
+    ``aot_package`` is absent/None or ``{"digest": str, "dir": str}``; its ``tokenizer_dir`` is
+    absent/None or a string.  A weights-only snapshot (``rewarm import``: HF-layout tensors,
+    ``extra`` = ``config`` + ``source_files``, no golden check) is not one: nothing proves its
+    tokens right, so it must not serve.  Raises SnapshotIncompatible naming the snapshot, the
+    missing or malformed keys (``missing``; ``mismatches``: ``{key: (found, expected)}``).
+    """
+    from agent.errors import SnapshotIncompatible
+
+    extra = manifest.extra if isinstance(manifest.extra, dict) else {}
+    missing = [k for k in REPLICA_EXTRA_KEYS if extra.get(k) is None]
+    if manifest.golden is None:
+        missing.append("golden")
+    if missing:
+        kind = ("a weights-only snapshot made by `rewarm import`, "
+                if "source_files" in extra and "model_config" not in extra else "")
+        raise SnapshotIncompatible(
+            f"{where}: {kind}not a captured replica snapshot: the manifest lacks "
+            f"{', '.join(missing)} (its extra keys: {', '.join(sorted(map(str, extra))) or 'none'}). "
+            f"A replica restores only snapshots captured from a warmed replica (the node agent's, "
+            f"or the capture op of `rewarm replica --model-dir MODEL_DIR`); to serve these "
+            f"weights, boot their checkpoint with `rewarm replica --model-dir MODEL_DIR`",
+            path=where, missing=missing, mismatches={k: (None, "present") for k in missing})
+    bad: dict[str, tuple[Any, str]] = {}
+    if not isinstance(extra["model_config"], dict):
+        bad["model_config"] = (type(extra["model_config"]).__name__, "map")
+    ref = extra.get("aot_package")
+    if ref is not None and not (isinstance(ref, dict) and isinstance(ref.get("digest"), str)
+                                and isinstance(ref.get("dir"), str)):
+        bad["aot_package"] = (ref, "None or {digest: str, dir: str}")
+    tok = extra.get("tokenizer_dir")
+    if tok is not None and not isinstance(tok, str):
+        bad["tokenizer_dir"] = (tok, "None or str")
+    if bad:
+        detail = "; ".join(f"{k}={v!r:.80} (expected {want})" for k, (v, want) in bad.items())
+        raise SnapshotIncompatible(f"{where}: malformed replica manifest: {detail}",
+                                   path=where, missing=[], mismatches=bad)
+    return extra
 
 
 def check_engine_config(engine: Any, config: LlamaConfig, where: Any = None) -> dict[str, int]:
