@@ -45,7 +45,8 @@ def _import(args) -> int:
     from agent.snapshot.safetensors_import import import_hf
     m = import_hf(args.hf_dir, args.snapshot_dir, key=_key(args), name=args.name, version=args.version)
     print(f"{args.snapshot_dir}: {m.model.name} {m.model.version}, {len(m.tensors)} tensors, "
-          f"{m.total_bytes} bytes ({m.model.source_digest})")
+          f"{m.total_bytes} bytes ({m.model.source_digest}); weights only: replicas do not "
+          f"restore it (serve with `rewarm replica --model-dir {args.hf_dir}`)")
     return 0
 
 
@@ -72,7 +73,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         else:
             p.add_argument("--threads", type=int, default=2)
         p.set_defaults(func=_guard(func))
-    imp = subparsers.add_parser("import", help="import an HF-layout checkpoint as a snapshot")
+    imp = subparsers.add_parser(
+        "import", help="store an HF-layout checkpoint as a weights-only snapshot (not restorable "
+                       "by a replica)",
+        description="Store config.json + *.safetensors as a weights-only snapshot: HF-layout "
+                    "tensors, no golden check, for storage and restore-throughput measurements. "
+                    "A replica refuses to restore it; replicas restore snapshots captured from a "
+                    "warmed replica (the node agent's). To serve the weights: rewarm replica "
+                    "--model-dir HF_DIR.")
     imp.add_argument("hf_dir", type=Path)
     imp.add_argument("snapshot_dir", type=Path)
     imp.add_argument("--name")

@@ -150,6 +150,11 @@ def import_hf(hf_dir: Path | str, dest: Path | str, *, key: bytes | None = None,
     ``version`` (default: the first 12 hex digits of the digest), ``source_digest`` =
     "sha256:" + SHA-256 over config.json and each safetensors file (names and bytes, sorted).
     The config is stored in ``extra["config"]``.  Raises InvalidCheckpoint.
+
+    The result is a weights-only snapshot (HF-layout tensors, no golden check unless
+    ``golden`` is given, no engine or model configuration in the replica's form): for storage
+    and restore throughput.  A replica refuses to restore it (zygote.check_replica_manifest);
+    replicas restore snapshots captured from a warmed replica (zygote.capture).
     """
     from agent.snapshot.writer import write_snapshot
     hf_dir = Path(hf_dir)
