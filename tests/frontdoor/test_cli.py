@@ -51,6 +51,67 @@ def test_frontdoor_process_serves_generate_and_writes_events(stub_port, tmp_path
     assert codes == ["200", "404"]
 
 
-def test_frontdoor_refuses_an_open_bind_without_tokens():
-    with pytest.raises(Exception, match="without tokens"):
-        rewarm(["frontdoor", "--host", "0.0.0.0", "--port", "0"])
+def test_frontdoor_refuses_an_open_bind_without_tokens(capsys):
+    assert rewarm(["frontdoor", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "without tokens" in capsys.readouterr().err
+
+
+def _byte_level_tokenizer():
+    """A small byte-level BPE: every byte is a token, plus a few merges for common words."""
+    from tokenizers import pre_tokenizers
+
+    from agent.replica.tokenizer import build_from_gguf
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = ["Ġ P", "ĠP a", "ĠPa r", "ĠPar i", "ĠPari s", "Ġ C", "ĠC a", "ĠCa f"]
+    tokens = alphabet + ["".join(m.split()) for m in merges]
+    return build_from_gguf(tokens, merges)
+
+
+def test_generate_prints_the_decoded_text_with_no_added_spaces(monkeypatch, capsys):
+    import agent.client
+
+    tok = _byte_level_tokenizer()
+    text = " Paris.\n Café 日本!"
+    ids = tok.encode(text).ids
+    assert len(ids) > 6 and tok.decode(ids) == text
+    # Multi-byte characters span several tokens, each decoding to U+FFFD on its own.
+    assert "\ufffd" in "".join(tok.decode([i]) for i in ids)
+
+    class FakeClient:   # what a replica sends: each chunk decoded alone, then the whole text
+        def __init__(self, host, port, **kw):
+            pass
+
+        def stream(self, model, prompt, **kw):
+            for i in ids:
+                yield {"type": "tokens", "tokens": [i], "text": tok.decode([i])}
+            yield {"type": "done", "ttft_ms": 1.0, "total_ms": 2.0, "path": "warm_hit",
+                   "replica": "r1", "n_tokens": len(ids), "text": tok.decode(ids)}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(agent.client, "Client", FakeClient)
+    assert rewarm(["generate", "--model", "m", "--address", "127.0.0.1:1", "The capital"]) == 0
+    out = capsys.readouterr().out
+    assert out == tok.decode(ids) + "\n"
+
+
+def test_text_stream_writes_ascii_as_it_arrives_and_ids_with_spaces():
+    import io
+
+    from agent.frontdoor.cli import TextStream
+
+    buf = io.StringIO()
+    stream = TextStream(buf)
+    stream.tokens({"tokens": [1], "text": "The"})
+    stream.tokens({"tokens": [2], "text": " capital"})
+    assert buf.getvalue() == "The capital"          # streamed, nothing invented
+    stream.done({"text": "The capital"})
+    assert buf.getvalue() == "The capital"
+    ids = io.StringIO()
+    stream = TextStream(ids)
+    stream.tokens({"tokens": [0, 1]})
+    stream.tokens({"tokens": [2]})
+    stream.done({})
+    assert ids.getvalue() == "0 1 2"
