@@ -123,6 +123,47 @@ def _serve(args) -> int:
     return 0
 
 
+class TextStream:
+    """Writes a generation to ``out`` as it streams, adding no characters of its own.
+
+    A ``tokens`` message's ``text`` is that chunk decoded on its own, so chunks simply
+    concatenate (byte-level BPE keeps each token's leading space).  A character whose UTF-8
+    bytes span tokens decodes as U+FFFD in each part; text from the first U+FFFD on is held
+    back and the ``done`` message's ``text`` (the whole generation decoded at once) supplies
+    the rest.  Without text (a token-id prompt, a model with no tokenizer) the ids are written
+    separated by spaces.
+    """
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.written = ""     # text written so far (a prefix of the final text)
+        self.received = ""    # every chunk's text, concatenated
+        self._ids = False     # ids written (no text in the stream)
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+
+    def tokens(self, msg: dict) -> None:
+        if "text" not in msg:
+            self._write((" " if self._ids else "") + " ".join(map(str, msg["tokens"])))
+            self._ids = True
+            return
+        self.received += msg["text"]
+        safe = self.received.split("\ufffd", 1)[0]
+        if len(safe) > len(self.written):
+            self._write(safe[len(self.written):])
+            self.written = safe
+
+    def done(self, msg: dict) -> None:
+        final = msg.get("text")
+        if final is None or not final.startswith(self.written):
+            final = self.received
+        self._write(final[len(self.written):])
+        self.written = final
+
+
 def _generate(args) -> int:
     from agent.client import Client, discover
 
@@ -138,12 +179,14 @@ def _generate(args) -> int:
     client = Client(*address, token=args.token)
     try:
         done = {}
+        out = TextStream(sys.stdout)
         for msg in client.stream(args.model, args.prompt, max_tokens=args.max_tokens,
                                  seed=args.seed, deadline_ms=args.deadline_ms):
             if msg["type"] == "tokens":
-                print(msg.get("text") or " ".join(map(str, msg["tokens"])), end=" ", flush=True)
+                out.tokens(msg)
             else:
                 done = msg
+        out.done(done)
         print()
         print(f"[ttft {done.get('ttft_ms', 0):.1f} ms, total {done.get('total_ms', 0):.1f} ms, "
               f"path {done.get('path')}, replica {done.get('replica')}]", file=sys.stderr)
