@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from agent.errors import RewarmError
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         result = args.func(args)
+    except BrokenPipeError:
+        # The reader went away (``rewarm agent status | head``): stop quietly, as other tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (RewarmError, OSError) as exc:
         # A typed error names the thing, the value and the limit: say it, without a traceback
         # (--log-level DEBUG shows where it came from).
