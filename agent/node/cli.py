@@ -16,6 +16,13 @@ import sys
 from agent.errors import RewarmError
 
 DEFAULT_AGENT = "127.0.0.1:7733"
+"""The node agent's default control address: ``rewarm agent run`` and ``rewarm up`` listen
+here, and every client of it (``rewarm agent ...``, ``rewarm predictor``) looks here."""
+
+
+def default_agent() -> str:
+    """Where clients look for the node agent: ``$REWARM_AGENT`` when set, else DEFAULT_AGENT."""
+    return os.environ.get("REWARM_AGENT") or DEFAULT_AGENT
 
 
 def _client(op: str, **fields):
@@ -45,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     def client(name: str, help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
-        p.add_argument("--agent", default=os.environ.get("REWARM_AGENT", DEFAULT_AGENT),
+        p.add_argument("--agent", default=default_agent(),
                        help="the agent's control address, HOST:PORT or unix:PATH")
         p.add_argument("--timeout-s", type=float, default=600.0)
         return p
@@ -96,7 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             ("verify", "snapshot_verify", "re-read every chunk of a local copy", "snapshot"),
             ("evict", "snapshot_evict", "remove a local copy", "snapshot")):
         p = ssub.add_parser(name, help=help_)
-        p.add_argument("--agent", default=os.environ.get("REWARM_AGENT", DEFAULT_AGENT))
+        p.add_argument("--agent", default=default_agent())
         p.add_argument("--timeout-s", type=float, default=600.0)
         if positional:
             p.add_argument(positional)

@@ -2,7 +2,8 @@
 
 Front doors are given with ``--frontdoor HOST:PORT`` or found in Consul
 (``rewarm-frontdoor``); the scaler is the node agents' control API (``--scaler local
---node-agent HOST:PORT``) or Nomad (``--scaler nomad``; NOMAD_* variables honoured). With
+--node-agent HOST:PORT``; default ``$REWARM_AGENT`` or 127.0.0.1:7733, where ``rewarm agent
+run`` listens) or Nomad (``--scaler nomad``; NOMAD_* variables honoured). With
 Consul, only the holder of the ``rewarm/predictor/leader`` lock acts. ``--ticks N`` runs N
 steps and prints each decision as a JSON line (for scripts and tests).
 """
@@ -24,7 +25,9 @@ def register(subparsers) -> None:
     p.add_argument("--registry", choices=("local", "consul"), default="local")
     p.add_argument("--consul", metavar="HOST:PORT", help="Consul agent (CONSUL_HTTP_ADDR)")
     p.add_argument("--scaler", choices=("local", "nomad"), default="local")
-    p.add_argument("--node-agent", action="append", default=[], metavar="HOST:PORT")
+    p.add_argument("--node-agent", action="append", default=[], metavar="HOST:PORT",
+                   help="node agent control API (repeatable; default $REWARM_AGENT or "
+                        "127.0.0.1:7733)")
     p.add_argument("--frontdoor", action="append", default=[], metavar="HOST:PORT")
     p.add_argument("--catalog", help="SQLite catalog for forecast rows (agent/snapshot)")
     p.add_argument("--lead-time-s", type=float, default=15.0)
@@ -56,6 +59,14 @@ def parse_model(spec: str) -> tuple[str, int, int]:
         pass
     raise ConfigError(f"--model {spec!r}: expected NAME or NAME:MIN:MAX", name="model",
                       value=spec, limit="NAME[:MIN:MAX]")
+
+
+def node_agents(args) -> list[str]:
+    """``--node-agent`` addresses, else ``$REWARM_AGENT``, else the node agent's default
+    control address (``rewarm agent run`` and ``rewarm up`` listen there)."""
+    from agent.node.cli import default_agent
+
+    return list(args.node_agent) or [default_agent()]
 
 
 def build(args, clock):
@@ -99,7 +110,7 @@ def build(args, clock):
         from agent.node.control import control_call
 
         scaler = LocalScaler({a: functools.partial(control_call, a, timeout_s=600.0)
-                              for a in args.node_agent or ["127.0.0.1:7070"]}, clock=clock)
+                              for a in node_agents(args)}, clock=clock)
     catalog = None
     if args.catalog:
         from agent.snapshot.catalog import Catalog
