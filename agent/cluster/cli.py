@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from agent.argtypes import positive_int
 from agent.cluster.jobs import REPLICA_TEMPLATE, render_replica_job
 
 
@@ -14,7 +15,7 @@ def register(subparsers) -> None:
     sub = jobs.add_subparsers(dest="jobs_command", required=True)
     render = sub.add_parser("render", help="render the per-model replica job as API JSON")
     render.add_argument("--model", required=True)
-    render.add_argument("--max-replicas", type=int, default=8)
+    render.add_argument("--max-replicas", type=positive_int, default=8)
     render.add_argument("--template", type=Path, default=REPLICA_TEMPLATE)
     render.set_defaults(func=_render)
 

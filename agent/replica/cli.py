@@ -10,6 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
+from agent.argtypes import listen_address, positive_int
+
 
 def _import_gguf(args: argparse.Namespace) -> int:
     from agent.replica.gguf_import import import_gguf
@@ -58,7 +60,7 @@ def _register_model(sub: argparse._SubParsersAction) -> None:
     p = msub.add_parser("make-synthetic", help="write deterministic seeded weights")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "13b-shaped"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scale", type=int, default=1, help="13b-shaped: divide hidden/MLP/vocab (1 or 5)")
+    p.add_argument("--scale", type=positive_int, default=1, help="13b-shaped: divide hidden/MLP/vocab (1 or 5)")
     p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
     p.add_argument("out_dir")
     p.set_defaults(func=_make_synthetic)
@@ -66,7 +68,7 @@ def _register_model(sub: argparse._SubParsersAction) -> None:
     p = msub.add_parser("generate", help="eager greedy (or seeded) generation, for a quick check")
     p.add_argument("model_dir")
     p.add_argument("prompt")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=positive_int, default=16)
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=_generate)
 
@@ -100,20 +102,20 @@ def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="torch.export + AOTInductor: one package for this machine's target")
     p.add_argument("model_dir", help="HF-layout model directory (config.json, *.safetensors)")
     p.add_argument("--out", required=True, help="release directory; the package goes to OUT/<target>/")
-    p.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS, help="KV slots (largest batch)")
-    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="tokens per KV slot")
+    p.add_argument("--max-seqs", type=positive_int, default=DEFAULT_MAX_SEQS, help="KV slots (largest batch)")
+    p.add_argument("--max-seq-len", type=positive_int, default=DEFAULT_MAX_SEQ_LEN, help="tokens per KV slot")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.set_defaults(func=_build)
 
     p = sub.add_parser("replica", help="run one replica (or a zygote) speaking msgpack")
-    p.add_argument("--listen", required=True, help="HOST:PORT (port 0: any free port) or unix:PATH")
+    p.add_argument("--listen", required=True, type=listen_address, help="HOST:PORT (port 0: any free port) or unix:PATH")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--model-dir", help="full boot from HF-layout safetensors")
     mode.add_argument("--snapshot", help="restore a captured snapshot into this fresh process")
     mode.add_argument("--zygote", action="store_true", help="start empty; wait for a restore op")
     p.add_argument("--release", help="release directory of AOT packages (rewarm build --out)")
     p.add_argument("--compile", action="store_true", help="with --model-dir: torch.compile just in time")
-    p.add_argument("--buffer-mib", type=int, default=1024, help="zygote restore buffer size")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (all cores)")
+    p.add_argument("--buffer-mib", type=positive_int, default=1024, help="zygote restore buffer size")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (all cores)")
     p.add_argument("--replica-id", default=None)
     p.set_defaults(func=_replica)

@@ -15,6 +15,8 @@ import logging
 import math
 from pathlib import Path
 
+from agent.argtypes import positive_float
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="simulate fleet policy, capacity and cost",
@@ -25,10 +27,10 @@ def register(subparsers) -> None:
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument("--plot", type=Path, help="draw a PNG here")
     p.add_argument("--startup-json", type=Path, help="start-up seconds per tier (bench JSON)")
-    p.add_argument("--hours", type=float, default=24.0, help="cost: simulated hours (24)")
+    p.add_argument("--hours", type=positive_float, default=24.0, help="cost: simulated hours (24)")
     p.add_argument("--cold-starts", default=None,
                    help="spike: comma-separated cold-start seconds (restore,26,60,120,180,260,336)")
-    p.add_argument("--speedup", type=float, default=1.0, help="trace: time compression")
+    p.add_argument("--speedup", type=positive_float, default=1.0, help="trace: time compression")
     p.add_argument("--background-rps", type=float, default=0.0,
                    help="trace: steady background traffic of other tenants (req/s)")
     p.add_argument("--policy", action="append", help="only these policies (repeatable)")

@@ -1,0 +1,33 @@
+"""The command line's argparse types: each limit at and just past its value."""
+
+import argparse
+
+import pytest
+
+from agent.argtypes import host_port, listen_address, nonneg_int, port, positive_float, positive_int
+
+
+@pytest.mark.parametrize("fn, good, bad", [
+    (positive_int, ["1", "64"], ["0", "-3", "1.5", "x"]),
+    (nonneg_int, ["0", "7"], ["-1", "nan"]),
+    (positive_float, ["0.001", "3"], ["0", "-1", "nan", "inf", "x"]),
+    (port, ["0", "65535"], ["65536", "99999", "-1", "p"]),
+    (host_port, ["127.0.0.1:0", "[::1]:7400", "h:65535"], ["127.0.0.1", ":80", "h:65536", "h:x"]),
+    (listen_address, ["unix:/tmp/a.sock", "0.0.0.0:1"], ["unix:", "garbage", "h:99999"]),
+])
+def test_limits_at_and_past_their_values(fn, good, bad):
+    for text in good:
+        assert str(fn(text)) == text or fn(text) == type(fn(text))(text)
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError) as err:
+            fn(text)
+        assert text in str(err.value) or "unix:" in str(err.value)
+
+
+def test_a_bad_value_is_a_usage_error_not_a_traceback(capsys):
+    from agent.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["replica", "--listen", "h:99999", "--zygote"])
+    assert exit_.value.code == 2
+    assert "99999" in capsys.readouterr().err
