@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from agent.clock import Clock, SystemClock
-from agent.errors import SnapshotError, SnapshotNotFound
+from agent.errors import ConfigError, SnapshotError, SnapshotNotFound
 
 STATUSES = ("pending", "ready", "corrupt", "stale")
 STATUS_MOVES: dict[str, frozenset[str]] = {
@@ -109,14 +109,19 @@ class Catalog:
 
     def __init__(self, path: str | Path, clock: Clock | None = None) -> None:
         self.clock = clock or SystemClock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()
-        with self._lock:
-            if str(path) != ":memory:":
-                self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(SCHEMA)
+        try:
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            with self._lock:
+                if str(path) != ":memory:":
+                    self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA foreign_keys=ON")
+                self._db.executescript(SCHEMA)
+        except sqlite3.Error as exc:
+            raise ConfigError(f"catalog {path}: cannot open it as an SQLite database: {exc}",
+                              name="catalog", value=str(path),
+                              limit="a writable SQLite file in an existing directory") from exc
 
     def close(self) -> None:
         with self._lock:

@@ -107,3 +107,14 @@ def test_file_catalog_persists(tmp_path):
     add(c, "a", status="ready")
     c.close()
     assert Catalog(tmp_path / "cat.db").newest_ready("m", "1").snapshot_id == "a"
+
+
+def test_a_catalog_that_cannot_be_opened_is_a_config_error_naming_it(tmp_path):
+    from agent.errors import ConfigError
+
+    not_a_db = tmp_path / "c.db"
+    not_a_db.write_bytes(b"this is not an SQLite file" * 100)
+    for path in (tmp_path / "missing-dir" / "c.db", not_a_db):
+        with pytest.raises(ConfigError) as err:
+            Catalog(path)
+        assert err.value.value == str(path) and str(path) in str(err.value)
