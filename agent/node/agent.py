@@ -463,6 +463,10 @@ class NodeAgent(SnapshotOps, SuspendOps):
             if alive is not None and not alive():
                 log.error("replica %s: its process died; deregistering", rec.lifecycle.replica_id)
                 self.registrar.drop(rec.lifecycle.replica_id)
+                try:
+                    rec.handle.shutdown()      # reaps the process, removes its socket file
+                except (OSError, RewarmError, RuntimeError) as exc:
+                    log.warning("cleaning up after %s: %s", rec.lifecycle.replica_id, exc)
                 rec.lifecycle.move(S.DEAD, "process died")
                 self._record(rec)
                 continue

@@ -99,6 +99,15 @@ def test_process_replicas_end_to_end(tmp_path, tiny_dir, cuda_ffi, fake_libcuda_
             seen.append(exiting.in_flight())
         assert set(seen) <= {0} and not exiting.alive()
         assert exiting.in_flight() == 0
+
+        # A replica killed outright: the agent loop marks it dead and removes its socket file.
+        killed = agent.replicas[again["replica"]].handle
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.worker.proc.wait(timeout=10)
+        assert killed.worker.socket_path.exists()
+        agent.tick()
+        assert agent.replicas[again["replica"]].lifecycle.state.value == "dead"
+        assert not killed.worker.socket_path.exists()
     finally:
         agent.close()
 
