@@ -2,9 +2,10 @@
 
 ``AsyncClient`` multiplexes many requests over one connection by id; ``Client`` is a
 blocking one-request-at-a-time client built on a plain socket.  Both raise the typed errors
-of :mod:`agent.errors` (``ERROR_BY_CODE``) and retry 429 after ``retry_after_ms`` plus up
-to 25 % jitter, at most ``max_retries`` times and never waiting longer than
-``max_retry_wait_ms`` at once.  :func:`discover` finds front doors through Consul
+of :mod:`agent.errors` (``ERROR_BY_CODE``; :class:`~agent.errors.Unreachable`, a
+ConnectionError naming the address, when nothing answers there) and retry 429 after
+``retry_after_ms`` plus up to 25 % jitter, at most ``max_retries`` times and never waiting
+longer than ``max_retry_wait_ms`` at once.  :func:`discover` finds front doors through Consul
 (py-consul, healthy ``rewarm-frontdoor`` instances) or through any Registry.
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
 from agent.errors import ERROR_BY_CODE, Overloaded, ProtocolError, RewarmError
-from agent.protocol import Decoder, pack
+from agent.protocol import Decoder, pack, unreachable
 
 FRONTDOOR_SERVICE = "rewarm-frontdoor"
 
@@ -69,7 +70,12 @@ class AsyncClient:
 
     @classmethod
     async def connect(cls, host: str, port: int, **kw: Any) -> "AsyncClient":
-        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            raise unreachable("front door", f"{host}:{port}", exc) from exc
         return cls(reader, writer, **kw)
 
     async def _read(self) -> None:
@@ -154,7 +160,12 @@ class Client:
     def __init__(self, host: str, port: int, *, token: str | None = None,
                  timeout_s: float = 300.0, max_retries: int = 3,
                  max_retry_wait_ms: float = 5000.0) -> None:
-        self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            raise unreachable("front door", f"{host}:{port}", exc) from exc
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._decoder = Decoder()
         self._pending: list[dict] = []

@@ -170,6 +170,15 @@ class ClusterError(RewarmError, ConnectionError):
     """Consul or Nomad could not be reached or refused. Attributes: ``service``, ``status``."""
 
 
+class Unreachable(ClusterError):
+    """Nothing answered at a rewarm server's address (node agent, front door, replica): the
+    connection was refused, the Unix socket is missing, the host is unknown...
+
+    Attributes: ``service`` ("node agent", "front door"...), ``address`` (as given),
+    ``reason`` (the OS error's text), ``errno`` (or None), ``status`` (None).
+    """
+
+
 class AclDenied(ClusterError, PermissionError):
     """Consul or Nomad refused the token (403). Attributes: ``service``, ``endpoint``."""
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import msgpack
 
-from agent.errors import MessageTooLarge, ProtocolError
+from agent.errors import ConfigError, MessageTooLarge, ProtocolError, Unreachable
 
 PROTOCOL_VERSION = 1
 _MSGPACK_LIMIT = re.compile(r"(\d+) exceeds max_(\w+?)_len\((\d+)\)")
@@ -420,27 +420,47 @@ def _check_generate(message: dict[str, Any], limits: Limits) -> None:
         raise _bad("deadline_ms", deadline, limits.max_deadline_ms, "must be within (0, limit]")
 
 
-def request(address: str, message: dict[str, Any], *, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+def unreachable(service: str, address: str, exc: OSError, hint: str = "") -> Unreachable:
+    """The :class:`Unreachable` for a failed connect to ``service`` at ``address``: the
+    message names both, the OS error's text and, when given, ``hint`` (what to do)."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return Unreachable(f"cannot reach {service} at {address}: {reason}"
+                       + (f" ({hint})" if hint else ""), service=service, address=address,
+                       reason=reason, errno=exc.errno, status=None)
+
+
+def request(address: str, message: dict[str, Any], *, timeout_s: float = 120.0,
+            service: str = "server", hint: str = "") -> list[dict[str, Any]]:
     """Blocking one-request client shared by the CLI, the node agent, the predictor and tests.
 
     ``address`` is ``host:port`` or ``unix:PATH``.  Sends ``message`` and returns every answer
     up to and including the final one (type ``done``, ``error`` or ``result``).
-    Raises TimeoutError (after ``timeout_s`` without progress), ConnectionError (closed
-    before a final answer), ProtocolError for a malformed answer.
+    Raises ConfigError for an address of neither form, :class:`~agent.errors.Unreachable` (a
+    ConnectionError naming ``service``, the address and ``hint``) when nothing answers there,
+    TimeoutError (after ``timeout_s`` without progress), ConnectionError (closed before a
+    final answer), ProtocolError for a malformed answer.
     """
     import socket
 
     if address.startswith("unix:"):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        target: Any = address[len("unix:"):]
+        family, target = socket.AF_UNIX, address[len("unix:"):]
     else:
         host, _, port = address.rpartition(":")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        target = (host or "127.0.0.1", int(port))
+        if not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError(f"{service} address {address!r} is not HOST:PORT (port 1..65535) "
+                              "or unix:PATH", name="address", value=address,
+                              limit="HOST:PORT or unix:PATH")
+        family, target = socket.AF_INET, (host or "127.0.0.1", int(port))
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     decoder, answers = Decoder(), []
     with sock:
-        sock.connect(target)
+        try:
+            sock.connect(target)
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            raise unreachable(service, address, exc, hint) from exc
         sock.sendall(pack(message))
         while True:
             data = sock.recv(65536)

@@ -7,7 +7,7 @@ import gc
 import signal
 import sys
 
-from agent.errors import RewarmError
+from agent.errors import RewarmError, Unreachable
 
 
 def register(subparsers) -> None:
@@ -176,7 +176,12 @@ def _generate(args) -> int:
         address = found[0]
     else:
         address = _hostport(args.address)
-    client = Client(*address, token=args.token)
+    try:
+        client = Client(*address, token=args.token)
+    except Unreachable as err:
+        print(f"error: {err} (is `rewarm up` or `rewarm frontdoor` running there? pass "
+              "--address or --consul)", file=sys.stderr)
+        return 2
     try:
         done = {}
         out = TextStream(sys.stdout)

@@ -135,13 +135,21 @@ class ControlError(RewarmError, RuntimeError):
     """The agent answered an error. Attributes: ``status`` (wire code), ``reason``, ``op``."""
 
 
-def control_call(address: str, op: str, *, timeout_s: float = 600.0, **fields: Any) -> dict[str, Any]:
+AGENT_HINT = ("is `rewarm agent run` or `rewarm up` running there? pass --agent or set "
+              "REWARM_AGENT")
+"""What to do when no node agent answers (the end of :class:`Unreachable`'s message)."""
+
+
+def control_call(address: str, op: str, *, timeout_s: float = 600.0, hint: str = AGENT_HINT,
+                 **fields: Any) -> dict[str, Any]:
     """Blocking client: send one control op, return its result.
 
     Raises ControlError (or the typed error for the wire code: 404 ModelNotFound, ...),
-    ConnectionError, TimeoutError.
+    Unreachable (a ConnectionError naming ``address`` and ``hint``) when no agent answers
+    there, ConnectionError, TimeoutError.
     """
-    answer = request(address, {"op": op, "id": 1, **fields}, timeout_s=timeout_s)[-1]
+    answer = request(address, {"op": op, "id": 1, **fields}, timeout_s=timeout_s,
+                     service="node agent", hint=hint)[-1]
     if answer.get("type") == "error":
         code, reason = answer.get("code"), answer.get("reason", "")
         cls = ERROR_BY_CODE.get(code)
