@@ -119,15 +119,40 @@ def gguf_tensors(reader, config: LlamaConfig) -> dict[str, torch.Tensor]:
     return out
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def open_gguf(path: Path):
+    """A ``gguf.GGUFReader`` over ``path``.  Raises InvalidCheckpoint naming the path when it
+    is not a file, when its first four bytes are not ``GGUF`` (naming the bytes found), and
+    when the reader refuses it (unsupported version, truncated header...)."""
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise InvalidCheckpoint(f"{path}: {what}; expected a GGUF file", path=path,
+                                field="path", value=what, limit="a GGUF file")
+    with path.open("rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise InvalidCheckpoint(f"{path}: not a GGUF file: magic {magic!r}, expected "
+                                f"{GGUF_MAGIC!r}", path=path, field="magic", value=magic,
+                                limit=GGUF_MAGIC)
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, IndexError, OverflowError) as exc:
+        raise InvalidCheckpoint(f"{path}: unreadable GGUF: {exc}", path=path, field="header",
+                                value=str(exc), limit="a GGUF file gguf can read") from exc
+
+
 def import_gguf(path: Path | str, out_dir: Path | str, *, dtype: str = "float32") -> Path:
     """Convert GGUF ``path`` into a Hugging Face directory ``out_dir`` (written atomically).
 
-    Returns ``out_dir``.  Raises InvalidCheckpoint for a non-llama or malformed file.
+    Returns ``out_dir``.  Raises InvalidCheckpoint for a missing path, a file that is not
+    GGUF (naming the magic found), and a non-llama or malformed file.
     """
-    from gguf import GGUFReader
-
     path, out_dir = Path(path), Path(out_dir)
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     config = config_from_gguf(reader, dtype)
     tensors = gguf_tensors(reader, config)
     tmp = out_dir.with_name(out_dir.name + ".partial")
