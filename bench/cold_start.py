@@ -17,8 +17,10 @@ reported, broken into phases:
 Rungs: ``naive_s`` (safetensors + torch.compile, empty Inductor/Triton/CUDA caches),
 ``jit_cached_s`` (the same with caches warmed by an untimed run; agent/replica/compile_cache.py),
 ``aot_s`` (AOT package + safetensors), ``restore_s`` (snapshot restored into a fresh process),
-``zygote_restore_s`` (snapshot restored into a waiting zygote), and ``streamed_first_boot_s``
-(eager boot, weights streamed group by group by agent/replica/weights.py).  ``golden_match``: every
+``zygote_restore_s`` (snapshot restored into a waiting zygote), ``eager_s`` (a replica process
+booting eagerly from safetensors, no compile) and ``streamed_first_boot_s`` (the very first boot
+of agent/replica/firstboot.py in a fresh process: weights stream group by group while the first
+request's prefill runs through each layer as it lands).  ``golden_match``: every
 trial of every rung produced the same tokens.  ``restored_peak_rss_bytes``: VmHWM of a replica
 restored from the snapshot; the issue's bound is ``model_bytes * 1.1 + 700 MiB``.
 Targets (the issue): naive/zygote_restore >= 50, naive/restore >= 10, aot < jit_cached.
@@ -128,6 +130,44 @@ def trial_process(work: Path, mode: list[str], env: dict[str, str]) -> dict:
     return {"total_s": total_s, "phases": phases, "tokens": tokens, "peak_rss_bytes": rss}
 
 
+STREAMED_SCRIPT = """
+import json, sys, time
+started = time.time()
+from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS
+from agent.replica.firstboot import streamed_first_boot
+imported = time.time()
+model, prompt, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+boot = streamed_first_boot(model, prompt, max_tokens, max_seqs=DEFAULT_MAX_SEQS,
+                           max_seq_len=DEFAULT_MAX_SEQ_LEN)
+first = time.time()
+tokens = [boot.first_token]
+while boot.engine.busy:
+    tokens += [e.token for e in boot.engine.step() if e.token >= 0]
+print(json.dumps({"started_unix": started, "imports_done_unix": imported, "first_unix": first,
+                  "load_done_s": boot.load_done_s, "first_token_s": boot.first_token_s,
+                  "tokens": tokens}))
+"""
+
+
+def trial_streamed(model: Path, env: dict[str, str]) -> dict:
+    """One very first boot in a fresh process: spawn until its first token (wall clock, both
+    processes on the same host clock)."""
+    import resource
+
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", STREAMED_SCRIPT, str(model), json.dumps(PROMPT_IDS),
+                           str(MAX_TOKENS)], cwd=REPO, env=env, capture_output=True, text=True,
+                          check=True)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    boot_s = r["first_unix"] - r["imports_done_unix"]
+    phases = {"start_s": r["started_unix"] - t0,
+              "imports_s": r["imports_done_unix"] - r["started_unix"],
+              "weights_s": r["load_done_s"], "first_token_s": boot_s - r["load_done_s"]}
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024   # largest child so far
+    return {"total_s": r["first_unix"] - t0, "phases": phases, "tokens": r["tokens"],
+            "peak_rss_bytes": rss}
+
+
 def trial_zygote(work: Path, snapshot: Path, buffer_mib: int, env: dict[str, str]) -> dict:
     """Start a zygote (untimed, as ahead of need), then time restore op -> first token."""
     sock = Path(tempfile.mkdtemp(dir=work)) / "z.sock"
@@ -164,9 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--json", required=True)
     parser.add_argument("--work", default=str(REPO / "var" / "bench" / "cold_start"))
-    parser.add_argument("--rungs", default="streamed,naive,jit_cached,aot,restore,zygote_restore")
+    parser.add_argument("--rungs",
+                        default="streamed,eager,naive,jit_cached,aot,restore,zygote_restore")
     args = parser.parse_args(argv)
     rungs = args.rungs.split(",")
+    known = ("streamed", "eager", "naive", "jit_cached", "aot", "restore", "zygote_restore")
+    if set(rungs) - set(known):
+        parser.error(f"unknown rung(s) {sorted(set(rungs) - set(known))}; known: {', '.join(known)}")
 
     if args.model is None:
         from agent.replica.smollm2 import ensure_smollm2
@@ -208,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             trial_process(work, ["--model-dir", str(model), "--compile"], warm_env)
         for i in range(args.trials):
             if rung == "streamed":
+                trials.append(trial_streamed(model, base_env))
+            elif rung == "eager":
                 trials.append(trial_process(work, ["--model-dir", str(model)], base_env))
             elif rung == "naive":
                 env = dict(base_env)
@@ -251,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(out: dict) -> None:
-    rows = [k for k in ("naive_s", "jit_cached_s", "aot_s", "streamed_first_boot_s", "restore_s",
-                        "zygote_restore_s") if k in out]
+    rows = [k for k in ("naive_s", "jit_cached_s", "aot_s", "eager_s", "streamed_first_boot_s",
+                        "restore_s", "zygote_restore_s") if k in out]
     cols = [c for c in PHASES if any(c in out["phases"][r] for r in rows)]
     print(f"{'rung':<22}{'median s':>9}" + "".join(f"{c:>15}" for c in cols))
     for r in rows:
