@@ -5,8 +5,10 @@ that matches it (``SnapshotCorrupt`` is a ``ValueError``), so callers that only 
 builtins still catch it.  Every error carries the object it is about, the value found and the
 limit or expected value as attributes, and names all three in its message.
 
-Errors that reach a client carry ``code``: the protocol's status code (400, 401, 404, 413,
-429, 503, 504; see docs/protocol.md).
+Errors that reach a client carry ``code``: the protocol's status code (400, 401, 404, 409,
+413, 429, 503, 504; see docs/protocol.md).  409 is a well-formed request that this node's
+configuration or state does not allow (:class:`ConfigError`: suspend on a node without CUDA
+checkpoint support, a device the node lacks); anything else (500) is a bug.
 """
 
 from __future__ import annotations
@@ -121,6 +123,15 @@ class ModelNotFound(RewarmError, LookupError):
     code = 404
 
 
+class ReplicaNotFound(RewarmError, LookupError):
+    """No replica with this id on the node (404).
+
+    Attributes: ``replica`` (the id asked for), ``node``, ``limit`` (the ids it has).
+    """
+
+    code = 404
+
+
 class Overloaded(RewarmError):
     """Admission refused: the queue is full or the wait would be too long (429).
 
@@ -148,7 +159,10 @@ class DeadlineExceeded(RewarmError, TimeoutError):
 # --- configuration, devices and the outside systems --------------------------------------
 
 class ConfigError(RewarmError, ValueError):
-    """A configuration value is out of range. Attributes: ``name``, ``value``, ``limit``."""
+    """A configuration value is out of range, or a request asks for something this node's
+    configuration does not allow (409). Attributes: ``name``, ``value``, ``limit``."""
+
+    code = 409
 
 
 class InvalidTrace(RewarmError, ValueError):

@@ -16,8 +16,12 @@ snapshot_evict    ``snapshot``                                    ``evicted``
 ================  ==============================================  ============================
 
 Agent calls block (a restore takes seconds), so each runs on a thread; the event loop keeps
-answering.  Bad input is an ``error`` answer (400 for a malformed request, the error's code
-otherwise), never a dropped connection except after a framing error.
+answering.  Bad input is an ``error`` answer, never a dropped connection except after a
+framing error: 400 for a malformed request, 404 for a model or replica the node does not have
+(ModelNotFound, ReplicaNotFound), 409 for a request this node's configuration or state refuses
+(ConfigError: suspend/resume without CUDA checkpoint support, a device it lacks; ScaleInBlocked:
+draining the last replica before its snapshot is durable), the error's own code otherwise;
+500 only for a bug.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ERROR_BY_CODE, ProtocolError, RewarmError
+from agent.errors import ERROR_BY_CODE, ProtocolError, ReplicaNotFound, RewarmError
 from agent.node.agent import NodeAgent
 from agent.protocol import Decoder, error_message, pack, read_messages, request
 
@@ -62,8 +66,22 @@ def _args(msg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return op, out
 
 
+def _known_replica(agent: NodeAgent, replica_id: str) -> None:
+    """ReplicaNotFound (404) naming the id, the node and the ids it has, when ``agent`` has
+    no such replica."""
+    with agent._lock:
+        known = sorted(agent.replicas)
+    if replica_id not in known:
+        raise ReplicaNotFound(f"no replica {replica_id!r} on node {agent.config.node_id}; "
+                              f"replicas: {known}", replica=replica_id,
+                              node=agent.config.node_id, limit=known)
+
+
 def dispatch(agent: NodeAgent, op: str, args: dict[str, Any]) -> dict[str, Any]:
-    """Run one control op on ``agent`` (blocking). Raises what the agent raises."""
+    """Run one control op on ``agent`` (blocking). Raises ReplicaNotFound for a replica op
+    naming an unknown replica, else what the agent raises."""
+    if "replica" in args:
+        _known_replica(agent, args["replica"])
     if op == "restore":
         return agent.restore(args["model"], args.get("device"))
     if op == "drain":
@@ -144,7 +162,8 @@ def control_call(address: str, op: str, *, timeout_s: float = 600.0, hint: str =
                  **fields: Any) -> dict[str, Any]:
     """Blocking client: send one control op, return its result.
 
-    Raises ControlError (or the typed error for the wire code: 404 ModelNotFound, ...),
+    Raises ControlError (or the typed error for the wire code: 404 ModelNotFound, or
+    ReplicaNotFound for an op on a replica, ...),
     Unreachable (a ConnectionError naming ``address`` and ``hint``) when no agent answers
     there, ConnectionError, TimeoutError.
     """
@@ -152,7 +171,7 @@ def control_call(address: str, op: str, *, timeout_s: float = 600.0, hint: str =
                      service="node agent", hint=hint)[-1]
     if answer.get("type") == "error":
         code, reason = answer.get("code"), answer.get("reason", "")
-        cls = ERROR_BY_CODE.get(code)
+        cls = ReplicaNotFound if code == 404 and "replica" in fields else ERROR_BY_CODE.get(code)
         if cls is not None:
             raise cls(f"agent: {reason}", op=op, status=code, reason=reason)
         raise ControlError(f"agent: {op} failed ({code}): {reason}", op=op,

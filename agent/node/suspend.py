@@ -150,20 +150,23 @@ class SuspendOps:
     ``registrar``, ``restore`` and replica records); kept apart so that agent.py holds the
     restore ladder and capture."""
 
-    def _need_suspender(self, rec) -> tuple[Suspender, int]:
+    def _need_suspender(self, rec, op: str) -> tuple[Suspender, int]:
+        """The suspender and the replica's pid for ``op`` ("suspend" or "resume"); ConfigError
+        (409) naming the op, the replica and why when this node or replica cannot do it."""
         if self.suspender is None or rec.handle is None or rec.handle.pid is None:
+            verb = {"suspend": "suspended", "resume": "resumed"}[op]
             raise ConfigError(
-                f"replica {rec.lifecycle.replica_id} cannot be suspended: "
-                + ("no CUDA checkpoint support configured" if self.suspender is None
-                   else "it has no process of its own"),
-                name="suspend", value=rec.lifecycle.replica_id, limit="GPU replica process")
+                f"replica {rec.lifecycle.replica_id} cannot be {verb}: "
+                + ("this node has no CUDA checkpoint support (GPU nodes only)"
+                   if self.suspender is None else "it has no process of its own"),
+                name=op, value=rec.lifecycle.replica_id, limit="GPU replica process")
         return self.suspender, rec.handle.pid
 
     def suspend(self, replica_id: str) -> dict[str, Any]:
         """Park the replica's device memory in host RAM (lock + checkpoint); it stops serving.
         Raises ConfigError (not suspendable), CudaCheckpointError (it keeps serving)."""
         rec = self._rec(replica_id)
-        suspender, pid = self._need_suspender(rec)
+        suspender, pid = self._need_suspender(rec, "suspend")
         if rec.lifecycle.state is not S.WARM:
             raise IllegalTransition(
                 f"replica {replica_id} is {rec.lifecycle.state.value}; only a warm replica "
@@ -183,7 +186,7 @@ class SuspendOps:
         """Restore + unlock.  A failed resume kills the process and restores the model from
         its snapshot instead (the answer then describes the new replica)."""
         rec = self._rec(replica_id)
-        suspender, pid = self._need_suspender(rec)
+        suspender, pid = self._need_suspender(rec, "resume")
         if rec.lifecycle.state is not S.SUSPENDED:
             raise IllegalTransition(
                 f"replica {replica_id} is {rec.lifecycle.state.value}, not suspended",

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from agent.cli import main
-from agent.errors import ModelNotFound, ProtocolError
+from agent.errors import ModelNotFound, ProtocolError, ReplicaNotFound
 from agent.node.control import ControlError, ControlServer, control_call
 from agent.protocol import pack
 
@@ -56,9 +56,9 @@ def test_errors_are_answers(served, capsys):
         control_call(address, "restore", model=7)
     with pytest.raises(ProtocolError):
         control_call(address, "reboot")
-    with pytest.raises(ControlError) as info:
+    with pytest.raises(ReplicaNotFound) as info:
         control_call(address, "suspend", replica="nope")
-    assert info.value.status == 500
+    assert info.value.status == 404
     assert main(["agent", "snapshot", "evict", "missing", "--agent", address]) == 2
     assert "no snapshot 'missing'" in capsys.readouterr().err
 
@@ -89,3 +89,36 @@ def test_unix_socket_removed_on_close(make_agent, tmp_path):
 
     asyncio.run(cycle())
     assert not path.exists()
+
+
+@pytest.mark.parametrize("op", ["drain", "suspend", "resume"])
+def test_an_unknown_replica_is_404_naming_it(served, op, capsys):
+    _, address = served
+    with pytest.raises(ReplicaNotFound) as info:
+        control_call(address, op, replica="nope")
+    err = info.value
+    assert (err.status, err.op) == (404, op)
+    assert err.reason == "no replica 'nope' on node n1; replicas: []"
+    assert isinstance(err, LookupError)
+    assert main(["agent", op, "nope", "--agent", address]) == 2
+    assert capsys.readouterr().err == "error: agent: no replica 'nope' on node n1; replicas: []\n"
+
+
+def test_suspend_and_resume_on_a_cpu_node_are_409_with_the_right_verb(served, capsys):
+    agent, address = served
+    info = control_call(address, "restore", model="tiny")
+    rid = info["replica"]
+    try:
+        for op, verb in (("suspend", "suspended"), ("resume", "resumed")):
+            with pytest.raises(ControlError) as refused:
+                control_call(address, op, replica=rid)
+            assert refused.value.status == 409
+            assert refused.value.reason == (f"replica {rid} cannot be {verb}: this node has no "
+                                            "CUDA checkpoint support (GPU nodes only)")
+            assert main(["agent", op, rid, "--agent", address]) == 2
+            assert capsys.readouterr().err == (f"error: agent: {op} failed (409): "
+                                               f"{refused.value.reason}\n")
+        assert control_call(address, "status")["replicas"][0]["state"] == "warm"
+    finally:
+        agent.captures[agent.models["tiny"].key].result(timeout=120)
+        control_call(address, "drain", replica=rid)
