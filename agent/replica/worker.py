@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ProtocolError, RewarmError
+from agent.errors import InvalidCheckpoint, ProtocolError, RewarmError, Unauthorized
 from agent.protocol import Decoder, error_message, pack, read_messages
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 MAX_TOKENS_LIMIT = 1 << 16
+CONTROL_OPS = frozenset({"restore", "capture", "shutdown"})
 
 
 class State(enum.Enum):
@@ -73,8 +74,13 @@ class Worker:
     restores into ``buffer``.  ``parent_pid``: exit when the parent changes (None: no watchdog)."""
 
     def __init__(self, loaded=None, *, buffer=None, replica_id: str = "replica",
-                 parent_pid: int | None = None, watchdog_s: float = 1.0) -> None:
+                 parent_pid: int | None = None, watchdog_s: float = 1.0,
+                 tcp_control: bool = True) -> None:
         self.loaded, self.buffer, self.replica_id = loaded, buffer, replica_id
+        # restore/capture/shutdown read or write files on this host or end the process: on a
+        # TCP listener they are refused unless ``tcp_control`` (a unix socket's file mode
+        # already says who may connect).
+        self.tcp_control, self._tcp = tcp_control, False
         self.state = State.SERVING if loaded is not None else State.ZYGOTE
         self.parent_pid, self.watchdog_s = parent_pid, watchdog_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine")  # the engine's one thread
@@ -89,6 +95,7 @@ class Worker:
     async def serve(self, listen: str, ready=None) -> None:
         """Listen on ``HOST:PORT`` or ``unix:PATH`` until stopped; ``ready(address)`` is called
         once listening (port 0 picks a free port)."""
+        self._tcp = not listen.startswith("unix:")
         if listen.startswith("unix:"):
             server = await asyncio.start_unix_server(self._connection, path=listen[5:])
             address = listen
@@ -159,6 +166,10 @@ class Worker:
         op, rid = msg.get("op"), msg.get("id")
         reply = lambda result: self._send(writer, {"id": rid, "type": "result", "result": result})  # noqa: E731
         try:
+            if op in CONTROL_OPS and self._tcp and not self.tcp_control:
+                raise Unauthorized(f"op {op!r} reads or writes files on this host or stops the "
+                                   "replica: accepted on a unix-socket listener only (start "
+                                   "with --tcp-control on a trusted network)", op=op)
             if op == "generate":
                 mine.append(self._accept(msg, writer))
                 self._wake.set()
@@ -201,7 +212,13 @@ class Worker:
                                 value=self.state.value, limit=State.SERVING.value)
         tokens, text = msg.get("tokens"), False
         if tokens is None and isinstance(msg.get("prompt"), str):
-            tokens, text = self.tokenizer().encode(msg["prompt"]).ids, True
+            try:
+                tokenizer = self.tokenizer()
+            except InvalidCheckpoint as exc:
+                raise ProtocolError(f"prompt: model {self.loaded.identity.name!r} has no "
+                                    f"tokenizer ({exc.message}); send tokens: [int] instead",
+                                    field="prompt", value="text", limit="tokens") from exc
+            tokens, text = tokenizer.encode(msg["prompt"]).ids, True
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise ProtocolError("generate needs tokens: [int] or prompt: str", field="tokens",
                                 value=type(tokens).__name__, limit="list of int")
@@ -335,13 +352,15 @@ def ready_line(address: str, worker: Worker, started_unix: float,
 def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | None = None,
                 zygote_mode: bool = False, release: str | None = None, compile: bool = False,
                 buffer_bytes: int | None = None, threads: int | None = None,
-                replica_id: str | None = None, started_unix: float | None = None) -> int:
+                replica_id: str | None = None, started_unix: float | None = None,
+                tcp_control: bool = False) -> int:
     """The body of ``rewarm replica``: load one way, print the ready line, serve until stopped.
 
     Exactly one of ``model_dir`` (full boot; ``release`` binds its AOT package, ``compile``
     uses torch.compile), ``snapshot`` (restore into a fresh process) or ``zygote_mode`` (wait
-    for a ``restore`` op; ``buffer_bytes`` sizes the restore buffer).  Raises ConfigError when
-    not exactly one is given.
+    for a ``restore`` op; ``buffer_bytes`` sizes the restore buffer).  On a TCP ``listen``
+    the control ops (:data:`CONTROL_OPS`) are refused unless ``tcp_control``.  Raises
+    ConfigError when not exactly one is given.
     """
     from agent.errors import ConfigError
 
@@ -367,7 +386,7 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
         loaded = zygote.boot(Path(model_dir), release=Path(release) if release else None,
                              compile=compile)
     worker = Worker(loaded, buffer=buffer, replica_id=replica_id or f"replica-{os.getpid()}",
-                    parent_pid=parent)
+                    parent_pid=parent, tcp_control=tcp_control)
 
     def ready(address: str) -> None:
         print(ready_line(address, worker, started_unix, imports_done_unix), flush=True)

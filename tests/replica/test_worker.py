@@ -176,3 +176,43 @@ def test_engine_sizes_from_a_snapshot_are_checked_at_and_over_their_limits(boote
         assert err.value.name == name and err.value.value == over
     with pytest.raises(ConfigError):
         zygote.check_engine_config(None, cfg)
+
+
+def test_control_ops_on_a_tcp_listener_need_tcp_control(booted, tmp_path):
+    dest = tmp_path / "never"
+    worker = Worker(booted, tcp_control=False)
+
+    async def main():
+        ready = asyncio.get_running_loop().create_future()
+        serving = asyncio.create_task(worker.serve("127.0.0.1:0", ready.set_result))
+        host, port = (await asyncio.wait_for(ready, 10)).rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(pack({"op": "capture", "id": "c", "dest": str(dest)})
+                     + pack({"op": "shutdown", "id": "s"})
+                     + pack({"op": "generate", "id": "g", "tokens": [5, 6, 7], "max_tokens": 2}))
+        answers, decoder = {}, Decoder()
+        while not all(k in answers and answers[k][-1]["type"] in ("done", "error")
+                      for k in ("c", "s", "g")):
+            data = await asyncio.wait_for(reader.read(65536), 60)
+            assert data, "worker closed the connection"
+            for answer in decoder.feed(data):
+                answers.setdefault(answer["id"], []).append(answer)
+        worker.stop()                           # the owner stops it, not a TCP client
+        await asyncio.wait_for(serving, 30)
+        writer.close()
+        return answers
+
+    answers = asyncio.run(main())
+    for rid in ("c", "s"):
+        assert answers[rid][-1]["type"] == "error" and answers[rid][-1]["code"] == 401
+        assert "unix-socket" in answers[rid][-1]["reason"]
+    assert answers["g"][-1]["type"] == "done"          # generation is what TCP is for
+    assert not dest.exists()
+
+
+def test_a_text_prompt_to_a_model_without_a_tokenizer_is_400(booted):
+    answers = run(Worker(booted), [{"op": "generate", "id": "t", "prompt": "hello",
+                                    "max_tokens": 2}])
+    err = answers["t"][-1]
+    assert err["type"] == "error" and err["code"] == 400
+    assert "tokenizer" in err["reason"] and "tokens" in err["reason"]
