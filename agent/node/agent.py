@@ -30,10 +30,10 @@ from typing import Any, Callable, Protocol
 
 from agent.clock import Clock, SystemClock
 from agent.cluster.base import Registry, ServiceInstance
-from agent.frontdoor.router import META_KEYS
 from agent.errors import (ConfigError, CudaCheckpointError, DiskFull, GoldenMismatch,
-                          ModelNotFound, NoCapacity, RewarmError, SnapshotCorrupt, SnapshotError,
-                          SnapshotIncompatible)
+                          ModelNotFound, NoCapacity, ReplicaNotFound, RewarmError,
+                          SnapshotCorrupt, SnapshotError, SnapshotIncompatible)
+from agent.frontdoor.router import META_KEYS
 from agent.node import capture as cap
 from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_id
 from agent.node.inventory import Inventory
@@ -408,8 +408,11 @@ class NodeAgent(SnapshotOps, SuspendOps):
         with self._lock:
             rec = self.replicas.get(replica_id)
         if rec is None:
-            raise ConfigError(f"no replica {replica_id!r} on node {self.config.node_id}",
-                              name="replica", value=replica_id, limit=sorted(self.replicas))
+            with self._lock:
+                known = sorted(self.replicas)
+            raise ReplicaNotFound(f"no replica {replica_id!r} on node {self.config.node_id}; "
+                                  f"replicas: {known}", replica=replica_id,
+                                  node=self.config.node_id, limit=known)
         return rec
 
     def live_replicas(self, model: str) -> list[ReplicaRecord]:

@@ -66,22 +66,9 @@ def _args(msg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return op, out
 
 
-def _known_replica(agent: NodeAgent, replica_id: str) -> None:
-    """ReplicaNotFound (404) naming the id, the node and the ids it has, when ``agent`` has
-    no such replica."""
-    with agent._lock:
-        known = sorted(agent.replicas)
-    if replica_id not in known:
-        raise ReplicaNotFound(f"no replica {replica_id!r} on node {agent.config.node_id}; "
-                              f"replicas: {known}", replica=replica_id,
-                              node=agent.config.node_id, limit=known)
-
-
 def dispatch(agent: NodeAgent, op: str, args: dict[str, Any]) -> dict[str, Any]:
-    """Run one control op on ``agent`` (blocking). Raises ReplicaNotFound for a replica op
-    naming an unknown replica, else what the agent raises."""
-    if "replica" in args:
-        _known_replica(agent, args["replica"])
+    """Run one control op on ``agent`` (blocking). Raises what the agent raises
+    (ReplicaNotFound for a replica op naming an unknown replica)."""
     if op == "restore":
         return agent.restore(args["model"], args.get("device"))
     if op == "drain":

@@ -59,7 +59,10 @@ SERVING = frozenset({S.WARM})
 
 
 class IllegalTransition(RewarmError, RuntimeError):
-    """A lifecycle move the diagram does not allow. Attributes: ``replica``, ``value``, ``limit``."""
+    """A lifecycle move the diagram does not allow (409: the replica's state refuses it, e.g.
+    suspending one that is not warm). Attributes: ``replica``, ``value``, ``limit``."""
+
+    code = 409
 
 
 @dataclass

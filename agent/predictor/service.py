@@ -139,7 +139,7 @@ def frontdoor_stats(address: str, *, timeout_s: float = 2.0,
     message = {"v": PROTOCOL_VERSION, "op": "stats", "id": 1}
     if token:
         message["token"] = token
-    answer = request(address, message, timeout_s=timeout_s)[-1]
+    answer = request(address, message, timeout_s=timeout_s, service="front door")[-1]
     if answer.get("type") != "result":
         raise ValueError(f"front door {address}: stats refused: "
                          f"{answer.get('code')} {answer.get('reason')}")

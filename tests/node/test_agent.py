@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agent.cluster.local import LocalRegistry
-from agent.errors import ConfigError, ModelNotFound
+from agent.errors import ConfigError, ModelNotFound, ReplicaNotFound
 from agent.node import capture as cap
 from agent.node.agent import AgentConfig, NodeAgent, ScaleInBlocked
 from agent.snapshot.format import ALIGN
@@ -174,8 +174,9 @@ def test_bad_requests(make_agent):
         agent.restore("nope")
     with pytest.raises(ConfigError):
         agent.restore("tiny", device="cuda:3")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ReplicaNotFound) as err:
         agent.drain("no-such-replica")
+    assert (err.value.code, err.value.replica, err.value.node) == (404, "no-such-replica", "n1")
     with pytest.raises(ConfigError):
         AgentConfig(node_id="x", restore_timeout_s=0)
 
