@@ -67,6 +67,8 @@ class _Request:
     seq_id: int = -1
     first_s: float | None = None
     tokens: list[int] = field(default_factory=list)
+    prefix_at: int = 0        # incremental detokenization: text sent covers tokens[:read_at]
+    read_at: int = 0
 
 
 class Worker:
@@ -324,7 +326,7 @@ class Worker:
                     request.tokens.append(event.token)
                     out = {"id": request.request_id, "type": "tokens", "tokens": [event.token]}
                     if request.text:
-                        out["text"] = self.tokenizer().decode([event.token])
+                        out["text"] = next_text(self.tokenizer(), request)
                     self._send(request.writer, out)
                 if event.done:
                     del self._by_seq[event.seq_id]
@@ -336,6 +338,19 @@ class Worker:
                     if request.text:
                         done["text"] = self.tokenizer().decode(request.tokens)
                     self._send(request.writer, done)
+
+
+def next_text(tokenizer, request: _Request) -> str:
+    """The text ``request.tokens`` add since the last call ("" while the newest tokens end in
+    the middle of a character).  Decodes a short window — from the token before the text
+    already sent — rather than each token alone, so byte-level BPE pieces of one character are
+    joined before they are sent (the usual incremental detokenization of serving engines)."""
+    prefix = tokenizer.decode(request.tokens[request.prefix_at:request.read_at])
+    window = tokenizer.decode(request.tokens[request.prefix_at:])
+    if len(window) <= len(prefix) or window.endswith("\ufffd"):
+        return ""
+    request.prefix_at, request.read_at = request.read_at, len(request.tokens)
+    return window[len(prefix):]
 
 
 def ready_line(address: str, worker: Worker, started_unix: float,

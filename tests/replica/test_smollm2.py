@@ -85,3 +85,19 @@ def test_cli_generate_and_import_reused(smollm2_dir, capsys):
                  "--max-tokens", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["text"].startswith(" Paris")
     assert gguf_path().suffix == ".gguf"
+
+
+def test_streamed_text_joins_the_pieces_of_one_character(smollm2_dir):
+    from agent.replica.worker import _Request, next_text
+
+    tok = load_tokenizer(smollm2_dir)
+    text = " Café 日本語 🙂 Paris."
+    ids = tok.encode(text).ids
+    assert any("\ufffd" in tok.decode([i]) for i in ids)   # some pieces are partial characters
+    request = _Request("r", None, 0.0, True)
+    sent = []
+    for i in ids:
+        request.tokens.append(i)
+        sent.append(next_text(tok, request))
+    assert "".join(sent) == tok.decode(ids) == text
+    assert not any("\ufffd" in piece for piece in sent)
