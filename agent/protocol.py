@@ -94,6 +94,9 @@ def _depth(value: Any, limit: int, depth: int = 1) -> None:
                 _depth(item, limit, depth + 1)
 
 
+READ_SIZE_BYTES = 16 << 10   # a connection's first decode buffer (grows as needed)
+
+
 class Decoder:
     """Incremental decoder of a message stream with every limit enforced.
 
@@ -116,6 +119,10 @@ class Decoder:
             max_array_len=limits.max_array_len,
             max_map_len=limits.max_map_len,
             max_ext_len=0,
+            # The unpacker's first buffer; it grows to what a message needs.  msgpack's default
+            # (max_buffer_size, 1 MiB here) per connection fragments the heap as thousands of
+            # connections come and go.
+            read_size=min(READ_SIZE_BYTES, limits.max_message_bytes),
         )
         self._fed = 0       # bytes fed since the stream started
         self._boundary = 0  # stream offset just after the last complete message
@@ -189,7 +196,8 @@ class Decoder:
         try:
             for message in unpacker:
                 self._boundary = tell()
-                if type(message) is dict and message.get("v") == PROTOCOL_VERSION:
+                if type(message) is dict and type(message.get("v")) is int and \
+                        message["v"] == PROTOCOL_VERSION:
                     _depth(message, limits.max_depth)  # the common case, checked inline
                     out.append(message)
                 else:
@@ -207,8 +215,8 @@ class Decoder:
             if found:  # "<n> exceeds max_<kind>_len(<limit>)"
                 raise MessageTooLarge(f"bad message: {text}", field=found[2],
                                       value=int(found[1]), limit=int(found[3])) from None
-            raise ProtocolError(f"bad message: {text}", field="message", value=None,
-                                limit=None) from None
+            raise ProtocolError(f"bad message: {text or type(exc).__name__}", field="message",
+                                value=None, limit=None) from None
         except Exception as exc:  # ExtraData, FormatError
             raise ProtocolError(f"bad message: {type(exc).__name__}: {exc}",
                                 field="message", value=None, limit=None) from None
@@ -307,7 +315,7 @@ def validate_envelope(message: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str
             field="top level", value=type(message).__name__, limit="map")
     _depth(message, limits.max_depth)
     version = message.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:   # not True, not 1.0
         raise ProtocolError(
             f"protocol version {version!r} not supported; expected {PROTOCOL_VERSION}",
             field="v", value=version, limit=PROTOCOL_VERSION)
@@ -356,7 +364,12 @@ _REQUIRED = {op: frozenset(k for k, (_, req) in fields.items() if req)
 
 
 def _bad(field: str, value: Any, limit: Any, why: str) -> ProtocolError:
-    return ProtocolError(f"field {field!r}: {why}", field=field, value=value, limit=limit)
+    """A 400 whose reason names the field, the value and the limit (also as attributes)."""
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ProtocolError(f"field {field!r}: {why} (value {shown}, limit {limit!r})",
+                         field=field, value=value, limit=limit)
 
 
 def validate_request(message: dict[str, Any], limits: Limits = DEFAULT_LIMITS,
@@ -390,8 +403,9 @@ def validate_request(message: dict[str, Any], limits: Limits = DEFAULT_LIMITS,
         missing = sorted(required - message.keys())[0]
         raise _bad(missing, None, "required", f"missing for op {op!r}")
     rid = message["id"]
-    if type(rid) is str and len(rid) > limits.max_name_bytes:
-        raise _bad("id", len(rid), limits.max_name_bytes, "too long")
+    if type(rid) is str and len(rid) > limits.max_name_bytes // 4 and \
+            len(rid.encode()) > limits.max_name_bytes:   # bytes, not characters
+        raise _bad("id", len(rid.encode()), limits.max_name_bytes, "too long in UTF-8 bytes")
     if op == "generate":
         _check_generate(message, limits)
     return message
@@ -399,8 +413,10 @@ def validate_request(message: dict[str, Any], limits: Limits = DEFAULT_LIMITS,
 
 def _check_generate(message: dict[str, Any], limits: Limits) -> None:
     model = message["model"]
-    if not model or len(model) > limits.max_name_bytes:
-        raise _bad("model", len(model), limits.max_name_bytes, "length must be 1..limit")
+    if not model or (len(model) > limits.max_name_bytes // 4
+                     and len(model.encode()) > limits.max_name_bytes):
+        raise _bad("model", len(model.encode()), limits.max_name_bytes,
+                   "length in UTF-8 bytes must be 1..limit")
     n = message["max_tokens"]
     if not 1 <= n <= limits.max_new_tokens:
         raise _bad("max_tokens", n, limits.max_new_tokens, "must be within 1..limit")

@@ -110,8 +110,10 @@ GOOD = {"v": 1, "op": "generate", "id": 7, "model": "m", "tokens": [1, 2], "max_
     ({"tokens": []}, "tokens"),
     ({"prompt": "hi"}, "prompt"),
     ({"model": "m" * 129}, "model"),
+    ({"model": "\U0001F642" * 33}, "model"),       # 132 bytes in 33 characters
     ({"id": [1]}, "id"),
     ({"id": "x" * 129}, "id"),
+    ({"id": "é" * 65}, "id"),                       # 130 bytes in 65 characters
     ({"seed": 1.5}, "seed"),
     ({"stop": [1, "a"]}, "stop"),
 ])
@@ -119,6 +121,25 @@ def test_request_schema_refusals_name_the_field(change, field):
     with pytest.raises(ProtocolError) as err:
         validate_request({**GOOD, **change})
     assert err.value.field == field and err.value.code == 400
+    # the reason a client reads names the field, the value and the limit
+    assert repr(field) in err.value.message
+    assert f"limit {err.value.limit!r}" in err.value.message
+    assert "value " in err.value.message
+
+
+def test_names_are_limited_in_utf8_bytes_not_characters():
+    assert validate_request({**GOOD, "model": "\U0001F642" * 32, "id": "é" * 64})
+    with pytest.raises(ProtocolError) as err:
+        validate_request({**GOOD, "model": "\U0001F642" * 33})
+    assert (err.value.value, err.value.limit) == (132, 128)
+    assert "value 132, limit 128" in err.value.message
+
+
+@pytest.mark.parametrize("version", [True, 1.0])
+def test_version_must_be_the_integer_one(version):
+    with pytest.raises(ProtocolError) as err:
+        Decoder().feed(msgpack.packb({"v": version, "op": "health", "id": 1}))
+    assert err.value.field == "v"
 
 
 def test_request_schema_accepts_limits_and_rejects_missing():
