@@ -2,44 +2,46 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import signal
 import sys
 
-from agent.errors import RewarmError, Unreachable
+from agent.argtypes import host_port, port, positive_float, positive_int
+from agent.errors import ConfigError, RewarmError, Unreachable
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("frontdoor", help="serve the msgpack/TCP front door")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=7400)
+    p.add_argument("--port", type=port, default=7400)
     p.add_argument("--model", action="append", default=[], metavar="NAME[=DEADLINE_MS]",
                    help="a model to accept, optionally with its default deadline (ms)")
     p.add_argument("--tokens", help="file of tenant:token lines (enables auth)")
     p.add_argument("--allow-open", action="store_true",
                    help="listen beyond loopback without tokens")
     p.add_argument("--events", help="append cold-start events (JSON lines) here")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
-    p.add_argument("--consul", metavar="HOST:PORT", help="use Consul as the registry")
-    p.add_argument("--node-agent", action="append", default=[], metavar="HOST:PORT",
+    p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics on this port")
+    p.add_argument("--consul", type=host_port, metavar="HOST:PORT", help="use Consul as the registry")
+    p.add_argument("--node-agent", action="append", default=[], type=host_port, metavar="HOST:PORT",
                    help="node agent control API to ask for restores (repeatable)")
     p.add_argument("--replica", action="append", default=[], metavar="MODEL@HOST:PORT",
                    help="a static replica (local registry; 64 seqs, 1 Mi KV tokens assumed)")
-    p.add_argument("--max-queue-depth", type=int, default=1024)
-    p.add_argument("--max-wait-s", type=float, default=60.0)
-    p.add_argument("--max-connections", type=int, default=4096)
+    p.add_argument("--max-queue-depth", type=positive_int, default=1024)
+    p.add_argument("--max-wait-s", type=positive_float, default=60.0)
+    p.add_argument("--max-connections", type=positive_int, default=4096)
     p.set_defaults(func=_serve)
 
     g = subparsers.add_parser("generate", help="send one prompt to a front door")
     g.add_argument("prompt")
     g.add_argument("--model", required=True)
-    g.add_argument("--address", default="127.0.0.1:7400", metavar="HOST:PORT")
-    g.add_argument("--consul", metavar="HOST:PORT", help="discover a front door in Consul")
+    g.add_argument("--address", type=host_port, default="127.0.0.1:7400", metavar="HOST:PORT")
+    g.add_argument("--consul", type=host_port, metavar="HOST:PORT", help="discover a front door in Consul")
     g.add_argument("--token")
-    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--max-tokens", type=positive_int, default=32)
     g.add_argument("--seed", type=int)
-    g.add_argument("--deadline-ms", type=float)
+    g.add_argument("--deadline-ms", type=positive_float)
     g.set_defaults(func=_generate)
 
 
@@ -74,7 +76,14 @@ def _serve(args) -> int:
     models = {}
     for spec in args.model:
         name, _, deadline = spec.partition("=")
-        models[name] = float(deadline) if deadline else 30_000.0
+        try:
+            models[name] = positive_float(deadline) if deadline else 30_000.0
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"--model {spec!r}: deadline {exc}", name="--model", value=spec,
+                              limit="NAME or NAME=DEADLINE_MS with DEADLINE_MS > 0") from None
+        if not name:
+            raise ConfigError(f"--model {spec!r}: no model name", name="--model", value=spec,
+                              limit="NAME or NAME=DEADLINE_MS")
     auth = TokenAuth.from_file(args.tokens) if args.tokens else TokenAuth()
     check_bind(args.host, auth, args.allow_open)
     telemetry = Telemetry(args.events)

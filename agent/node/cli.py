@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from agent.argtypes import host_port, nonneg_int, positive_float, positive_int
 from agent.errors import RewarmError
 
 DEFAULT_AGENT = "127.0.0.1:7733"
@@ -54,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--agent", default=default_agent(),
                        help="the agent's control address, HOST:PORT or unix:PATH")
-        p.add_argument("--timeout-s", type=float, default=600.0)
+        p.add_argument("--timeout-s", type=positive_float, default=600.0)
         return p
 
     p = sub.add_parser("run", help="run the node agent")
@@ -62,17 +63,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model-dir", action="append", default=[], required=True,
                    help="HF-layout model this node serves (repeatable)")
     p.add_argument("--release", default=None, help="AOT release directory (rewarm build --out)")
-    p.add_argument("--listen", default=DEFAULT_AGENT, help="control API address")
+    p.add_argument("--listen", type=host_port, default=DEFAULT_AGENT, help="control API address")
     p.add_argument("--node-id", default=None, help="default: the host name")
     p.add_argument("--remote", default=None, help="remote snapshot tier (shared path)")
-    p.add_argument("--capacity-gib", type=float, default=64.0, help="local tier capacity")
-    p.add_argument("--zygotes", type=int, default=1, help="zygotes kept per device")
-    p.add_argument("--max-replicas-per-model", type=int, default=None, metavar="N",
+    p.add_argument("--capacity-gib", type=positive_float, default=64.0, help="local tier capacity")
+    p.add_argument("--zygotes", type=nonneg_int, default=1, help="zygotes kept per device")
+    p.add_argument("--max-replicas-per-model", type=positive_int, default=None, metavar="N",
                    help="at N replicas of a model, a restore answers with a warm one instead "
                         "of starting another (default: no cap)")
     p.add_argument("--backend", choices=["process", "inproc"], default="process")
-    p.add_argument("--buffer-mib", type=int, default=1024, help="restore buffer per zygote")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per replica")
+    p.add_argument("--buffer-mib", type=positive_int, default=1024, help="restore buffer per zygote")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per replica")
     p.add_argument("--registry", choices=["local", "consul"], default="local",
                    help="consul honours CONSUL_HTTP_ADDR and CONSUL_HTTP_TOKEN")
     p.add_argument("--restore", action="append", default=[], metavar="MODEL",
@@ -87,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_client("restore", model="model", device="device"))
     p = client("drain", "drain and stop one replica")
     p.add_argument("replica")
-    p.add_argument("--drain-timeout-s", type=float, default=None)
+    p.add_argument("--drain-timeout-s", type=positive_float, default=None)
     p.add_argument("--force", action="store_true", default=None)
     p.set_defaults(func=_client("drain", replica="replica", timeout_s="drain_timeout_s",
                                 force="force"))
@@ -104,7 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             ("evict", "snapshot_evict", "remove a local copy", "snapshot")):
         p = ssub.add_parser(name, help=help_)
         p.add_argument("--agent", default=default_agent())
-        p.add_argument("--timeout-s", type=float, default=600.0)
+        p.add_argument("--timeout-s", type=positive_float, default=600.0)
         if positional:
             p.add_argument(positional)
             p.set_defaults(func=_client(op, snapshot="snapshot"))

@@ -17,31 +17,33 @@ import threading
 
 log = logging.getLogger(__name__)
 
+from agent.argtypes import host_port, port, positive_float, positive_int
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("predictor", help="forecast demand and keep warm-pool targets")
     p.add_argument("--model", action="append", required=True, metavar="NAME[:MIN:MAX]",
                    help="a model to manage, optionally with its replica bounds (repeatable)")
     p.add_argument("--registry", choices=("local", "consul"), default="local")
-    p.add_argument("--consul", metavar="HOST:PORT", help="Consul agent (CONSUL_HTTP_ADDR)")
+    p.add_argument("--consul", type=host_port, metavar="HOST:PORT", help="Consul agent (CONSUL_HTTP_ADDR)")
     p.add_argument("--scaler", choices=("local", "nomad"), default="local")
-    p.add_argument("--node-agent", action="append", default=[], metavar="HOST:PORT",
+    p.add_argument("--node-agent", action="append", default=[], type=host_port, metavar="HOST:PORT",
                    help="node agent control API (repeatable; default $REWARM_AGENT or "
                         "127.0.0.1:7733)")
     p.add_argument("--frontdoor", action="append", default=[], metavar="HOST:PORT")
     p.add_argument("--catalog", help="SQLite catalog for forecast rows (agent/snapshot)")
-    p.add_argument("--lead-time-s", type=float, default=15.0)
-    p.add_argument("--restore-p99-s", type=float, default=3.6)
-    p.add_argument("--decision-latency-s", type=float, default=1.0)
-    p.add_argument("--occupancy-s", type=float, default=7.0)
-    p.add_argument("--seqs-per-replica", type=int, default=80,
+    p.add_argument("--lead-time-s", type=positive_float, default=15.0)
+    p.add_argument("--restore-p99-s", type=positive_float, default=3.6)
+    p.add_argument("--decision-latency-s", type=positive_float, default=1.0)
+    p.add_argument("--occupancy-s", type=positive_float, default=7.0)
+    p.add_argument("--seqs-per-replica", type=positive_int, default=80,
                    help="until a replica reports its KV capacity")
-    p.add_argument("--mean-context-tokens", type=float, default=900.0)
+    p.add_argument("--mean-context-tokens", type=positive_float, default=900.0)
     p.add_argument("--utilisation", type=float, default=0.75)
-    p.add_argument("--gpu-cost-per-hour", type=float, default=2.80)
-    p.add_argument("--tick-s", type=float, default=1.0)
-    p.add_argument("--ticks", type=int, help="run this many ticks, print decisions, exit")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+    p.add_argument("--gpu-cost-per-hour", type=positive_float, default=2.80)
+    p.add_argument("--tick-s", type=positive_float, default=1.0)
+    p.add_argument("--ticks", type=positive_int, help="run this many ticks, print decisions, exit")
+    p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics here")
     p.set_defaults(func=_run)
 
 

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from agent.argtypes import positive_int
 from agent.errors import RewarmError
 
 
@@ -71,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         if name == "inspect":
             p.add_argument("--tensors", action="store_true", help="include the tensor table")
         else:
-            p.add_argument("--threads", type=int, default=2)
+            p.add_argument("--threads", type=positive_int, default=2)
         p.set_defaults(func=_guard(func))
     imp = subparsers.add_parser(
         "import", help="store an HF-layout checkpoint as a weights-only snapshot (not restorable "

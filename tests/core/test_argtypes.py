@@ -31,3 +31,27 @@ def test_a_bad_value_is_a_usage_error_not_a_traceback(capsys):
         main(["replica", "--listen", "h:99999", "--zygote"])
     assert exit_.value.code == 2
     assert "99999" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["frontdoor", "--port", "99999"], "99999"),
+    (["frontdoor", "--max-connections", "0"], "0 is below the limit 1"),
+    (["predictor", "--tick-s", "0"], "must be > 0"),
+    (["agent", "run", "--state-dir", "s", "--model-dir", "m", "--listen", "h:70000"], "70000"),
+    (["snapshot", "verify", "p", "--threads", "0"], "below the limit 1"),
+    (["generate", "--model", "m", "--max-tokens", "-1", "hi"], "-1"),
+])
+def test_every_component_cli_checks_its_numbers(argv, says, capsys):
+    from agent.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_front_door_model_deadline_that_is_not_a_number_is_one_error_line(capsys):
+    from agent.cli import main
+
+    assert main(["frontdoor", "--model", "m=abc"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --model 'm=abc'") and "Traceback" not in err
