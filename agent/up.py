@@ -228,10 +228,10 @@ class Stack:
     async def _serve(self, ready: threading.Event) -> None:
         from agent.frontdoor.capacity import NodeAgentCapacity
         from agent.frontdoor.server import FrontDoor, FrontDoorConfig
-        from agent.node.control import ControlServer
+        from agent.node.control import ControlServer, control_token
 
         self._stop_async = asyncio.Event()
-        control = ControlServer(self.agent, self.agent_listen)
+        control = ControlServer(self.agent, self.agent_listen, control_token())
         agent_host, _, agent_port = self.agent_listen.rpartition(":")
         try:
             self.agent_address = await control.start()

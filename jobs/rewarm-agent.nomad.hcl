@@ -17,7 +17,7 @@ job "rewarm-agent" {
     }
 
     network {
-      port "control" { static = 7070 }
+      port "control" { static = 7733 }
     }
 
     service {
@@ -42,6 +42,16 @@ job "rewarm-agent" {
         args    = ["agent", "run", "--state-dir", "/var/lib/rewarm",
                    "--model-dir", "/var/lib/rewarm/models/default",
                    "--listen", "0.0.0.0:${NOMAD_PORT_control}", "--registry", "consul"]
+      }
+
+      # The control API's shared secret, from Nomad Variables (`nomad var put nomad/jobs
+      # control_token=...`): the agent requires it beyond loopback, its clients send it.
+      template {
+        data        = <<-EOT
+          REWARM_CONTROL_TOKEN={{ with nomadVar "nomad/jobs" }}{{ .control_token }}{{ end }}
+          EOT
+        destination = "secrets/control.env"
+        env         = true
       }
 
       volume_mount {

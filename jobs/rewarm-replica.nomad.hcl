@@ -44,7 +44,7 @@ job "rewarm-replica-__MODEL__" {
         command = "/bin/sh"
         args = ["-c", <<-EOT
           set -e
-          agent="${attr.unique.network.ip-address}:7070"
+          agent="${attr.unique.network.ip-address}:7733"
           uuid=$(echo "$NVIDIA_VISIBLE_DEVICES" | cut -d, -f1)
           index=$(nvidia-smi --query-gpu=index,uuid --format=csv,noheader | grep "$uuid" | cut -d, -f1)
           r=$(rewarm agent restore __MODEL__ --agent "$agent" --device "cuda:$index" \
@@ -53,6 +53,16 @@ job "rewarm-replica-__MODEL__" {
           while :; do sleep 3600 & wait $!; done
           EOT
         ]
+      }
+
+      # The control API's shared secret, from Nomad Variables (`nomad var put nomad/jobs
+      # control_token=...`): the agent requires it beyond loopback, its clients send it.
+      template {
+        data        = <<-EOT
+          REWARM_CONTROL_TOKEN={{ with nomadVar "nomad/jobs" }}{{ .control_token }}{{ end }}
+          EOT
+        destination = "secrets/control.env"
+        env         = true
       }
 
       kill_timeout = "60s"

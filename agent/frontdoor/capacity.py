@@ -108,13 +108,17 @@ class RestoreTimes:
 class NodeAgentCapacity:
     """Restores through node agents' control API: ``{"op": "restore", "model": M}`` answered
     by ``{"type": "result", "result": {"replica": {...ReplicaLoad fields}, "path",
-    "restore_ms"}}`` or an error.  ``nodes()`` returns candidate ``(host, port)`` pairs, those
+    "restore_ms"}}`` or an error; it carries the control API ``token`` (default
+    ``$REWARM_CONTROL_TOKEN``) when there is one.  ``nodes()`` returns candidate ``(host, port)`` pairs, those
     caching the model's snapshot first; each failure moves on to the next node."""
 
     def __init__(self, nodes: Callable[[str], list[tuple[str, int]]], *,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, token: str | None = None) -> None:
+        from agent.node.control import control_token
+
         self._nodes = nodes
         self._timeout_s = timeout_s
+        self._token = (token if token is not None else control_token()) or None
         self._ids = itertools.count(1)
 
     async def request_restore(self, model: str) -> RestoreResult:
@@ -136,7 +140,10 @@ class NodeAgentCapacity:
         reader, writer = await asyncio.open_connection(host, port)
         try:
             rid = next(self._ids)
-            writer.write(pack({"op": "restore", "id": rid, "model": model}))
+            ask = {"op": "restore", "id": rid, "model": model}
+            if self._token is not None:
+                ask["token"] = self._token
+            writer.write(pack(ask))
             decoder = Decoder()
             while True:
                 data = await reader.read(65536)

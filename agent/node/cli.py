@@ -64,6 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="HF-layout model this node serves (repeatable)")
     p.add_argument("--release", default=None, help="AOT release directory (rewarm build --out)")
     p.add_argument("--listen", type=host_port, default=DEFAULT_AGENT, help="control API address")
+    p.add_argument("--allow-open", action="store_true",
+                   help="listen beyond loopback without REWARM_CONTROL_TOKEN (trusted networks)")
     p.add_argument("--node-id", default=None, help="default: the host name")
     p.add_argument("--remote", default=None, help="remote snapshot tier (shared path)")
     p.add_argument("--capacity-gib", type=positive_float, default=64.0, help="local tier capacity")

@@ -27,11 +27,15 @@ draining the last replica before its snapshot is durable), the error's own code 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ERROR_BY_CODE, ProtocolError, ReplicaNotFound, RewarmError
+from agent.errors import (ERROR_BY_CODE, ConfigError, ProtocolError, ReplicaNotFound,
+                          RewarmError, Unauthorized)
 from agent.node.agent import NodeAgent
 from agent.protocol import Decoder, error_message, pack, read_messages, request
 
@@ -86,13 +90,49 @@ def dispatch(agent: NodeAgent, op: str, args: dict[str, Any]) -> dict[str, Any]:
     return agent.snapshot_evict(args["snapshot"])
 
 
-class ControlServer:
-    """Serves ``agent`` on ``HOST:PORT`` or ``unix:PATH``; ``address`` is set once listening."""
+TOKEN_ENV = "REWARM_CONTROL_TOKEN"
+"""The shared secret of the control API: servers require it when set, clients send it."""
 
-    def __init__(self, agent: NodeAgent, listen: str) -> None:
-        self.agent, self.listen = agent, listen
+
+def control_token() -> str | None:
+    """The control API token from ``$REWARM_CONTROL_TOKEN`` (None when unset or empty)."""
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def check_control_bind(listen: str, token: str | None, allow_open: bool = False) -> None:
+    """Refuse a control API beyond loopback without a token (it drains and restores
+    replicas) unless ``allow_open``.  Raises ConfigError naming the address."""
+    if token or allow_open or listen.startswith("unix:"):
+        return
+    host = listen.rpartition(":")[0].strip("[]")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise ConfigError(f"node agent control API on {listen!r} without a token: set "
+                          f"{TOKEN_ENV} (every client sends it) or pass --allow-open",
+                          name="listen", value=listen, limit="loopback, or a token")
+
+
+class ControlServer:
+    """Serves ``agent`` on ``HOST:PORT`` or ``unix:PATH``; ``address`` is set once listening.
+    With ``token`` every op must carry ``"token": <it>`` (compared in constant time) or is
+    answered 401."""
+
+    def __init__(self, agent: NodeAgent, listen: str, token: str | None = None) -> None:
+        self.agent, self.listen, self.token = agent, listen, token
         self.address: str | None = None
         self._server: asyncio.base_events.Server | None = None
+
+    def _authorise(self, msg: dict[str, Any]) -> None:
+        if self.token is None:
+            return
+        given = msg.get("token")
+        if not isinstance(given, str) or not hmac.compare_digest(given.encode(),
+                                                                 self.token.encode()):
+            raise Unauthorized(f"control API: token {'missing' if given is None else 'wrong'} "
+                               f"(clients send ${TOKEN_ENV})", field="token")
 
     async def start(self) -> str:
         if self.listen.startswith("unix:"):
@@ -119,6 +159,7 @@ class ControlServer:
             async for msg in read_messages(reader, Decoder()):
                 rid = msg.get("id")
                 try:
+                    self._authorise(msg)
                     op, args = _args(msg)
                     result = await loop.run_in_executor(None, dispatch, self.agent, op, args)
                     writer.write(pack({"id": rid, "type": "result", "result": result}))
@@ -149,13 +190,16 @@ def control_call(address: str, op: str, *, timeout_s: float = 600.0, hint: str =
                  **fields: Any) -> dict[str, Any]:
     """Blocking client: send one control op, return its result.
 
-    Raises ControlError (or the typed error for the wire code: 404 ModelNotFound, or
+    Sends ``$REWARM_CONTROL_TOKEN`` when set.  Raises ControlError (or the typed error for the
+    wire code: 401 Unauthorized, 404 ModelNotFound, or
     ReplicaNotFound for an op on a replica, ...),
     Unreachable (a ConnectionError naming ``address`` and ``hint``) when no agent answers
     there, ConnectionError, TimeoutError.
     """
-    answer = request(address, {"op": op, "id": 1, **fields}, timeout_s=timeout_s,
-                     service="node agent", hint=hint)[-1]
+    message = {"op": op, "id": 1, **fields}
+    if control_token() is not None:
+        message["token"] = control_token()
+    answer = request(address, message, timeout_s=timeout_s, service="node agent", hint=hint)[-1]
     if answer.get("type") == "error":
         code, reason = answer.get("code"), answer.get("reason", "")
         cls = ReplicaNotFound if code == 404 and "replica" in fields else ERROR_BY_CODE.get(code)

@@ -18,7 +18,7 @@ from pathlib import Path
 from agent.cluster.base import Registry
 from agent.node.agent import AgentConfig, NodeAgent
 from agent.node.backend import Backend, InProcessBackend, ModelSpec
-from agent.node.control import ControlServer
+from agent.node.control import ControlServer, check_control_bind, control_token
 from agent.node.inventory import Inventory
 from agent.snapshot.catalog import Catalog
 from agent.snapshot.store import LocalStore
@@ -71,9 +71,9 @@ def _suspender():
 
 
 async def serve(agent: NodeAgent, listen: str, stop: asyncio.Event,
-                restore: list[str] = ()) -> None:
-    """Control API + agent loop until ``stop`` is set."""
-    server = ControlServer(agent, listen)
+                restore: list[str] = (), token: str | None = None) -> None:
+    """Control API (``token``: required of every op when set) + agent loop until ``stop``."""
+    server = ControlServer(agent, listen, token)
     address = await server.start()
     agent.agent_instance.address, _, port = address.rpartition(":")
     agent.agent_instance.port = int(port) if port.isdigit() else 0
@@ -97,6 +97,8 @@ async def serve(agent: NodeAgent, listen: str, stop: asyncio.Event,
 def run_agent(args: argparse.Namespace) -> int:
     from agent.node.processes import ProcessBackend
 
+    token = control_token()
+    check_control_bind(args.listen, token, args.allow_open)   # before anything starts
     state = Path(args.state_dir)
     backend: Backend
     if args.backend == "process":
@@ -117,7 +119,7 @@ def run_agent(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(agent, args.listen, stop, args.restore)
+        await serve(agent, args.listen, stop, args.restore, token)
 
     asyncio.run(main())
     return 0

@@ -105,7 +105,7 @@ def test_replica_task_restores_through_the_agent_and_drains_on_stop():
     script = task["Config"]["args"][1]
     assert script.startswith("set -e\n") and "EOT" not in script
     assert "rewarm agent restore m " in script and "rewarm agent drain" in script
-    assert "${attr.unique.network.ip-address}:7070" in script   # Nomad interpolates it
+    assert "${attr.unique.network.ip-address}:7733" in script   # Nomad interpolates it
     assert task["KillTimeout"] == 60 * 10**9
 
 
@@ -125,3 +125,13 @@ def test_durations_convert_to_nanoseconds():
     assert _duration_ns(None) is None
     with pytest.raises(ConfigError):
         _duration_ns("soon")
+
+
+@pytest.mark.parametrize("name", ["rewarm-agent.nomad.hcl", "rewarm-replica.nomad.hcl"])
+def test_agent_and_replica_tasks_get_the_control_token_from_nomad_variables(name):
+    _, job = job_body(parse(name))
+    (_, group), = job["group"][0].items()
+    (_, task), = group["task"][0].items()
+    template = task["template"][0]
+    assert template["env"] is True and template["destination"].startswith("secrets/")
+    assert template["data"].strip().startswith("REWARM_CONTROL_TOKEN={{ with nomadVar")

@@ -139,3 +139,16 @@ def test_a_node_answer_with_address_and_load_is_routable_at_once():
     assert _result({"replica": "up-r2", "path": "restore"}).replica is None   # via registry
     with pytest.raises(KeyError):
         _result({"replica": "x", "model": "m", "address": "a:1", "load": {"max_seqs": 1}})
+
+
+def test_node_agent_restores_carry_the_control_token():
+    seen = []
+
+    async def main():
+        server, port = await fake_node(lambda m: seen.append(m.get("token")) or {
+            "id": m["id"], "type": "result", "result": {"replica": "n-r1", "path": "restore"}})
+        await NodeAgentCapacity(lambda model: [("127.0.0.1", port)], token="t0k").request_restore("m")
+        await NodeAgentCapacity(lambda model: [("127.0.0.1", port)], token="").request_restore("m")
+        server.close()
+    asyncio.run(main())
+    assert seen == ["t0k", None]

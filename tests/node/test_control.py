@@ -122,3 +122,43 @@ def test_suspend_and_resume_on_a_cpu_node_are_409_with_the_right_verb(served, ca
     finally:
         agent.captures[agent.models["tiny"].key].result(timeout=120)
         control_call(address, "drain", replica=rid)
+
+
+def test_a_token_is_required_of_every_op_when_set(make_agent, tmp_path, monkeypatch, capsys):
+    from agent.errors import Unauthorized
+
+    agent = make_agent()
+    loop = asyncio.new_event_loop()
+    server = ControlServer(agent, f"unix:{tmp_path / 'tok.sock'}", token="s3cret")
+    address = loop.run_until_complete(server.start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.delenv("REWARM_CONTROL_TOKEN", raising=False)
+        with pytest.raises(Unauthorized, match="token missing"):
+            control_call(address, "status")
+        monkeypatch.setenv("REWARM_CONTROL_TOKEN", "wrong")
+        with pytest.raises(Unauthorized, match="token wrong"):
+            control_call(address, "status")
+        assert main(["agent", "status", "--agent", address]) == 2
+        assert "token wrong" in capsys.readouterr().err
+        monkeypatch.setenv("REWARM_CONTROL_TOKEN", "s3cret")
+        assert control_call(address, "status")["node"] == "n1"
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_the_control_api_refuses_an_open_bind_without_a_token():
+    from agent.errors import ConfigError
+    from agent.node.control import check_control_bind
+
+    with pytest.raises(ConfigError) as err:
+        check_control_bind("0.0.0.0:7733", None)
+    assert err.value.value == "0.0.0.0:7733" and "REWARM_CONTROL_TOKEN" in str(err.value)
+    check_control_bind("0.0.0.0:7733", "t")                     # a token: fine
+    check_control_bind("0.0.0.0:7733", None, allow_open=True)   # said so: fine
+    check_control_bind("127.0.0.1:7733", None)                  # loopback: fine
+    check_control_bind("[::1]:7733", None)
+    check_control_bind("unix:/run/rewarm/agent.sock", None)
