@@ -8,9 +8,17 @@ A snapshot is a directory::
 
 The *buffer* is the snapshot's logical byte space, ``total_bytes`` long: the data files laid
 end to end.  Every chunk maps ``[buffer_offset, buffer_offset + length)`` of it to ``offset`` in
-``file``; the chunks tile the buffer without gaps or overlaps.  Every tensor is a contiguous,
+``file``; the chunks tile the buffer without gaps or overlaps, in order, and the chunks of one
+file lie at increasing, non-overlapping file offsets (so the chunks' lengths, ``total_bytes``,
+can never exceed the data files' sizes).  Every tensor is a contiguous,
 row-major run ``[offset, offset + nbytes)`` of the buffer, aligned to TENSOR_ALIGN, so that a
-restore yields each tensor as a view into one host buffer.
+restore yields each tensor as a view into one host buffer.  Tensors with bytes lie in manifest
+order and never overlap (no two names alias the same bytes).
+
+``manifest.msgpack`` and every data file must be regular files directly in the snapshot
+directory: a symbolic link, directory, FIFO or device in their place is refused (the reader
+opens them with O_NOFOLLOW | O_NONBLOCK and checks S_ISREG), so a chunk's plain file name
+really confines its reads to the snapshot directory.
 
 The envelope's ``body`` is the msgpack of the manifest; ``sha256`` is its SHA-256 (corruption)
 and ``hmac`` its HMAC-SHA256 under the node key when one is configured (tamper evidence).
@@ -27,7 +35,7 @@ from typing import Any
 
 import torch
 
-from agent.errors import SnapshotCorrupt
+from agent.errors import SnapshotCorrupt, SnapshotIncompatible
 
 FORMAT_VERSION = 1
 ALIGN = 4096                 # chunk and file alignment: O_DIRECT needs the logical block size
@@ -184,6 +192,10 @@ def manifest_from_dict(d: Any, path: Any = None) -> Manifest:
     """
     d = _record(path, "manifest", d, Manifest)
     version = _int(path, "format_version", d["format_version"])
+    if version != FORMAT_VERSION:
+        raise SnapshotIncompatible(
+            f"{path}: manifest body format_version {version}, this rewarm reads {FORMAT_VERSION}",
+            path=path, mismatches={"format_version": (version, FORMAT_VERSION)})
     p = _record(path, "pins", d["pins"], Pins)
     pins = Pins(**{k: _typed(path, f"pins.{k}", v, int if k == "format_version" else str,
                              nullable=k in ("gpu_name", "gpu_cc")) for k, v in p.items()})
@@ -197,7 +209,7 @@ def manifest_from_dict(d: Any, path: Any = None) -> Manifest:
         golden = GoldenCheck(seed=_int(path, "golden.seed", g["seed"], -(1 << 63), (1 << 64) - 1),
                              max_tokens=_int(path, "golden.max_tokens", g["max_tokens"]), **lists)
     total = _int(path, "total_bytes", d["total_bytes"])
-    tensors, names = [], set()
+    tensors, names, prev = [], set(), None     # prev: the last tensor with bytes
     for i, row in enumerate(_list(path, "tensors", d["tensors"])):
         what = f"tensors[{i}]"
         if not isinstance(row, list) or len(row) != 6:
@@ -217,8 +229,16 @@ def manifest_from_dict(d: Any, path: Any = None) -> Manifest:
             raise _bad(path, f"{name}.nbytes", f"product{list(shape)} x itemsize = {want}", nbytes)
         if off % TENSOR_ALIGN or off + nbytes > total:
             raise _bad(path, f"{name}.offset", f"a multiple of {TENSOR_ALIGN} with offset+nbytes <= {total}", off)
+        if nbytes and prev is not None and off < prev.offset + prev.nbytes:
+            raise SnapshotCorrupt(
+                f"{path}: manifest tensors {prev.name!r} [{prev.offset}, {prev.offset + prev.nbytes}) and "
+                f"{name!r} [{off}, {off + nbytes}) overlap or are out of order: expected {name}.offset "
+                f">= {prev.offset + prev.nbytes}, got {off}", path=path, chunk=None,
+                tensors=[prev.name, name], expected=prev.offset + prev.nbytes, actual=off)
         tensors.append(TensorEntry(name, dt, shape, strides, off, nbytes))
-    chunks, cursor = [], 0
+        if nbytes:
+            prev = tensors[-1]
+    chunks, cursor, file_end = [], 0, {}      # file_end: file -> (end of its last chunk, index)
     for i, row in enumerate(_list(path, "chunks", d["chunks"])):
         what = f"chunks[{i}]"
         if not isinstance(row, list) or len(row) != 7:
@@ -232,6 +252,13 @@ def manifest_from_dict(d: Any, path: Any = None) -> Manifest:
         if boff != cursor:
             raise _bad(path, f"{what}.buffer_offset", f"{cursor} (chunks tile the buffer)", boff)
         cursor += length
+        end, last = file_end.get(fname, (0, None))
+        if off < end:
+            raise SnapshotCorrupt(
+                f"{path}: manifest chunks[{last}] and chunks[{i}] overlap or are out of order in "
+                f"{fname}: expected chunks[{i}].offset >= {end}, got {off}", path=path, chunk=i,
+                chunks=[last, i], tensors=[], expected=end, actual=off)
+        file_end[fname] = (off + length, i)
         chunks.append(ChunkEntry(fname, off, length, boff, _int(path, f"{what}.checksum", row[4], 0, (1 << 64) - 1),
                                  _int(path, f"{what}.compressed_offset", row[5], nullable=True),
                                  _int(path, f"{what}.compressed_length", row[6], nullable=True)))
