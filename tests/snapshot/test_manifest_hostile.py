@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 import tracemalloc
 
 import msgpack
 import pytest
 
-from agent.errors import SnapshotCorrupt
+from agent.errors import SnapshotCorrupt, SnapshotIncompatible, SnapshotNotFound
 from agent.snapshot import format as fmt
 from agent.snapshot.manifest import decode_manifest, encode_manifest, read_manifest
 
@@ -120,3 +122,95 @@ def test_entry_count_limit_at_and_over(good, monkeypatch):
     with pytest.raises(SnapshotCorrupt) as err:                                      # one over
         decode_manifest(_envelope(good), "m")
     assert err.value.actual == fmt.MAX_ENTRIES + 1 and "tensors" in str(err.value)
+
+
+@pytest.mark.parametrize("version", [True, 1.0, 2, "1", None], ids=["true", "float", "two", "str", "nil"])
+def test_envelope_format_version_must_be_the_int_1(good, version):
+    env = msgpack.unpackb(_envelope(good), raw=False)
+    env["format_version"] = version
+    with pytest.raises(SnapshotIncompatible) as err:
+        decode_manifest(msgpack.packb(env, use_bin_type=True), "m")
+    got = err.value.mismatches["format_version"]
+    assert got == (version, fmt.FORMAT_VERSION) and type(got[0]) is type(version)
+
+
+def test_envelope_hmac_must_be_bytes_or_nil(good):
+    env = msgpack.unpackb(_envelope(good), raw=False)
+    env["hmac"] = 63                    # one flipped bit turns nil (0xc0) into fixint 63 (0x3f)
+    with pytest.raises(SnapshotCorrupt, match="hmac") as err:
+        decode_manifest(msgpack.packb(env, use_bin_type=True), "m")
+    assert err.value.actual == "int"
+
+
+# --- what is in manifest.msgpack's place ---------------------------------------------------
+
+def _with_timeout(fn, seconds=10.0, unblock=None):
+    """Run ``fn`` in a thread; return what it raised.  A reader that blocks fails the test
+    (and ``unblock`` is called so the thread can end) instead of hanging the run."""
+    box = {}
+
+    def target():
+        try:
+            fn()
+            box["error"] = None
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        if unblock:
+            unblock()
+        pytest.fail(f"{fn} blocked for more than {seconds} s")
+    return box["error"]
+
+
+def _unblock_fifo(fifo):
+    def unblock():
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))   # the blocked open returns, EOF
+        except OSError:
+            pass
+    return unblock
+
+
+def test_manifest_fifo_is_refused_without_blocking(make_snapshot):
+    path, _ = make_snapshot()
+    mpath = path / fmt.MANIFEST_NAME
+    mpath.unlink()
+    os.mkfifo(mpath)
+    err = _with_timeout(lambda: read_manifest(path), unblock=_unblock_fifo(mpath))
+    assert isinstance(err, SnapshotCorrupt) and err.path == mpath
+    assert err.actual == "a FIFO" and "not a regular file" in str(err)
+
+
+def test_manifest_directory_is_refused(make_snapshot):
+    path, _ = make_snapshot()
+    mpath = path / fmt.MANIFEST_NAME
+    mpath.unlink()
+    mpath.mkdir()
+    with pytest.raises(SnapshotCorrupt, match="not a regular file") as err:
+        read_manifest(path)
+    assert err.value.path == mpath and err.value.actual == "a directory"
+
+
+@pytest.mark.parametrize("target", ["loop", "dangling", "devzero", "real"])
+def test_manifest_symlink_is_refused(make_snapshot, tmp_path, target):
+    path, _ = make_snapshot()
+    mpath = path / fmt.MANIFEST_NAME
+    real = tmp_path / "elsewhere.msgpack"
+    real.write_bytes(mpath.read_bytes())
+    mpath.unlink()
+    os.symlink({"loop": fmt.MANIFEST_NAME, "dangling": "/nonexistent/x", "devzero": "/dev/zero",
+                "real": str(real)}[target], mpath)
+    with pytest.raises(SnapshotCorrupt, match="symbolic link") as err:
+        read_manifest(path)
+    assert err.value.path == mpath
+
+
+def test_snapshot_path_that_is_a_file_is_not_found(tmp_path):
+    path = tmp_path / "snap"
+    path.write_bytes(b"x")
+    with pytest.raises(SnapshotNotFound, match="not a directory") as err:
+        read_manifest(path)
+    assert err.value.path == path
