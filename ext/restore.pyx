@@ -19,9 +19,11 @@ from libc.stdlib cimport malloc, free, calloc
 from libc.errno cimport errno, EINTR, EINVAL
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from posix.unistd cimport pread, close, sysconf
-from posix.fcntl cimport open as c_open, O_RDONLY
+from posix.fcntl cimport open as c_open, O_RDONLY, O_NONBLOCK, O_CLOEXEC
 from posix.mman cimport mmap, munmap, PROT_READ, MAP_SHARED, MAP_FAILED
-from posix.stat cimport struct_stat, fstat
+from posix.stat cimport struct_stat, fstat, S_ISREG
+
+import os
 
 cdef extern from "<sys/mman.h>" nogil:
     int mincore(void *addr, size_t length, unsigned char *vec)
@@ -238,23 +240,34 @@ def xxh3_64(object data):
         XXH3_freeState(state)
 
 
-def resident_fraction(str path):
-    """Share (0.0..1.0) of ``path``'s pages that are in the page cache, from mincore(2).
+def resident_fraction(object path):
+    """Share (0.0..1.0) of a file's pages that are in the page cache, from mincore(2).
 
-    Returns 0.0 for an empty file.  Raises OSError naming the path when it cannot be mapped.
+    ``path``: a file name (opened with O_NONBLOCK, so a FIFO cannot block the caller) or an
+    open descriptor (int; not closed).  Returns 0.0 for an empty file.  Raises OSError naming
+    the path when it cannot be opened or mapped, or is not a regular file.
     """
-    cdef bytes p = path.encode()
-    cdef int fd = c_open(p, O_RDONLY)
+    cdef bytes p
+    cdef int fd
+    cdef bint own = not isinstance(path, int)
     cdef struct_stat st
     cdef void *addr
     cdef unsigned char *vec
     cdef size_t page = <size_t>sysconf(_SC_PAGESIZE)
     cdef size_t npages, k, resident = 0
-    if fd < 0:
-        raise OSError(errno, f"cannot open {path}")
+    if own:
+        p = os.fsencode(path)
+        fd = c_open(p, O_RDONLY | O_NONBLOCK | O_CLOEXEC)
+        if fd < 0:
+            err = errno
+            raise OSError(err, f"cannot open {path}: {os.strerror(err)}")
+    else:
+        fd = path
     try:
         if fstat(fd, &st) != 0:
             raise OSError(errno, f"cannot stat {path}")
+        if not S_ISREG(st.st_mode):
+            raise OSError(EINVAL, f"{path} is not a regular file")
         if st.st_size == 0:
             return 0.0
         npages = (<size_t>st.st_size + page - 1) // page
@@ -274,4 +287,5 @@ def resident_fraction(str path):
             free(vec)
             munmap(addr, <size_t>st.st_size)
     finally:
-        close(fd)
+        if own:
+            close(fd)

@@ -8,8 +8,10 @@ build the tensors as views into the buffer.  A failed restore raises and returns
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +19,9 @@ from pathlib import Path
 import torch
 
 from agent import _restore
-from agent.errors import ConfigError, SnapshotCorrupt
+from agent.errors import ConfigError, SnapshotCorrupt, SnapshotError, SnapshotNotFound
 from agent.snapshot.format import ALIGN, DTYPES, Manifest, Pins
-from agent.snapshot.manifest import read_manifest
+from agent.snapshot.manifest import open_regular, read_manifest
 from agent.snapshot.pins import check_pins, machine_pins, pins_device
 
 __all__ = ["HostBuffer", "Restored", "RestoreStats", "read_manifest", "restore_snapshot",
@@ -98,50 +100,102 @@ BUFFERED_PIECE_BYTES = 256 << 10
 RESIDENT_FOR_BUFFERED = 0.9     # page-cache share above which "auto" reads buffered
 
 
-def page_cache_share(path: Path, manifest: Manifest) -> float:
-    """Share (0..1) of the snapshot's data-file pages in the page cache (mincore)."""
-    files = [f for f in sorted({c.file for c in manifest.chunks}) if (path / f).is_file()]
-    sizes = [(path / f).stat().st_size for f in files]   # a missing file is reported by the reader
-    total = sum(sizes)
-    if not total:
-        return 0.0
-    return sum(_restore.resident_fraction(str(path / f)) * n for f, n in zip(files, sizes)) / total
+def page_cache_share(path: Path, manifest: Manifest, fds: dict[str, tuple[int, int]] | None = None) -> float:
+    """Share (0..1) of the snapshot's data-file pages in the page cache (mincore).
+
+    ``fds``: the descriptors :func:`_open_files` opened (their files are known to be regular);
+    without them the files are opened and checked here.  A file that cannot be measured counts
+    as not cached: this is only the heuristic that picks direct or buffered reads.
+    """
+    own = fds is None
+    if own:
+        try:
+            fds = _open_files(path, manifest, direct=False)
+        except SnapshotError:
+            return 0.0   # the restore itself reports what is wrong with the files
+    try:
+        sizes, cached = 0, 0.0
+        for _fd_d, fd_b in fds.values():
+            n = os.fstat(fd_b).st_size
+            sizes += n
+            try:
+                cached += _restore.resident_fraction(fd_b) * n
+            except OSError:
+                pass
+        return cached / sizes if sizes else 0.0
+    finally:
+        if own:
+            _close(fds)
 
 
 def _open_files(path: Path, manifest: Manifest, direct: bool = True) -> dict[str, tuple[int, int]]:
-    """Open each data file buffered and, when ``direct`` and allowed, with O_DIRECT; check its length."""
+    """Open each data file buffered and, when ``direct`` and allowed, with O_DIRECT; check its length.
+
+    Every data file must be a regular file (not a symlink, FIFO, directory or device: see
+    manifest.open_regular), long enough for its last chunk, and together the files must hold at
+    least ``total_bytes``.  All of this is checked before any buffer is allocated.
+    """
     need: dict[str, tuple[int, int]] = {}
     for i, c in enumerate(manifest.chunks):
         end = c.offset + c.length
         if end > need.get(c.file, (0, -1))[0]:
             need[c.file] = (end, i)
     fds: dict[str, tuple[int, int]] = {}
+    sizes: dict[str, int] = {}
     try:
         for name, (end, last) in need.items():
             fpath = path / name
             try:
-                fd_b = os.open(fpath, os.O_RDONLY | os.O_CLOEXEC)
+                fd_b, st = open_regular(fpath, "data file", path)
+            except SnapshotNotFound:
+                raise
             except FileNotFoundError as exc:
                 raise SnapshotCorrupt(f"{fpath}: data file missing (chunk {last} needs {end} bytes)",
                                       path=fpath, chunk=last, tensors=manifest.chunk_tensors(last),
                                       expected=end, actual=None) from exc
+            except SnapshotCorrupt as exc:
+                exc.chunk, exc.tensors = last, manifest.chunk_tensors(last)
+                raise
             fds[name] = (-1, fd_b)
-            size = os.fstat(fd_b).st_size
-            if size < end:
+            sizes[name] = st.st_size
+        on_disk = sum(sizes.values())
+        for name, (end, last) in need.items():
+            if sizes[name] < end:
+                fpath = path / name
                 raise SnapshotCorrupt(
-                    f"{fpath}: truncated: expected at least {end} bytes, found {size} "
-                    f"(chunk {last}, tensors {manifest.chunk_tensors(last)[:5]})", path=fpath,
-                    chunk=last, tensors=manifest.chunk_tensors(last), expected=end, actual=size)
-            if not direct:
-                continue
-            try:
-                fds[name] = (os.open(fpath, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)), fd_b)
-            except OSError:  # tmpfs and some others refuse O_DIRECT: buffered it is
-                pass
+                    f"{fpath}: truncated: expected at least {end} bytes, found {sizes[name]} "
+                    f"(chunk {last}, tensors {manifest.chunk_tensors(last)[:5]}); manifest total_bytes "
+                    f"{manifest.total_bytes}, data files on disk {on_disk} bytes", path=fpath,
+                    chunk=last, tensors=manifest.chunk_tensors(last), expected=end, actual=sizes[name],
+                    total_bytes=manifest.total_bytes, on_disk_bytes=on_disk)
+        if manifest.total_bytes > on_disk:   # unreachable for a validated manifest; no allocation
+            raise SnapshotCorrupt(
+                f"{path}: manifest total_bytes {manifest.total_bytes} exceeds the {on_disk} bytes of its "
+                f"data files on disk {sorted(sizes)}", path=path, chunk=None, tensors=[],
+                expected=on_disk, actual=manifest.total_bytes, total_bytes=manifest.total_bytes,
+                on_disk_bytes=on_disk)
+        if direct:
+            for name, (_, fd_b) in list(fds.items()):
+                fds[name] = (_open_direct(path / name, fd_b), fd_b)
     except BaseException:
         _close(fds)
         raise
     return fds
+
+
+def _open_direct(fpath: Path, fd_b: int) -> int:
+    """An O_DIRECT descriptor of the same file as ``fd_b``, or -1 (refused, or the file changed)."""
+    try:
+        fd = os.open(fpath, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | getattr(os, "O_DIRECT", 0))
+    except OSError:  # tmpfs and some others refuse O_DIRECT: buffered it is
+        return -1
+    a, b = os.fstat(fd), os.fstat(fd_b)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) or not stat.S_ISREG(a.st_mode):
+        os.close(fd)   # replaced since it was checked: read only through the checked descriptor
+        return -1
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
 
 
 def _close(fds: dict[str, tuple[int, int]]) -> None:
@@ -203,15 +257,20 @@ def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, veri
     manifest = read_manifest(path, key)
     check_pins(manifest.pins, machine or machine_pins(pins_device(manifest.pins)), path)
     total = manifest.total_bytes
-    if buffer is None:
-        buffer = HostBuffer.allocate(total)
-    elif buffer.capacity_bytes < total:
+    if buffer is not None and buffer.capacity_bytes < total:
         raise ConfigError(f"{path}: buffer holds {buffer.capacity_bytes} bytes, snapshot needs {total}",
                           name="buffer", value=buffer.capacity_bytes, limit=total)
-    if direct == "auto":
-        direct = page_cache_share(path, manifest) < RESIDENT_FOR_BUFFERED if manifest.chunks else True
-    fds = _open_files(path, manifest, bool(direct))
+    # Data files are opened and their sizes checked against the chunks and total_bytes before
+    # any memory is allocated: a hostile total_bytes fails here, not in mmap.
+    fds = _open_files(path, manifest, direct=False)
     try:
+        if direct == "auto":
+            direct = page_cache_share(path, manifest, fds) < RESIDENT_FOR_BUFFERED if manifest.chunks else True
+        if direct:
+            for name, (_, fd_b) in list(fds.items()):
+                fds[name] = (_open_direct(path / name, fd_b), fd_b)
+        if buffer is None:
+            buffer = HostBuffer.allocate(total)
         jobs = [(*fds[c.file], c.offset, c.length, c.buffer_offset, c.checksum) for c in manifest.chunks]
         piece = DIRECT_PIECE_BYTES if direct else BUFFERED_PIECE_BYTES
         workers = max(threads, DIRECT_IO_DEPTH) if direct else threads
@@ -235,9 +294,10 @@ def verify_chunks(path: Path | str, manifest: Manifest, *, threads: int = 2) -> 
     if not manifest.chunks:
         return 0
     step = max(c.length for c in manifest.chunks)
-    buffer = HostBuffer.allocate(step * threads)
-    fds = _open_files(path, manifest)
+    fds = _open_files(path, manifest)      # sizes checked before the buffer is allocated
+    buffer = None
     try:
+        buffer = HostBuffer.allocate(step * threads)
         for lo in range(0, len(manifest.chunks), threads):
             idx = list(range(lo, min(lo + threads, len(manifest.chunks))))
             jobs = [(*fds[manifest.chunks[i].file], manifest.chunks[i].offset, manifest.chunks[i].length,
@@ -245,5 +305,6 @@ def verify_chunks(path: Path | str, manifest: Manifest, *, threads: int = 2) -> 
             _check_results(path, manifest, idx, _restore.read_chunks(buffer.memory, jobs, threads, True), True)
     finally:
         _close(fds)
-        buffer.memory.close()
+        if buffer is not None:
+            buffer.memory.close()
     return manifest.total_bytes
