@@ -26,7 +26,7 @@ from typing import Any
 
 from agent.clock import Clock, SystemClock
 from agent.cluster.base import Registry, ServiceInstance
-from agent.errors import Overloaded, ProtocolError, RewarmError, Unauthorized
+from agent.errors import ConfigError, Overloaded, ProtocolError, RewarmError, Unauthorized
 from agent.frontdoor.admission import AdmissionQueue, Pending
 from agent.frontdoor.announce import FRONTDOOR_SERVICE, Announcer, RegistryAnnouncer
 from agent.frontdoor.auth import TokenAuth
@@ -57,7 +57,9 @@ class FrontDoorConfig:
     max_wait_s: float = 60.0
     max_connections: int = 4096
     idle_timeout_s: float = 300.0
-    frame_deadline_s: float = 30.0
+    frame_deadline_s: float = 30.0  # per frame: from its first byte to its last
+    close_linger_s: float = 2.0     # closing: drain unread input this long (no reset) ...
+    close_linger_bytes: int = 4 << 20  # ... or this many bytes, whichever comes first
     tick_s: float = 0.005          # queue expiry resolution
     sweep_s: float = 0.25          # idle / slow-frame checks
     registry_poll_s: float = 0.5   # polling period (registries without blocking queries)
@@ -68,6 +70,57 @@ class FrontDoorConfig:
     limits: Limits = DEFAULT_LIMITS
     replica_limits: Limits = DEFAULT_LIMITS
     announce: bool = False         # register as rewarm-frontdoor (see announce.py)
+
+    def __post_init__(self) -> None:
+        """Refuse values that make no sense with :class:`ConfigError` naming the knob, the
+        value and the limit (the CLI builds this too, so its flags are checked here)."""
+        if not isinstance(self.port, int) or isinstance(self.port, bool) \
+                or not 0 <= self.port <= 65535:
+            raise ConfigError(f"FrontDoorConfig port={self.port!r} must be an int within "
+                              f"0..65535", name="port", value=self.port, limit=(0, 65535))
+        for name in ("max_queue_depth", "max_connections", "restores_per_model",
+                     "restores_overall", "close_linger_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"FrontDoorConfig {name}={value!r} must be an int >= 1",
+                                  name=name, value=value, limit=1)
+        for name in ("default_deadline_ms", "deadline_per_restore_p99", "max_wait_s",
+                     "idle_timeout_s", "frame_deadline_s", "close_linger_s", "tick_s",
+                     "sweep_s", "registry_poll_s", "registry_wait_s"):
+            value = getattr(self, name)
+            if not _positive(value):
+                raise ConfigError(f"FrontDoorConfig {name}={value!r} must be a number > 0",
+                                  name=name, value=value, limit=0)
+        if not _number(self.at_capacity_backoff_s) or not self.at_capacity_backoff_s >= 0:
+            raise ConfigError(f"FrontDoorConfig at_capacity_backoff_s="
+                              f"{self.at_capacity_backoff_s!r} must be a number >= 0",
+                              name="at_capacity_backoff_s", value=self.at_capacity_backoff_s,
+                              limit=0)
+        top = self.limits.max_deadline_ms
+        for model, deadline_ms in self.models.items():
+            if not isinstance(model, str) or not model:
+                raise ConfigError(f"FrontDoorConfig models: model name {model!r} must be a "
+                                  f"non-empty string", name="models", value=model,
+                                  limit="non-empty str")
+            if not _positive(deadline_ms) or deadline_ms > top:
+                raise ConfigError(f"FrontDoorConfig models[{model!r}] deadline "
+                                  f"{deadline_ms!r} ms must be within (0, {top}] ms "
+                                  f"(max_deadline_ms)", name=f"models[{model!r}]",
+                                  value=deadline_ms, limit=top)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value: Any, most: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= most else text[:most] + "..."
+
+
+def _positive(value: Any) -> bool:
+    """A number > 0 (not NaN, not a bool)."""
+    return _number(value) and value > 0
 
 
 @dataclass(eq=False, slots=True)
@@ -126,6 +179,7 @@ class FrontDoor:
         self._watcher: RegistryWatcher | None = None
         self._last_beat_s = float("-inf")
         self._upserted: dict[str, float] = {}  # replica id -> when a restore reported it
+        self._stopping = False
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -153,22 +207,48 @@ class FrontDoor:
         return sock.getsockname()[:2]
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        """Stop listening, let dispatched requests finish within ``grace_s``, then close."""
+        """Stop listening; answer queued requests 503 at once; let dispatched requests
+        finish within ``grace_s``, answer those still running 503; then close every
+        connection gracefully (answers flushed first; at most ``close_linger_s`` more)."""
+        self._stopping = True
         if self._server is not None:
             self._server.close()
         if self._watcher is not None:
             self._watcher.stop()
+        for model, queue in self.queues.items():  # never sent to a replica: say so now
+            for p in queue.drain():
+                req: Request = p.payload
+                req.conn.queued.discard(p)
+                self._refuse(req.conn, req.client_id, model, 503,
+                             f"front door shutting down: request for model {model!r} was "
+                             f"queued and never sent to a replica")
+                req.conn.finished()
+            self.telemetry.queue_depth(model, 0)
+        self._queued_models.clear()
         deadline = self.clock.now() + grace_s
         while any(link.in_flight for link in self.links.values()) and self.clock.now() < deadline:
             await asyncio.sleep(0.01)
         for task in self._tasks:
             task.cancel()
-        for conn in list(self.conns):
-            conn.close_after_flush()
         for link in list(self.links.values()):
+            failed, link.in_flight = list(link.in_flight.values()), {}
+            for req in failed:
+                self._refuse(req.conn, req.client_id, req.model, 503,
+                             f"front door shutting down: replica {link.replica_id} did not "
+                             f"finish within grace_s({grace_s})", path=req.path)
+                req.conn.finished()
             link.closed = True
             if link.transport is not None:
                 link.transport.close()
+        for conn in list(self.conns):
+            conn.end()
+        loop = asyncio.get_running_loop()
+        closing_until = loop.time() + self.config.close_linger_s + 0.1
+        while self.conns and loop.time() < closing_until:
+            await asyncio.sleep(0.01)
+        for conn in list(self.conns):  # past every bound: drop what is left
+            if conn.transport is not None:
+                conn.transport.abort()
         if self.announcer is not None:
             await asyncio.to_thread(self.announcer.withdraw, self.instance_id)
         self.telemetry.flush()
@@ -197,7 +277,16 @@ class FrontDoor:
         try:
             validate_request(message, self.config.limits)
         except ProtocolError as err:
-            conn.fail(err, message.get("id"))
+            # One well-framed message that is wrong: answer it alone; the connection and
+            # the requests in flight on it carry on.
+            rid = message.get("id")
+            if not ((type(rid) is int) or (type(rid) is str
+                                           and len(rid) <= self.config.limits.max_name_bytes)):
+                rid = None  # not an id the client could have meant
+            model = message.get("model")
+            value, limit = getattr(err, "value", None), getattr(err, "limit", None)
+            self._refuse(conn, rid, model if type(model) is str else "", err.code,
+                         f"{err.message} (value {_short(value)}, limit {_short(limit)})")
             return
         rid = message["id"]
         if self.auth.enabled:
@@ -219,6 +308,10 @@ class FrontDoor:
     def _generate(self, conn: ClientConn, rid: Any, message: dict) -> None:
         self.counts["requests"] += 1
         model = message["model"]
+        if self._stopping:
+            self._refuse(conn, rid, model, 503, "front door shutting down: not taking new "
+                         "requests")
+            return
         if model not in self.known_models:  # (not counted by model: names are the client's)
             self._refuse(conn, rid, model, 404, f"unknown model {model!r}")
             return
@@ -306,7 +399,7 @@ class FrontDoor:
             return
         del link.in_flight[req.replica_rid]
         self.router.on_complete(link.replica_id, req.need_tokens)
-        req.conn.in_flight -= 1
+        req.conn.finished()
         self._settle_path(req)
         ttft_ms = (req.ttft_s - req.arrival_s) * 1000.0
         if kind == "done":
@@ -344,8 +437,8 @@ class FrontDoor:
         self.router.remove(link.replica_id)
         failed, link.in_flight = list(link.in_flight.values()), {}
         for req in failed:
-            req.conn.in_flight -= 1
             self._refuse(req.conn, req.client_id, req.model, 503, reason, path=req.path)
+            req.conn.finished()
         if link.transport is not None:
             link.transport.close()
 
@@ -425,9 +518,9 @@ class FrontDoor:
             for p in queue.drain():  # nothing can succeed now: say so promptly
                 req: Request = p.payload
                 req.conn.queued.discard(p)
-                req.conn.in_flight -= 1
                 self._refuse(req.conn, req.client_id, model, 503,
                              f"model {model!r}: no capacity can be restored: {reason}")
+                req.conn.finished()
             self.telemetry.queue_depth(model, 0)
 
     def _restore_measured(self, model: str, restore_ms: float) -> None:
@@ -451,7 +544,7 @@ class FrontDoor:
                 for p in queue.expire():
                     req: Request = p.payload
                     req.conn.queued.discard(p)
-                    req.conn.in_flight -= 1
+                    req.conn.finished()
                     if p.deadline_s <= now:
                         self._refuse(req.conn, req.client_id, model, 504,
                                      f"deadline passed after {(now - p.arrival_s) * 1000:.0f} ms "
@@ -476,7 +569,7 @@ class FrontDoor:
                         f"frame not complete within frame_deadline_s({cfg.frame_deadline_s})",
                         field="frame", value=now - conn.frame_start_s, limit=cfg.frame_deadline_s))
                 elif conn.in_flight <= 0 and now - conn.last_active_s > cfg.idle_timeout_s:
-                    conn.close_after_flush()
+                    conn.end()
             self.telemetry.flush()
 
     def _heartbeat(self) -> None:
