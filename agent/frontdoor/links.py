@@ -60,7 +60,16 @@ def _nodelay(transport: asyncio.BaseTransport) -> None:
 
 class ClientConn(_Batched):
     """One client connection: decodes requests (limits enforced) and hands them to the
-    front door; a protocol error is answered, then the connection closes."""
+    front door.
+
+    A request that fails validation is answered by the front door and the connection stays
+    open.  A framing error (the byte stream can no longer be trusted), the client's
+    half-close, the idle timeout and shutdown all *end* the connection: no more requests are
+    read (further input is discarded), every request already in flight is still answered,
+    and then it closes gracefully: the answers are flushed, our side is half-closed and
+    input is drained for at most ``close_linger_s`` / ``close_linger_bytes`` so that the
+    kernel does not reset the connection (and lose the answers) over unread input.
+    """
 
     def __init__(self, fd: "FrontDoor") -> None:
         super().__init__()
@@ -72,6 +81,11 @@ class ClientConn(_Batched):
         self.queued: set = set()  # this connection's Pending entries in admission queues
         self.tenant: str | None = None
         self.token: str | None = None  # the last token that checked out
+        self.ending = False       # read no more requests; close once in_flight is 0
+        self._peer_eof = False    # the client half-closed (sends nothing more)
+        self._lingering = False   # our side is half-closed; draining input until close
+        self._discarded = 0       # input bytes thrown away since ending (or lingering)
+        self._linger: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -79,9 +93,12 @@ class ClientConn(_Batched):
         if not self.fd.accept(self):
             self.send(_packb(error_message(None, 429, "too many connections",
                                            retry_after_ms=1000)))
-            self.close_after_flush()
+            self.end()
 
     def data_received(self, data: bytes) -> None:
+        if self.ending:
+            self._discard(len(data))
+            return
         if self.closed:
             return
         now = self.fd.clock.now()
@@ -89,11 +106,18 @@ class ClientConn(_Batched):
         try:
             messages = self.decoder.feed(data)
         except ProtocolError as err:
+            # Messages complete before the bad bytes (when the decoder hands them over)
+            # are still served; then the connection ends.
+            for message in getattr(err, "decoded", None) or ():
+                if self.closed:
+                    return
+                self.fd.handle(self, message)
             self.fail(err)
             return
         if not self.decoder.buffered_bytes:
             self.frame_start_s = None
-        elif self.frame_start_s is None:
+        elif messages or self.frame_start_s is None:
+            # A new partial frame began in this read: its deadline counts from now.
             self.frame_start_s = now
         handle = self.fd.handle
         for message in messages:
@@ -101,10 +125,83 @@ class ClientConn(_Batched):
                 return
             handle(self, message)
 
+    def eof_received(self) -> bool:
+        """The client half-closed: answer what it sent, then close (a frame cut short by
+        the half-close is answered with a 400)."""
+        self._peer_eof = True
+        if self._lingering:      # it has read our half-close and closed too
+            return False
+        if not self.ending:
+            pending = self.decoder.buffered_bytes
+            if pending:
+                self.send(_packb(error_message(
+                    None, 400, f"truncated frame: the connection was half-closed with "
+                    f"{pending} bytes of an incomplete message buffered (a message must "
+                    f"be complete before the half-close)")))
+            self.end()
+        return True              # keep our side open to write the answers
+
     def fail(self, err: ProtocolError, request_id: Any = None) -> None:
-        """Answer a protocol error and close."""
+        """Answer a framing error (the stream cannot be trusted past it) and end the
+        connection: requests already in flight are still answered, then it closes."""
         self.send(_packb(error_message(request_id, err.code, err.message)))
-        self.close_after_flush()
+        self.end()
+
+    def end(self) -> None:
+        """Read no more requests; close gracefully once every request in flight is answered."""
+        if self.ending:
+            return
+        self.ending = True
+        self.frame_start_s = None
+        self._discarded = 0
+        if self.in_flight <= 0:
+            self._loop.call_soon(self._close_gracefully)
+
+    def finished(self) -> None:
+        """One request in flight got its final answer (done or error)."""
+        self.in_flight -= 1
+        if self.ending and self.in_flight <= 0:
+            self._loop.call_soon(self._close_gracefully)  # after this turn's answers
+
+    def _discard(self, n: int) -> None:
+        self._discarded += n
+        if self._discarded > self.fd.config.close_linger_bytes:
+            if self._lingering:
+                self._linger_over()
+            elif self.transport is not None and not self.closed:
+                self.transport.pause_reading()  # answers still due: stop taking input
+
+    def _close_gracefully(self) -> None:
+        if self.closed or self._lingering or self.transport is None:
+            return
+        self._flush()
+        transport, linger_s = self.transport, self.fd.config.close_linger_s
+        if self._peer_eof:       # nothing more will arrive: a plain close sends FIN
+            self.closed = True
+            transport.close()
+            self._linger = self._loop.call_later(linger_s, transport.abort)  # peer not reading
+            return
+        self.closed = True       # nothing more is sent
+        self._lingering = True
+        self._discarded = 0
+        if transport.can_write_eof():
+            transport.write_eof()
+        transport.resume_reading()
+        self._linger = self._loop.call_later(linger_s, self._linger_over)
+
+    def _linger_over(self) -> None:
+        """Drained long enough (or enough bytes): close; abort if the answers are still
+        unsent after ``close_linger_s`` (a peer that does not read)."""
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if transport.get_write_buffer_size():
+            transport.abort()
+        else:
+            transport.close()
 
     def pause_writing(self) -> None:   # the client does not read: stop reading it too
         if self.transport is not None:
@@ -117,6 +214,9 @@ class ClientConn(_Batched):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._out.clear()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         self.fd.forget(self)
 
 
