@@ -3,6 +3,7 @@
 import asyncio
 import json
 import socket
+import struct
 import sys
 import pathlib
 
@@ -117,7 +118,11 @@ async def raw_until(host, port, data, n):
     writer.write(data)
     dec, msgs = Decoder(), []
     while len(msgs) < n:
-        msgs.extend(dec.feed(await reader.read(65536)))
+        chunk = await reader.read(65536)
+        if not chunk:                    # closed before n answers
+            writer.close()
+            return msgs, True
+        msgs.extend(dec.feed(chunk))
     writer.close()
     return msgs, False
 
@@ -205,15 +210,18 @@ def vm_rss_bytes():
             return int(line.split()[1]) * 1024
 
 
-HOSTILE = {
+HOSTILE = {  # framing errors: the byte stream cannot be trusted past them
     "array_4g": b"\xdd\xff\xff\xff\xff",
     "bin_4g_in_map": b"\x82\xa1v\x01\xa1b\xc6\xff\xff\xff\xff",
     "nested_10000": b"\x81\xa1a" + b"\x91" * 10_000 + b"\x01",
     "bad_utf8": b"\x81\xa1v\xa2\xff\xfe",
     "non_map": pack({"x": 1})[:0] + b"\x93\x01\x02\x03",
-    "unknown_op": pack({"op": "launch", "id": 1}),
-    "wrong_type": pack({"op": "generate", "id": 1, "model": "m", "tokens": [1],
-                        "max_tokens": "many"}),
+}
+
+BAD_REQUESTS = {  # well-framed messages that are wrong: answered alone, connection kept
+    "unknown_op": ({"op": "launch", "id": 1}, "op"),
+    "wrong_type": ({"op": "generate", "id": 1, "model": "m", "tokens": [1],
+                    "max_tokens": "many"}, "max_tokens"),
 }
 
 
@@ -229,6 +237,20 @@ def test_hostile_input_gets_an_error_and_close_while_others_are_served(case):
         assert vm_rss_bytes() - before < 16 << 20
         assert (await good.generate("m", tokens=[1], max_tokens=2)).tokens == [1, 2]
         await good.close()
+        await fd.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_a_bad_request_is_answered_400_and_the_connection_stays_open(case):
+    async def main():
+        fd, _, host, port = await setup()
+        bad, field = BAD_REQUESTS[case]
+        health = {"op": "health", "id": 2}
+        msgs, _ = await asyncio.wait_for(raw_until(host, port, pack(bad) + pack(health), 2), 5)
+        assert msgs[0]["type"] == "error" and msgs[0]["id"] == 1 and msgs[0]["code"] == 400
+        assert field in msgs[0]["reason"]
+        assert msgs[1]["type"] == "result" and msgs[1]["id"] == 2
         await fd.stop()
     run(main())
 
@@ -377,6 +399,11 @@ def test_a_client_leaving_takes_its_queued_requests_out_of_the_queue():
         queued = asyncio.create_task(leaving.generate("m", tokens=[1], max_tokens=1))
         await asyncio.sleep(0.1)
         assert len(fd.queues["m"]) == 1
+        # Gone for good (reset).  A plain FIN reads as a half-close, whose requests are
+        # still answered (test_connection_faults.py); the server cannot tell the two apart.
+        leaving._writer.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        leaving._writer.transport.abort()
         await leaving.close()
         await asyncio.sleep(0.1)
         assert len(fd.queues["m"]) == 0
