@@ -97,9 +97,12 @@ class CapacityExceeded(RewarmError, MemoryError):
 # --- the wire ---------------------------------------------------------------------------
 
 class ProtocolError(RewarmError, ValueError):
-    """A malformed or out-of-limit message; the connection closes after the reply.
+    """A malformed or out-of-limit message (400).  A well-framed request that fails its
+    checks is answered alone; a framing error ends the connection once the requests in flight
+    on it are answered (docs/protocol.md).
 
-    Attributes: ``field``, ``value``, ``limit``.
+    Attributes: ``field``, ``value``, ``limit``; ``decoded``: messages complete before a
+    framing error (from :meth:`agent.protocol.Decoder.feed`).
     """
 
     code = 400

@@ -136,8 +136,17 @@ class Decoder:
         return self._fed - self._boundary
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
-        limit = self.limits.max_message_bytes
+        """The messages ``data`` completes.  On an error, the messages complete before it
+        ride on the exception as ``err.decoded`` (a reader can still answer them)."""
         out: list[dict[str, Any]] = []
+        try:
+            return self._feed(data, out)
+        except ProtocolError as err:
+            err.decoded = out
+            raise
+
+    def _feed(self, data: bytes, out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        limit = self.limits.max_message_bytes
         if len(data) <= limit - (self._fed - self._boundary):  # fits: the common case
             self._unpacker.feed(data)
             start = self._fed

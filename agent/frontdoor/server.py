@@ -113,11 +113,6 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _short(value: Any, most: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= most else text[:most] + "..."
-
-
 def _positive(value: Any) -> bool:
     """A number > 0 (not NaN, not a bool)."""
     return _number(value) and value > 0
@@ -284,9 +279,8 @@ class FrontDoor:
                                            and len(rid) <= self.config.limits.max_name_bytes)):
                 rid = None  # not an id the client could have meant
             model = message.get("model")
-            value, limit = getattr(err, "value", None), getattr(err, "limit", None)
-            self._refuse(conn, rid, model if type(model) is str else "", err.code,
-                         f"{err.message} (value {_short(value)}, limit {_short(limit)})")
+            # validate_request's reasons name the value and the limit themselves
+            self._refuse(conn, rid, model if type(model) is str else "", err.code, err.message)
             return
         rid = message["id"]
         if self.auth.enabled:

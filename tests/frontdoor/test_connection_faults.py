@@ -10,7 +10,7 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from test_server import FakeCapacity, run, setup  # noqa: E402
+from test_server import FakeCapacity, raw, run, setup  # noqa: E402
 
 from agent.errors import ConfigError  # noqa: E402
 from agent.frontdoor.server import FrontDoorConfig  # noqa: E402
@@ -297,3 +297,15 @@ def test_front_door_config_refuses_nonsense_naming_knob_value_and_limit(kw, name
 
 def test_front_door_config_defaults_are_accepted():
     assert FrontDoorConfig(models={"m": 5000.0}).max_queue_depth == 1024
+
+
+def test_good_messages_in_the_same_read_as_a_framing_error_are_still_answered():
+    async def main():
+        fd, stubs, host, port = await setup()
+        msgs, closed = await raw(host, port, pack({"op": "generate", "id": "a", "model": "m",
+                                                   "tokens": [1], "max_tokens": 1}) + b"\xc1")
+        kinds = {(m.get("id"), m["type"]) for m in msgs}
+        assert ("a", "done") in kinds and closed
+        assert any(m["type"] == "error" and m["code"] == 400 for m in msgs)
+        await fd.stop()
+    run(main())
