@@ -59,15 +59,20 @@ class TokenAuth:
         return cls(tokens)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address, bracketed or not, or ``localhost``) is loopback."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def check_bind(host: str, auth: TokenAuth, allow_open: bool) -> None:
     """Refuse to listen beyond loopback without tokens unless ``allow_open``.
     Raises ConfigError naming the host."""
     if auth.enabled or allow_open:
         return
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
+    if not is_loopback(host):
         raise ConfigError(f"front door on {host!r} without tokens: pass --tokens or "
                           f"--allow-open", name="host", value=host, limit="loopback")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 import os
 from pathlib import Path
@@ -104,12 +103,9 @@ def check_control_bind(listen: str, token: str | None, allow_open: bool = False)
     replicas) unless ``allow_open``.  Raises ConfigError naming the address."""
     if token or allow_open or listen.startswith("unix:"):
         return
-    host = listen.rpartition(":")[0].strip("[]")
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
+    from agent.frontdoor.auth import is_loopback
+
+    if not is_loopback(listen.rpartition(":")[0]):
         raise ConfigError(f"node agent control API on {listen!r} without a token: set "
                           f"{TOKEN_ENV} (every client sends it) or pass --allow-open",
                           name="listen", value=listen, limit="loopback, or a token")

@@ -8,7 +8,6 @@ import hashlib
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import msgpack
@@ -21,6 +20,7 @@ from agent.snapshot import reader
 from agent.snapshot.manifest import read_manifest
 from agent.snapshot.reader import restore_snapshot, verify_chunks
 from agent.snapshot.writer import DATA_NAME
+from tests.snapshot.blocking import with_timeout
 
 
 def _rewrite_body(path, mutate) -> None:
@@ -84,26 +84,6 @@ def test_total_bytes_over_the_files_is_refused_even_for_an_unvalidated_manifest(
     assert err.value.on_disk_bytes == size and "total_bytes" in str(err.value)
 
 
-def _with_timeout(fn, seconds=10.0, unblock=None):
-    """Run ``fn`` in a thread and return what it raised; blocking fails the test, not the run."""
-    box = {}
-
-    def target():
-        try:
-            fn()
-            box["error"] = None
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box["error"] = exc
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        if unblock:
-            unblock()
-        pytest.fail(f"{fn} blocked for more than {seconds} s")
-    return box["error"]
-
-
 def _unblock(fifo):
     def unblock():
         for _ in range(3):          # one writer open per blocked reader open
@@ -124,7 +104,7 @@ def test_data_fifo_is_refused_without_blocking(make_snapshot, op):
             "restore-direct": lambda: restore_snapshot(path, direct=True),
             "verify": lambda: verify_chunks(path, manifest),
             "page-cache-share": lambda: reader.page_cache_share(path, manifest) == 0.0 or 1 / 0}[op]
-    err = _with_timeout(call, unblock=_unblock(data))
+    err = with_timeout(call, unblock=_unblock(data))
     if op == "page-cache-share":
         assert err is None          # a heuristic: the FIFO counts as not cached
         return

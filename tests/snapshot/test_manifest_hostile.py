@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 import tracemalloc
 
 import msgpack
@@ -13,6 +12,7 @@ import pytest
 from agent.errors import SnapshotCorrupt, SnapshotIncompatible, SnapshotNotFound
 from agent.snapshot import format as fmt
 from agent.snapshot.manifest import decode_manifest, encode_manifest, read_manifest
+from tests.snapshot.blocking import with_timeout
 
 HUGE = [
     b"\xdb\xff\xff\xff\xff",           # str32 declaring 4 GiB
@@ -144,27 +144,6 @@ def test_envelope_hmac_must_be_bytes_or_nil(good):
 
 # --- what is in manifest.msgpack's place ---------------------------------------------------
 
-def _with_timeout(fn, seconds=10.0, unblock=None):
-    """Run ``fn`` in a thread; return what it raised.  A reader that blocks fails the test
-    (and ``unblock`` is called so the thread can end) instead of hanging the run."""
-    box = {}
-
-    def target():
-        try:
-            fn()
-            box["error"] = None
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box["error"] = exc
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        if unblock:
-            unblock()
-        pytest.fail(f"{fn} blocked for more than {seconds} s")
-    return box["error"]
-
-
 def _unblock_fifo(fifo):
     def unblock():
         try:
@@ -179,7 +158,7 @@ def test_manifest_fifo_is_refused_without_blocking(make_snapshot):
     mpath = path / fmt.MANIFEST_NAME
     mpath.unlink()
     os.mkfifo(mpath)
-    err = _with_timeout(lambda: read_manifest(path), unblock=_unblock_fifo(mpath))
+    err = with_timeout(lambda: read_manifest(path), unblock=_unblock_fifo(mpath))
     assert isinstance(err, SnapshotCorrupt) and err.path == mpath
     assert err.actual == "a FIFO" and "not a regular file" in str(err)
 
