@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import replace
 
 import consul
@@ -37,8 +38,20 @@ def cluster_error(exc: Exception, endpoint: str) -> ClusterError:
     if isinstance(exc, consul.exceptions.ACLPermissionDenied):
         return AclDenied(f"consul: ACL token denied for {endpoint}: {exc}", service="consul",
                          endpoint=endpoint, status=403)
-    return ClusterError(f"consul: {endpoint} failed: {exc}", service="consul",
+    return ClusterError(f"consul: {endpoint} failed: {_reason(exc)}", service="consul",
                         endpoint=endpoint, status=None)
+
+
+def _reason(exc: Exception) -> str:
+    """The short reason of a transport failure: urllib3's "Max retries exceeded ... (Caused
+    by NewConnectionError(...: [Errno 111] Connection refused))" becomes "cannot connect to
+    HOST:PORT: [Errno 111] Connection refused"."""
+    text = str(exc)
+    pool = re.search(r"host='([^']*)', port=(\d+)", text)
+    cause = re.search(r"(\[Errno -?\d+\][^)'\"]*)", text)
+    if pool and cause:
+        return f"cannot connect to {pool[1]}:{pool[2]}: {cause[1].strip()}"
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _ttl(ttl_s: float) -> str:

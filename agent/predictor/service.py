@@ -55,6 +55,8 @@ class PredictorService:
         self._leader = leader
         self._scaler = scaler
         self._rates: dict[tuple[str, str], CounterRate] = {}
+        self._fetch_failing_since: float | None = None   # clock time stats first failed
+        self._fetch_warned_s = float("-inf")
         self.is_leader = False
         self.registry = registry or CollectorRegistry()
         g = lambda name, doc, labels=("model",): Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
@@ -72,8 +74,20 @@ class PredictorService:
         try:
             stats = self._fetch()
         except (OSError, ValueError) as exc:   # network trouble or a malformed answer
-            log.warning("predictor: front-door stats unavailable: %s", exc)
+            # once when it starts, then once a minute while it lasts (not every tick)
+            if self._fetch_failing_since is None or now - self._fetch_warned_s >= 60.0:
+                since = self._fetch_failing_since
+                log.warning("predictor: front-door stats unavailable%s: %s",
+                            "" if since is None else f" for {now - since:.0f} s", exc)
+                self._fetch_warned_s = now
+            if self._fetch_failing_since is None:
+                self._fetch_failing_since = now
             stats = {}
+        else:
+            if self._fetch_failing_since is not None:
+                log.warning("predictor: front-door stats back after %.0f s",
+                            now - self._fetch_failing_since)
+                self._fetch_failing_since = None
         known = set(self.predictor.models)
         seen: dict[str, tuple[int, float]] = {}
         capacity: dict[str, int] = {}

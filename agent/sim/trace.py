@@ -99,7 +99,12 @@ def load_trace(path: Path, *, timing: TokenTiming = TokenTiming(),
     header, an unparsable field, or a token count outside ``[0, MAX_TOKENS_PER_REQUEST]``.
     """
     path = Path(path)
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise InvalidTrace(f"trace {path}: cannot read it ({exc.strerror or exc})", path=path,
+                           line=None, field="path", value=str(path),
+                           limit="a readable CSV file") from exc
     if size > max_bytes:
         raise InvalidTrace(f"trace {path}: {size} bytes exceeds max_bytes({max_bytes})",
                            path=path, line=None, field="size_bytes", value=size, limit=max_bytes)

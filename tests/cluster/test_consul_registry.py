@@ -125,3 +125,14 @@ def test_snapshot_durable_needs_catalog_and_consul(consul_standin):
     consul_standin.down = True
     assert snapshot_durable(FakeCatalog(True), kv)("m") is False       # no Consul: no
     assert snapshot_durable(None, None)("m") is False
+
+
+def test_a_refused_connection_is_said_in_one_short_line():
+    from agent.cluster.consul_registry import ConsulRegistry, consul_client
+    from agent.errors import ClusterError
+
+    with pytest.raises(ClusterError) as err:
+        ConsulRegistry(consul_client("127.0.0.1:1")).healthy("rewarm-replica")
+    text = str(err.value)
+    assert "cannot connect to 127.0.0.1:1: [Errno 111] Connection refused" in text
+    assert len(text) < 200 and "HTTPConnectionPool" not in text

@@ -249,3 +249,24 @@ def test_reads_the_real_front_doors_stats():
     assert [codes[i] for i in range(3)] == [404, 404, 404]
     assert all(codes[i] in (503, 504) for i in range(3, 6))  # no replica can come for "m"
     assert after["arrivals"] == {"m": 3}
+
+
+def test_a_front_door_outage_is_logged_when_it_starts_each_minute_and_when_it_ends(caplog):
+    state = {"down": True}
+
+    def fetch():
+        if state["down"]:
+            raise ConnectionRefusedError("front door gone")
+        return {"a": {"arrivals": {"m": 1}}}
+
+    svc, clock = make(fetch)
+    with caplog.at_level("WARNING", logger="agent.predictor.service"):
+        for _ in range(90):                # 90 ticks of 1 s: at 0 s and 60 s, not 90 times
+            svc.sample()
+            clock.advance(1)
+        state["down"] = False
+        svc.sample()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3
+    assert "unavailable: front door gone" in said[0] and "for 60 s" in said[1]
+    assert said[2] == "predictor: front-door stats back after 90 s"

@@ -98,3 +98,12 @@ def test_poisson_arrivals_rate():
     a = poisson_arrivals(np.full(1000, 50.0), step_s=1.0, rng=np.random.default_rng(3))
     assert abs(len(a) - 50_000) < 1000          # 4.5 sigma
     assert np.all(np.diff(a) >= 0) and a[0] >= 0 and a[-1] < 1000
+
+
+def test_a_missing_trace_is_invalid_trace_naming_the_path(tmp_path):
+    from agent.errors import InvalidTrace
+    from agent.sim.trace import load_trace
+
+    with pytest.raises(InvalidTrace) as err:
+        load_trace(tmp_path / "nope.csv")
+    assert err.value.field == "path" and "nope.csv" in str(err.value)
