@@ -66,4 +66,7 @@ def listen_address(text: str) -> str:
         if len(text) == len("unix:"):
             raise argparse.ArgumentTypeError("unix: needs a socket path")
         return text
-    return host_port(text)
+    try:
+        return host_port(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (nor unix:PATH)") from None

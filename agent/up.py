@@ -51,8 +51,9 @@ def register(subparsers) -> None:
                     "embedded default (local registry, local scaler, SQLite catalog). "
                     "Without --demo it serves until interrupted; with --demo it runs the "
                     "demonstration (cold boot, scale to zero, trace replay) and prints a table.")
-    p.add_argument("--state-dir", default=str(REPO / "var" / "up"),
-                   help="catalog, snapshots and replica sockets live here")
+    p.add_argument("--state-dir", default=None,
+                   help="catalog, snapshots and replica sockets live here (default var/up, "
+                        "with --demo var/demo: the demo starts from an empty catalog)")
     p.add_argument("--releases-dir", default=str(REPO / "var" / "releases"),
                    help="AOT packages, one folder per model version (shared by state dirs)")
     p.add_argument("--model-dir", help="HF-layout model (default: SmolLM2-135M imported from "
@@ -377,6 +378,8 @@ def run_up(args: argparse.Namespace) -> int:
         print("error: --json writes the demo's numbers; it needs --demo", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    if args.state_dir is None:    # the demo wipes its catalog: never a serving one's
+        args.state_dir = str(REPO / "var" / ("demo" if args.demo else "up"))
     args.state_dir = str(Path(args.state_dir).resolve())   # replica sockets live under it
     state = Path(args.state_dir)
     state.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,9 @@ def register(subparsers) -> None:
     p.set_defaults(func=_serve)
 
     g = subparsers.add_parser("generate", help="send one prompt to a front door")
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="?", help="text (the model's tokenizer encodes it)")
+    g.add_argument("--tokens", type=token_ids, metavar="ID,ID,...",
+                   help="token ids instead of text (models without a tokenizer)")
     g.add_argument("--model", required=True)
     g.add_argument("--address", type=host_port, default="127.0.0.1:7400", metavar="HOST:PORT")
     g.add_argument("--consul", type=host_port, metavar="HOST:PORT", help="discover a front door in Consul")
@@ -173,8 +175,23 @@ class TextStream:
         self.written = final
 
 
+def token_ids(text: str) -> list[int]:
+    """``--tokens``: comma-separated token ids (ints >= 0)."""
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated token ids") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more token ids >= 0")
+    return ids
+
+
 def _generate(args) -> int:
     from agent.client import Client, discover
+
+    if (args.prompt is None) == (args.tokens is None):
+        print("error: give a prompt or --tokens ID,ID,... (exactly one)", file=sys.stderr)
+        return 2
 
     if args.consul:
         host, port = _hostport(args.consul)
@@ -194,8 +211,9 @@ def _generate(args) -> int:
     try:
         done = {}
         out = TextStream(sys.stdout)
-        for msg in client.stream(args.model, args.prompt, max_tokens=args.max_tokens,
-                                 seed=args.seed, deadline_ms=args.deadline_ms):
+        for msg in client.stream(args.model, args.prompt, tokens=args.tokens,
+                                 max_tokens=args.max_tokens, seed=args.seed,
+                                 deadline_ms=args.deadline_ms):
             if msg["type"] == "tokens":
                 out.tokens(msg)
             else:

@@ -105,6 +105,11 @@ class WorkerProcess:
                 pass
             self.proc.wait()
         self.socket_path.unlink(missing_ok=True)
+        try:
+            if self.log_path.stat().st_size == 0:   # nothing said: nothing worth keeping
+                self.log_path.unlink()
+        except FileNotFoundError:
+            pass
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from agent.argtypes import listen_address, positive_int
@@ -22,8 +23,16 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 
 def _make_synthetic(args: argparse.Namespace) -> int:
-    from agent.replica.synthetic import make_synthetic
+    import math
 
+    from agent.replica.synthetic import hf_expected_shapes, make_synthetic, preset_config
+
+    config = preset_config(args.preset, args.scale, args.dtype)
+    params = sum(math.prod(shape) for shape in hf_expected_shapes(config).values())
+    size_bytes = params * config.torch_dtype.itemsize
+    print(f"writing {args.preset} (scale {args.scale}): {params:,} parameters, "
+          f"{size_bytes / 1e6:,.1f} MB {config.dtype} to {args.out_dir}", file=sys.stderr,
+          flush=True)
     out = make_synthetic(Path(args.out_dir), args.preset, seed=args.seed, scale=args.scale,
                          dtype=args.dtype)
     print(out)
@@ -60,8 +69,10 @@ def _register_model(sub: argparse._SubParsersAction) -> None:
     p = msub.add_parser("make-synthetic", help="write deterministic seeded weights")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "13b-shaped"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scale", type=positive_int, default=1, help="13b-shaped: divide hidden/MLP/vocab (1 or 5)")
-    p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
+    p.add_argument("--scale", type=positive_int, default=1,
+                   help="13b-shaped: divide hidden/MLP/vocab (1: 11.3 B parameters, 22.7 GB; 5)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights' dtype (default: the preset's own)")
     p.add_argument("out_dir")
     p.set_defaults(func=_make_synthetic)
 

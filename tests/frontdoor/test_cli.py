@@ -44,11 +44,17 @@ def test_frontdoor_process_serves_generate_and_writes_events(stub_port, tmp_path
         assert out.split() == ["0", "1", "2"] and "path warm_hit" in err
         assert rewarm(["generate", "--model", "nope", "--address", address, "x"]) == 2
         assert "404" in capsys.readouterr().err
+        # token ids instead of text (the stub counts on from the prompt's length)
+        assert rewarm(["generate", "--model", "demo", "--address", address,
+                       "--max-tokens", "2", "--tokens", "7,8,9"]) == 0
+        assert capsys.readouterr().out.split() == ["3", "4"]
+        assert rewarm(["generate", "--model", "demo", "--address", address]) == 2
+        assert "exactly one" in capsys.readouterr().err
     finally:
         proc.terminate()
         assert proc.wait(10) == 0          # SIGTERM stops it cleanly, flushing events
     codes = [line.split('"code": ')[1].split(",")[0] for line in events.read_text().splitlines()]
-    assert codes == ["200", "404"]
+    assert codes == ["200", "404", "200"]
 
 
 def test_frontdoor_refuses_an_open_bind_without_tokens(capsys):

@@ -108,6 +108,8 @@ def test_process_replicas_end_to_end(tmp_path, tiny_dir, cuda_ffi, fake_libcuda_
         agent.tick()
         assert agent.replicas[again["replica"]].lifecycle.state.value == "dead"
         assert not killed.worker.socket_path.exists()
+        log = killed.worker.log_path
+        assert not log.exists() or log.stat().st_size > 0     # empty logs are not left behind
     finally:
         agent.close()
 
