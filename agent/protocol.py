@@ -333,12 +333,19 @@ def validate_envelope(message: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str
 
 async def read_messages(reader: asyncio.StreamReader, decoder: Decoder,
                         chunk_bytes: int = 65_536):
-    """Yield messages from an asyncio stream until EOF.  Errors propagate (close after)."""
+    """Yield messages from an asyncio stream until EOF.  Errors propagate (close after), once
+    the messages complete before the bad bytes have been yielded."""
     while True:
         data = await reader.read(chunk_bytes)
         if not data:
             return
-        for message in decoder.feed(data):
+        try:
+            messages = decoder.feed(data)
+        except ProtocolError as err:
+            for message in getattr(err, "decoded", None) or ():
+                yield message
+            raise
+        for message in messages:
             yield message
 
 
@@ -401,7 +408,7 @@ def validate_request(message: dict[str, Any], limits: Limits = DEFAULT_LIMITS,
             continue
         spec = schema.get(key)
         if spec is None:
-            raise _bad(key, None, sorted(schema), f"unknown field for op {op!r}")
+            raise _bad(key, value, sorted(schema), f"unknown field for op {op!r}")
         if type(value) not in spec[0]:
             raise _bad(key, type(value).__name__, [t.__name__ for t in spec[0]],
                        f"wrong type {type(value).__name__}")

@@ -41,8 +41,8 @@ def register(subparsers) -> None:
     g.add_argument("--address", type=host_port, default="127.0.0.1:7400", metavar="HOST:PORT")
     g.add_argument("--consul", type=host_port, metavar="HOST:PORT", help="discover a front door in Consul")
     g.add_argument("--token")
-    g.add_argument("--max-tokens", type=positive_int, default=32)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--max-tokens", type=max_tokens, default=32)
+    g.add_argument("--seed", type=seed)
     g.add_argument("--deadline-ms", type=positive_float)
     g.set_defaults(func=_generate)
 
@@ -175,15 +175,40 @@ class TextStream:
         self.written = final
 
 
+TOKEN_ID_MAX = (1 << 31) - 1       # the protocol's limit (agent/protocol.py)
+
+
+def max_tokens(text: str) -> int:
+    """``--max-tokens``: 1..2**31-1 here; the front door applies its own, smaller limit."""
+    value = positive_int(text)
+    if value > TOKEN_ID_MAX:
+        raise argparse.ArgumentTypeError(f"{value} is above the limit {TOKEN_ID_MAX}")
+    return value
+
+
 def token_ids(text: str) -> list[int]:
     """``--tokens``: comma-separated token ids (ints >= 0)."""
     try:
         ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated token ids") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give one or more token ids >= 0")
+    if not ids:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more token ids")
+    for t in ids:
+        if not 0 <= t <= TOKEN_ID_MAX:
+            raise argparse.ArgumentTypeError(f"token id {t} is outside 0..{TOKEN_ID_MAX}")
     return ids
+
+
+def seed(text: str) -> int:
+    """``--seed``: a signed 64-bit integer (what the wire carries)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -(1 << 63) <= value < (1 << 63):
+        raise argparse.ArgumentTypeError(f"seed {value} is outside the signed 64-bit range")
+    return value
 
 
 def _generate(args) -> int:

@@ -93,9 +93,25 @@ TOKEN_ENV = "REWARM_CONTROL_TOKEN"
 """The shared secret of the control API: servers require it when set, clients send it."""
 
 
+MIN_TOKEN_BYTES = 16   # as the front door's tenant tokens (agent/frontdoor/auth.py)
+
+
 def control_token() -> str | None:
-    """The control API token from ``$REWARM_CONTROL_TOKEN`` (None when unset or empty)."""
-    return os.environ.get(TOKEN_ENV) or None
+    """The control API token from ``$REWARM_CONTROL_TOKEN`` (None when unset or empty).
+    Raises ConfigError when it is not UTF-8 or shorter than :data:`MIN_TOKEN_BYTES`."""
+    token = os.environ.get(TOKEN_ENV) or None
+    if token is None:
+        return None
+    try:
+        size = len(token.strip().encode())
+    except UnicodeEncodeError:
+        raise ConfigError(f"{TOKEN_ENV} is not valid UTF-8", name=TOKEN_ENV, value="(hidden)",
+                          limit="UTF-8 text") from None
+    if size < MIN_TOKEN_BYTES:
+        raise ConfigError(f"{TOKEN_ENV} has {size} bytes (blanks aside); at least "
+                          f"{MIN_TOKEN_BYTES} are required", name=TOKEN_ENV, value=size,
+                          limit=MIN_TOKEN_BYTES)
+    return token
 
 
 def check_control_bind(listen: str, token: str | None, allow_open: bool = False) -> None:
@@ -154,6 +170,8 @@ class ControlServer:
         try:
             async for msg in read_messages(reader, Decoder()):
                 rid = msg.get("id")
+                if not (type(rid) is int or (type(rid) is str and len(rid) <= 128)):
+                    rid = None     # not an id a client could mean: never echo it back
                 try:
                     self._authorise(msg)
                     op, args = _args(msg)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.errors import InvalidCheckpoint, ProtocolError, RewarmError, Unauthorized
+from agent.errors import ConfigError, InvalidCheckpoint, ProtocolError, RewarmError, Unauthorized
 from agent.protocol import Decoder, error_message, pack, read_messages
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,14 @@ class Worker:
                 await self._dispatch(message, writer, mine)
                 await writer.drain()
         except ProtocolError as exc:
+            # The stream cannot be trusted past this point: what is still running for this
+            # connection is cancelled below, and said so, before the framing error and close.
+            pending = {id(r) for r, _ in self._submits}
+            for request in mine:
+                if request.seq_id in self._by_seq or id(request) in pending:
+                    self._send(writer, error_message(
+                        request.request_id, 503, "cancelled: a framing error on this "
+                        "connection closes it"))
             self._send(writer, error_message(None, exc.code, exc.message))
         except (ConnectionError, asyncio.CancelledError):
             pass
@@ -275,7 +283,12 @@ class Worker:
             raise ProtocolError("capture needs a loaded model", field="state",
                                 value=self.state.value, limit=State.SERVING.value)
         if not isinstance(msg.get("dest"), str):
-            raise ProtocolError("capture needs dest: path", field="dest", value=msg.get("dest"), limit="str")
+            raise ProtocolError(f"capture needs dest: path, got {msg.get('dest')!r}",
+                                field="dest", value=msg.get("dest"), limit="str")
+        if os.path.lexists(msg["dest"]):
+            raise ConfigError(f"capture: dest {msg['dest']} already exists; a snapshot is never "
+                              "written over another", name="dest", value=msg["dest"],
+                              limit="a path that does not exist")
         manifest = await asyncio.get_running_loop().run_in_executor(
             self._pool, zygote.capture, self.loaded, Path(msg["dest"]))
         return {"dest": msg["dest"], "total_bytes": manifest.total_bytes,

@@ -40,6 +40,9 @@ def test_a_bad_value_is_a_usage_error_not_a_traceback(capsys):
     (["agent", "run", "--state-dir", "s", "--model-dir", "m", "--listen", "h:70000"], "70000"),
     (["snapshot", "verify", "p", "--threads", "0"], "below the limit 1"),
     (["generate", "--model", "m", "--max-tokens", "-1", "hi"], "-1"),
+    (["generate", "--model", "m", "--tokens", "1," + "9" * 23], "outside 0..2147483647"),
+    (["generate", "--model", "m", "--seed", str(1 << 64), "hi"], "signed 64-bit"),
+    (["generate", "--model", "m", "--max-tokens", str(1 << 70), "hi"], "above the limit"),
 ])
 def test_every_component_cli_checks_its_numbers(argv, says, capsys):
     from agent.cli import main

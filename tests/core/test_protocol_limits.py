@@ -151,3 +151,9 @@ def test_request_schema_accepts_limits_and_rejects_missing():
     with pytest.raises(ProtocolError, match="missing"):
         validate_request(missing)
     assert validate_request({"v": 1, "op": "health", "id": "x"})["op"] == "health"
+
+
+def test_an_unknown_field_names_its_own_value():
+    with pytest.raises(ProtocolError) as err:
+        validate_request({**GOOD, "zzz": 1})
+    assert (err.value.field, err.value.value) == ("zzz", 1) and "value 1," in err.value.message

@@ -129,7 +129,7 @@ def test_a_token_is_required_of_every_op_when_set(make_agent, tmp_path, monkeypa
 
     agent = make_agent()
     loop = asyncio.new_event_loop()
-    server = ControlServer(agent, f"unix:{tmp_path / 'tok.sock'}", token="s3cret")
+    server = ControlServer(agent, f"unix:{tmp_path / 'tok.sock'}", token="s3cret-s3cret-s3cret")
     address = loop.run_until_complete(server.start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -137,12 +137,12 @@ def test_a_token_is_required_of_every_op_when_set(make_agent, tmp_path, monkeypa
         monkeypatch.delenv("REWARM_CONTROL_TOKEN", raising=False)
         with pytest.raises(Unauthorized, match="token missing"):
             control_call(address, "status")
-        monkeypatch.setenv("REWARM_CONTROL_TOKEN", "wrong")
+        monkeypatch.setenv("REWARM_CONTROL_TOKEN", "wrong-wrong-wrong-wrong")
         with pytest.raises(Unauthorized, match="token wrong"):
             control_call(address, "status")
         assert main(["agent", "status", "--agent", address]) == 2
         assert "token wrong" in capsys.readouterr().err
-        monkeypatch.setenv("REWARM_CONTROL_TOKEN", "s3cret")
+        monkeypatch.setenv("REWARM_CONTROL_TOKEN", "s3cret-s3cret-s3cret")
         assert control_call(address, "status")["node"] == "n1"
     finally:
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
@@ -162,3 +162,33 @@ def test_the_control_api_refuses_an_open_bind_without_a_token():
     check_control_bind("127.0.0.1:7733", None)                  # loopback: fine
     check_control_bind("[::1]:7733", None)
     check_control_bind("unix:/run/rewarm/agent.sock", None)
+
+
+@pytest.mark.parametrize("value, says", [("short", "at least 16"), ("   " * 8, "at least 16"),
+                                         ("\udcff" * 20, "UTF-8")])
+def test_a_weak_or_broken_control_token_is_refused(monkeypatch, value, says):
+    from agent.errors import ConfigError
+    from agent.node.control import control_token
+
+    monkeypatch.setenv("REWARM_CONTROL_TOKEN", value)
+    with pytest.raises(ConfigError, match=says):
+        control_token()
+
+
+def test_answers_never_echo_an_id_a_client_could_not_mean(served):
+    import socket
+
+    from agent.protocol import Decoder
+
+    _, address = served
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(address[len("unix:"):])
+    good = {"op": "status", "id": 5}
+    sock.sendall(pack({"op": "status", "id": [1, 2]}) + pack({"op": "status", "id": "i" * 200})
+                 + pack(good) + b"\xc1")
+    answers, decoder = [], Decoder()
+    while data := sock.recv(65536):
+        answers += decoder.feed(data)
+    sock.close()
+    assert [a["id"] for a in answers] == [None, None, 5, None]
+    assert answers[2]["type"] == "result" and answers[3]["code"] == 400   # answered, then 400

@@ -216,3 +216,35 @@ def test_a_text_prompt_to_a_model_without_a_tokenizer_is_400(booted):
     err = answers["t"][-1]
     assert err["type"] == "error" and err["code"] == 400
     assert "tokenizer" in err["reason"] and "tokens" in err["reason"]
+
+
+def test_capture_never_writes_over_an_existing_path(booted, tmp_path):
+    dest = tmp_path / "taken"
+    dest.mkdir()
+    (dest / "keep").write_text("mine")
+    answers = run(Worker(booted), [{"op": "capture", "id": 1, "dest": str(dest)}])
+    err = answers[1][-1]
+    assert err["type"] == "error" and err["code"] == 409 and "already exists" in err["reason"]
+    assert (dest / "keep").read_text() == "mine"
+
+
+def test_a_framing_error_answers_what_was_before_it_then_closes(booted):
+    import asyncio as aio
+
+    async def main():
+        worker = Worker(booted)
+        ready = aio.get_running_loop().create_future()
+        serving = aio.create_task(worker.serve("127.0.0.1:0", ready.set_result))
+        host, port = (await aio.wait_for(ready, 10)).rsplit(":", 1)
+        reader, writer = await aio.open_connection(host, int(port))
+        writer.write(pack({"op": "health", "id": "h"}) + b"\xc1")
+        answers, decoder = [], Decoder()
+        while data := await aio.wait_for(reader.read(65536), 30):
+            answers += decoder.feed(data)
+        worker.stop()
+        await aio.wait_for(serving, 30)
+        return answers
+
+    answers = asyncio.run(main())
+    assert answers[0]["id"] == "h" and answers[0]["type"] == "result"
+    assert answers[-1]["type"] == "error" and answers[-1]["code"] == 400
