@@ -87,22 +87,6 @@ def dynamic_shapes(config: LlamaConfig, max_seqs: int, max_seq_len: int) -> tupl
             [{0: cache}] * layers, [{0: cache}] * layers)
 
 
-def target_for(device: str) -> str:
-    """:func:`~agent.replica.targets.current_target` for ``device``, with a ConfigError naming
-    the device and what this machine offers when it cannot be used here (no CUDA device
-    seen by torch, or neither ``cpu`` nor ``cuda[:N]``)."""
-    try:
-        return current_target(device)
-    except ConfigError:
-        raise
-    except ValueError as exc:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ConfigError(f"--device {device!r} cannot be used here: {exc}; this machine has "
-                          f"{gpus} CUDA device(s) visible to torch", name="device",
-                          value=device, limit=["cpu"] + [f"cuda:{i}" for i in range(gpus)]
-                          ) from exc
-
-
 def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor], out_dir: Path, *,
                        max_seqs: int = DEFAULT_MAX_SEQS, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
                        device: str = "cpu", target: str | None = None) -> Path:
@@ -120,7 +104,7 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
                           value=max_seq_len, limit=config.max_position_embeddings)
     if max_seqs < 1:
         raise ConfigError(f"max_seqs={max_seqs} must be >= 1", name="max_seqs", value=max_seqs, limit=1)
-    target = target or target_for(device)
+    target = target or current_target(device)
     dest = Path(out_dir) / target_dirname(target)
     dest.mkdir(parents=True, exist_ok=True)
     model = Transformer.from_weights(config, {k: v.to(device) for k, v in weights.items()})
@@ -162,7 +146,7 @@ def build(model_dir: Path, out_dir: Path, *, max_seqs: int = DEFAULT_MAX_SEQS,
     checkpoint, ConfigError for sizes out of range or a device this machine lacks."""
     from agent.replica.weights import load_hf_weights
 
-    target_for(device)   # an unusable device is refused before the weights are read
+    current_target(device)   # an unusable device is refused before the weights are read
     config = LlamaConfig.from_dir(model_dir)
     return build_from_weights(config, load_hf_weights(model_dir), out_dir, max_seqs=max_seqs,
                               max_seq_len=min(max_seq_len, config.max_position_embeddings),
@@ -204,7 +188,7 @@ def find_package(release_dir: Path, device: str = "cpu") -> Path:
     release_dir = Path(release_dir)
     if (release_dir / MANIFEST_NAME).exists():
         return release_dir
-    here = target_for(device)
+    here = current_target(device)
     candidate = release_dir / target_dirname(here)
     if (candidate / MANIFEST_NAME).exists():
         return candidate
@@ -256,7 +240,7 @@ def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str
     """
     package_dir = find_package(Path(path), device)
     manifest = read_package_manifest(package_dir)
-    here = target_for(device)
+    here = current_target(device)
     if manifest["target"] != here:
         raise TargetMismatch(f"{package_dir}: package built for {manifest['target']!r}; this "
                              f"machine is {here!r}", built=manifest["target"], here=here)

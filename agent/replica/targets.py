@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from agent.errors import ConfigError
+
 # Flags that change the code Inductor's CPU backend may emit (torch/_inductor/cpu_vec_isa.py
 # checks these same features before choosing a vector ISA).
 EXTRA_CPU_FLAGS = ("avx512_vnni", "avx512_bf16", "amx_tile")
@@ -58,17 +60,23 @@ def gpu_target(device_index: int = 0) -> str | None:
 
 
 def current_target(device: str = "cpu") -> str:
-    """The target a package for ``device`` ("cpu" or "cuda") must have been built for.
+    """The target a package for ``device`` ("cpu" or "cuda[:N]") must have been built for.
 
     A CUDA package still contains host code, so its target names both: ``<gpu>/<cpu>``.
-    Raises ValueError for another device type.
+    Raises ConfigError (a ValueError) naming the device and the devices torch sees here when
+    ``device`` is neither, or names a GPU torch does not see.
     """
     if device == "cpu":
         return cpu_target()
+    gpu = None
     if device.startswith("cuda"):
-        index = int(device.split(":", 1)[1]) if ":" in device else 0
-        gpu = gpu_target(index)
-        if gpu is None:
-            raise ValueError(f"device {device!r} asked for but torch sees no CUDA device")
-        return f"{gpu}/{cpu_target()}"
-    raise ValueError(f"device {device!r} is not supported; expected 'cpu' or 'cuda[:N]'")
+        index = device.split(":", 1)[1] if ":" in device else "0"
+        gpu = gpu_target(int(index)) if index.isdigit() else None
+        if gpu is not None:
+            return f"{gpu}/{cpu_target()}"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    why = ("torch sees no such CUDA device" if device.startswith("cuda")
+           else "expected 'cpu' or 'cuda[:N]'")
+    raise ConfigError(f"--device {device!r} cannot be used here: {why}; this machine has "
+                      f"{gpus} CUDA device(s) visible to torch", name="device", value=device,
+                      limit=["cpu"] + [f"cuda:{i}" for i in range(gpus)])

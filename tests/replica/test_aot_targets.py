@@ -26,7 +26,7 @@ def test_current_target_refuses_unknown_devices():
         targets.current_target("mps")
     if not torch.cuda.is_available():
         assert targets.gpu_target() is None
-        with pytest.raises(ValueError, match="no CUDA"):
+        with pytest.raises(ValueError, match="no such CUDA device"):
             targets.current_target("cuda")
 
 

@@ -50,17 +50,18 @@ def test_gguf_magic_with_a_bad_header_is_invalid_checkpoint(tmp_path):
 
 def test_build_for_cuda_without_cuda_is_a_config_error(tmp_path, monkeypatch, capsys):
     import agent.replica.targets as targets
-    from agent.replica.aot import build, target_for
+    from agent.replica.aot import build
+    from agent.replica.targets import current_target
 
     monkeypatch.setattr(targets, "gpu_target", lambda index=0: None)   # no CUDA device seen
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ConfigError) as info:
-        target_for("cuda")
+        current_target("cuda")
     err = info.value
     assert (err.name, err.value, err.limit) == ("device", "cuda", ["cpu"])
     assert "'cuda'" in str(err) and "0 CUDA device(s)" in str(err)
     with pytest.raises(ConfigError, match="'tpu'"):
-        target_for("tpu")
+        current_target("tpu")
     with pytest.raises(ConfigError):   # refused before the (missing) model is read
         build(tmp_path / "tiny", tmp_path / "rel", device="cuda")
     assert main(["build", str(tmp_path / "tiny"), "--out", str(tmp_path / "rel"),
