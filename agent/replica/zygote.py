@@ -153,17 +153,16 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     SnapshotCorrupt, ...), InvalidCheckpoint (package digest differs) and GoldenMismatch."""
     from agent.errors import TargetMismatch
     from agent.replica.golden import verify_golden
-    from agent.snapshot.manifest import read_manifest
     from agent.snapshot.reader import restore_snapshot
 
     phases: dict[str, float] = {}
     t = time.perf_counter()
     # Refuse what is not a captured replica snapshot (e.g. `rewarm import`'s weights-only
     # snapshots) before any data is read into the buffer.
-    check_replica_manifest(read_manifest(snapshot), snapshot)
-    restored = restore_snapshot(snapshot, buffer=buffer, verify=verify, threads=threads)
+    restored = restore_snapshot(snapshot, buffer=buffer, verify=verify, threads=threads,
+                                accept=lambda m: check_replica_manifest(m, snapshot))
     phases["weights_s"] = time.perf_counter() - t
-    extra = check_replica_manifest(restored.manifest, snapshot)  # the manifest actually read
+    extra = restored.manifest.extra      # checked by check_replica_manifest above
     config = LlamaConfig.from_dict(extra["model_config"], path=snapshot)
     engine_cfg = check_engine_config(extra["engine"], config, snapshot)
     t = time.perf_counter()

@@ -15,6 +15,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -241,14 +242,17 @@ def tensor_views(manifest: Manifest, base: torch.Tensor) -> dict[str, torch.Tens
 
 def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, verify: bool = True,
                      key: bytes | None = None, machine: Pins | None = None, threads: int = 2,
-                     direct: bool | str = "auto") -> Restored:
+                     direct: bool | str = "auto",
+                     accept: Callable[[Manifest], object] | None = None) -> Restored:
     """Restore the snapshot at ``path`` into host memory; tensors are views into one buffer.
 
     ``buffer``: preallocated HostBuffer of at least ``total_bytes`` (allocated when None).
     ``threads``: reader threads (direct reads use at least DIRECT_IO_DEPTH).
     ``machine``: this machine's pins (read with machine_pins when None).  ``direct``: True reads
     with O_DIRECT where the filesystem allows, False buffered, "auto" buffered only when the
-    data is already in the page cache (a copy from memory beats re-reading the disk).  Raises SnapshotNotFound,
+    data is already in the page cache (a copy from memory beats re-reading the disk).
+    ``accept(manifest)``: the caller's own check of the manifest, run after the pins and
+    before any file is opened or memory allocated; what it raises propagates.  Raises SnapshotNotFound,
     SnapshotTampered, SnapshotIncompatible (before any data is read), SnapshotCorrupt (bad or
     truncated chunk: names the chunk, file and tensors), ConfigError (buffer too small).
     After a failure the buffer's contents are undefined and no tensors are returned.
@@ -256,6 +260,8 @@ def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, veri
     path = Path(path)
     manifest = read_manifest(path, key)
     check_pins(manifest.pins, machine or machine_pins(pins_device(manifest.pins)), path)
+    if accept is not None:
+        accept(manifest)
     total = manifest.total_bytes
     if buffer is not None and buffer.capacity_bytes < total:
         raise ConfigError(f"{path}: buffer holds {buffer.capacity_bytes} bytes, snapshot needs {total}",
