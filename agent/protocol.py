@@ -349,6 +349,15 @@ async def read_messages(reader: asyncio.StreamReader, decoder: Decoder,
             yield message
 
 
+def reply_id(request_id: Any, limits: Limits = DEFAULT_LIMITS) -> Any:
+    """The id to answer a possibly malformed request with: its own when it is an int or a
+    string within ``max_name_bytes``, else None (never echo a list or a huge string back)."""
+    if type(request_id) is int or (type(request_id) is str
+                                   and len(request_id.encode()) <= limits.max_name_bytes):
+        return request_id
+    return None
+
+
 def error_message(request_id: Any, code: int, reason: str, **extra: Any) -> dict[str, Any]:
     """The answer for a failed request: ``{"type": "error", "code", "reason", ...}``."""
     return {"v": PROTOCOL_VERSION, "id": request_id, "type": "error", "code": code,

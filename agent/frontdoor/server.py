@@ -34,7 +34,8 @@ from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTime
 from agent.frontdoor.links import ClientConn, ReplicaLink, packb
 from agent.frontdoor.router import ReplicaLoad, Router
 from agent.frontdoor.watch import RegistryWatcher
-from agent.protocol import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, error_message, validate_request
+from agent.protocol import (DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, error_message, reply_id,
+                            validate_request)
 from agent.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -210,15 +211,9 @@ class FrontDoor:
             self._server.close()
         if self._watcher is not None:
             self._watcher.stop()
-        for model, queue in self.queues.items():  # never sent to a replica: say so now
-            for p in queue.drain():
-                req: Request = p.payload
-                req.conn.queued.discard(p)
-                self._refuse(req.conn, req.client_id, model, 503,
-                             f"front door shutting down: request for model {model!r} was "
-                             f"queued and never sent to a replica")
-                req.conn.finished()
-            self.telemetry.queue_depth(model, 0)
+        for model in self.queues:  # never sent to a replica: say so now
+            self._refuse_queued(model, f"front door shutting down: request for model "
+                                       f"{model!r} was queued and never sent to a replica")
         self._queued_models.clear()
         deadline = self.clock.now() + grace_s
         while any(link.in_flight for link in self.links.values()) and self.clock.now() < deadline:
@@ -226,15 +221,8 @@ class FrontDoor:
         for task in self._tasks:
             task.cancel()
         for link in list(self.links.values()):
-            failed, link.in_flight = list(link.in_flight.values()), {}
-            for req in failed:
-                self._refuse(req.conn, req.client_id, req.model, 503,
-                             f"front door shutting down: replica {link.replica_id} did not "
-                             f"finish within grace_s({grace_s})", path=req.path)
-                req.conn.finished()
-            link.closed = True
-            if link.transport is not None:
-                link.transport.close()
+            self.replica_failed(link, f"front door shutting down: replica {link.replica_id} "
+                                      f"did not finish within grace_s({grace_s})")
         for conn in list(self.conns):
             conn.end()
         loop = asyncio.get_running_loop()
@@ -274,10 +262,7 @@ class FrontDoor:
         except ProtocolError as err:
             # One well-framed message that is wrong: answer it alone; the connection and
             # the requests in flight on it carry on.
-            rid = message.get("id")
-            if not ((type(rid) is int) or (type(rid) is str
-                                           and len(rid) <= self.config.limits.max_name_bytes)):
-                rid = None  # not an id the client could have meant
+            rid = reply_id(message.get("id"), self.config.limits)
             model = message.get("model")
             # validate_request's reasons name the value and the limit themselves
             self._refuse(conn, rid, model if type(model) is str else "", err.code, err.message)
@@ -509,13 +494,17 @@ class FrontDoor:
             elif queue:
                 self._maybe_restore(model)
         elif not self.gate.in_flight.get(model) and not self.router.warm(model):
-            for p in queue.drain():  # nothing can succeed now: say so promptly
-                req: Request = p.payload
-                req.conn.queued.discard(p)
-                self._refuse(req.conn, req.client_id, model, 503,
-                             f"model {model!r}: no capacity can be restored: {reason}")
-                req.conn.finished()
-            self.telemetry.queue_depth(model, 0)
+            # nothing can succeed now: say so promptly
+            self._refuse_queued(model, f"model {model!r}: no capacity can be restored: {reason}")
+
+    def _refuse_queued(self, model: str, reason: str) -> None:
+        """Answer every request queued for ``model`` 503 with ``reason`` (never dispatched)."""
+        for p in self.queues[model].drain():
+            req: Request = p.payload
+            req.conn.queued.discard(p)
+            self._refuse(req.conn, req.client_id, model, 503, reason)
+            req.conn.finished()
+        self.telemetry.queue_depth(model, 0)
 
     def _restore_measured(self, model: str, restore_ms: float) -> None:
         self.restore_times.record(model, restore_ms)

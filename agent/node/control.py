@@ -36,7 +36,7 @@ from typing import Any
 from agent.errors import (ERROR_BY_CODE, ConfigError, ProtocolError, ReplicaNotFound,
                           RewarmError, Unauthorized)
 from agent.node.agent import NodeAgent
-from agent.protocol import Decoder, error_message, pack, read_messages, request
+from agent.protocol import Decoder, error_message, pack, read_messages, reply_id, request
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +169,7 @@ class ControlServer:
         loop = asyncio.get_running_loop()
         try:
             async for msg in read_messages(reader, Decoder()):
-                rid = msg.get("id")
-                if not (type(rid) is int or (type(rid) is str and len(rid) <= 128)):
-                    rid = None     # not an id a client could mean: never echo it back
+                rid = reply_id(msg.get("id"))
                 try:
                     self._authorise(msg)
                     op, args = _args(msg)

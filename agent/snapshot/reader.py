@@ -176,12 +176,17 @@ def _open_files(path: Path, manifest: Manifest, direct: bool = True) -> dict[str
                 expected=on_disk, actual=manifest.total_bytes, total_bytes=manifest.total_bytes,
                 on_disk_bytes=on_disk)
         if direct:
-            for name, (_, fd_b) in list(fds.items()):
-                fds[name] = (_open_direct(path / name, fd_b), fd_b)
+            _add_direct(path, fds)
     except BaseException:
         _close(fds)
         raise
     return fds
+
+
+def _add_direct(path: Path, fds: dict[str, tuple[int, int]]) -> None:
+    """Give each checked buffered descriptor its O_DIRECT twin where one can be had."""
+    for name, (_, fd_b) in list(fds.items()):
+        fds[name] = (_open_direct(path / name, fd_b), fd_b)
 
 
 def _open_direct(fpath: Path, fd_b: int) -> int:
@@ -273,8 +278,7 @@ def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, veri
         if direct == "auto":
             direct = page_cache_share(path, manifest, fds) < RESIDENT_FOR_BUFFERED if manifest.chunks else True
         if direct:
-            for name, (_, fd_b) in list(fds.items()):
-                fds[name] = (_open_direct(path / name, fd_b), fd_b)
+            _add_direct(path, fds)
         if buffer is None:
             buffer = HostBuffer.allocate(total)
         jobs = [(*fds[c.file], c.offset, c.length, c.buffer_offset, c.checksum) for c in manifest.chunks]
