@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from agent.clock import Clock, SystemClock
-from agent.cluster.base import Registry, ServiceInstance
+from agent.cluster.base import LOAD_META_KEYS, Registry, ServiceInstance
 from agent.errors import (ConfigError, CudaCheckpointError, DiskFull, GoldenMismatch,
                           ModelNotFound, NoCapacity, ReplicaNotFound, RewarmError,
                           SnapshotCorrupt, SnapshotError, SnapshotIncompatible)
-from agent.frontdoor.router import META_KEYS
 from agent.node import capture as cap
 from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_id
 from agent.node.inventory import Inventory
@@ -48,7 +47,7 @@ from agent.snapshot.store import LocalStore
 
 log = logging.getLogger(__name__)
 
-LOAD_KEYS = META_KEYS
+LOAD_KEYS = LOAD_META_KEYS
 """A replica's load as its worker's ``stats`` reports it, in the front door's router's keys."""
 
 

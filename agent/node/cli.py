@@ -10,25 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from agent.argtypes import host_port, nonneg_int, positive_float, positive_int
+from agent.cluster.control import DEFAULT_AGENT, default_agent
 from agent.errors import RewarmError
 
-DEFAULT_AGENT = "127.0.0.1:7733"
-"""The node agent's default control address: ``rewarm agent run`` and ``rewarm up`` listen
-here, and every client of it (``rewarm agent ...``, ``rewarm predictor``) looks here."""
-
-
-def default_agent() -> str:
-    """Where clients look for the node agent: ``$REWARM_AGENT`` when set, else DEFAULT_AGENT."""
-    return os.environ.get("REWARM_AGENT") or DEFAULT_AGENT
 
 
 def _client(op: str, **fields):
     def run(args: argparse.Namespace) -> int:
-        from agent.node.control import control_call
+        from agent.cluster.control import control_call
 
         values = {k: getattr(args, v) for k, v in fields.items() if getattr(args, v) is not None}
         try:

@@ -18,7 +18,8 @@ from pathlib import Path
 from agent.cluster.base import Registry
 from agent.node.agent import AgentConfig, NodeAgent
 from agent.node.backend import Backend, InProcessBackend, ModelSpec
-from agent.node.control import ControlServer, check_control_bind, control_token
+from agent.cluster.control import control_token
+from agent.node.control import ControlServer, check_control_bind
 from agent.node.inventory import Inventory
 from agent.snapshot.catalog import Catalog
 from agent.snapshot.store import LocalStore

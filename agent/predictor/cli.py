@@ -66,7 +66,7 @@ def parse_model(spec: str) -> tuple[str, int, int]:
 def node_agents(args) -> list[str]:
     """``--node-agent`` addresses, else ``$REWARM_AGENT``, else the node agent's default
     control address (``rewarm agent run`` and ``rewarm up`` listen there)."""
-    from agent.node.cli import default_agent
+    from agent.cluster.control import default_agent
 
     return list(args.node_agent) or [default_agent()]
 
@@ -109,7 +109,7 @@ def build(args, clock):
                              render_job=lambda m: render_replica_job(m, max(1, bounds[m])))
     else:
         from agent.cluster.local_scaler import LocalScaler
-        from agent.node.control import control_call
+        from agent.cluster.control import control_call
 
         scaler = LocalScaler({a: functools.partial(control_call, a, timeout_s=600.0)
                               for a in node_agents(args)}, clock=clock)

@@ -10,7 +10,8 @@ import pytest
 
 from agent.cli import main
 from agent.errors import ModelNotFound, ProtocolError, ReplicaNotFound
-from agent.node.control import ControlError, ControlServer, control_call
+from agent.cluster.control import ControlError, control_call
+from agent.node.control import ControlServer
 from agent.protocol import pack
 
 
@@ -168,7 +169,7 @@ def test_the_control_api_refuses_an_open_bind_without_a_token():
                                          ("\udcff" * 20, "UTF-8")])
 def test_a_weak_or_broken_control_token_is_refused(monkeypatch, value, says):
     from agent.errors import ConfigError
-    from agent.node.control import control_token
+    from agent.cluster.control import control_token
 
     monkeypatch.setenv("REWARM_CONTROL_TOKEN", value)
     with pytest.raises(ConfigError, match=says):
