@@ -530,7 +530,9 @@ class NodeAgent(SnapshotOps, SuspendOps):
             snapshot_id=snapshot_id or rec.snapshot_id)
 
     def _replica_instance(self, rec: ReplicaRecord) -> ServiceInstance:
-        address = rec.handle.address if rec.handle is not None else ""
+        # The TCP data listener when the worker has one (front doors on other hosts).
+        address = ((getattr(rec.handle, "data_address", None) or rec.handle.address)
+                   if rec.handle is not None else "")
         host, _, port = address.rpartition(":")
         numeric = port.isdigit()
         stats = {}

@@ -68,6 +68,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["process", "inproc"], default="process")
     p.add_argument("--buffer-mib", type=positive_int, default=1024, help="restore buffer per zygote")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per replica")
+    p.add_argument("--replica-host", default=None, metavar="HOST",
+                   help="replicas also listen on HOST (TCP, any free port) and register that "
+                        "address, so front doors on other hosts reach them (process backend)")
     p.add_argument("--registry", choices=["local", "consul"], default="local",
                    help="consul honours CONSUL_HTTP_ADDR and CONSUL_HTTP_TOKEN")
     p.add_argument("--restore", action="append", default=[], metavar="MODEL",

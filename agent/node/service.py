@@ -103,7 +103,8 @@ def run_agent(args: argparse.Namespace) -> int:
     state = Path(args.state_dir)
     backend: Backend
     if args.backend == "process":
-        backend = ProcessBackend(state / "run", buffer_mib=args.buffer_mib, threads=args.threads)
+        backend = ProcessBackend(state / "run", buffer_mib=args.buffer_mib, threads=args.threads,
+                                 data_host=getattr(args, "replica_host", None))
     else:
         backend = InProcessBackend(buffer_bytes=args.buffer_mib << 20)
     registry, summary = _registry(args.registry)
