@@ -58,6 +58,13 @@ class SnapshotSummary(Protocol):
                 node: str = "", updated_s: float = 0.0) -> bool: ...
 
 
+class NodeMetadata(Protocol):
+    """Where the node's cached models are published for placement (Nomad dynamic node
+    metadata: agent/cluster/node_meta.py's SnapshotMetadata); posts only on a change."""
+
+    def update(self, models: list[str]) -> bool: ...
+
+
 class ScaleInBlocked(RewarmError, RuntimeError):
     """Draining would remove the last replica of a model with no ready, durable snapshot.
     Attributes: ``model``, ``replica``."""
@@ -153,7 +160,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
                  clock: Clock | None = None, suspender: Suspender | None = None,
                  executor: ThreadPoolExecutor | None = None,
                  sleep: Callable[[float], None] | None = None,
-                 summary: SnapshotSummary | None = None) -> None:
+                 summary: SnapshotSummary | None = None,
+                 node_meta: NodeMetadata | None = None) -> None:
         import time
 
         self.config = config
@@ -164,6 +172,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
         self.registrar = Registrar(registry, clock=self.clock)
         self.suspender = suspender
         self.summary = summary
+        self.node_meta = node_meta
         self.executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent")
         self._sleep = sleep or time.sleep
         self._lock = threading.RLock()
@@ -480,6 +489,13 @@ class NodeAgent(SnapshotOps, SuspendOps):
                 self.registrar.update_meta(rec.lifecycle.replica_id, _load_meta(stats))
         self.registrar.update_meta(self.agent_instance.id, self._agent_meta())
         self.registrar.sync()
+        if self.node_meta is not None:
+            self.node_meta.update(self.cached_models())
+
+    def cached_models(self) -> list[str]:
+        """Models with a ready snapshot in this node's local tier (sorted names)."""
+        return sorted({r.model_name for r in self.catalog.snapshots(status="ready")
+                       if self.store.has(r.snapshot_id)})
 
     def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
         """The agent loop until ``stop`` is set (production; tests call :meth:`tick`)."""

@@ -73,6 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "address, so front doors on other hosts reach them (process backend)")
     p.add_argument("--registry", choices=["local", "consul"], default="local",
                    help="consul honours CONSUL_HTTP_ADDR and CONSUL_HTTP_TOKEN")
+    p.add_argument("--nomad-metadata", action="store_true",
+                   help="publish cached snapshots as Nomad dynamic node metadata "
+                        "(rewarm_snapshots; NOMAD_ADDR, NOMAD_TOKEN honoured)")
+    p.add_argument("--nomad-node-id", default=None, metavar="ID",
+                   help="the Nomad node to publish for (default: the local Nomad agent's)")
     p.add_argument("--restore", action="append", default=[], metavar="MODEL",
                    help="bring one replica of MODEL up at start (repeatable)")
     p.set_defaults(func=_run)

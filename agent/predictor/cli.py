@@ -99,14 +99,21 @@ def build(args, clock):
         consul_c = consul_client(args.consul)
         registry = ConsulRegistry(consul_c)
         kv = SnapshotKV(consul_c)
-        leader = LeaderLock(consul_c, clock=clock, name=socket.gethostname())
+        import os
+        # Unique per instance: two predictors may share a host name (network namespaces,
+        # containers); in Nomad the allocation id is.
+        name = os.environ.get("NOMAD_ALLOC_ID") or f"{socket.gethostname()}-{os.getpid()}"
+        leader = LeaderLock(consul_c, clock=clock, name=name)
     if args.scaler == "nomad":
-        from agent.cluster.jobs import render_replica_job
-        from agent.cluster.nomad_scaler import NomadScaler, nomad_client
+        from agent.cluster.jobs import replica_job
+        from agent.cluster.nomad_http import nomad_client
+        from agent.cluster.nomad_scaler import NomadScaler
 
+        # NOMAD_TOKEN: the task's workload identity (jobs/rewarm-predictor.nomad.hcl).
         bounds = {p.model: p.max_replicas for p in policies}
-        scaler = NomadScaler(nomad_client(), clock=clock,
-                             render_job=lambda m: render_replica_job(m, max(1, bounds[m])))
+        client = nomad_client()
+        scaler = NomadScaler(client, clock=clock, register_job=lambda m: replica_job(
+            client, m, max(1, bounds[m])))
     else:
         from agent.cluster.local_scaler import LocalScaler
         from agent.cluster.control import control_call

@@ -21,11 +21,12 @@ class Reply(Exception):
 class StandIn:
     """Runs ``self.route(method, path, query, body, headers) -> (status, body, headers)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.requests: list[tuple[str, str, dict]] = []
-        self.failures: list[tuple[int, str, str]] = []   # (status, path prefix, body)
+        self.failures: list[tuple[int, str, str, dict]] = []   # (status, prefix, body, headers)
+        self.delay_s = 0.0
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -68,7 +69,7 @@ class StandIn:
             def do_DELETE(self):
                 self._handle("DELETE")
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self.host, self.port = self.server.server_address[:2]
         self.url = f"http://{self.host}:{self.port}"
@@ -84,18 +85,23 @@ class StandIn:
         self.server.server_close()
 
     def fail_next(self, status: int, path_prefix: str = "/", times: int = 1,
-                  body: str = "injected failure") -> None:
-        """Answer the next ``times`` requests under ``path_prefix`` with ``status``."""
+                  body: str = "injected failure", headers: dict[str, str] | None = None) -> None:
+        """Answer the next ``times`` requests under ``path_prefix`` with ``status`` (and
+        ``headers``, e.g. ``Retry-After``)."""
         with self.lock:
-            self.failures.extend([(status, path_prefix, body)] * times)
+            self.failures.extend([(status, path_prefix, body, dict(headers or {}))] * times)
 
     def dispatch(self, method, path, query, raw, headers):
+        if self.delay_s:
+            import time
+
+            time.sleep(self.delay_s)        # a slow server (client timeouts)
         with self.lock:
             self.requests.append((method, path, query))
-            for i, (status, prefix, body) in enumerate(self.failures):
+            for i, (status, prefix, body, extra) in enumerate(self.failures):
                 if path.startswith(prefix):
                     del self.failures[i]
-                    return status, body, {}
+                    return status, body, extra
         try:
             body = json.loads(raw) if raw else None
         except ValueError:
