@@ -102,6 +102,16 @@ job "rewarm-predictor" {
         env = true
       }
 
+      # A front-door tenant token for its stats reads, from Nomad Variables
+      # (`nomad var put nomad/jobs/rewarm-predictor frontdoor_token=...`).
+      template {
+        data        = <<-EOT
+          REWARM_FRONTDOOR_TOKEN={{ with nomadVar "nomad/jobs/rewarm-predictor" }}{{ .frontdoor_token }}{{ end }}
+          EOT
+        destination = "secrets/frontdoor.env"
+        env         = true
+      }
+
       kill_signal = "SIGTERM"
       # The predictor holds no requests; 5 s covers releasing the leader lock.
       kill_timeout = "5s"

@@ -107,11 +107,14 @@ def _reason(exc: Exception) -> str:
 
 def next_index(sent: int | None, got: object) -> int:
     """The index to send with the next blocking read (Consul "Blocking Queries",
-    implementation details): one lower than ``sent`` resets (0); 0 or garbage becomes 1."""
+    implementation details): 0 (or garbage) becomes 1, so that the next read blocks; a
+    positive index lower than ``sent`` resets the watch (0: a plain read next)."""
     try:
         value = int(got)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         value = 0
+    if value <= 0:
+        return 1
     if sent is not None and value < sent:
         return 0
-    return max(1, value)
+    return value

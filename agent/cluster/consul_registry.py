@@ -122,8 +122,7 @@ class ConsulRegistry:
         if tag is not None and (not isinstance(tag, str) or len(tag) > 256):
             check_name("service tag", tag, 256)
         self.acl.check()
-        if index is not None:
-            self._pace((name, tag))
+        self._pace((name, tag), blocking=index is not None)
         try:
             new_index, entries = self._c.health.service(
                 name, passing=True, tag=tag, index=index,
@@ -140,11 +139,12 @@ class ConsulRegistry:
                                        meta=dict(s.get("Meta") or {})))
         return new_index, out
 
-    def _pace(self, key: tuple[str, str | None]) -> None:
-        """Sleep until ``min_watch_interval_s`` has passed since the last read of ``key``."""
+    def _pace(self, key: tuple[str, str | None], blocking: bool) -> None:
+        """A blocking read sleeps until ``min_watch_interval_s`` has passed since the last
+        read of ``key``; every read is remembered."""
         with self._read_lock:
             last = self._last_read.get(key)
-        if last is not None:
+        if blocking and last is not None:
             left = last + self.min_watch_interval_s - self._clock.now()
             if left > 0:
                 self._sleep(left)

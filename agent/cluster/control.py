@@ -56,8 +56,11 @@ AGENT_HINT = ("is `rewarm agent run` or `rewarm up` running there? pass --agent 
 
 
 def control_call(address: str, op: str, *, timeout_s: float = 600.0, hint: str = AGENT_HINT,
-                 **fields: Any) -> dict[str, Any]:
+                 fields: dict[str, Any] | None = None, **more: Any) -> dict[str, Any]:
     """Blocking client: send one control op, return its result.
+
+    The op's fields are ``fields`` and ``more`` (``fields`` carries the names this function
+    takes itself: drain's own ``timeout_s``).
 
     Sends ``$REWARM_CONTROL_TOKEN`` when set.  Raises ControlError (or the typed error for the
     wire code: 401 Unauthorized, 404 ModelNotFound, or
@@ -65,6 +68,7 @@ def control_call(address: str, op: str, *, timeout_s: float = 600.0, hint: str =
     Unreachable (a ConnectionError naming ``address`` and ``hint``) when no agent answers
     there, ConnectionError, TimeoutError.
     """
+    fields = {**(fields or {}), **more}
     message = {"op": op, "id": 1, **fields}
     if control_token() is not None:
         message["token"] = control_token()

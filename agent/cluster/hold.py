@@ -110,7 +110,7 @@ class Hold:
 
 def run_hold(args) -> int:
     def call(op: str, **fields: Any) -> dict:
-        return control_call(args.agent, op, timeout_s=args.timeout_s, **fields)
+        return control_call(args.agent, op, timeout_s=args.timeout_s, fields=fields)
 
     hold = Hold(call, args.model, poll_s=args.poll_s, drain_timeout_s=args.drain_timeout_s)
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,7 +6,9 @@ allocation (preferring nodes that cache the snapshot), the allocation's task ask
 agent to restore, the replica registers in Consul, and the front door's watch sees it.
 
 Calls for one model are serialised: while one scale-up is waiting for its replica, another
-call for the same model joins it (one burst scales once).  ``warm_count(model)`` is the
+call for the same model joins it (one burst scales once); and when the scaler's target is
+already above the warm replicas seen (one is being placed, restored, or rescheduled after a
+node failure) the call waits for that one instead of raising the target again.  ``warm_count(model)`` is the
 caller's cached view (the front door's router), read every ``poll_s``.
 """
 
@@ -61,10 +63,15 @@ class ScaleUp:
         before = self._warm_count(model)
         try:
             current = await asyncio.to_thread(self._scaler.target, model)
-            target = max(current, before) + 1
-            self.scale_calls += 1
-            await asyncio.to_thread(self._scaler.set_target, model, target,
-                                    reason="front door: requests queued, no warm replica fits")
+            if current > before:
+                # A replica is already on its way (placed, restoring, or rescheduled after
+                # a node failure): wait for it rather than asking for another.
+                target = current
+            else:
+                target = before + 1
+                self.scale_calls += 1
+                await asyncio.to_thread(self._scaler.set_target, model, target,
+                                        reason="front door: requests queued, no warm replica fits")
         except (ClusterError, ConfigError) as exc:
             raise NoCapacity(f"model {model!r}: the scaler refused one more replica: {exc}",
                              model=model) from exc

@@ -24,7 +24,7 @@ def _client(op: str, **fields):
 
         values = {k: getattr(args, v) for k, v in fields.items() if getattr(args, v) is not None}
         try:
-            result = control_call(args.agent, op, timeout_s=args.timeout_s, **values)
+            result = control_call(args.agent, op, timeout_s=args.timeout_s, fields=values)
         except (RewarmError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

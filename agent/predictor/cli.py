@@ -128,6 +128,11 @@ def build(args, clock):
     predictor = Predictor(policies, clock=clock, scaler=scaler,
                           snapshot_durable=snapshot_durable(catalog, kv), catalog=catalog)
 
+    import os
+    # A tenant token for front doors that require one (jobs/rewarm-predictor.nomad.hcl
+    # renders it from Nomad Variables).
+    doors_token = os.environ.get("REWARM_FRONTDOOR_TOKEN") or None
+
     def fetch():
         doors = list(args.frontdoor)
         if registry is not None:
@@ -135,7 +140,7 @@ def build(args, clock):
         out = {}
         for door in doors:
             try:
-                out[door] = frontdoor_stats(door)
+                out[door] = frontdoor_stats(door, token=doors_token)
             except (OSError, ValueError) as exc:
                 log.warning("predictor: front door %s: %s", door, exc)
         return out

@@ -28,7 +28,10 @@ import re
 from dataclasses import dataclass, field
 
 _INTERP = re.compile(r"\$\{([^}]+)\}")
-RESCHEDULE_PENALTY = 1.0     # a previous node ranks below any node without the penalty
+RESCHEDULE_PENALTY = 2.0
+"""Larger than any normalised affinity score (at most 1): a rescheduled allocation goes back
+to a node it failed on only when no other node is feasible ("reschedule block": the
+replacement is placed away from the failed allocation's node where possible)."""
 
 
 @dataclass

@@ -182,7 +182,8 @@ class TaskRunner:
                 proc.wait()
         if proc is not None:
             _signal_group(proc, signal.SIGKILL)   # anything the task left in its group
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         self.state = "dead"
         self._event("Killed")
 

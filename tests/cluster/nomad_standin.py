@@ -345,17 +345,28 @@ class NomadStandIn(StandIn):
                     self._place(job, group, [node], None, starts)
             return
         want = int(group.get("Count", 0))
-        extra = len(live) - want
-        if extra > 0:
-            for a in sorted(live, key=lambda a: a["CreateIndex"])[-extra:]:
+        # A failed allocation waiting out its reschedule delay keeps its slot: the reconciler
+        # replaces it when the delay ends, it does not place an extra one meanwhile.
+        delayed = [a for a in self.allocs.values() if a["JobID"] == job["ID"]
+                   and a["TaskGroup"] == group["Name"] and a["ClientStatus"] == "failed"
+                   and a["DesiredStatus"] == "run" and not a.get("NextAllocation")
+                   and now < a.get("_reschedule_at", 0)]
+        waiting = len(delayed)
+        extra = len(live) + waiting - want
+        if extra > 0:      # scaled in: drop replacements not yet made, then the newest
+            for a in delayed[:extra]:
                 a["DesiredStatus"] = "stop"
+            extra -= min(extra, waiting)
+            if extra:
+                for a in sorted(live, key=lambda a: a["CreateIndex"])[-extra:]:
+                    a["DesiredStatus"] = "stop"
             return
         for prev in replacing:
-            if len(self._live(job["ID"], group["Name"])) >= want:
+            if len(self._live(job["ID"], group["Name"])) + waiting >= want:
                 prev["DesiredStatus"] = "stop"     # scaled in meanwhile: not replaced
                 continue
             self._place(job, group, list(self.nodes.values()), prev, starts)
-        for _ in range(want - len(self._live(job["ID"], group["Name"]))):
+        for _ in range(want - waiting - len(self._live(job["ID"], group["Name"]))):
             if self._place(job, group, list(self.nodes.values()), None, starts) is None:
                 break
 
@@ -375,6 +386,15 @@ class NomadStandIn(StandIn):
                 if d.get("Count", 1) > 0:
                     need[d["Name"]] = need.get(d["Name"], 0) + d.get("Count", 1)
         live = self._live(job["ID"], group["Name"])
+        # A static port taken on a node makes the node infeasible (docs: "network block",
+        # static ports are reserved on the host).
+        static = {int(p["Value"]) for n in group.get("Networks") or []
+                  for p in n.get("ReservedPorts") or []}
+        if static:
+            nodes = [n for n in nodes if not static & {
+                q["Value"] for a in self.allocs.values() if a["NodeID"] == n.id
+                and a["ClientStatus"] in ("pending", "running")
+                for q in a["AllocatedResources"]["Shared"]["Ports"]}]
         penalty = set(prev.get("_failed_nodes", [])) if prev else set()
         if prev:
             penalty.add(prev["NodeID"])

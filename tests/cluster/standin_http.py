@@ -25,6 +25,7 @@ class StandIn:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.requests: list[tuple[str, str, dict]] = []
+        self.peers: list[tuple[str, str]] = []          # (client address, path) per request
         self.failures: list[tuple[int, str, str, dict]] = []   # (status, prefix, body, headers)
         self.delay_s = 0.0
         owner = self
@@ -44,6 +45,8 @@ class StandIn:
                     status, body, headers = 413, "request body too large", {}
                 else:
                     raw = self.rfile.read(length) if length else b""
+                    with owner.lock:
+                        owner.peers.append((self.client_address[0], url.path))
                     status, body, headers = owner.dispatch(method, url.path, query, raw,
                                                            dict(self.headers))
                 data = body if isinstance(body, bytes) else (
