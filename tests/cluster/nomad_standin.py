@@ -443,10 +443,18 @@ class NomadStandIn(StandIn):
                 out.append({"Label": p["Label"], "Value": int(p["Value"]), "To": 0,
                             "HostIP": node.address})
             for p in net.get("DynamicPorts") or []:
-                while nxt in taken:
-                    nxt += 1
-                taken.add(nxt)
-                out.append({"Label": p["Label"], "Value": nxt, "To": 0, "HostIP": node.address})
+                if node.netns is None:
+                    # Nodes without a namespace share this machine's network stack: take a
+                    # port the OS says is free (on real, separate hosts Nomad picks from
+                    # its own range per node).
+                    value = _free_port(node.address)
+                else:
+                    while nxt in taken:
+                        nxt += 1
+                    value = nxt
+                taken.add(value)
+                out.append({"Label": p["Label"], "Value": value, "To": 0,
+                            "HostIP": node.address})
         return out
 
     # -- the client: run and stop allocations -----------------------------------------------
@@ -566,3 +574,11 @@ class NomadStandIn(StandIn):
             for token, owner in list(self.identities.items()):
                 if owner == alloc_id:
                     del self.identities[token]
+
+
+def _free_port(address: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
