@@ -19,7 +19,7 @@ from agent.node.backend import InProcessBackend, ModelSpec
 from agent.node.inventory import Inventory
 from agent.snapshot.catalog import Catalog
 from agent.snapshot.store import LocalStore
-from tests.standins import consul_clock, consul_standin  # noqa: F401  (fixtures)
+from tests.standins import consul_clock, consul_standin, nomad_standin  # noqa: F401  (fixtures)
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent.parent
