@@ -358,13 +358,18 @@ def scenario(run: Run, cluster: Cluster, fd_address, token: str, *, standin=None
     # or to the restarted instance, whichever ticks first after the TTL: a new session either way.
     who = "the restarted instance" if holder == leader_alloc else "the standby"
     run.results["new_leader"] = who
-    run.step("leader predictor killed: the standby takes over within TTL + one tick",
+    run.step("leader predictor killed: a new leader within TTL + one tick",
              failover <= LOCK_TTL_S + TICK_S + 0.5,
              f"{failover:.2f}s (limit {LOCK_TTL_S + TICK_S:.0f}s + 0.5 s polling); new session "
              f"held by {who} ({leader_alloc[:8]} -> {holder[:8]})")
 
     # watch rate while Consul answers X-Consul-Index: 0
     rate, rates = measure_index_zero(consul_standin)
+    doors = len(cluster.running("rewarm-frontdoor"))
+    if run.results["hosts"]["kind"] == "loopback" and doors:
+        # one source address for every host: the total shared by the front doors
+        rate = sum(rates.values()) / doors
+        rates = {f"mean of {doors} front doors": rate}
     run.results["watch_requests_per_s_at_index_0"] = round(rate, 2)
     run.step("watch at index 0 stays slow", rate <= 2.0 and bool(rates),
              f"{rate:.2f} requests/s at most, per front door {rates}")

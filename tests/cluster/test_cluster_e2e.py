@@ -20,7 +20,7 @@ STEPS = ["job submitted at count 0", "first request scales from zero through Nom
          "idle: the predictor scales in after the snapshot is durable",
          "next request restores on the caching node",
          "node agent killed: allocation rescheduled, traffic moves",
-         "leader predictor killed: the standby takes over within TTL + one tick",
+         "leader predictor killed: a new leader within TTL + one tick",
          "watch at index 0 stays slow"]
 
 
