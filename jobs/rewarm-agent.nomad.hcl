@@ -101,6 +101,9 @@ job "rewarm-agent" {
       }
     }
 
+    # /metrics of the node agent (its --metrics-listen, added with agent/node's metrics
+    # module: pass "--metrics-listen", "${attr.unique.network.ip-address}:${NOMAD_PORT_metrics}"
+    # in the task's args once the agent has that flag).
     service {
       name     = "rewarm-agent-metrics"
       port     = "metrics"
