@@ -156,6 +156,9 @@ def _run(args) -> int:
     service, leader = build(args, clock)
     if args.metrics_port:
         from prometheus_client import start_http_server
+
+        from agent.cluster.acl import ACL_DENIED
+        service.registry.register(ACL_DENIED)   # a refused Consul/Nomad token shows here too
         start_http_server(args.metrics_port, registry=service.registry)
     stop = threading.Event()
     try:
