@@ -72,7 +72,15 @@ class StandIn:
             def do_DELETE(self):
                 self._handle("DELETE")
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):
+                import sys
+
+                if isinstance(sys.exc_info()[1], ConnectionError):
+                    return          # the client went away (a timeout, a killed task)
+                super().handle_error(request, client_address)
+
+        self.server = Server((host, port), Handler)
         self.server.daemon_threads = True
         self.host, self.port = self.server.server_address[:2]
         self.url = f"http://{self.host}:{self.port}"
