@@ -7,6 +7,7 @@ limit, instead of a traceback from deep inside the command.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 
 
@@ -70,3 +71,12 @@ def listen_address(text: str) -> str:
         return host_port(text)
     except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(f"{exc} (nor unix:PATH)") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address, bracketed or not, or ``localhost``) is loopback."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

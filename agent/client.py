@@ -235,12 +235,12 @@ def discover(*, consul_host: str | None = None, consul_port: int = 8500,
     cannot be reached."""
     if registry is not None:
         return [(i.address, i.port) for i in registry.healthy(FRONTDOOR_SERVICE)]
-    import consul  # py-consul
+    from agent.cluster.consul_http import consul_client  # CONSUL_HTTP_SSL, CONSUL_CACERT...
     from agent.errors import ClusterError
     try:
-        _, entries = consul.Consul(host=consul_host or "127.0.0.1", port=consul_port,
-                                   token=consul_token).health.service(FRONTDOOR_SERVICE,
-                                                                      passing=True)
+        _, entries = consul_client(f"{consul_host or '127.0.0.1'}:{consul_port}",
+                                   consul_token).health.service(FRONTDOOR_SERVICE,
+                                                                passing=True)
     except Exception as exc:  # requests/py-consul errors
         raise ClusterError(f"consul at {consul_host}:{consul_port}: {exc}",
                            service="consul", status=None) from exc

@@ -229,7 +229,8 @@ class Stack:
     async def _serve(self, ready: threading.Event) -> None:
         from agent.frontdoor.capacity import NodeAgentCapacity
         from agent.frontdoor.server import FrontDoor, FrontDoorConfig
-        from agent.node.control import ControlServer, control_token
+        from agent.cluster.control import control_token
+        from agent.node.control import ControlServer
 
         self._stop_async = asyncio.Event()
         control = ControlServer(self.agent, self.agent_listen, control_token())
@@ -263,7 +264,7 @@ class Stack:
         """Start the predictor's 1 s loop (the demo starts it after the first request)."""
         from agent.clock import SystemClock
         from agent.cluster.local_scaler import LocalScaler
-        from agent.node.control import control_call
+        from agent.cluster.control import control_call
         from agent.predictor.loop import ModelPolicy, Predictor
         from agent.predictor.service import PredictorService, frontdoor_stats
 
@@ -387,7 +388,7 @@ def run_up(args: argparse.Namespace) -> int:
     if args.port is None:
         args.port = 0 if args.demo else DEFAULT_PORT
     if args.agent_listen is None:
-        from agent.node.cli import DEFAULT_AGENT
+        from agent.cluster.control import DEFAULT_AGENT
         args.agent_listen = "127.0.0.1:0" if args.demo else DEFAULT_AGENT
     try:
         check_port(args.host, args.port)   # said before minutes of preparation, as is

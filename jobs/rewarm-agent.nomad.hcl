@@ -1,15 +1,81 @@
-# The node agent: one per GPU node (system job). It owns the snapshot cache volume, the
-# zygotes and the replicas' lifecycle, and publishes cached snapshots as node metadata.
+# The node agent: one per GPU node (system job).  It owns the snapshot cache volume and the
+# zygotes, restores replicas for the allocations of rewarm-replica-<model> jobs on the
+# devices Nomad gave those allocations, and publishes its cached snapshots as dynamic node
+# metadata (rewarm_snapshots) for their affinity.
+#
+# GPU ownership (docs/cluster.md): this job reserves no GPU.  Every GPU a replica uses is
+# held by that replica's allocation; zygotes wait on the host (CPU, pinned host memory) and
+# a suspended replica keeps its allocation, so Nomad's accounting stays the truth.
+
+variable "consul_addr" {
+  type        = string
+  default     = "127.0.0.1:8500"
+  description = "the Consul agent on each node"
+}
+
+variable "nomad_addr" {
+  type    = string
+  default = "http://127.0.0.1:4646"
+}
+
+variable "models_dir" {
+  type        = string
+  default     = "/var/lib/rewarm/models/default"
+  description = "an HF-layout model directory (config.json + model.safetensors)"
+}
+
+variable "state_dir" {
+  type    = string
+  default = "/var/lib/rewarm"
+}
+
+variable "remote_dir" {
+  type        = string
+  default     = "/mnt/rewarm-remote"
+  description = "the remote snapshot tier (a shared filesystem path): a snapshot is durable there"
+}
+
+variable "threads" {
+  type        = number
+  default     = 4
+  description = "torch threads per replica"
+}
+
+variable "buffer_mib" {
+  type        = number
+  default     = 1024
+  description = "restore buffer per zygote (MiB)"
+}
+
+variable "node_class" {
+  type    = string
+  default = "gpu"
+}
+
 job "rewarm-agent" {
   type        = "system"
   datacenters = ["*"]
 
   constraint {
     attribute = "${node.class}"
-    value     = "gpu"
+    value     = var.node_class
+  }
+
+  # One node at a time, so a rollout never drains two nodes' replicas together.
+  update {
+    max_parallel = 1
+    stagger      = "30s"
   }
 
   group "agent" {
+    # System jobs are not rescheduled (one per node by definition); restart in place.
+    restart {
+      attempts = 10
+      interval = "5m"
+      delay    = "2s"
+      mode     = "delay"
+    }
+
     volume "snapshots" {
       type      = "host"
       source    = "rewarm-snapshots"
@@ -18,15 +84,34 @@ job "rewarm-agent" {
 
     network {
       port "control" { static = 7733 }
+      port "metrics" {}
     }
 
     service {
       name     = "rewarm-agent"
       port     = "control"
       provider = "consul"
+      # Leave Consul before the task gets SIGTERM, so no new restore is routed here.
+      shutdown_delay = "2s"
 
       check {
         type     = "tcp"
+        interval = "10s"
+        timeout  = "2s"
+      }
+    }
+
+    # /metrics of the node agent (its --metrics-listen, added with agent/node's metrics
+    # module: pass "--metrics-listen", "${attr.unique.network.ip-address}:${NOMAD_PORT_metrics}"
+    # in the task's args once the agent has that flag).
+    service {
+      name     = "rewarm-agent-metrics"
+      port     = "metrics"
+      provider = "consul"
+
+      check {
+        type     = "http"
+        path     = "/metrics"
         interval = "10s"
         timeout  = "2s"
       }
@@ -37,11 +122,25 @@ job "rewarm-agent" {
 
       config {
         command = "rewarm"
-        # models to serve are directories under the snapshot volume (config.json +
-        # model.safetensors), placed there by the operator or a prestart task
-        args    = ["agent", "run", "--state-dir", "/var/lib/rewarm",
-                   "--model-dir", "/var/lib/rewarm/models/default",
-                   "--listen", "0.0.0.0:${NOMAD_PORT_control}", "--registry", "consul"]
+        args    = ["agent", "run", "--state-dir", var.state_dir,
+                   "--model-dir", var.models_dir, "--node-id", "${node.unique.name}",
+                   "--listen", "${attr.unique.network.ip-address}:${NOMAD_PORT_control}",
+                   "--replica-host", "${attr.unique.network.ip-address}",
+                   "--registry", "consul", "--nomad-metadata",
+                   "--nomad-node-id", "${node.unique.id}", "--remote", var.remote_dir,
+                   "--threads", "${var.threads}", "--buffer-mib", "${var.buffer_mib}"]
+      }
+
+      env {
+        CONSUL_HTTP_ADDR = var.consul_addr
+        NOMAD_ADDR       = var.nomad_addr
+      }
+
+      # The agent publishes its cached snapshots with POST /v1/client/metadata, which needs
+      # node:write: a workload identity token (NOMAD_TOKEN) bound to a policy granting it
+      # (docs/cluster.md, "ACL").
+      identity {
+        env = true
       }
 
       # The control API's shared secret, from Nomad Variables (`nomad var put nomad/jobs
@@ -59,13 +158,13 @@ job "rewarm-agent" {
         destination = "/var/lib/rewarm"
       }
 
+      kill_signal = "SIGTERM"
+      # The drain grace (--drain-grace-s, default 30 s) plus a 5 s margin.
+      kill_timeout = "35s"
+
       resources {
         cpu    = 2000
         memory = 4096
-
-        device "nvidia/gpu" {
-          count = 1
-        }
       }
     }
   }

@@ -1,23 +1,88 @@
-# The front door: stateless service, found by clients through Consul.
+# The front door: stateless service, found by clients through Consul (rewarm-frontdoor).
+# It learns the models it serves, and their policies, from the catalog in Consul KV
+# (rewarm/models/<model>, rewarm/snapshots/<model>), so no --model list is needed, and asks
+# for capacity through Nomad: it scales rewarm-replica-<model> (the scaler), never restores
+# on a node agent itself, so every GPU it brings up is held by a Nomad allocation.
+
+variable "consul_addr" {
+  type    = string
+  default = "127.0.0.1:8500"
+}
+
+variable "nomad_addr" {
+  type    = string
+  default = "http://127.0.0.1:4646"
+}
+
+variable "api_port" {
+  type    = number
+  default = 7000
+}
+
+variable "tokens_file" {
+  type        = string
+  default     = "/etc/rewarm/tokens"
+  description = "tenant:token lines (front door auth)"
+}
+
 job "rewarm-frontdoor" {
   type        = "service"
   datacenters = ["*"]
 
+  update {
+    max_parallel     = 1
+    health_check     = "checks"
+    min_healthy_time = "10s"
+    healthy_deadline = "2m"
+    auto_revert      = true
+  }
+
   group "frontdoor" {
     count = 2
 
+    restart {
+      attempts = 3
+      interval = "2m"
+      delay    = "2s"
+      mode     = "delay"
+    }
+
+    reschedule {
+      delay          = "5s"
+      delay_function = "exponential"
+      max_delay      = "2m"
+      unlimited      = true
+    }
+
     network {
-      port "api" { static = 7000 }
+      port "api" { static = var.api_port }
+      port "metrics" {}
     }
 
     service {
       name     = "rewarm-frontdoor"
       port     = "api"
       provider = "consul"
+      # Out of Consul first, then SIGTERM: clients stop choosing this front door before it
+      # drains.
+      shutdown_delay = "5s"
 
       check {
         type     = "tcp"
         interval = "5s"
+        timeout  = "2s"
+      }
+    }
+
+    service {
+      name     = "rewarm-frontdoor-metrics"
+      port     = "metrics"
+      provider = "consul"
+
+      check {
+        type     = "http"
+        path     = "/metrics"
+        interval = "10s"
         timeout  = "2s"
       }
     }
@@ -27,10 +92,33 @@ job "rewarm-frontdoor" {
 
       config {
         command = "rewarm"
-        args    = ["frontdoor", "--host", "0.0.0.0", "--port", "${NOMAD_PORT_api}",
-                   "--consul", "${attr.unique.network.ip-address}:8500",
-                   "--tokens", "/etc/rewarm/tokens", "--metrics-port", "9400"]
+        args    = ["frontdoor", "--host", "${attr.unique.network.ip-address}",
+                   "--port", "${NOMAD_PORT_api}", "--consul", var.consul_addr,
+                   "--scaler", "nomad", "--tokens", var.tokens_file,
+                   "--metrics-port", "${NOMAD_PORT_metrics}"]
       }
+
+      env {
+        NOMAD_ADDR = var.nomad_addr
+      }
+
+      # NOMAD_TOKEN for its scale calls: a workload identity token, bound by the operator
+      # to a policy with the scale-job capability (docs/cluster.md, "ACL").
+      identity {
+        env = true
+      }
+
+      template {
+        data        = <<-EOT
+          REWARM_CONTROL_TOKEN={{ with nomadVar "nomad/jobs" }}{{ .control_token }}{{ end }}
+          EOT
+        destination = "secrets/control.env"
+        env         = true
+      }
+
+      kill_signal = "SIGTERM"
+      # The drain grace (--drain-grace-s, default 30 s) plus a 5 s margin.
+      kill_timeout = "35s"
 
       resources {
         cpu    = 1000

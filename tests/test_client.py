@@ -127,7 +127,14 @@ def test_discovery_through_consul_standin(consul_standin):
     client = consul.Consul(host=consul_standin.host, port=consul_standin.port)
     s = Served(announcer=ConsulTcpAnnouncer(client))
     try:
-        found = discover(consul_host=consul_standin.host, consul_port=consul_standin.port)
+        import time
+
+        # A TCP check starts critical (Consul's default) until the stand-in's first probe.
+        deadline = time.monotonic() + 10
+        while not (found := discover(consul_host=consul_standin.host,
+                                     consul_port=consul_standin.port)):
+            assert time.monotonic() < deadline, "never passing"
+            time.sleep(0.05)
         assert found == [(s.host, s.port)]
         assert Client(*found[0]).info("health")["status"] == "ok"
         body = [r for r in consul_standin.requests if r[1] == "/v1/agent/service/register"]

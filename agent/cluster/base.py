@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+LOAD_META_KEYS = ("max_seqs", "active_seqs", "kv_capacity_tokens", "kv_used_tokens")
+"""A replica's load in its registry meta (decimal strings): written by the node agent, read
+by the front door's router.  Readers ignore keys they do not know (replicas may add more)."""
+
 
 @dataclass
 class ServiceInstance:

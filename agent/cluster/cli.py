@@ -1,4 +1,5 @@
-"""``rewarm jobs render --model M``: print the replica job for Nomad's API as JSON."""
+"""``rewarm jobs render|run`` (Nomad's parser, Nomad's API) and ``rewarm hold MODEL`` (the
+task of a replica allocation)."""
 
 from __future__ import annotations
 
@@ -6,22 +7,76 @@ import json
 import sys
 from pathlib import Path
 
-from agent.argtypes import positive_int
-from agent.cluster.jobs import REPLICA_TEMPLATE, render_replica_job
+from agent.argtypes import positive_float, positive_int
+from agent.errors import RewarmError
+
+
+def _var(text: str) -> tuple[str, str]:
+    import argparse
+
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name, value
 
 
 def register(subparsers) -> None:
-    jobs = subparsers.add_parser("jobs", help="Nomad job specs")
+    from agent.cluster.control import default_agent
+    from agent.cluster.jobs import REPLICA_TEMPLATE
+
+    jobs = subparsers.add_parser("jobs", help="Nomad job specs (through Nomad's own parser)")
     sub = jobs.add_subparsers(dest="jobs_command", required=True)
-    render = sub.add_parser("render", help="render the per-model replica job as API JSON")
+    render = sub.add_parser("render", help="the per-model replica job as Nomad parses it "
+                                           "(POST /v1/jobs/parse; NOMAD_ADDR)")
     render.add_argument("--model", required=True)
     render.add_argument("--max-replicas", type=positive_int, default=8)
     render.add_argument("--template", type=Path, default=REPLICA_TEMPLATE)
     render.set_defaults(func=_render)
+    run = sub.add_parser("run", help="parse FILE with -var values and register it "
+                                     "(nomad job run -var ..., without the nomad binary)")
+    run.add_argument("file", type=Path)
+    run.add_argument("--var", "-var", action="append", default=[], type=_var,
+                     metavar="NAME=VALUE")
+    run.set_defaults(func=_run)
+
+    hold = subparsers.add_parser("hold", help="the task of a replica allocation: restore "
+                                              "MODEL on this node's agent, hold it, drain on SIGTERM")
+    hold.add_argument("model")
+    hold.add_argument("--agent", default=default_agent())
+    hold.add_argument("--timeout-s", type=positive_float, default=600.0)
+    hold.add_argument("--poll-s", type=positive_float, default=1.0)
+    hold.add_argument("--drain-timeout-s", type=positive_float, default=30.0)
+    hold.set_defaults(func=_hold)
 
 
 def _render(args) -> int:
-    job = render_replica_job(args.model, args.max_replicas, args.template)
+    from agent.cluster.jobs import replica_job
+    from agent.cluster.nomad_http import nomad_client
+
+    try:
+        job = replica_job(nomad_client(), args.model, args.max_replicas, args.template)
+    except RewarmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     json.dump({"Job": job}, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0
+
+
+def _run(args) -> int:
+    from agent.cluster.jobs import register_job
+    from agent.cluster.nomad_http import nomad_client
+
+    try:
+        out = register_job(nomad_client(), args.file.read_text(), dict(args.var))
+    except (RewarmError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+def _hold(args) -> int:
+    from agent.cluster.hold import run_hold
+
+    return run_hold(args)

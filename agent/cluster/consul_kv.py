@@ -17,7 +17,8 @@ from typing import Callable, Protocol
 import consul
 import consul.exceptions
 
-from agent.cluster.consul_registry import cluster_error
+from agent.cluster.consul_http import cluster_error
+from agent.cluster.names import check_name
 from agent.errors import ClusterError, ConfigError
 
 KEY_PREFIX = "rewarm/snapshots/"
@@ -38,10 +39,7 @@ class SnapshotKV:
         self._prefix = prefix
 
     def _key(self, model: str) -> str:
-        if not model or "/" in model:
-            raise ConfigError(f"snapshot KV: model name {model!r} is empty or has '/'",
-                              name="model", value=model, limit="non-empty, no '/'")
-        return self._prefix + model
+        return self._prefix + check_name("model", model, 63)
 
     def get(self, model: str) -> dict | None:
         """The summary for ``model`` or None."""

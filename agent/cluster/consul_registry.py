@@ -3,55 +3,39 @@
 Each instance is an agent service with one TTL check (check id ``service:<id>``, Consul's
 naming for a service's single check). ``healthy`` reads ``/v1/health/service/:name?passing``;
 ``watch`` is the same read as a blocking query (``index``/``wait``, ``X-Consul-Index``).
-Errors from Consul become :class:`~agent.errors.ClusterError` (403:
-:class:`~agent.errors.AclDenied`).
+Errors from Consul become :class:`~agent.errors.ClusterError` (401/403:
+:class:`~agent.errors.AclDenied`, then no request for the ACL back-off,
+:class:`~agent.cluster.acl.AclGate`).  Service names and instance ids are checked
+(:func:`agent.cluster.names.check_name`) before a URL is built.
+
+Blocking-query rules (Consul "Blocking Queries", implementation details): an
+``X-Consul-Index`` of 0 is treated as 1; an index lower than the one sent resets the watch
+(the next read is a plain one, index 0); successive reads of one service are at least
+``min_watch_interval_s`` apart.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import re
+import threading
+import time
 from dataclasses import replace
+from typing import Callable
 
 import consul
 import consul.exceptions
 
+from agent.clock import Clock, SystemClock
+from agent.cluster.acl import AclGate
 from agent.cluster.base import ServiceInstance
-from agent.errors import AclDenied, ClusterError
+from agent.cluster.consul_http import cluster_error, consul_client, next_index  # noqa: F401
+from agent.cluster.names import check_name
+from agent.errors import AclDenied
 
-
-def consul_client(address: str | None = None, token: str | None = None) -> consul.Consul:
-    """A py-consul client for ``address`` (``host:port``; default ``CONSUL_HTTP_ADDR`` or
-    127.0.0.1:8500) with ``token`` (default ``CONSUL_HTTP_TOKEN``)."""
-    address = address or os.environ.get("CONSUL_HTTP_ADDR", "127.0.0.1:8500")
-    scheme = "http"
-    if "://" in address:
-        scheme, address = address.split("://", 1)
-    host, _, port = address.rpartition(":")
-    return consul.Consul(host=host or address, port=int(port or 8500), scheme=scheme,
-                         token=token or os.environ.get("CONSUL_HTTP_TOKEN"))
-
-
-def cluster_error(exc: Exception, endpoint: str) -> ClusterError:
-    """Translate a py-consul or transport exception into rewarm's typed error."""
-    if isinstance(exc, consul.exceptions.ACLPermissionDenied):
-        return AclDenied(f"consul: ACL token denied for {endpoint}: {exc}", service="consul",
-                         endpoint=endpoint, status=403)
-    return ClusterError(f"consul: {endpoint} failed: {_reason(exc)}", service="consul",
-                        endpoint=endpoint, status=None)
-
-
-def _reason(exc: Exception) -> str:
-    """The short reason of a transport failure: urllib3's "Max retries exceeded ... (Caused
-    by NewConnectionError(...: [Errno 111] Connection refused))" becomes "cannot connect to
-    HOST:PORT: [Errno 111] Connection refused"."""
-    text = str(exc)
-    pool = re.search(r"host='([^']*)', port=(\d+)", text)
-    cause = re.search(r"(\[Errno -?\d+\][^)'\"]*)", text)
-    if pool and cause:
-        return f"cannot connect to {pool[1]}:{pool[2]}: {cause[1].strip()}"
-    return text if len(text) <= 300 else text[:297] + "..."
+MIN_WATCH_INTERVAL_S = 0.5
+"""Least time between two blocking reads of one service: at most 2 requests/s however the
+server answers (Consul "Blocking Queries": an index of 0, or one that does not move, must
+not become a busy loop)."""
 
 
 def _ttl(ttl_s: float) -> str:
@@ -61,9 +45,24 @@ def _ttl(ttl_s: float) -> str:
 class ConsulRegistry:
     """Registry over a py-consul client. Thread-compatible (one call at a time per client)."""
 
-    def __init__(self, client: consul.Consul) -> None:
+    def __init__(self, client: consul.Consul, *, clock: Clock | None = None,
+                 sleep: Callable[[float], None] | None = None,
+                 min_watch_interval_s: float = MIN_WATCH_INTERVAL_S,
+                 acl_backoff_s: float = 300.0) -> None:
         self._c = client
+        self._clock = clock or SystemClock()
+        self._sleep = sleep or time.sleep
+        self.min_watch_interval_s = min_watch_interval_s
+        self.acl = AclGate("consul", clock=self._clock, backoff_s=acl_backoff_s)
         self._mine: dict[str, tuple[ServiceInstance, float]] = {}
+        self._last_read: dict[tuple[str, str | None], float] = {}
+        self._read_lock = threading.Lock()
+
+    def _failed(self, exc: Exception, endpoint: str):
+        err = cluster_error(exc, endpoint)
+        if isinstance(err, AclDenied):
+            self.acl.denied(err)
+        return err
 
     def _register(self, inst: ServiceInstance, ttl_s: float) -> None:
         self._c.agent.service.register(
@@ -73,15 +72,21 @@ class ConsulRegistry:
 
     def register(self, instance: ServiceInstance, ttl_s: float) -> None:
         """Register ``instance`` with a TTL check and mark it passing at once."""
+        check_name("service name", instance.name)
+        check_name("service id", instance.id)
+        self.acl.check()
         try:
             self._register(instance, ttl_s)
             self._c.agent.check.ttl_pass(f"service:{instance.id}")
         except (consul.exceptions.ConsulException, OSError) as exc:
-            raise cluster_error(exc, "/v1/agent/service/register") from exc
+            raise self._failed(exc, "/v1/agent/service/register") from exc
+        self.acl.ok()
         self._mine[instance.id] = (replace(instance, meta=dict(instance.meta)), ttl_s)
 
     def pass_ttl(self, instance_id: str, meta: dict[str, str] | None = None) -> None:
         """Heartbeat; a meta change re-registers the service (Consul has no meta-only update)."""
+        check_name("service id", instance_id)
+        self.acl.check()
         try:
             if meta and instance_id in self._mine:
                 inst, ttl_s = self._mine[instance_id]
@@ -90,18 +95,20 @@ class ConsulRegistry:
                     self._register(inst, ttl_s)
             passed = self._c.agent.check.ttl_pass(f"service:{instance_id}")
         except (consul.exceptions.ConsulException, OSError) as exc:
-            raise cluster_error(exc, f"/v1/agent/check/pass/service:{instance_id}") from exc
+            raise self._failed(exc, f"/v1/agent/check/pass/service:{instance_id}") from exc
         if not passed:   # Consul answers 404 for an unknown check; py-consul returns False
             raise KeyError(f"pass_ttl: service instance {instance_id!r} is not registered")
 
     def deregister(self, instance_id: str) -> None:
+        check_name("service id", instance_id)
         self._mine.pop(instance_id, None)
+        self.acl.check()
         try:
             self._c.agent.service.deregister(instance_id)
         except consul.exceptions.NotFound:
             pass
         except (consul.exceptions.ConsulException, OSError) as exc:
-            raise cluster_error(exc, f"/v1/agent/service/deregister/{instance_id}") from exc
+            raise self._failed(exc, f"/v1/agent/service/deregister/{instance_id}") from exc
 
     def healthy(self, name: str, tag: str | None = None) -> list[ServiceInstance]:
         return self.watch(name, tag=tag)[1]
@@ -109,17 +116,37 @@ class ConsulRegistry:
     def watch(self, name: str, tag: str | None = None, index: int | None = None,
               wait_s: float | None = None) -> tuple[int, list[ServiceInstance]]:
         """Passing instances of ``name``; with ``index`` a blocking query that returns when
-        Consul's index passes it or after ``wait_s``. Returns ``(X-Consul-Index, instances)``."""
+        Consul's index passes it or after ``wait_s``. Returns ``(index to send next,
+        instances)`` under the rules in the module docstring."""
+        check_name("service name", name)
+        if tag is not None and (not isinstance(tag, str) or len(tag) > 256):
+            check_name("service tag", tag, 256)
+        self.acl.check()
+        self._pace((name, tag), blocking=index is not None)
         try:
             new_index, entries = self._c.health.service(
                 name, passing=True, tag=tag, index=index,
                 wait=None if wait_s is None else f"{max(1, math.ceil(wait_s))}s")
         except (consul.exceptions.ConsulException, OSError) as exc:
-            raise cluster_error(exc, f"/v1/health/service/{name}") from exc
+            raise self._failed(exc, f"/v1/health/service/{name}") from exc
+        self.acl.ok()
+        new_index = next_index(index, new_index)
         out = []
         for e in entries or []:
             s = e["Service"]
             out.append(ServiceInstance(name=s["Service"], id=s["ID"], address=s["Address"],
                                        port=int(s["Port"]), tags=list(s.get("Tags") or []),
                                        meta=dict(s.get("Meta") or {})))
-        return int(new_index), out
+        return new_index, out
+
+    def _pace(self, key: tuple[str, str | None], blocking: bool) -> None:
+        """A blocking read sleeps until ``min_watch_interval_s`` has passed since the last
+        read of ``key``; every read is remembered."""
+        with self._read_lock:
+            last = self._last_read.get(key)
+        if blocking and last is not None:
+            left = last + self.min_watch_interval_s - self._clock.now()
+            if left > 0:
+                self._sleep(left)
+        with self._read_lock:
+            self._last_read[key] = self._clock.now()

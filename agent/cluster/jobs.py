@@ -1,148 +1,107 @@
-"""Nomad job specs in ``jobs/``: parse them (python-hcl2) and render the per-model replica
-template into the JSON job that ``POST /v1/jobs`` takes.
+"""The Nomad job specs in ``jobs/``, sent through Nomad's own parser.
 
-The template ``jobs/rewarm-replica.nomad.hcl`` carries two placeholders, ``__MODEL__`` and
-``__MAX__`` (the ``scaling`` block's max), substituted before parsing. The JSON follows
-Nomad's API job shape (``ID``, ``Name``, ``Type``, ``Datacenters``, ``TaskGroups`` with
-``Count``, ``Scaling``, ``Affinities``, ``Services``, ``Networks``, ``Tasks`` with
-``Resources.Devices``).
+Operators run them as they are (``nomad job run -var model=M jobs/rewarm-replica.nomad.hcl``).
+Where rewarm registers a job itself (a model's replica job that does not exist yet), it posts
+the HCL and its HCL2 variables to ``POST /v1/jobs/parse`` (Nomad "Jobs HTTP API", Parse Job:
+body ``JobHCL``, ``Variables`` (an HCL vars file), ``Canonicalize``; reply the job as API
+JSON) and registers what Nomad answered: no HCL is converted in rewarm.
+
+python-nomad's ``jobs.parse(hcl, canonicalize)`` sends no ``Variables``, so the same endpoint
+is posted through its ``jobs.request`` (the client's own session, address, token, namespace
+and TLS settings).
 """
 
 from __future__ import annotations
 
-import re
-import textwrap
+import json
 from pathlib import Path
-from typing import Any
 
-import hcl2
+import nomad
+import nomad.api.exceptions as nexc
 
-from agent.errors import ConfigError
+from agent.cluster.names import check_name
+from agent.cluster.nomad_http import nomad_error
+from agent.errors import ClusterError, ConfigError
 
 JOBS_DIR = Path(__file__).resolve().parents[2] / "jobs"
 REPLICA_TEMPLATE = JOBS_DIR / "rewarm-replica.nomad.hcl"
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+MODEL_NAME_CHARS = 63          # a model name is also a Consul tag and a DNS-label-sized name
 MAX_REPLICAS_LIMIT = 1024
+MAX_JOB_HCL_BYTES = 1 << 20
 
 
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\"}
-_ESCAPE = re.compile(r'\\(.)')
-_HEREDOC = re.compile(r"^<<(-?)([A-Za-z_][A-Za-z0-9_]*)\n(.*?)\n?[ \t]*\2$", re.S)
+def variables_file(values: dict[str, object]) -> str:
+    """An HCL vars file for ``Variables``: one ``name = value`` line each (strings quoted
+    with JSON escapes, which HCL's quoted strings share; numbers and booleans bare)."""
+    lines = []
+    for name, value in values.items():
+        check_name("variable name", name)
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        elif isinstance(value, str):
+            text = json.dumps(value).replace("${", "$${").replace("%{", "%%{")
+        else:
+            raise ConfigError(f"jobs: variable {name}={value!r} is not a string, number or "
+                              "bool", name=name, value=repr(value)[:80], limit="str|int|float|bool")
+        lines.append(f"{name} = {text}")
+    return "".join(line + "\n" for line in lines)
 
 
-def _template_literal(text: str) -> str:
-    # HCL template escapes: "$${" is a literal "${", "%%{" a literal "%{"
-    return text.replace("$${", "${").replace("%%{", "%{")
+def parse_job(client: nomad.Nomad, hcl: str, variables: dict[str, object] | None = None) -> dict:
+    """Nomad's API JSON for the job in ``hcl`` with ``variables``.
 
-
-def _string(raw: str) -> str:
-    """The value of a python-hcl2 string token (it keeps quotes, escapes and heredoc marks)."""
-    body = raw[1:-1]
-    heredoc = _HEREDOC.match(body)
-    if heredoc:
-        text = heredoc.group(3)
-        if heredoc.group(1):            # <<-: strip the common indentation
-            text = textwrap.dedent(text)
-        return _template_literal(text + "\n")
-    return _template_literal(_ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), m.group(0)), body))
-
-
-def _clean(value: Any) -> Any:
-    """python-hcl2 keeps string quotes and adds ``__is_block__``/``__comments__``: drop them."""
-    if isinstance(value, dict):
-        return {_clean(k): _clean(v) for k, v in value.items()
-                if not (isinstance(k, str) and k.startswith("__") and k.endswith("__"))}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
-        return _string(value)
-    return value
-
-
-def load_hcl(text: str) -> dict:
-    """Parse HCL text into plain Python values (labels as dict keys, blocks as lists)."""
-    return _clean(hcl2.loads(text))
-
-
-def _labelled(blocks: list[dict]) -> list[tuple[str, dict]]:
-    return [(label, body) for block in blocks for label, body in block.items()]
-
-
-def _one(body: dict, name: str) -> dict:
-    return (body.get(name) or [{}])[0]
-
-
-def _task(name: str, t: dict) -> dict:
-    res = _one(t, "resources")
-    devices = [{"Name": dev, "Count": d.get("count", 1)}
-               for dev, d in _labelled(res.get("device", []))]
-    return {"Name": name, "Driver": t["driver"], "Config": _one(t, "config"),
-            "Env": _one(t, "env") or None, "KillTimeout": _duration_ns(t.get("kill_timeout")),
-            "Resources": {"CPU": res.get("cpu", 100), "MemoryMB": res.get("memory", 300),
-                          "Devices": devices or None}}
-
-
-def _duration_ns(text: str | None) -> int | None:
-    """``"60s"``/``"500ms"``/``"2m"`` -> nanoseconds (the API's time.Duration); None stays."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", str(text))
-    if not m:
-        raise ConfigError(f"jobs: duration {text!r} is not N(ms|s|m|h)", name="duration",
-                          value=text, limit="N(ms|s|m|h)")
-    scale = {"ms": 1e6, "s": 1e9, "m": 60e9, "h": 3600e9}[m.group(2)]
-    return int(float(m.group(1)) * scale)
-
-
-def _group(name: str, g: dict) -> dict:
-    scaling = g.get("scaling")
-    net = _one(g, "network")
-    ports = [{"Label": label, "Value": p.get("static", 0)} for label, p in
-             _labelled(net.get("port", []))]
-    out = {
-        "Name": name, "Count": g.get("count", 1),
-        "Affinities": [{"LTarget": a["attribute"], "Operand": a.get("operator", "="),
-                        "RTarget": a["value"], "Weight": a.get("weight", 50)}
-                       for a in g.get("affinity", [])] or None,
-        "Networks": [{"DynamicPorts": [p for p in ports if not p["Value"]] or None,
-                      "ReservedPorts": [p for p in ports if p["Value"]] or None}]
-        if ports else None,
-        "Services": [{"Name": s["name"], "PortLabel": s.get("port", ""),
-                      "Provider": s.get("provider", "consul"), "Tags": s.get("tags")}
-                     for s in g.get("service", [])] or None,
-        "Tasks": [_task(n, t) for n, t in _labelled(g.get("task", []))],
-    }
-    if scaling:
-        s = scaling[0]
-        out["Scaling"] = {"Enabled": s.get("enabled", True), "Min": s.get("min", 0),
-                          "Max": s["max"], "Type": "horizontal"}
-    return out
-
-
-def to_api_job(parsed: dict) -> dict:
-    """Nomad API JSON for the (single) job in ``parsed`` (the output of :func:`load_hcl`)."""
-    (job_id, job), = _labelled(parsed["job"])
-    return {"ID": job_id, "Name": job_id, "Type": job.get("type", "service"),
-            "Datacenters": job.get("datacenters", ["*"]), "Meta": _one(job, "meta") or None,
-            "Constraints": [{"LTarget": c["attribute"], "Operand": c.get("operator", "="),
-                             "RTarget": c["value"]} for c in job.get("constraint", [])] or None,
-            "TaskGroups": [_group(n, g) for n, g in _labelled(job["group"])]}
-
-
-def render_replica_job(model: str, max_replicas: int = 8,
-                       template: Path = REPLICA_TEMPLATE) -> dict:
-    """The replica job for ``model`` as Nomad API JSON.
-
-    Raises ConfigError for a model name that is not a Nomad-safe identifier (1-63 of
-    ``[A-Za-z0-9._-]``, starting alphanumeric) or ``max_replicas`` outside 1..1024.
+    Raises ConfigError (HCL over 1 MiB, a bad variable), AclDenied (403: the token needs the
+    ``parse-job`` capability), ClusterError (Nomad's 400 names the HCL error; other
+    failures, with their cause).
     """
-    if not _MODEL_NAME.match(model or ""):
-        raise ConfigError(f"jobs: model name {model!r} is not 1-63 of [A-Za-z0-9._-]",
-                          name="model", value=model, limit=_MODEL_NAME.pattern)
-    if not 1 <= int(max_replicas) <= MAX_REPLICAS_LIMIT:
-        raise ConfigError(f"jobs: max_replicas={max_replicas} is out of range; limit is "
+    if len(hcl.encode()) > MAX_JOB_HCL_BYTES:
+        raise ConfigError(f"jobs: HCL has {len(hcl.encode())} bytes; limit is "
+                          f"{MAX_JOB_HCL_BYTES}", name="JobHCL", value=len(hcl.encode()),
+                          limit=MAX_JOB_HCL_BYTES)
+    body = {"JobHCL": hcl, "Variables": variables_file(variables or {}), "Canonicalize": True}
+    endpoint = "/v1/jobs/parse"
+    try:
+        job = client.jobs.request("parse", json=body, method="post").json()
+    except nexc.BaseNomadException as exc:
+        raise nomad_error(exc, endpoint, "parse-job") from exc
+    except ValueError as exc:
+        raise ClusterError(f"nomad: {endpoint} answered non-JSON: {exc}", service="nomad",
+                           status=None, endpoint=endpoint) from exc
+    if not isinstance(job, dict) or not job.get("ID"):
+        raise ClusterError(f"nomad: {endpoint} answered no job", service="nomad", status=None,
+                           endpoint=endpoint)
+    return job
+
+
+def check_model(model: object) -> str:
+    """A model name fit for a job id, a Consul tag and a KV key; ConfigError otherwise."""
+    return check_name("model", model, MODEL_NAME_CHARS)
+
+
+def replica_job(client: nomad.Nomad, model: str, max_replicas: int = 8,
+                template: Path = REPLICA_TEMPLATE, **variables: object) -> dict:
+    """The replica job for ``model`` as Nomad parsed it from ``template``.
+
+    Raises ConfigError for a model name outside 1-63 of ``[A-Za-z0-9._-]`` or
+    ``max_replicas`` outside 1..1024, and what :func:`parse_job` raises.
+    """
+    check_model(model)
+    if not isinstance(max_replicas, int) or not 1 <= max_replicas <= MAX_REPLICAS_LIMIT:
+        raise ConfigError(f"jobs: max_replicas={max_replicas!r} is out of range; limit is "
                           f"1..{MAX_REPLICAS_LIMIT}", name="max_replicas", value=max_replicas,
                           limit=MAX_REPLICAS_LIMIT)
-    text = Path(template).read_text()
-    text = text.replace("__MODEL__", model).replace("__MAX__", str(int(max_replicas)))
-    return to_api_job(load_hcl(text))
+    return parse_job(client, Path(template).read_text(),
+                     {"model": model, "max_replicas": max_replicas, **variables})
+
+
+def register_job(client: nomad.Nomad, hcl: str, variables: dict[str, object] | None = None
+                 ) -> dict:
+    """Parse ``hcl`` with ``variables`` through Nomad and register the result
+    (``POST /v1/jobs``); returns Nomad's answer (``EvalID``, ``JobModifyIndex``...)."""
+    job = parse_job(client, hcl, variables)
+    try:
+        return client.jobs.register_job({"Job": job})
+    except nexc.BaseNomadException as exc:
+        raise nomad_error(exc, "/v1/jobs", "submit-job") from exc

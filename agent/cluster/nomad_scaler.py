@@ -1,175 +1,140 @@
 """Scaling through Nomad (python-nomad): a :class:`agent.cluster.base.Scaler`.
 
-python-nomad 2.1 has no scale helper, so ``set_target`` posts
-``/v1/job/<job>/scale`` through its generic ``request`` with ``Count``, ``Target {Group}``,
-``Message`` and ``Meta``; ``target`` reads ``GET /v1/job/<job>/scale`` (the group's
-``Desired``). Outcomes (Nomad HTTP API, "Scale Task Group"):
+python-nomad 2.1 has no scale helper, so ``set_target`` posts ``/v1/job/<job>/scale``
+through its generic ``request`` with ``Count``, ``Target {Group}``, ``Message`` and
+``Meta``; ``target`` reads ``GET /v1/job/<job>/scale`` (the group's ``Desired``). Outcomes
+(Nomad "Jobs HTTP API", Scale Task Group):
 
-- 400 while a deployment is active: :class:`~agent.errors.ClusterError` with
-  ``retryable=True``; the predictor keeps its old target and asks again next tick;
+- 400 while a deployment is active: :class:`~agent.errors.ClusterError`, ``retryable``; the
+  caller keeps its old target and asks again next tick;
 - other 400s (count outside the job's ``scaling`` min/max): ClusterError, not retryable;
-- 403: :class:`~agent.errors.AclDenied` naming the endpoint and the capability needed;
-- 404: the model's job does not exist yet: register it from the template in ``jobs/``
-  (``agent.cluster.jobs.render_replica_job``) and scale again;
+- 401/403: :class:`~agent.errors.AclDenied` through an :class:`~agent.cluster.acl.AclGate`:
+  logged once per change, no request for ``acl_backoff_s`` (a denied token is not fixed by
+  asking every tick);
+- 404: the model's job does not exist yet: ``register_job(model)`` (Nomad parses the HCL
+  in ``jobs/``, :func:`agent.cluster.jobs.replica_job`) is registered, then scaled;
 - 429, 5xx and transport errors: back off (exponential, full jitter between half and all
-  of the step, capped), raising a retryable ClusterError with ``retry_after_s`` until the
-  back-off ends.
+  of the step, capped; at least the server's ``Retry-After``, itself bounded), raising a
+  retryable ClusterError with ``retry_after_s`` until the back-off ends.
 
-``NOMAD_ADDR``, ``NOMAD_TOKEN``, ``NOMAD_NAMESPACE`` and ``NOMAD_REGION`` are honoured by
-python-nomad itself (or given as arguments to :func:`nomad_client`).
+Model names are checked (:func:`agent.cluster.jobs.check_model`) before a URL is built.
+``set_target`` calls for one model are serialised by a per-model lock.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 from typing import Callable
 
 import nomad
 import nomad.api.exceptions as nexc
-from nomad.api.base import Requester
 
 from agent.clock import Clock, SystemClock
+from agent.cluster.acl import ACL_BACKOFF_S, AclGate
+from agent.cluster.jobs import check_model
+from agent.cluster.nomad_http import cause_of, nomad_client, nomad_error  # noqa: F401
 from agent.errors import AclDenied, ClusterError
 
 log = logging.getLogger(__name__)
 
 JOB_PREFIX = "rewarm-replica-"
 GROUP = "replica"
-SNAPSHOTS_META_KEY = "rewarm_snapshots"     # node metadata read by the replica job's affinity
-
-
-def nomad_client(address: str | None = None, token: str | None = None,
-                 namespace: str | None = None, region: str | None = None) -> nomad.Nomad:
-    """A python-nomad client; unset arguments fall back to NOMAD_* environment variables."""
-    return nomad.Nomad(address=address, token=token, namespace=namespace, region=region,
-                       timeout=5)
-
-
-class _NodeMetadata(Requester):
-    """``/v1/client/metadata`` through python-nomad's own requester (no helper in 2.1)."""
-
-    ENDPOINT = "client/metadata"
-
-
-def _status(exc: Exception) -> int | None:
-    resp = getattr(exc, "nomad_resp", None)
-    return getattr(resp, "status_code", None)
-
-
-def _text(exc: Exception) -> str:
-    resp = getattr(exc, "nomad_resp", None)
-    return getattr(resp, "text", None) or str(resp or exc)
 
 
 class NomadScaler:
-    """Keeps each model's replica job at its target count."""
+    """Keeps each model's replica job at its target count. Thread-safe."""
 
-    def __init__(self, client: nomad.Nomad, *, render_job: Callable[[str], dict],
+    def __init__(self, client: nomad.Nomad, *, register_job: Callable[[str], dict],
                  clock: Clock | None = None, job_prefix: str = JOB_PREFIX, group: str = GROUP,
                  backoff_base_s: float = 1.0, backoff_cap_s: float = 60.0,
-                 rng: random.Random | None = None) -> None:
+                 acl_backoff_s: float = ACL_BACKOFF_S, rng: random.Random | None = None) -> None:
         self._n = client
-        self._render = render_job
+        self._job = register_job
         self._clock = clock or SystemClock()
         self._prefix = job_prefix
         self._group = group
-        self._base = backoff_base_s
-        self._cap = backoff_cap_s
+        self._base, self._cap = backoff_base_s, backoff_cap_s
         self._rng = rng or random.Random()
         self._targets: dict[str, int] = {}
         self._failures: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self.acl = AclGate("nomad", clock=self._clock, backoff_s=acl_backoff_s)
 
     def job_id(self, model: str) -> str:
-        return self._prefix + model
+        return self._prefix + check_model(model)
+
+    def _lock(self, model: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(model, threading.Lock())
 
     def set_target(self, model: str, count: int, *, reason: str) -> None:
         """POST the scale request; raises ClusterError/AclDenied as described above."""
+        job = self.job_id(model)
+        with self._lock(model):
+            self._set_target(model, job, int(count), reason)
+
+    def _set_target(self, model: str, job: str, count: int, reason: str) -> None:
+        self.acl.check()
         now = self._clock.now()
         if now < self._retry_at.get(model, 0.0):
             wait = self._retry_at[model] - now
             raise ClusterError(f"nomad: backing off {wait:.1f}s before scaling {model}",
                                service="nomad", status=None, retryable=True, retry_after_s=wait)
-        job = self.job_id(model)
         endpoint = f"/v1/job/{job}/scale"
-        body = {"Count": int(count), "Target": {"Group": self._group}, "Message": reason[:256],
+        body = {"Count": count, "Target": {"Group": self._group}, "Message": reason[:256],
                 "Meta": {"rewarm.model": model, "rewarm.reason": reason[:256]}}
         try:
             try:
                 self._n.job.request(job, "scale", method="post", json=body)
             except nexc.URLNotFoundNomadException:
-                log.info("nomad: job %s not found; registering it from the template", job)
-                self._n.jobs.register_job({"Job": self._render(model)})
+                log.info("nomad: job %s not found; registering it from jobs/", job)
+                self._n.jobs.register_job({"Job": self._job(model)})
                 self._n.job.request(job, "scale", method="post", json=body)
         except nexc.BadRequestNomadException as exc:
-            text = _text(exc)
+            text = cause_of(exc)
             active = "deployment" in text.lower()
             raise ClusterError(f"nomad: {endpoint} refused count={count}: {text}"
                                + ("; retrying next tick" if active else ""),
                                service="nomad", status=400, endpoint=endpoint,
                                retryable=active) from exc
-        except nexc.URLNotAuthorizedNomadException as exc:
-            raise AclDenied(f"nomad: ACL token (NOMAD_TOKEN) denied {endpoint}; it needs the "
-                            f"scale-job and submit-job capabilities: {_text(exc)}",
-                            service="nomad", status=403, endpoint=endpoint) from exc
         except nexc.BaseNomadException as exc:
-            status = _status(exc)
-            if status is not None and status != 429 and status < 500:
-                raise ClusterError(f"nomad: {endpoint} failed with {status}: {_text(exc)}",
-                                   service="nomad", status=status, endpoint=endpoint,
-                                   retryable=False) from exc
-            wait = self._back_off(model, now)
-            raise ClusterError(f"nomad: {endpoint} answered {status or 'no response'}; "
-                               f"backing off {wait:.2f}s", service="nomad", status=status,
-                               endpoint=endpoint, retryable=True, retry_after_s=wait) from exc
+            err = nomad_error(exc, endpoint, "the scale-job, submit-job and parse-job "
+                                             "capabilities")
+            if isinstance(err, AclDenied):
+                self.acl.denied(err)
+                raise err from exc
+            if not err.retryable:
+                raise err from exc
+            wait = self._back_off(model, now, err.retry_after_s)
+            raise ClusterError(f"{err.message}; backing off {wait:.2f}s", service="nomad",
+                               status=err.status, endpoint=endpoint, retryable=True,
+                               retry_after_s=wait) from exc
+        self.acl.ok()
         self._failures.pop(model, None)
         self._retry_at.pop(model, None)
-        self._targets[model] = int(count)
+        self._targets[model] = count
 
-    def _back_off(self, model: str, now: float) -> float:
+    def _back_off(self, model: str, now: float, retry_after_s: float | None) -> float:
         n = self._failures.get(model, 0)
         self._failures[model] = n + 1
         step = min(self._cap, self._base * (2 ** n))
-        wait = step * self._rng.uniform(0.5, 1.0)
+        wait = max(step * self._rng.uniform(0.5, 1.0), retry_after_s or 0.0)
         self._retry_at[model] = now + wait
         return wait
 
     def target(self, model: str) -> int:
         """The group's desired count in Nomad (0 when the job does not exist yet); the last
         target set when Nomad cannot be read."""
+        job = self.job_id(model)
         try:
-            status = self._n.job.request(self.job_id(model), "scale", method="get").json()
+            status = self._n.job.request(job, "scale", method="get").json()
             return int(status["TaskGroups"][self._group]["Desired"])
         except nexc.URLNotFoundNomadException:
             return 0
-        except (nexc.BaseNomadException, KeyError, ValueError) as exc:
+        except (nexc.BaseNomadException, KeyError, ValueError, TypeError) as exc:
             log.warning("nomad: cannot read scale status of %s: %s", model, exc)
             return self._targets.get(model, 0)
-
-    def publish_cached_snapshots(self, models: list[str], node_id: str | None = None) -> dict:
-        """:func:`publish_cached_snapshots` with this scaler's client."""
-        return publish_cached_snapshots(self._n, models, node_id)
-
-
-def publish_cached_snapshots(client: nomad.Nomad, models: list[str],
-                             node_id: str | None = None) -> dict:
-    """Set a node's dynamic metadata ``rewarm_snapshots`` to the comma-separated models it
-    caches (the replica job's ``set_contains`` affinity reads it; an empty list unsets it).
-
-    ``POST /v1/client/metadata`` (Nomad "Client HTTP API", dynamic node metadata); returns
-    Nomad's answer (``Meta``, ``Dynamic``, ``Static``). Raises AclDenied (403, needs
-    node:write) or ClusterError.
-    """
-    req = _NodeMetadata(**client.requester_settings)
-    body = {"Meta": {SNAPSHOTS_META_KEY: ",".join(sorted(set(models))) or None}}
-    try:
-        return req.request(method="post", params={"node_id": node_id}, json=body).json()
-    except nexc.URLNotAuthorizedNomadException as exc:
-        raise AclDenied(f"nomad: ACL token denied /v1/client/metadata (needs node:write): "
-                        f"{_text(exc)}", service="nomad", status=403,
-                        endpoint="/v1/client/metadata") from exc
-    except nexc.BaseNomadException as exc:
-        raise ClusterError(f"nomad: /v1/client/metadata failed: {_text(exc)}",
-                           service="nomad", status=_status(exc),
-                           endpoint="/v1/client/metadata") from exc

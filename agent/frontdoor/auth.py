@@ -7,9 +7,9 @@ Without tokens the front door is open, and so listens on loopback unless told ot
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from pathlib import Path
 
+from agent.argtypes import is_loopback  # noqa: F401  (moved there; re-exported)
 from agent.errors import ConfigError, Unauthorized
 
 
@@ -57,15 +57,6 @@ class TokenAuth:
                                   value=n, limit="tenant:token")
             tokens[tenant] = secret
         return cls(tokens)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP address, bracketed or not, or ``localhost``) is loopback."""
-    host = host.strip("[]")
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def check_bind(host: str, auth: TokenAuth, allow_open: bool) -> None:

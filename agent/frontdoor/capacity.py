@@ -114,7 +114,7 @@ class NodeAgentCapacity:
 
     def __init__(self, nodes: Callable[[str], list[tuple[str, int]]], *,
                  timeout_s: float = 120.0, token: str | None = None) -> None:
-        from agent.node.control import control_token
+        from agent.cluster.control import control_token
 
         self._nodes = nodes
         self._timeout_s = timeout_s
@@ -198,25 +198,16 @@ def nodes_from_registry(registry) -> Callable[[str], list[tuple[str, int]]]:
 
 class ScalerCapacity:
     """Restores by raising a :class:`Scaler`'s target by one and waiting (polling the front
-    door's cached view through ``warm_count``) until a replica more than before is warm.
-    Raises :class:`NoCapacity` when none shows within ``timeout_s``."""
+    door's cached view through ``warm_count``) until a replica more than before is warm;
+    serialised per model by :class:`agent.cluster.scale_up.ScaleUp`.  Raises
+    :class:`NoCapacity` when the scaler refuses or none shows within ``timeout_s``."""
 
     def __init__(self, scaler: Scaler, warm_count: Callable[[str], int], *,
                  timeout_s: float = 120.0, poll_s: float = 0.05) -> None:
-        self._scaler, self._warm_count = scaler, warm_count
-        self._timeout_s, self._poll_s = timeout_s, poll_s
+        from agent.cluster.scale_up import ScaleUp
+
+        self.up = ScaleUp(scaler, warm_count, timeout_s=timeout_s, poll_s=poll_s)
 
     async def request_restore(self, model: str) -> RestoreResult:
-        loop = asyncio.get_running_loop()
-        before = self._warm_count(model)
-        target = max(self._scaler.target(model), before) + 1
-        await asyncio.to_thread(self._scaler.set_target, model, target,
-                                reason="front door: requests queued")
-        start = loop.time()
-        while loop.time() - start < self._timeout_s:
-            if self._warm_count(model) > before:
-                return RestoreResult(None, "snapshot_restore",
-                                     (loop.time() - start) * 1000.0)
-            await asyncio.sleep(self._poll_s)
-        raise NoCapacity(f"model {model!r}: scaler target {target} set but no new replica "
-                         f"within timeout_s({self._timeout_s})", model=model)
+        elapsed_s = await self.up.one_more(model)
+        return RestoreResult(None, "snapshot_restore", elapsed_s * 1000.0)

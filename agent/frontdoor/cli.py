@@ -28,6 +28,11 @@ def register(subparsers) -> None:
                    help="node agent control API to ask for restores (repeatable)")
     p.add_argument("--replica", action="append", default=[], metavar="MODEL@HOST:PORT",
                    help="a static replica (local registry; 64 seqs, 1 Mi KV tokens assumed)")
+    p.add_argument("--scaler", choices=("agents", "nomad"), default="agents",
+                   help="nomad: ask for capacity by scaling the model's replica job "
+                        "(NOMAD_ADDR, NOMAD_TOKEN); agents: node agents' restore op")
+    p.add_argument("--max-replicas", type=positive_int, default=8,
+                   help="with --scaler nomad: the scaling max of a replica job it registers")
     p.add_argument("--max-queue-depth", type=positive_int, default=1024)
     p.add_argument("--max-wait-s", type=positive_float, default=60.0)
     p.add_argument("--max-connections", type=positive_int, default=4096)
@@ -93,9 +98,17 @@ def _serve(args) -> int:
         telemetry.serve_http(args.metrics_port, args.host)
     registry = _registry(args)
     nodes = [_hostport(a) for a in args.node_agent]
-    # Static node agents when given, else every passing rewarm-agent in the registry.
-    capacity = NodeAgentCapacity((lambda model: list(nodes)) if nodes
-                                 else nodes_from_registry(registry))
+    holder: list = []   # the FrontDoor, once built (the scaler's capacity reads its view)
+    if args.scaler == "nomad":
+        from agent.cluster.cluster_mode import nomad_scaler
+        from agent.frontdoor.capacity import ScalerCapacity
+        capacity = ScalerCapacity(nomad_scaler(args.max_replicas),
+                                  lambda m: len(holder[0].router.warm(m)) if holder else 0,
+                                  timeout_s=300.0)
+    else:
+        # Static node agents when given, else every passing rewarm-agent in the registry.
+        capacity = NodeAgentCapacity((lambda model: list(nodes)) if nodes
+                                     else nodes_from_registry(registry))
     announcer = None
     if args.consul:
         from agent.cluster.consul_registry import consul_client
@@ -108,6 +121,11 @@ def _serve(args) -> int:
     async def run() -> None:
         fd = FrontDoor(config, registry=registry, capacity=capacity,
                        telemetry=telemetry, auth=auth, announcer=announcer)
+        holder.append(fd)
+        catalog = None
+        if args.consul:   # models and their policies from the catalog in Consul KV
+            from agent.cluster.cluster_mode import watch_catalog
+            catalog = watch_catalog(args.consul, _learn_models(fd, asyncio.get_running_loop()))
         host, port = await fd.start()
         gc.freeze()  # start-up objects leave the collector's generations: shorter GC pauses
         print(f"front door listening on {host}:{port}", flush=True)
@@ -118,6 +136,8 @@ def _serve(args) -> int:
         try:
             await stop.wait()
         finally:
+            if catalog is not None:
+                catalog.stop()
             await fd.stop()
 
     try:
@@ -132,6 +152,25 @@ def _serve(args) -> int:
     finally:
         telemetry.close()
     return 0
+
+
+def _learn_models(fd, loop):
+    """``on_change`` for the catalog watcher: add each catalog model to the front door's
+    known models (with its ``deadline_ms`` when the catalog sets one and ``--model`` did
+    not), on the event loop's thread."""
+    def apply(models: dict) -> None:
+        for name, policy in models.items():
+            fd.known_models.add(name)
+            deadlines = getattr(fd, "_deadline_ms", None)
+            if deadlines is not None and "deadline_ms" in policy and name not in fd.config.models:
+                deadlines[name] = policy["deadline_ms"]
+
+    def on_change(models: dict) -> None:
+        try:
+            loop.call_soon_threadsafe(apply, models)
+        except RuntimeError:   # the loop is closed
+            pass
+    return on_change
 
 
 class TextStream:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agent.cluster.base import LOAD_META_KEYS as META_KEYS  # the registry meta schema
 from agent.cluster.base import ServiceInstance
-
-# Keys of a replica's load in its registry meta (all decimal strings).
-META_KEYS = ("max_seqs", "active_seqs", "kv_capacity_tokens", "kv_used_tokens")
 
 
 @dataclass

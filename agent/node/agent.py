@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from agent.clock import Clock, SystemClock
-from agent.cluster.base import Registry, ServiceInstance
+from agent.cluster.base import LOAD_META_KEYS, Registry, ServiceInstance
 from agent.errors import (ConfigError, CudaCheckpointError, DiskFull, GoldenMismatch,
                           ModelNotFound, NoCapacity, ReplicaNotFound, RewarmError,
                           SnapshotCorrupt, SnapshotError, SnapshotIncompatible)
-from agent.frontdoor.router import META_KEYS
 from agent.node import capture as cap
 from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_id
 from agent.node.inventory import Inventory
@@ -48,7 +47,7 @@ from agent.snapshot.store import LocalStore
 
 log = logging.getLogger(__name__)
 
-LOAD_KEYS = META_KEYS
+LOAD_KEYS = LOAD_META_KEYS
 """A replica's load as its worker's ``stats`` reports it, in the front door's router's keys."""
 
 
@@ -57,6 +56,13 @@ class SnapshotSummary(Protocol):
 
     def publish(self, model: str, snapshot_id: str, status: str, *, durable: bool,
                 node: str = "", updated_s: float = 0.0) -> bool: ...
+
+
+class NodeMetadata(Protocol):
+    """Where the node's cached models are published for placement (Nomad dynamic node
+    metadata: agent/cluster/node_meta.py's SnapshotMetadata); posts only on a change."""
+
+    def update(self, models: list[str]) -> bool: ...
 
 
 class ScaleInBlocked(RewarmError, RuntimeError):
@@ -154,7 +160,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
                  clock: Clock | None = None, suspender: Suspender | None = None,
                  executor: ThreadPoolExecutor | None = None,
                  sleep: Callable[[float], None] | None = None,
-                 summary: SnapshotSummary | None = None) -> None:
+                 summary: SnapshotSummary | None = None,
+                 node_meta: NodeMetadata | None = None) -> None:
         import time
 
         self.config = config
@@ -165,6 +172,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
         self.registrar = Registrar(registry, clock=self.clock)
         self.suspender = suspender
         self.summary = summary
+        self.node_meta = node_meta
         self.executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent")
         self._sleep = sleep or time.sleep
         self._lock = threading.RLock()
@@ -481,6 +489,13 @@ class NodeAgent(SnapshotOps, SuspendOps):
                 self.registrar.update_meta(rec.lifecycle.replica_id, _load_meta(stats))
         self.registrar.update_meta(self.agent_instance.id, self._agent_meta())
         self.registrar.sync()
+        if self.node_meta is not None:
+            self.node_meta.update(self.cached_models())
+
+    def cached_models(self) -> list[str]:
+        """Models with a ready snapshot in this node's local tier (sorted names)."""
+        return sorted({r.model_name for r in self.catalog.snapshots(status="ready")
+                       if self.store.has(r.snapshot_id)})
 
     def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
         """The agent loop until ``stop`` is set (production; tests call :meth:`tick`)."""
@@ -531,7 +546,9 @@ class NodeAgent(SnapshotOps, SuspendOps):
             snapshot_id=snapshot_id or rec.snapshot_id)
 
     def _replica_instance(self, rec: ReplicaRecord) -> ServiceInstance:
-        address = rec.handle.address if rec.handle is not None else ""
+        # The TCP data listener when the worker has one (front doors on other hosts).
+        address = ((getattr(rec.handle, "data_address", None) or rec.handle.address)
+                   if rec.handle is not None else "")
         host, _, port = address.rpartition(":")
         numeric = port.isdigit()
         stats = {}

@@ -10,29 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from agent.argtypes import host_port, nonneg_int, positive_float, positive_int
+from agent.cluster.control import DEFAULT_AGENT, default_agent
 from agent.errors import RewarmError
 
-DEFAULT_AGENT = "127.0.0.1:7733"
-"""The node agent's default control address: ``rewarm agent run`` and ``rewarm up`` listen
-here, and every client of it (``rewarm agent ...``, ``rewarm predictor``) looks here."""
-
-
-def default_agent() -> str:
-    """Where clients look for the node agent: ``$REWARM_AGENT`` when set, else DEFAULT_AGENT."""
-    return os.environ.get("REWARM_AGENT") or DEFAULT_AGENT
 
 
 def _client(op: str, **fields):
     def run(args: argparse.Namespace) -> int:
-        from agent.node.control import control_call
+        from agent.cluster.control import control_call
 
         values = {k: getattr(args, v) for k, v in fields.items() if getattr(args, v) is not None}
         try:
-            result = control_call(args.agent, op, timeout_s=args.timeout_s, **values)
+            result = control_call(args.agent, op, timeout_s=args.timeout_s, fields=values)
         except (RewarmError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -76,8 +68,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["process", "inproc"], default="process")
     p.add_argument("--buffer-mib", type=positive_int, default=1024, help="restore buffer per zygote")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per replica")
+    p.add_argument("--replica-host", default=None, metavar="HOST",
+                   help="replicas also listen on HOST (TCP, any free port) and register that "
+                        "address, so front doors on other hosts reach them (process backend)")
     p.add_argument("--registry", choices=["local", "consul"], default="local",
                    help="consul honours CONSUL_HTTP_ADDR and CONSUL_HTTP_TOKEN")
+    p.add_argument("--nomad-metadata", action="store_true",
+                   help="publish cached snapshots as Nomad dynamic node metadata "
+                        "(rewarm_snapshots; NOMAD_ADDR, NOMAD_TOKEN honoured)")
+    p.add_argument("--nomad-node-id", default=None, metavar="ID",
+                   help="the Nomad node to publish for (default: the local Nomad agent's)")
     p.add_argument("--restore", action="append", default=[], metavar="MODEL",
                    help="bring one replica of MODEL up at start (repeatable)")
     p.set_defaults(func=_run)

@@ -1,4 +1,4 @@
-"""The agent's control API: msgpack over TCP or a Unix socket (agent/protocol.py framing).
+"""The agent's control API server: msgpack over TCP or a Unix socket (agent/protocol.py framing).
 
 Requests ``{"op", "id", ...}``; every answer is one ``result`` (``{"result": {...}}``) or one
 ``error`` (``code``, ``reason``).  Ops and their fields:
@@ -21,7 +21,8 @@ framing error: 400 for a malformed request, 404 for a model or replica the node 
 (ModelNotFound, ReplicaNotFound), 409 for a request this node's configuration or state refuses
 (ConfigError: suspend/resume without CUDA checkpoint support, a device it lacks; ScaleInBlocked:
 draining the last replica before its snapshot is durable), the error's own code otherwise;
-500 only for a bug.
+500 only for a bug.  Its clients (the token, ``control_call``) live in
+:mod:`agent.cluster.control`, so the front door and the predictor need nothing from here.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
-from agent.errors import (ERROR_BY_CODE, ConfigError, ProtocolError, ReplicaNotFound,
-                          RewarmError, Unauthorized)
+from agent.argtypes import is_loopback
+from agent.cluster.control import TOKEN_ENV
+from agent.errors import ConfigError, ProtocolError, RewarmError, Unauthorized
 from agent.node.agent import NodeAgent
-from agent.protocol import Decoder, error_message, pack, read_messages, reply_id, request
+from agent.protocol import Decoder, error_message, pack, read_messages, reply_id
 
 log = logging.getLogger(__name__)
 
@@ -89,38 +90,11 @@ def dispatch(agent: NodeAgent, op: str, args: dict[str, Any]) -> dict[str, Any]:
     return agent.snapshot_evict(args["snapshot"])
 
 
-TOKEN_ENV = "REWARM_CONTROL_TOKEN"
-"""The shared secret of the control API: servers require it when set, clients send it."""
-
-
-MIN_TOKEN_BYTES = 16   # as the front door's tenant tokens (agent/frontdoor/auth.py)
-
-
-def control_token() -> str | None:
-    """The control API token from ``$REWARM_CONTROL_TOKEN`` (None when unset or empty).
-    Raises ConfigError when it is not UTF-8 or shorter than :data:`MIN_TOKEN_BYTES`."""
-    token = os.environ.get(TOKEN_ENV) or None
-    if token is None:
-        return None
-    try:
-        size = len(token.strip().encode())
-    except UnicodeEncodeError:
-        raise ConfigError(f"{TOKEN_ENV} is not valid UTF-8", name=TOKEN_ENV, value="(hidden)",
-                          limit="UTF-8 text") from None
-    if size < MIN_TOKEN_BYTES:
-        raise ConfigError(f"{TOKEN_ENV} has {size} bytes (blanks aside); at least "
-                          f"{MIN_TOKEN_BYTES} are required", name=TOKEN_ENV, value=size,
-                          limit=MIN_TOKEN_BYTES)
-    return token
-
-
 def check_control_bind(listen: str, token: str | None, allow_open: bool = False) -> None:
     """Refuse a control API beyond loopback without a token (it drains and restores
     replicas) unless ``allow_open``.  Raises ConfigError naming the address."""
     if token or allow_open or listen.startswith("unix:"):
         return
-    from agent.frontdoor.auth import is_loopback
-
     if not is_loopback(listen.rpartition(":")[0]):
         raise ConfigError(f"node agent control API on {listen!r} without a token: set "
                           f"{TOKEN_ENV} (every client sends it) or pass --allow-open",
@@ -187,39 +161,3 @@ class ControlServer:
             pass
         finally:
             writer.close()
-
-
-class ControlError(RewarmError, RuntimeError):
-    """The agent answered an error. Attributes: ``status`` (wire code), ``reason``, ``op``."""
-
-
-AGENT_HINT = ("is `rewarm agent run` or `rewarm up` running there? pass --agent or set "
-              "REWARM_AGENT")
-"""What to do when no node agent answers (the end of :class:`Unreachable`'s message)."""
-
-
-def control_call(address: str, op: str, *, timeout_s: float = 600.0, hint: str = AGENT_HINT,
-                 **fields: Any) -> dict[str, Any]:
-    """Blocking client: send one control op, return its result.
-
-    Sends ``$REWARM_CONTROL_TOKEN`` when set.  Raises ControlError (or the typed error for the
-    wire code: 401 Unauthorized, 404 ModelNotFound, or
-    ReplicaNotFound for an op on a replica, ...),
-    Unreachable (a ConnectionError naming ``address`` and ``hint``) when no agent answers
-    there, ConnectionError, TimeoutError.
-    """
-    message = {"op": op, "id": 1, **fields}
-    if control_token() is not None:
-        message["token"] = control_token()
-    answer = request(address, message, timeout_s=timeout_s, service="node agent", hint=hint)[-1]
-    if answer.get("type") == "error":
-        code, reason = answer.get("code"), answer.get("reason", "")
-        cls = ReplicaNotFound if code == 404 and "replica" in fields else ERROR_BY_CODE.get(code)
-        if cls is not None:
-            raise cls(f"agent: {reason}", op=op, status=code, reason=reason)
-        raise ControlError(f"agent: {op} failed ({code}): {reason}", op=op,
-                           status=code, reason=reason)
-    if answer.get("type") != "result":
-        raise ControlError(f"agent: {op} answered {answer.get('type')!r}, expected a result",
-                           op=op, status=None, reason="unexpected answer")
-    return answer["result"]

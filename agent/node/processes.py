@@ -45,7 +45,7 @@ class WorkerProcess:
 
     def __init__(self, run_dir: Path, argv_extra: list[str], *, ready_timeout_s: float,
                  threads: int | None = None, env: dict[str, str] | None = None,
-                 fsize_limit_bytes: int | None = None) -> None:
+                 fsize_limit_bytes: int | None = None, data_host: str | None = None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         n = next(_seq)
         self.socket_path = run_dir / f"w{os.getpid()}-{n}.sock"
@@ -54,6 +54,8 @@ class WorkerProcess:
                 f"unix:{self.socket_path}", *argv_extra]
         if threads:
             argv += ["--threads", str(threads)]
+        if data_host:
+            argv += ["--data-listen", f"{data_host}:0"]
         with open(self.log_path, "ab") as log:
             # Its own process group: a terminal's Ctrl-C reaches the agent only, which drains
             # its replicas in order (in-flight requests finish); PDEATHSIG still ends the worker
@@ -65,6 +67,7 @@ class WorkerProcess:
         self.pid = self.proc.pid
         self.ready = self._wait_ready(ready_timeout_s)
         self.address = self.ready["ready"]
+        self.data_address = self.ready.get("data")   # TCP, for other hosts (None: unix only)
 
     def _wait_ready(self, timeout_s: float) -> dict[str, Any]:
         sel = selectors.DefaultSelector()
@@ -139,6 +142,7 @@ class ProcessReplica:
     def __init__(self, replica_id: str, worker: WorkerProcess, timeout_s: float) -> None:
         self.replica_id, self.worker, self.timeout_s = replica_id, worker, timeout_s
         self.address, self.pid = worker.address, worker.pid
+        self.data_address = worker.data_address
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  seed: int | None = None) -> list[list[int]]:
@@ -212,11 +216,13 @@ class ProcessBackend:
     ready_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     fsize_limit_bytes: int | None = None   # RLIMIT_FSIZE for new workers (fault injection)
+    data_host: str | None = None   # workers also listen on DATA_HOST:0 (TCP) for other hosts
 
     def zygote(self, device: str) -> ProcessZygote:
         worker = WorkerProcess(Path(self.run_dir), ["--zygote", "--buffer-mib", str(self.buffer_mib)],
                                ready_timeout_s=self.ready_timeout_s, threads=self.threads,
-                               env=device_env(device), fsize_limit_bytes=self.fsize_limit_bytes)
+                               env=device_env(device), fsize_limit_bytes=self.fsize_limit_bytes,
+                               data_host=self.data_host)
         return ProcessZygote(device, worker, self.request_timeout_s)
 
     def cold_boot(self, spec: ModelSpec, device: str, replica_id: str) -> ProcessReplica:
@@ -225,5 +231,5 @@ class ProcessBackend:
             extra += ["--release", str(spec.release)]
         worker = WorkerProcess(Path(self.run_dir), extra, ready_timeout_s=self.ready_timeout_s,
                                threads=self.threads, env=device_env(device),
-                               fsize_limit_bytes=self.fsize_limit_bytes)
+                               fsize_limit_bytes=self.fsize_limit_bytes, data_host=self.data_host)
         return ProcessReplica(replica_id, worker, self.request_timeout_s)

@@ -5,7 +5,8 @@ called from the agent loop, registers what is missing and passes each TTL check.
 registry (Consul unreachable, 5xx) never stops serving: the error is logged once per outage,
 the next try waits ``backoff_s`` (doubling up to ``max_backoff_s``), and everything is
 registered again when the registry answers.  An ACL denial (:class:`~agent.errors.AclDenied`)
-is logged as a clear error and retried at the longest backoff, never in a tight loop.
+is logged as a clear error once per change of its text and retried at the longest backoff,
+never in a tight loop.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ class Registrar:
         st = self.state
         if isinstance(exc, AclDenied):
             delay = self.max_backoff_s
-            log.error("registry refused the token (ACL): %s; set a token with service:write "
-                      "(CONSUL_HTTP_TOKEN); retrying every %.0f s", exc, delay)
+            if not (st.last_error or "").startswith(str(exc).split(" (not asking again")[0]):
+                log.error("registry refused the token (ACL): %s; set a token with "
+                          "service:write (CONSUL_HTTP_TOKEN); retrying every %.0f s", exc, delay)
         else:
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** st.failures)
             if st.healthy:

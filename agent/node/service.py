@@ -18,7 +18,8 @@ from pathlib import Path
 from agent.cluster.base import Registry
 from agent.node.agent import AgentConfig, NodeAgent
 from agent.node.backend import Backend, InProcessBackend, ModelSpec
-from agent.node.control import ControlServer, check_control_bind, control_token
+from agent.cluster.control import control_token
+from agent.node.control import ControlServer, check_control_bind
 from agent.node.inventory import Inventory
 from agent.snapshot.catalog import Catalog
 from agent.snapshot.store import LocalStore
@@ -31,7 +32,7 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                 capacity_bytes: int = 64 << 30, node_id: str | None = None,
                 release: Path | None = None, listen: str = "127.0.0.1:0",
                 zygotes_per_device: int = 1, suspender=None, summary=None,
-                **config) -> NodeAgent:
+                node_meta=None, **config) -> NodeAgent:
     """A NodeAgent with its catalog (``state_dir/catalog.db``) and local tier
     (``state_dir/snapshots``).  Defaults: in-process backend, embedded LocalRegistry."""
     from agent.cluster.local import LocalRegistry
@@ -47,7 +48,7 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                      backend=backend or InProcessBackend(), catalog=Catalog(state_dir / "catalog.db"),
                      store=LocalStore(state_dir / "snapshots", capacity_bytes),
                      registry=registry or LocalRegistry(), inventory=Inventory.detect(),
-                     suspender=suspender, summary=summary)
+                     suspender=suspender, summary=summary, node_meta=node_meta)
 
 
 def _registry(kind: str):
@@ -60,6 +61,22 @@ def _registry(kind: str):
     from agent.cluster.local import LocalRegistry
 
     return LocalRegistry(), None
+
+
+def _announce_models(agent: NodeAgent) -> None:
+    """Put this node's models in the cluster catalog (``rewarm/models/<m>``, created once)
+    so that front doors accept them before any snapshot exists.  Best effort: a failure is
+    logged (the snapshot summary announces the model later too)."""
+    from agent.cluster.consul_http import consul_client
+    from agent.cluster.model_catalog import ModelCatalog
+    from agent.errors import RewarmError
+
+    catalog = ModelCatalog(consul_client())
+    for spec in agent.models.values():
+        try:
+            catalog.announce(spec.name, spec.version, agent.config.node_id)
+        except (RewarmError, OSError) as exc:
+            log.warning("model %s not announced in the catalog: %s", spec.name, exc)
 
 
 def _suspender():
@@ -102,17 +119,28 @@ def run_agent(args: argparse.Namespace) -> int:
     state = Path(args.state_dir)
     backend: Backend
     if args.backend == "process":
-        backend = ProcessBackend(state / "run", buffer_mib=args.buffer_mib, threads=args.threads)
+        backend = ProcessBackend(state / "run", buffer_mib=args.buffer_mib, threads=args.threads,
+                                 data_host=getattr(args, "replica_host", None))
     else:
         backend = InProcessBackend(buffer_bytes=args.buffer_mib << 20)
     registry, summary = _registry(args.registry)
+    node_meta = None
+    if getattr(args, "nomad_metadata", False):
+        from agent.cluster.node_meta import SnapshotMetadata
+        from agent.cluster.nomad_http import nomad_client
+
+        node_meta = SnapshotMetadata(nomad_client(), args.nomad_node_id)
     agent = build_agent(state, [Path(d) for d in args.model_dir], backend=backend,
                         registry=registry, summary=summary,
                         remote_root=Path(args.remote) if args.remote else None,
                         capacity_bytes=int(args.capacity_gib * (1 << 30)), node_id=args.node_id,
                         release=Path(args.release) if args.release else None, listen=args.listen,
                         zygotes_per_device=args.zygotes, suspender=_suspender(),
-                        max_replicas_per_model=args.max_replicas_per_model)
+                        max_replicas_per_model=args.max_replicas_per_model,
+                        node_meta=node_meta)
+
+    if args.registry == "consul":
+        _announce_models(agent)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -66,7 +66,7 @@ def parse_model(spec: str) -> tuple[str, int, int]:
 def node_agents(args) -> list[str]:
     """``--node-agent`` addresses, else ``$REWARM_AGENT``, else the node agent's default
     control address (``rewarm agent run`` and ``rewarm up`` listen there)."""
-    from agent.node.cli import default_agent
+    from agent.cluster.control import default_agent
 
     return list(args.node_agent) or [default_agent()]
 
@@ -99,17 +99,24 @@ def build(args, clock):
         consul_c = consul_client(args.consul)
         registry = ConsulRegistry(consul_c)
         kv = SnapshotKV(consul_c)
-        leader = LeaderLock(consul_c, clock=clock, name=socket.gethostname())
+        import os
+        # Unique per instance: two predictors may share a host name (network namespaces,
+        # containers); in Nomad the allocation id is.
+        name = os.environ.get("NOMAD_ALLOC_ID") or f"{socket.gethostname()}-{os.getpid()}"
+        leader = LeaderLock(consul_c, clock=clock, name=name)
     if args.scaler == "nomad":
-        from agent.cluster.jobs import render_replica_job
-        from agent.cluster.nomad_scaler import NomadScaler, nomad_client
+        from agent.cluster.jobs import replica_job
+        from agent.cluster.nomad_http import nomad_client
+        from agent.cluster.nomad_scaler import NomadScaler
 
+        # NOMAD_TOKEN: the task's workload identity (jobs/rewarm-predictor.nomad.hcl).
         bounds = {p.model: p.max_replicas for p in policies}
-        scaler = NomadScaler(nomad_client(), clock=clock,
-                             render_job=lambda m: render_replica_job(m, max(1, bounds[m])))
+        client = nomad_client()
+        scaler = NomadScaler(client, clock=clock, register_job=lambda m: replica_job(
+            client, m, max(1, bounds[m])))
     else:
         from agent.cluster.local_scaler import LocalScaler
-        from agent.node.control import control_call
+        from agent.cluster.control import control_call
 
         scaler = LocalScaler({a: functools.partial(control_call, a, timeout_s=600.0)
                               for a in node_agents(args)}, clock=clock)
@@ -121,6 +128,11 @@ def build(args, clock):
     predictor = Predictor(policies, clock=clock, scaler=scaler,
                           snapshot_durable=snapshot_durable(catalog, kv), catalog=catalog)
 
+    import os
+    # A tenant token for front doors that require one (jobs/rewarm-predictor.nomad.hcl
+    # renders it from Nomad Variables).
+    doors_token = os.environ.get("REWARM_FRONTDOOR_TOKEN") or None
+
     def fetch():
         doors = list(args.frontdoor)
         if registry is not None:
@@ -128,7 +140,7 @@ def build(args, clock):
         out = {}
         for door in doors:
             try:
-                out[door] = frontdoor_stats(door)
+                out[door] = frontdoor_stats(door, token=doors_token)
             except (OSError, ValueError) as exc:
                 log.warning("predictor: front door %s: %s", door, exc)
         return out
@@ -144,6 +156,9 @@ def _run(args) -> int:
     service, leader = build(args, clock)
     if args.metrics_port:
         from prometheus_client import start_http_server
+
+        from agent.cluster.acl import ACL_DENIED
+        service.registry.register(ACL_DENIED)   # a refused Consul/Nomad token shows here too
         start_http_server(args.metrics_port, registry=service.registry)
     stop = threading.Event()
     try:

@@ -284,6 +284,12 @@ class Predictor:
         if act and not st.acting:   # first tick as the actor: learn what is running
             st.target = self._scaler.target(p.model)
             st.low_since_s = None
+        elif act:
+            # Others scale too (a front door scaling a model up from zero through Nomad):
+            # act on what the scaler holds now, not on what this predictor last set.
+            seen = self._scaler.target(p.model)
+            if seen != st.target:
+                st.target = seen
         st.acting = act
         previous = st.target if st.target is not None else 0
         action, reason = self._decide(st, now, desired, plan, idle_s, act)

@@ -104,7 +104,8 @@ def _replica(args: argparse.Namespace) -> int:
     return run_replica(args.listen, model_dir=args.model_dir, snapshot=args.snapshot,
                        zygote_mode=args.zygote, release=args.release, compile=args.compile,
                        buffer_bytes=args.buffer_mib << 20, threads=args.threads,
-                       replica_id=args.replica_id, tcp_control=args.tcp_control)
+                       replica_id=args.replica_id, tcp_control=args.tcp_control,
+                       data_listen=args.data_listen)
 
 
 def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
@@ -129,6 +130,9 @@ def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--buffer-mib", type=positive_int, default=1024, help="zygote restore buffer size")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (all cores)")
     p.add_argument("--replica-id", default=None)
+    p.add_argument("--data-listen", type=listen_address, default=None, metavar="HOST:PORT",
+                   help="a second, TCP listener for generate/health/stats only (a node agent "
+                        "gives its host's address so front doors on other hosts reach it)")
     p.add_argument("--tcp-control", action="store_true",
                    help="on a HOST:PORT listener, also accept restore/capture/shutdown (they "
                         "touch this host's files and process; trusted networks only)")

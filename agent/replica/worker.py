@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -94,10 +95,19 @@ class Worker:
         self._tokenizer = None
 
     # --- lifecycle -----------------------------------------------------------------------
-    async def serve(self, listen: str, ready=None) -> None:
+    async def serve(self, listen: str, ready=None, data_listen: str | None = None) -> None:
         """Listen on ``HOST:PORT`` or ``unix:PATH`` until stopped; ``ready(address)`` is called
-        once listening (port 0 picks a free port)."""
+        once listening (port 0 picks a free port).  ``data_listen`` (``HOST:PORT``) is a second,
+        TCP listener for other hosts' front doors (a node agent keeps ``listen`` a unix socket
+        for its control ops); its address is ``self.data_address``."""
         self._tcp = not listen.startswith("unix:")
+        self.data_address = None
+        extra = None
+        if data_listen:
+            dhost, _, dport = data_listen.rpartition(":")
+            extra = await asyncio.start_server(self._connection, dhost or "127.0.0.1", int(dport))
+            bound = extra.sockets[0].getsockname()
+            self.data_address = f"{bound[0]}:{bound[1]}"
         if listen.startswith("unix:"):
             server = await asyncio.start_unix_server(self._connection, path=listen[5:])
             address = listen
@@ -121,6 +131,8 @@ class Worker:
             await self._stop.wait()
         finally:
             server.close()
+            if extra is not None:
+                extra.close()
             self.state = State.CLOSED
             for request in list(self._by_seq.values()) + [r for r, _ in self._submits]:
                 self._send(request.writer, error_message(request.request_id, 503, "replica shutting down"))
@@ -176,7 +188,7 @@ class Worker:
         op, rid = msg.get("op"), msg.get("id")
         reply = lambda result: self._send(writer, {"id": rid, "type": "result", "result": result})  # noqa: E731
         try:
-            if op in CONTROL_OPS and self._tcp and not self.tcp_control:
+            if op in CONTROL_OPS and _over_tcp(writer) and not self.tcp_control:
                 raise Unauthorized(f"op {op!r} reads or writes files on this host or stops the "
                                    "replica: accepted on a unix-socket listener only (start "
                                    "with --tcp-control on a trusted network)", op=op)
@@ -366,12 +378,19 @@ def next_text(tokenizer, request: _Request) -> str:
     return window[len(prefix):]
 
 
+def _over_tcp(writer: asyncio.StreamWriter) -> bool:
+    """Whether this connection came over TCP (not the unix socket the node agent uses)."""
+    sock = writer.get_extra_info("socket")
+    return sock is not None and sock.family != socket.AF_UNIX
+
+
 def ready_line(address: str, worker: Worker, started_unix: float,
                imports_done_unix: float | None = None) -> str:
     """The one JSON line a worker prints on stdout once it listens (parents wait for it):
     address, pid, state, wall-clock stamps (``*_unix``, seconds) and the load phases."""
     stats = worker.stats()
-    return json.dumps({"ready": address, "pid": os.getpid(), "state": worker.state.value,
+    return json.dumps({"ready": address, "data": getattr(worker, "data_address", None),
+                       "pid": os.getpid(), "state": worker.state.value,
                        "started_unix": started_unix, "imports_done_unix": imports_done_unix,
                        "ready_unix": time.time(),
                        "phases_s": stats.get("phases_s", {}), "path": stats.get("path")})
@@ -381,7 +400,7 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
                 zygote_mode: bool = False, release: str | None = None, compile: bool = False,
                 buffer_bytes: int | None = None, threads: int | None = None,
                 replica_id: str | None = None, started_unix: float | None = None,
-                tcp_control: bool = False) -> int:
+                tcp_control: bool = False, data_listen: str | None = None) -> int:
     """The body of ``rewarm replica``: load one way, print the ready line, serve until stopped.
 
     Exactly one of ``model_dir`` (full boot; ``release`` binds its AOT package, ``compile``
@@ -419,7 +438,7 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
     def ready(address: str) -> None:
         print(ready_line(address, worker, started_unix, imports_done_unix), flush=True)
 
-    asyncio.run(worker.serve(listen, ready))
+    asyncio.run(worker.serve(listen, ready, data_listen))
     return 0
 
 

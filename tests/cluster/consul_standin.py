@@ -9,6 +9,12 @@ values, ``LockIndex``, ``Session``), and sessions with a TTL (create, renew, des
 tests can expire a session without sleeping. ``down = True`` answers 500 to everything
 (Consul unreachable); ``acl_token`` makes a request without that token get 403.
 
+TCP and HTTP checks ("Health Checks": TCP passes when a connection is accepted, HTTP when the
+answer is 2xx, each every ``interval`` with its ``timeout``) are run by a checker thread.
+KV reads take ``recurse`` and blocking ``index``/``wait`` ("KV Store HTTP API").
+``index_zero = True`` makes every blocking read answer at once with ``X-Consul-Index: 0``
+(an edge case of real servers, which clients must not turn into a busy loop).
+
 Simplifications (documented Consul allows them too): a session expires exactly at its TTL
 (Consul may wait up to twice the TTL); one datacenter, one node ("standin").
 """
@@ -17,6 +23,8 @@ from __future__ import annotations
 
 import base64
 import re
+import socket
+import threading
 import time
 import uuid
 
@@ -40,8 +48,9 @@ def _lower(d: dict | None) -> dict:
 
 
 class ConsulStandIn(StandIn):
-    def __init__(self, clock: Clock | None = None, acl_token: str | None = None) -> None:
-        super().__init__()
+    def __init__(self, clock: Clock | None = None, acl_token: str | None = None,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(host=host, port=port)
         self.clock = clock or SystemClock()
         self.acl_token = acl_token
         self.down = False
@@ -50,6 +59,37 @@ class ConsulStandIn(StandIn):
         self.kv: dict[str, dict] = {}
         self.sessions: dict[str, dict] = {}
         self.lock_delays: dict[str, float] = {}  # key -> time until which acquire is refused
+        self.index_zero = False
+        self._checker = threading.Thread(target=self._check_loop, daemon=True,
+                                         name="consul-standin-checks")
+        self._halt = threading.Event()
+
+    def start(self):
+        super().start()
+        self._checker.start()
+        return self
+
+    def stop(self) -> None:
+        self._halt.set()
+        super().stop()
+
+    def _check_loop(self) -> None:
+        while not self._halt.wait(0.1):
+            now = time.monotonic()
+            with self.lock:
+                due = [(sid, dict(svc["check"])) for sid, svc in self.services.items()
+                       if svc.get("check") and now >= svc["check"]["next_s"]]
+                for sid, _ in due:
+                    c = self.services[sid]["check"]
+                    c["next_s"] = now + c["interval_s"]
+            for sid, check in due:
+                ok = _probe(check)
+                with self.lock:
+                    svc = self.services.get(sid)
+                    status = "passing" if ok else "critical"
+                    if svc is not None and svc["status"] != status:
+                        svc["status"] = status
+                        self._bump()
 
     # -- helpers ---------------------------------------------------------------------------
     def _bump(self) -> int:
@@ -107,18 +147,24 @@ class ConsulStandIn(StandIn):
                     raise Reply(400, "Missing service name")
                 checks = b.get("checks") or ([b["check"]] if b.get("check") else [])
                 ttl_s = 0.0
+                probe = None
                 for c in checks:
                     c = _lower(c)
                     if c.get("ttl"):
                         ttl_s = parse_duration(c["ttl"])
+                    elif c.get("tcp") or c.get("http"):
+                        probe = {"tcp": c.get("tcp"), "http": c.get("http"),
+                                 "interval_s": parse_duration(c.get("interval", "10s")),
+                                 "timeout_s": parse_duration(c.get("timeout", "10s")),
+                                 "next_s": 0.0}
                 sid = b.get("id") or b["name"]
                 self.services[sid] = {
                     "ID": sid, "Service": b["name"], "Address": b.get("address", ""),
                     "Port": int(b.get("port") or 0), "Tags": list(b.get("tags") or []),
                     "Meta": dict(b.get("meta") or {}), "ttl_s": ttl_s,
                     # A TTL check starts critical until its first pass (Consul's default).
-                    "status": "critical" if ttl_s else "passing",
-                    "last_pass_s": -float("inf"),
+                    "status": "critical" if ttl_s or probe else "passing",
+                    "last_pass_s": -float("inf"), "check": probe,
                 }
                 self._bump()
                 return 200, "", {}
@@ -147,6 +193,8 @@ class ConsulStandIn(StandIn):
         wait_s = min(parse_duration(query["wait"]) if "wait" in query else 300.0, 600.0)
         deadline = time.monotonic() + wait_s
         with self.lock:
+            if self.index_zero:
+                want_index = 0
             while want_index and self.index <= want_index:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -168,15 +216,31 @@ class ConsulStandIn(StandIn):
                     "Checks": [{"CheckID": f"service:{svc['ID']}", "ServiceID": svc["ID"],
                                 "Status": svc["status"]}],
                 })
-            return 200, out, {"X-Consul-Index": str(self.index)}
+            return 200, out, {"X-Consul-Index": "0" if self.index_zero else str(self.index)}
 
     def _kv(self, method, key, query, body_json):
         with self.lock:
             entry = self.kv.get(key)
             if method == "GET":
+                want_index = 0 if self.index_zero else int(query.get("index", 0) or 0)
+                wait_s = min(parse_duration(query["wait"]) if "wait" in query else 300.0, 600.0)
+                deadline = time.monotonic() + wait_s
+                while want_index and self.index <= want_index:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.changed.wait(min(left, 0.05))
+                    self._expire()
+                header = {"X-Consul-Index": "0" if self.index_zero else str(self.index)}
+                if "recurse" in query:
+                    found = [dict(e) for k, e in sorted(self.kv.items()) if k.startswith(key)]
+                    if not found:
+                        raise Reply(404, "", header)
+                    return 200, found, header
+                entry = self.kv.get(key)
                 if entry is None:
-                    raise Reply(404, "", {"X-Consul-Index": str(self.index)})
-                return 200, [dict(entry)], {"X-Consul-Index": str(self.index)}
+                    raise Reply(404, "", header)
+                return 200, [dict(entry)], header
             if method == "DELETE":
                 if "cas" in query and (entry or {}).get("ModifyIndex", 0) != int(query["cas"]):
                     return 200, False, {}
@@ -260,3 +324,19 @@ class ConsulStandIn(StandIn):
                 self._last_raw = raw
                 return super().dispatch(method, path, query, b"", headers)
         return super().dispatch(method, path, query, raw, headers)
+
+
+def _probe(check: dict) -> bool:
+    """One TCP or HTTP check ("Health Checks": TCP connects; HTTP expects a 2xx)."""
+    timeout = check["timeout_s"]
+    try:
+        if check.get("tcp"):
+            host, _, port = check["tcp"].rpartition(":")
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                return True
+        import urllib.request
+
+        with urllib.request.urlopen(check["http"], timeout=timeout) as r:
+            return 200 <= r.status < 300
+    except (OSError, ValueError):
+        return False

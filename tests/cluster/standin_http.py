@@ -21,11 +21,13 @@ class Reply(Exception):
 class StandIn:
     """Runs ``self.route(method, path, query, body, headers) -> (status, body, headers)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.requests: list[tuple[str, str, dict]] = []
-        self.failures: list[tuple[int, str, str]] = []   # (status, path prefix, body)
+        self.peers: list[tuple[str, str]] = []          # (client address, path) per request
+        self.failures: list[tuple[int, str, str, dict]] = []   # (status, prefix, body, headers)
+        self.delay_s = 0.0
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -43,6 +45,8 @@ class StandIn:
                     status, body, headers = 413, "request body too large", {}
                 else:
                     raw = self.rfile.read(length) if length else b""
+                    with owner.lock:
+                        owner.peers.append((self.client_address[0], url.path))
                     status, body, headers = owner.dispatch(method, url.path, query, raw,
                                                            dict(self.headers))
                 data = body if isinstance(body, bytes) else (
@@ -68,7 +72,15 @@ class StandIn:
             def do_DELETE(self):
                 self._handle("DELETE")
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):
+                import sys
+
+                if isinstance(sys.exc_info()[1], ConnectionError):
+                    return          # the client went away (a timeout, a killed task)
+                super().handle_error(request, client_address)
+
+        self.server = Server((host, port), Handler)
         self.server.daemon_threads = True
         self.host, self.port = self.server.server_address[:2]
         self.url = f"http://{self.host}:{self.port}"
@@ -84,18 +96,23 @@ class StandIn:
         self.server.server_close()
 
     def fail_next(self, status: int, path_prefix: str = "/", times: int = 1,
-                  body: str = "injected failure") -> None:
-        """Answer the next ``times`` requests under ``path_prefix`` with ``status``."""
+                  body: str = "injected failure", headers: dict[str, str] | None = None) -> None:
+        """Answer the next ``times`` requests under ``path_prefix`` with ``status`` (and
+        ``headers``, e.g. ``Retry-After``)."""
         with self.lock:
-            self.failures.extend([(status, path_prefix, body)] * times)
+            self.failures.extend([(status, path_prefix, body, dict(headers or {}))] * times)
 
     def dispatch(self, method, path, query, raw, headers):
+        if self.delay_s:
+            import time
+
+            time.sleep(self.delay_s)        # a slow server (client timeouts)
         with self.lock:
             self.requests.append((method, path, query))
-            for i, (status, prefix, body) in enumerate(self.failures):
+            for i, (status, prefix, body, extra) in enumerate(self.failures):
                 if path.startswith(prefix):
                     del self.failures[i]
-                    return status, body, {}
+                    return status, body, extra
         try:
             body = json.loads(raw) if raw else None
         except ValueError:

@@ -1,79 +1,182 @@
-"""Every job spec parses (python-hcl2) and has the fields the code relies on."""
+"""The job specs in jobs/, parsed by Nomad's parser (the stand-in's /v1/jobs/parse), have
+what the code and an operator rely on; rewarm sends HCL to Nomad and converts none itself."""
 
 import argparse
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 from agent.cluster.cli import register
-from agent.cluster.jobs import JOBS_DIR, load_hcl, render_replica_job
-from agent.cluster.nomad_scaler import GROUP, JOB_PREFIX, SNAPSHOTS_META_KEY
-from agent.errors import ConfigError
+from agent.cluster.jobs import (JOBS_DIR, parse_job, register_job, replica_job,
+                                variables_file)
+from agent.cluster.nomad_http import nomad_client
+from agent.cluster.nomad_scaler import GROUP, JOB_PREFIX
+from agent.cluster.node_meta import SNAPSHOTS_META_KEY
+from agent.errors import ClusterError, ConfigError
+
+JOBS = ["rewarm-agent.nomad.hcl", "rewarm-frontdoor.nomad.hcl", "rewarm-predictor.nomad.hcl",
+        "rewarm-replica.nomad.hcl"]
+DRAIN_GRACE_S = 30          # --drain-grace-s default of the front door, agent and replicas
 
 
-def parse(name):
-    return load_hcl((JOBS_DIR / name).read_text().replace("__MAX__", "8"))
+def parsed(standin, name, **variables):
+    if name == "rewarm-replica.nomad.hcl":
+        variables.setdefault("model", "smollm2")
+    return parse_job(nomad_client(address=standin.url), (JOBS_DIR / name).read_text(), variables)
 
 
-def job_body(parsed):
-    (label, body), = parsed["job"][0].items()
-    return label, body
+def groups(job):
+    return job["TaskGroups"]
 
 
-def test_agent_is_a_system_job_with_gpu_and_volume():
-    label, job = job_body(parse("rewarm-agent.nomad.hcl"))
-    assert label == "rewarm-agent" and job["type"] == "system"
-    (gname, group), = job["group"][0].items()
-    assert "snapshots" in group["volume"][0]
-    (tname, task), = group["task"][0].items()
-    assert task["volume_mount"][0]["volume"] == "snapshots"
-    assert "nvidia/gpu" in task["resources"][0]["device"][0]
+@pytest.mark.parametrize("name", JOBS)
+def test_every_job_parses_with_its_variables_and_has_operator_stanzas(nomad_standin, name):
+    job = parsed(nomad_standin, name)
+    assert job["ID"].startswith("rewarm-")
+    sent = nomad_standin.parse_requests[-1]
+    assert sent["JobHCL"] == (JOBS_DIR / name).read_text() and sent["Canonicalize"] is True
+    if job["Type"] != "system":
+        assert job["Update"]["MaxParallel"] == 1
+    for g in groups(job):
+        assert g["RestartPolicy"]["Mode"] in ("fail", "delay")
+        if job["Type"] == "service":
+            assert g["ReschedulePolicy"]["Unlimited"] is True
+        labels = [p["Label"] for n in g.get("Networks") or []
+                  for p in (n.get("DynamicPorts") or []) + (n.get("ReservedPorts") or [])]
+        served = [s["PortLabel"] for s in g.get("Services") or []]
+        assert sorted(labels) == sorted(served)          # every port by label, each a service
+        for svc in g.get("Services") or []:
+            assert svc["Checks"], svc["Name"]            # a health check on every service
+            assert svc["Checks"][0]["Type"] in ("tcp", "http")
+        for task in g["Tasks"]:
+            assert task["KillSignal"] == "SIGTERM"
+            assert "${" not in json.dumps(task["Config"]).replace("${attr.", "").replace(
+                "${NOMAD_", "").replace("${node.", "")   # every var.* was resolved
 
 
-@pytest.mark.parametrize("name,service", [("rewarm-frontdoor.nomad.hcl", "rewarm-frontdoor"),
-                                          ("rewarm-predictor.nomad.hcl", "rewarm-predictor")])
-def test_services_register_with_consul_and_a_check(name, service):
-    _, job = job_body(parse(name))
-    assert job["type"] == "service"
-    (_, group), = job["group"][0].items()
-    svc = group["service"][0]
-    assert svc["name"] == service and svc["provider"] == "consul"
-    assert svc["check"][0]["interval"]
+@pytest.mark.parametrize("name", ["rewarm-agent.nomad.hcl", "rewarm-frontdoor.nomad.hcl",
+                                  "rewarm-replica.nomad.hcl"])
+def test_kill_timeout_is_the_drain_grace_plus_a_margin(nomad_standin, name):
+    task = groups(parsed(nomad_standin, name))[0]["Tasks"][0]
+    assert task["KillTimeout"] == (DRAIN_GRACE_S + 5) * 10**9
+    assert "--drain-grace-s" in (JOBS_DIR / name).read_text()   # the comment says why
 
 
-def test_replica_template_renders_for_the_api():
-    job = render_replica_job("smollm2", max_replicas=6)
+def test_agent_system_job_reserves_no_gpu_and_publishes_node_metadata(nomad_standin):
+    job = parsed(nomad_standin, "rewarm-agent.nomad.hcl")
+    assert job["Type"] == "system"
+    task = groups(job)[0]["Tasks"][0]
+    assert task["Resources"]["Devices"] is None
+    args = task["Config"]["args"]
+    assert "--nomad-metadata" in args and args[args.index("--nomad-node-id") + 1] == "${node.unique.id}"
+    assert task["Identity"]["Env"] is True
+    assert groups(job)[0]["Volumes"]["snapshots"]["Type"] == "host"
+
+
+def test_replica_job_from_the_template(nomad_standin):
+    job = replica_job(nomad_client(address=nomad_standin.url), "smollm2", max_replicas=6)
     assert job["ID"] == JOB_PREFIX + "smollm2" and job["Type"] == "service"
-    tg, = job["TaskGroups"]
+    tg, = groups(job)
     assert tg["Name"] == GROUP and tg["Count"] == 0
-    assert tg["Scaling"]["Min"] == 0 and tg["Scaling"]["Max"] == 6
+    assert tg["Scaling"] == {"Enabled": True, "Min": 0, "Max": 6, "Type": "horizontal"}
     aff, = tg["Affinities"]
     assert aff["LTarget"] == "${meta.%s}" % SNAPSHOTS_META_KEY
     assert aff["Operand"] == "set_contains" and aff["RTarget"] == "smollm2"
     task, = tg["Tasks"]
     assert task["Resources"]["Devices"] == [{"Name": "nvidia/gpu", "Count": 1}]
-    assert "model=smollm2" in tg["Services"][0]["Tags"]
+    assert task["Config"]["command"] == "rewarm"
+    assert task["Config"]["args"][:2] == ["hold", "smollm2"]
+    assert task["Config"]["args"][3] == "${attr.unique.network.ip-address}:7733"
+    assert tg["RestartPolicy"]["Attempts"] == 0 and tg["RestartPolicy"]["Mode"] == "fail"
+    assert "model = \"smollm2\"" in nomad_standin.parse_requests[-1]["Variables"]
 
 
 @pytest.mark.parametrize("model,mx", [("", 4), ("bad/name", 4), ("x" * 64, 4), ("m", 0),
-                                      ("m", 1025)])
-def test_render_limits(model, mx):
+                                      ("m", 1025), (None, 4), ("m#frag", 4), ("..", 4),
+                                      ("a/../../acl/bootstrap", 4)])
+def test_replica_job_limits_are_checked_before_any_request(nomad_standin, model, mx):
     with pytest.raises(ConfigError):
-        render_replica_job(model, mx)
+        replica_job(nomad_client(address=nomad_standin.url), model, mx)
+    assert nomad_standin.requests == []
 
 
-def test_render_limits_at_their_values():
-    render_replica_job("x" * 63, 1)
-    render_replica_job("m", 1024)
+def test_replica_job_limits_at_their_values(nomad_standin):
+    client = nomad_client(address=nomad_standin.url)
+    assert replica_job(client, "x" * 63, 1)["TaskGroups"][0]["Scaling"]["Max"] == 1
+    assert replica_job(client, "m", 1024)["TaskGroups"][0]["Scaling"]["Max"] == 1024
 
 
-def test_cli_prints_the_job(capsys):
+def test_variables_file_quotes_and_escapes_template_sequences():
+    text = variables_file({"model": 'a"b', "n": 3, "on": True, "t": "${x} %{y}"})
+    assert text == 'model = "a\\"b"\nn = 3\non = true\nt = "$${x} %%{y}"\n'
+    with pytest.raises(ConfigError):
+        variables_file({"bad name": "x"})
+    with pytest.raises(ConfigError):
+        variables_file({"x": [1]})
+
+
+def test_nomads_parse_errors_are_typed(nomad_standin):
+    client = nomad_client(address=nomad_standin.url)
+    with pytest.raises(ClusterError) as err:                  # no value for "model"
+        parse_job(client, (JOBS_DIR / "rewarm-replica.nomad.hcl").read_text(), {})
+    assert err.value.status == 400 and "model" in str(err.value)
+    with pytest.raises(ClusterError) as err:
+        parse_job(client, "job {", {})
+    assert err.value.status == 400
+    with pytest.raises(ConfigError):
+        parse_job(client, "#" * ((1 << 20) + 1), {})
+
+
+def test_parse_needs_the_acl_capability(nomad_standin):
+    from agent.errors import AclDenied
+
+    nomad_standin.acl_token = "right"
+    with pytest.raises(AclDenied) as err:
+        parse_job(nomad_client(address=nomad_standin.url, token="wrong"), "job \"x\" {}", {})
+    assert err.value.status == 403 and "parse-job" in str(err.value)
+
+
+def test_cli_render_and_run(nomad_standin, capsys, monkeypatch):
+    monkeypatch.setenv("NOMAD_ADDR", nomad_standin.url)
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     args = parser.parse_args(["jobs", "render", "--model", "m", "--max-replicas", "3"])
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["Job"]["TaskGroups"][0]["Scaling"]["Max"] == 3
+    args = parser.parse_args(["jobs", "run", str(JOBS_DIR / "rewarm-replica.nomad.hcl"),
+                              "-var", "model=m2", "-var", "max_replicas=2"])
+    assert args.func(args) == 0
+    job = nomad_standin.job("rewarm-replica-m2")
+    assert job["TaskGroups"][0]["Scaling"]["Max"] == 2
+    args = parser.parse_args(["jobs", "render", "--model", "bad/name"])
+    assert args.func(args) == 2 and "model" in capsys.readouterr().err
+
+
+def test_no_hcl_is_converted_inside_agent():
+    root = Path(__file__).resolve().parents[2] / "agent"
+    offenders = [str(p) for p in root.rglob("*.py")
+                 if re.search(r"^\s*(import hcl2|from hcl2)", p.read_text(), re.M)]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("name", ["rewarm-agent.nomad.hcl", "rewarm-replica.nomad.hcl",
+                                  "rewarm-frontdoor.nomad.hcl"])
+def test_tasks_get_the_control_token_from_nomad_variables(nomad_standin, name):
+    task = groups(parsed(nomad_standin, name))[0]["Tasks"][0]
+    tmpl, = task["Templates"]
+    assert tmpl["Envvars"] is True and tmpl["DestPath"].startswith("secrets/")
+    assert tmpl["EmbeddedTmpl"].strip().startswith("REWARM_CONTROL_TOKEN={{ with nomadVar")
+
+
+@pytest.mark.parametrize("name", ["rewarm-predictor.nomad.hcl", "rewarm-frontdoor.nomad.hcl"])
+def test_nomad_callers_get_a_workload_identity_token(nomad_standin, name):
+    task = groups(parsed(nomad_standin, name))[0]["Tasks"][0]
+    assert task["Identity"]["Env"] is True          # NOMAD_TOKEN in the task's environment
+    assert "--scaler" in task["Config"]["args"]
+    assert "--model" not in task["Config"]["args"] or name.startswith("rewarm-predictor")
 
 
 def test_systemd_units_restart_and_read_the_environment_file():
@@ -92,46 +195,3 @@ def test_systemd_units_restart_and_read_the_environment_file():
         assert used <= defined, (unit.name, used - defined)
 
 
-def test_hcl_strings_are_unescaped_like_hcl():
-    parsed = load_hcl('x = "a\\"b\\\\c $${y}\\n"\n'
-                      'h = <<-EOT\n    one "q"\n      two $${z}\n    EOT\n'
-                      'k = <<EOT\nraw\nEOT\n')
-    assert parsed == {"x": 'a"b\\c ${y}\n', "h": 'one "q"\n  two ${z}\n', "k": "raw\n"}
-
-
-def test_replica_task_restores_through_the_agent_and_drains_on_stop():
-    task = render_replica_job("m", 2)["TaskGroups"][0]["Tasks"][0]
-    assert task["Config"]["command"] == "/bin/sh"
-    script = task["Config"]["args"][1]
-    assert script.startswith("set -e\n") and "EOT" not in script
-    assert "rewarm agent restore m " in script and "rewarm agent drain" in script
-    assert "${attr.unique.network.ip-address}:7733" in script   # Nomad interpolates it
-    assert task["KillTimeout"] == 60 * 10**9
-
-
-def test_predictor_job_meta_feeds_its_model_flag():
-    from agent.cluster.jobs import to_api_job
-
-    job = to_api_job(parse("rewarm-predictor.nomad.hcl"))
-    assert job["Meta"]["models"].count(":") == 2
-    args = job["TaskGroups"][0]["Tasks"][0]["Config"]["args"]
-    assert args[args.index("--model") + 1] == "${NOMAD_META_models}"
-
-
-def test_durations_convert_to_nanoseconds():
-    from agent.cluster.jobs import _duration_ns
-
-    assert _duration_ns("500ms") == 500_000_000 and _duration_ns("2m") == 120 * 10**9
-    assert _duration_ns(None) is None
-    with pytest.raises(ConfigError):
-        _duration_ns("soon")
-
-
-@pytest.mark.parametrize("name", ["rewarm-agent.nomad.hcl", "rewarm-replica.nomad.hcl"])
-def test_agent_and_replica_tasks_get_the_control_token_from_nomad_variables(name):
-    _, job = job_body(parse(name))
-    (_, group), = job["group"][0].items()
-    (_, task), = group["task"][0].items()
-    template = task["template"][0]
-    assert template["env"] is True and template["destination"].startswith("secrets/")
-    assert template["data"].strip().startswith("REWARM_CONTROL_TOKEN={{ with nomadVar")

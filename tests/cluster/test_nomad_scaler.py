@@ -5,15 +5,16 @@ import random
 import pytest
 
 from agent.clock import ManualClock
-from agent.cluster.jobs import render_replica_job
-from agent.cluster.nomad_scaler import NomadScaler, nomad_client
-from agent.errors import AclDenied, ClusterError
+from agent.cluster.jobs import replica_job
+from agent.cluster.nomad_http import nomad_client
+from agent.cluster.nomad_scaler import NomadScaler
+from agent.errors import AclDenied, ClusterError, ConfigError
 
 
 def make(standin, token=None, namespace=None, region=None):
     clock = ManualClock()
     client = nomad_client(address=standin.url, token=token, namespace=namespace, region=region)
-    scaler = NomadScaler(client, render_job=lambda m: render_replica_job(m, 4), clock=clock,
+    scaler = NomadScaler(client, register_job=lambda m: replica_job(client, m, 4), clock=clock,
                          rng=random.Random(7))
     return scaler, clock
 
@@ -103,12 +104,63 @@ def test_namespace_and_region_are_sent(nomad_standin):
     assert nomad_standin.job("rewarm-replica-m", namespace="serving") is not None
 
 
-def test_publishes_cached_snapshots_as_node_metadata(nomad_standin):
+def test_403_is_surfaced_once_and_not_retried_every_tick(nomad_standin, caplog):
+    nomad_standin.acl_token = "right"
+    scaler, clock = make(nomad_standin, token="wrong")
+    with pytest.raises(AclDenied):
+        scaler.set_target("m", 1, reason="up")
+    n = len(nomad_standin.requests)
+    for _ in range(5):                                   # five more ticks inside the back-off
+        clock.advance(1.0)
+        with pytest.raises(AclDenied) as err:
+            scaler.set_target("m", 1, reason="up")
+        assert "not asking again" in str(err.value)
+    assert len(nomad_standin.requests) == n              # no request made
+    assert sum("denied" in r.message for r in caplog.records if r.levelname == "ERROR") == 1
+    assert scaler.acl.error is not None
+    clock.advance(300.0)
+    with pytest.raises(AclDenied):
+        scaler.set_target("m", 1, reason="up")           # asked again after the back-off
+    assert len(nomad_standin.requests) == n + 1
+
+
+def test_401_is_an_acl_denial_too(nomad_standin):
     scaler, _ = make(nomad_standin)
-    out = scaler.publish_cached_snapshots(["b", "a", "a"], node_id="standin-node")
-    assert out["Meta"]["rewarm_snapshots"] == "a,b"
-    assert out["Static"] == {"gpu": "none"}
-    out = scaler.publish_cached_snapshots([], node_id="standin-node")
-    assert "rewarm_snapshots" not in out["Meta"]          # null unsets the key
-    with pytest.raises(ClusterError):
-        scaler.publish_cached_snapshots(["a"], node_id="no-such-node")
+    nomad_standin.fail_next(401, "/v1/job/", body="ACL token not found")
+    with pytest.raises(AclDenied) as err:
+        scaler.set_target("m", 1, reason="up")
+    assert err.value.status == 401
+
+
+def test_retry_after_is_honoured_within_its_bound(nomad_standin):
+    scaler, clock = make(nomad_standin)
+    nomad_standin.fail_next(429, "/v1/job/", headers={"Retry-After": "20"})
+    with pytest.raises(ClusterError) as err:
+        scaler.set_target("m", 1, reason="up")
+    assert err.value.retry_after_s == 20.0               # more than the 1 s first step
+    clock.advance(20.0)
+    nomad_standin.fail_next(503, "/v1/job/", headers={"Retry-After": "86400"})
+    with pytest.raises(ClusterError) as err:
+        scaler.set_target("m", 1, reason="up")
+    assert err.value.retry_after_s == 60.0               # bounded
+
+
+def test_a_timeout_names_its_cause(nomad_standin):
+    nomad_standin.delay_s = 1.0
+    client = nomad_client(address=nomad_standin.url, timeout_s=0.2)
+    scaler = NomadScaler(client, register_job=lambda m: replica_job(client, m, 4),
+                         clock=ManualClock())
+    with pytest.raises(ClusterError) as err:
+        scaler.set_target("m", 1, reason="up")
+    assert "ReadTimeout" in str(err.value) and err.value.retryable
+
+
+@pytest.mark.parametrize("model", [None, "", "a/../../acl/bootstrap", "m#frag", "m?x=1",
+                                   "x" * 64, 7])
+def test_model_names_are_checked_before_a_url_is_built(nomad_standin, model):
+    scaler, _ = make(nomad_standin)
+    with pytest.raises(ConfigError):
+        scaler.set_target(model, 1, reason="up")
+    with pytest.raises(ConfigError):
+        scaler.target(model)
+    assert nomad_standin.requests == []

@@ -19,7 +19,7 @@ from agent.node.backend import InProcessBackend, ModelSpec
 from agent.node.inventory import Inventory
 from agent.snapshot.catalog import Catalog
 from agent.snapshot.store import LocalStore
-from tests.standins import consul_clock, consul_standin  # noqa: F401  (fixtures)
+from tests.standins import consul_clock, consul_standin, nomad_standin  # noqa: F401  (fixtures)
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -121,8 +121,8 @@ def make_agent(tmp_path, tiny_dir):
     made = []
 
     def make(remote: bool = False, registry=None, capacity_bytes: int = 1 << 30, summary=None,
-             **cfg):
-        clock = ManualClock(1000.0)
+             clock=None, node_meta=None, **cfg):
+        clock = clock or ManualClock(1000.0)
         registry = registry or DownableRegistry(clock)
         state = tmp_path / f"state{len(made)}"
         catalog = Catalog(state.parent / f"catalog{len(made)}.db", clock=clock)
@@ -133,7 +133,8 @@ def make_agent(tmp_path, tiny_dir):
                           backend=InProcessBackend(buffer_bytes=1 << 20), catalog=catalog,
                           store=store, registry=registry, inventory=Inventory([], "test: cpu"),
                           clock=clock, executor=ThreadPoolExecutor(2),
-                          sleep=lambda s: clock.advance(s), summary=summary)
+                          sleep=lambda s: clock.advance(s), summary=summary,
+                          node_meta=node_meta)
         made.append(agent)
         return agent
 

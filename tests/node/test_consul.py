@@ -28,13 +28,24 @@ def test_agent_through_consul(make_agent, consul_standin, monkeypatch):
 
 
 def test_acl_denied_is_a_clear_error_not_a_loop(make_agent, consul_standin, caplog):
+    from agent.clock import ManualClock
+
     consul_standin.fail_next(403, "/v1/agent/service/register", times=1, body="Permission denied")
-    agent = make_agent(registry=ConsulRegistry(consul_client(f"127.0.0.1:{consul_standin.port}")))
+    clock = ManualClock(1000.0)
+    registry = ConsulRegistry(consul_client(f"127.0.0.1:{consul_standin.port}"), clock=clock,
+                              acl_backoff_s=30.0)
+    agent = make_agent(registry=registry, clock=clock)
+    n = len(consul_standin.requests)
+    for _ in range(10):                       # ticks inside the back-off: no request, no log
+        clock.advance(1.0)
+        agent.tick()
+    assert len(consul_standin.requests) == n
+    assert sum("refused the token" in r.getMessage() for r in caplog.records) == 1
     st = agent.registrar.state
     assert not st.healthy and "ACL" in st.last_error
-    assert st.next_try_s - agent.clock.now() == agent.registrar.max_backoff_s
+    assert st.next_try_s - 1000.0 == agent.registrar.max_backoff_s
     assert any("refused the token" in r.getMessage() for r in caplog.records)
-    agent.clock.advance(agent.registrar.max_backoff_s)
+    agent.clock.advance(agent.registrar.max_backoff_s - 10.0)
     agent.tick()
     assert agent.registrar.state.healthy
     assert [a.id for a in agent.registrar.registry.healthy("rewarm-agent")] == ["rewarm-agent-n1"]

@@ -10,7 +10,8 @@ import pytest
 
 from agent.cli import main
 from agent.errors import ModelNotFound, ProtocolError, ReplicaNotFound
-from agent.node.control import ControlError, ControlServer, control_call
+from agent.cluster.control import ControlError, control_call
+from agent.node.control import ControlServer
 from agent.protocol import pack
 
 
@@ -168,7 +169,7 @@ def test_the_control_api_refuses_an_open_bind_without_a_token():
                                          ("\udcff" * 20, "UTF-8")])
 def test_a_weak_or_broken_control_token_is_refused(monkeypatch, value, says):
     from agent.errors import ConfigError
-    from agent.node.control import control_token
+    from agent.cluster.control import control_token
 
     monkeypatch.setenv("REWARM_CONTROL_TOKEN", value)
     with pytest.raises(ConfigError, match=says):
@@ -192,3 +193,18 @@ def test_answers_never_echo_an_id_a_client_could_not_mean(served):
     sock.close()
     assert [a["id"] for a in answers] == [None, None, 5, None]
     assert answers[2]["type"] == "result" and answers[3]["code"] == 400   # answered, then 400
+
+
+def test_fields_named_like_the_clients_own_arguments_reach_the_agent(monkeypatch):
+    # drain's own timeout_s collides with control_call's timeout_s: sent through ``fields``
+    import agent.cluster.control as control
+
+    sent = {}
+
+    def fake_request(address, message, **kw):
+        sent.update(message)
+        return [{"type": "result", "result": {"ok": True}}]
+    monkeypatch.setattr(control, "request", fake_request)
+    assert control.control_call("127.0.0.1:1", "drain", timeout_s=5.0,
+                                fields={"replica": "r1", "timeout_s": 30.0}) == {"ok": True}
+    assert sent["op"] == "drain" and sent["replica"] == "r1" and sent["timeout_s"] == 30.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from agent.cli import build_parser
 from agent.clock import ManualClock
-from agent.node.cli import DEFAULT_AGENT
+from agent.cluster.control import DEFAULT_AGENT
 from agent.predictor.cli import build
 
 

@@ -215,3 +215,18 @@ def test_ticks_are_counted_on_the_clock_not_per_call():
     p.tick()
     assert st.holt.samples == 5 and catalog.rows[-1][1] == 1.5
     assert st.holt.level == pytest.approx(20.0)      # 62 arrivals over 3.1 s
+
+
+def test_a_scale_up_by_someone_else_is_seen_and_scaled_in_when_idle():
+    # A front door scaled the model up from zero through Nomad; the predictor had set nothing.
+    p, clock, scaler, _, _ = make(durable=True, scale_down_cooldown_s=5.0)
+    step(p, clock, 0)
+    assert scaler.calls == []
+    scaler.targets["m"] = 1                                # Nomad's count now
+    d = step(p, clock, 0)
+    assert d.target == 1 and d.action == "hold"            # seen, held through the cooldown
+    for _ in range(600):
+        d = step(p, clock, 0)
+        if d.action == "scale_down":
+            break
+    assert d.action == "scale_down" and d.target == 0 and scaler.targets["m"] == 0

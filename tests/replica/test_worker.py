@@ -248,3 +248,44 @@ def test_a_framing_error_answers_what_was_before_it_then_closes(booted):
     answers = asyncio.run(main())
     assert answers[0]["id"] == "h" and answers[0]["type"] == "result"
     assert answers[-1]["type"] == "error" and answers[-1]["code"] == 400
+
+
+def test_a_data_listener_serves_generation_and_refuses_control_ops(booted, tmp_path):
+    # the node agent's layout: control on a unix socket, a TCP data listener for other hosts
+    dest = tmp_path / "never"
+    sock = tmp_path / "w.sock"
+    worker = Worker(booted, tcp_control=False)
+
+    async def ask(opener, messages, ids):
+        reader, writer = await opener()
+        writer.write(b"".join(pack(m) for m in messages))
+        answers, decoder = {}, Decoder()
+        while not all(k in answers and answers[k][-1]["type"] in ("done", "error", "result")
+                      for k in ids):
+            data = await asyncio.wait_for(reader.read(65536), 60)
+            assert data, "worker closed the connection"
+            for answer in decoder.feed(data):
+                answers.setdefault(answer["id"], []).append(answer)
+        writer.close()
+        return answers
+
+    async def main():
+        ready = asyncio.get_running_loop().create_future()
+        serving = asyncio.create_task(worker.serve(f"unix:{sock}", ready.set_result,
+                                                   data_listen="127.0.0.1:0"))
+        await asyncio.wait_for(ready, 10)
+        host, port = worker.data_address.rsplit(":", 1)
+        tcp = await ask(lambda: asyncio.open_connection(host, int(port)),
+                        [{"op": "capture", "id": "c", "dest": str(dest)},
+                         {"op": "generate", "id": "g", "tokens": [5, 6, 7], "max_tokens": 2}],
+                        ("c", "g"))
+        unix = await ask(lambda: asyncio.open_unix_connection(str(sock)),
+                         [{"op": "stats", "id": "s"}], ("s",))
+        worker.stop()
+        await asyncio.wait_for(serving, 30)
+        return tcp, unix
+
+    tcp, unix = asyncio.run(main())
+    assert tcp["c"][-1]["type"] == "error" and tcp["c"][-1]["code"] == 401
+    assert tcp["g"][-1]["type"] == "done" and unix["s"][-1]["type"] == "result"
+    assert not dest.exists()

@@ -1,0 +1,44 @@
+"""The cluster path end to end, as bench/cluster_e2e.py runs it: three hosts (network
+namespaces, or 127.0.0.x where they are unavailable), the four jobs in jobs/ submitted to the
+Nomad stand-in, which runs them; every step of the scenario is asserted by the script and
+again here.  Speed targets (first token against restore time) are the benchmark's to report;
+this test checks that each step happened and that no request was lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+KEYS = {"steps", "first_token_via_nomad_s", "restore_s", "requests", "lost",
+        "leader_failover_s", "watch_requests_per_s_at_index_0", "hosts"}
+STEPS = ["job submitted at count 0", "first request scales from zero through Nomad",
+         "served by a Nomad allocation", "snapshot durable",
+         "caching node publishes the snapshot in Nomad node metadata",
+         "idle: the predictor scales in after the snapshot is durable",
+         "next request restores on the caching node",
+         "node agent killed: allocation rescheduled, traffic moves",
+         "leader predictor killed: a new leader within TTL + one tick",
+         "watch at index 0 stays slow"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_whole_scenario_on_three_hosts(tmp_path, repo_root):
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run([sys.executable, str(repo_root / "bench" / "cluster_e2e.py"),
+                           "--json", str(out), "--work", str(tmp_path / "w")],
+                          capture_output=True, text=True, timeout=400, cwd=repo_root)
+    res = json.loads(out.read_text())
+    failed = [s for s in res["steps"] if not s["ok"]]
+    assert proc.returncode == 0 and not failed, (failed, res.get("error"), proc.stdout[-3000:])
+    assert KEYS <= set(res)
+    assert [s["name"] for s in res["steps"] if not s["name"].startswith("cast")] == STEPS
+    assert all(isinstance(s["at_s"], float) for s in res["steps"])
+    assert res["hosts"]["kind"] in ("netns", "loopback") and len(res["hosts"]["addresses"]) == 3
+    assert res["lost"] == 0 and res["requests"] > 0
+    assert res["restore_s"] > 0 and res["first_token_via_nomad_s"] > 0
+    assert res["total_s"] <= res["limit_s"]
+    assert "timeline" not in proc.stderr and "at_s" in proc.stdout     # the table is printed
