@@ -213,6 +213,7 @@ def seed(text: str) -> int:
 
 def _generate(args) -> int:
     from agent.client import Client, discover
+    from agent.exitcodes import EX_UNAVAILABLE, exit_code
 
     if (args.prompt is None) == (args.tokens is None):
         print("error: give a prompt or --tokens ID,ID,... (exactly one)", file=sys.stderr)
@@ -223,7 +224,7 @@ def _generate(args) -> int:
         found = discover(consul_host=host, consul_port=port)
         if not found:
             print("error: no healthy rewarm-frontdoor in Consul", file=sys.stderr)
-            return 3
+            return EX_UNAVAILABLE
         address = found[0]
     else:
         address = _hostport(args.address)
@@ -232,7 +233,7 @@ def _generate(args) -> int:
     except Unreachable as err:
         print(f"error: {err} (is `rewarm up` or `rewarm frontdoor` running there? pass "
               "--address or --consul)", file=sys.stderr)
-        return 2
+        return exit_code(err)
     try:
         done = {}
         out = TextStream(sys.stdout)
@@ -250,6 +251,6 @@ def _generate(args) -> int:
         return 0
     except RewarmError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return exit_code(err)
     finally:
         client.close()

@@ -15,6 +15,7 @@ import sys
 
 from agent.argtypes import host_port, nonneg_int, positive_float, positive_int
 from agent.errors import RewarmError
+from agent.exitcodes import exit_code
 
 DEFAULT_AGENT = "127.0.0.1:7733"
 """The node agent's default control address: ``rewarm agent run`` and ``rewarm up`` listen
@@ -35,7 +36,7 @@ def _client(op: str, **fields):
             result = control_call(args.agent, op, timeout_s=args.timeout_s, **values)
         except (RewarmError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return exit_code(exc)
         print(json.dumps(result, indent=2, default=str))
         return 0
     return run
