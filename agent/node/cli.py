@@ -81,6 +81,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="consul honours CONSUL_HTTP_ADDR and CONSUL_HTTP_TOKEN")
     p.add_argument("--restore", action="append", default=[], metavar="MODEL",
                    help="bring one replica of MODEL up at start (repeatable)")
+    p.add_argument("--metrics-listen", type=host_port, default=None, metavar="HOST:PORT",
+                   help="serve /metrics, /healthz and /readyz here (port 0: any free port)")
+    p.add_argument("--drain-grace-s", type=positive_float, default=30.0,
+                   help="at SIGTERM, how long in-flight requests may run before replicas "
+                        "stop (systemd TimeoutStopSec and Nomad kill_timeout are set above it)")
     p.set_defaults(func=_run)
 
     client("status", "the agent's replicas, zygotes, registry health").set_defaults(
