@@ -18,6 +18,7 @@ job "rewarm-agent" {
 
     network {
       port "control" { static = 7733 }
+      port "metrics" { static = 9401 }
     }
 
     service {
@@ -41,8 +42,13 @@ job "rewarm-agent" {
         # model.safetensors), placed there by the operator or a prestart task
         args    = ["agent", "run", "--state-dir", "/var/lib/rewarm",
                    "--model-dir", "/var/lib/rewarm/models/default",
-                   "--listen", "0.0.0.0:${NOMAD_PORT_control}", "--registry", "consul"]
+                   "--listen", "0.0.0.0:${NOMAD_PORT_control}", "--registry", "consul",
+                   "--metrics-listen", "0.0.0.0:${NOMAD_PORT_metrics}", "--drain-grace-s", "30"]
       }
+
+      # the drain (--drain-grace-s 30) plus 10 s; Nomad caps this at the client's
+      # max_kill_timeout (30 s unless raised in the client configuration)
+      kill_timeout = "40s"
 
       # The control API's shared secret, from Nomad Variables (`nomad var put nomad/jobs
       # control_token=...`): the agent requires it beyond loopback, its clients send it.

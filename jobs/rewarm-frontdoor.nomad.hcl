@@ -29,8 +29,13 @@ job "rewarm-frontdoor" {
         command = "rewarm"
         args    = ["frontdoor", "--host", "0.0.0.0", "--port", "${NOMAD_PORT_api}",
                    "--consul", "${attr.unique.network.ip-address}:8500",
-                   "--tokens", "/etc/rewarm/tokens", "--metrics-port", "9400"]
+                   "--tokens", "/etc/rewarm/tokens", "--metrics-port", "9400",
+                   "--drain-grace-s", "30"]
       }
+
+      # the drain (--drain-grace-s 30: streams finish, new requests get 503) plus 10 s;
+      # Nomad caps this at the client's max_kill_timeout (30 s unless raised)
+      kill_timeout = "40s"
 
       resources {
         cpu    = 1000
