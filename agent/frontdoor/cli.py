@@ -73,6 +73,7 @@ def _serve(args) -> int:
     from agent.frontdoor.auth import TokenAuth, check_bind
     from agent.frontdoor.capacity import NodeAgentCapacity, nodes_from_registry
     from agent.frontdoor.server import FrontDoor, FrontDoorConfig
+    from agent import sdnotify
     from agent.telemetry import Telemetry
 
     models = {}
@@ -111,6 +112,7 @@ def _serve(args) -> int:
         host, port = await fd.start()
         gc.freeze()  # start-up objects leave the collector's generations: shorter GC pauses
         print(f"front door listening on {host}:{port}", flush=True)
+        sdnotify.ready(f"listening on {host}:{port}")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
