@@ -39,6 +39,7 @@ from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_
 from agent.node.inventory import Inventory
 from agent.node.lifecycle import Lifecycle, ReplicaState as S
 from agent.node.metrics import NodeMetrics
+from agent.progress import byte_callback
 from agent.node.registration import Registrar
 from agent.node.snapshots import SnapshotOps
 from agent.node.suspend import Suspender, SuspendOps, _bounded
@@ -375,13 +376,19 @@ class NodeAgent(SnapshotOps, SuspendOps):
         dest = self.store.path(sid)
         self._phase(rec, "stage")
 
+        shown, close_bar = byte_callback(f"stage {row.snapshot_id}")
+
         def progress(done_bytes: int, total_bytes: int) -> None:
             with self._lock:
                 self.staging[sid] = (done_bytes, total_bytes)
+            shown(done_bytes, total_bytes)
 
         try:
             self.store.make_room(row.size_bytes)
-            remote.stage(Path(row.remote_uri), dest, progress)
+            try:
+                remote.stage(Path(row.remote_uri), dest, progress)
+            finally:
+                close_bar()
             with self._lock:
                 self.staging.pop(sid, None)
             return cap.register_snapshot(self.catalog, self.store, sid, rec.spec,
