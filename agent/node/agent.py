@@ -38,11 +38,11 @@ from agent.node import capture as cap
 from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_id
 from agent.node.inventory import Inventory
 from agent.node.lifecycle import Lifecycle, ReplicaState as S
-from agent.node.metrics import NodeMetrics
-from agent.progress import byte_callback
+from agent.node.metrics import NodeMetrics, restores_in_flight
 from agent.node.registration import Registrar
 from agent.node.snapshots import SnapshotOps
 from agent.node.suspend import Suspender, SuspendOps, _bounded
+from agent.progress import byte_callback
 from agent.snapshot.catalog import Catalog, SnapshotRow
 from agent.snapshot.pins import check_pins
 from agent.snapshot.reader import read_manifest, verify_chunks
@@ -272,16 +272,9 @@ class NodeAgent(SnapshotOps, SuspendOps):
             self._phase(rec, None)
             self.executor.submit(self.refill_pool)
         self.catalog.record_cold_start(spec.name, rec.path, "ok", self.clock.now() - start, rid)
-        self.metrics.restore_finished(rec, self.clock.now() - start, True,
-                                      self._size_bytes(rec.snapshot_id))
+        self.metrics.restore_finished(rec, self.clock.now() - start, True, self.catalog)
         self._go_warm(rec)
         return rec.describe(load=True)
-
-    def _size_bytes(self, snapshot_id: str | None) -> int | None:
-        try:
-            return self.catalog.snapshot(snapshot_id).size_bytes if snapshot_id else None
-        except SnapshotError:
-            return None
 
     def _at_cap(self, model: str) -> bool:
         """Whether ``model`` has ``max_replicas_per_model`` replicas coming up or warm (call
@@ -542,11 +535,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
             pool = {d: len(z) for d, z in self.pool.items()}
             captures = sorted(k for k, f in self.captures.items() if not f.done())
             staging = {k: {"done_bytes": d, "total_bytes": t} for k, (d, t) in self.staging.items()}
-            now = self.clock.now()
-            in_flight = [{"replica": r.lifecycle.replica_id, "model": r.spec.name,
-                          "phase": r.phase, "seconds": round(now - r.phase_since_s, 3),
-                          "snapshot": r.snapshot_id}
-                         for r in self.replicas.values() if r.phase is not None]
+            in_flight = restores_in_flight(self.replicas.values(), self.clock.now())
         st = self.registrar.state
         return {"node": self.config.node_id, "inventory": self.inventory.describe(),
                 "replicas": replicas, "zygotes": pool, "captures_running": captures,

@@ -125,10 +125,11 @@ class NodeMetrics:
 
     # -- events from the agent ---------------------------------------------------------------
     def restore_finished(self, rec: "ReplicaRecord", duration_s: float, ok: bool,
-                         size_bytes: int | None = None, *, reason: str = "") -> None:
+                         catalog=None, *, reason: str = "") -> None:
         """One ``restore()`` ended: its tier (``rec.path``), duration, each failed step
-        (``rec.attempts``), the phases the replica reports, bytes restored, cache hit/miss;
-        ``reason``: why it failed (kept for :func:`readiness`)."""
+        (``rec.attempts``), the phases the replica reports, bytes restored (the size of
+        ``rec.snapshot_id`` in ``catalog``), cache hit/miss; ``reason``: why it failed (kept
+        for :func:`readiness`)."""
         node, model = self.node, rec.spec.name
         with self._lock:
             self.outcomes[model] = (ok, reason)
@@ -155,6 +156,7 @@ class NodeMetrics:
                 self.phase_s.labels(node, model, tier, PHASES[key]).observe(float(seconds))
         if "golden_s" in phases:
             self.golden.labels(node, "pass").inc()
+        size_bytes = _size_bytes(catalog, rec.snapshot_id)
         if size_bytes and tier in ("local", "remote"):
             self.restored_bytes.labels(node, tier).inc(size_bytes)
 
@@ -164,6 +166,25 @@ class NodeMetrics:
     def hit_ratio(self) -> float:
         with self._lock:
             return self._hits / self._lookups if self._lookups else math.nan
+
+
+def _size_bytes(catalog, snapshot_id: str | None) -> int | None:
+    from agent.errors import SnapshotError
+
+    if catalog is None or snapshot_id is None:
+        return None
+    try:
+        return catalog.snapshot(snapshot_id).size_bytes
+    except SnapshotError:
+        return None
+
+
+def restores_in_flight(records, now_s: float) -> list[dict[str, Any]]:
+    """The replicas coming up: ``replica``, ``model``, ``phase`` (stage | restore |
+    cold_boot), ``seconds`` in that phase, ``snapshot`` (call with the agent's lock held)."""
+    return [{"replica": r.lifecycle.replica_id, "model": r.spec.name, "phase": r.phase,
+             "seconds": round(now_s - r.phase_since_s, 3), "snapshot": r.snapshot_id}
+            for r in records if r.phase is not None]
 
 
 def _phases(rec: "ReplicaRecord") -> dict[str, float]:

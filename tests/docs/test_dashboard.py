@@ -38,7 +38,8 @@ def exposed() -> dict[str, set[str]]:
     t.event(2, "m", "refused", 429, 0.0, None, None, False, reason="queue_full")
     t.queue_depth("m", 1)
     node = NodeMetrics("n1")
-    record = SimpleNamespace(spec=SimpleNamespace(name="m"), path="restore", attempts=[
+    record = SimpleNamespace(spec=SimpleNamespace(name="m"), path="restore", snapshot_id="s1",
+                             phase_since_s=0.0, attempts=[
         {"path": "restore", "error": "SnapshotCorrupt"}], lifecycle=SimpleNamespace(
         state=ReplicaState.WARM), phase="restore", last_stats={
         "tokens_per_s": 1.0, "batch_size": 1, "queued_prefill_tokens": 3, "active_seqs": 1},
@@ -47,7 +48,8 @@ def exposed() -> dict[str, set[str]]:
     node.attach(SimpleNamespace(store=SimpleNamespace(used_bytes=1, capacity_bytes=2),
                                 pool={"cpu": []}, replicas={"r": record},
                                 _lock=threading.Lock()))
-    node.restore_finished(record, 1.0, True, 100)
+    catalog = SimpleNamespace(snapshot=lambda sid: SimpleNamespace(size_bytes=100))
+    node.restore_finished(record, 1.0, True, catalog)
     replica = replica_registry(lambda: {"model": "m", "tokens_per_s": 1.0})
     clock = ManualClock()
 
