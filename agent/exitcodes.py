@@ -29,7 +29,8 @@ from agent.errors import (AclDenied, ConfigError, InvalidCheckpoint, InvalidTrac
                           ProtocolError, SnapshotError, Unauthorized)
 
 OK, FAILURE, USAGE = 0, 1, 2
-EX_DATAERR, EX_NOINPUT, EX_UNAVAILABLE, EX_IOERR, EX_TEMPFAIL, EX_NOPERM, EX_CONFIG = 65, 66, 69, 74, 75, 77, 78
+EX_DATAERR, EX_NOINPUT, EX_UNAVAILABLE, EX_IOERR = 65, 66, 69, 74
+EX_TEMPFAIL, EX_NOPERM, EX_CONFIG = 75, 77, 78
 INTERRUPTED, BROKEN_PIPE = 130, 141
 
 

@@ -161,7 +161,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
                  clock: Clock | None = None, suspender: Suspender | None = None,
                  executor: ThreadPoolExecutor | None = None,
                  sleep: Callable[[float], None] | None = None,
-                 summary: SnapshotSummary | None = None, metrics: NodeMetrics | None = None) -> None:
+                 summary: SnapshotSummary | None = None,
+                 metrics: NodeMetrics | None = None) -> None:
         import time
 
         self.config = config
@@ -342,7 +343,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
         except _Failed as failed:
             exc, status = failed.exc, failed.status
             log.error("%s of %s from %s failed closed (%s): %s", path, rec.spec.key,
-                      row.snapshot_id, status, exc)
+                      row.snapshot_id, status, exc, extra={"model": rec.spec.name,
+                      "replica": rec.lifecycle.replica_id, "snapshot": row.snapshot_id})
             if row.status in ("pending", "ready"):
                 self.catalog.set_status(row.snapshot_id, status, f"{type(exc).__name__}: {exc}")
                 self.publish(row.snapshot_id)
@@ -495,7 +497,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
         for rec in self.live_replicas_all():
             alive = getattr(rec.handle, "alive", None)
             if alive is not None and not alive():
-                log.error("replica %s: its process died; deregistering", rec.lifecycle.replica_id)
+                log.error("replica %s: its process died; deregistering", rec.lifecycle.replica_id,
+                          extra={"replica": rec.lifecycle.replica_id})
                 self.registrar.drop(rec.lifecycle.replica_id)
                 try:
                     rec.handle.shutdown()      # reaps the process, removes its socket file

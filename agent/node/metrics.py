@@ -5,7 +5,7 @@ Labels are bounded: ``node`` (this node's id), ``model`` (configured models only
 ``result``, ``state`` (the lifecycle's states).
 
 =============================================  =============================================
-``rewarm_node_restore_seconds``                {node, model, tier} histogram, restore request to warm
+``rewarm_node_restore_seconds``                {node, model, tier} histogram, request to warm
 ``rewarm_node_restore_phase_seconds``          {node, model, tier, phase} histogram, the
                                                replica's load phases (weights, package, golden)
 ``rewarm_node_restored_bytes_total``           {node, tier} snapshot bytes restored
@@ -204,7 +204,8 @@ class _AgentCollector:
         from agent.node.lifecycle import ReplicaState
 
         m, agent, node = self.m, self.m.agent, self.m.node
-        g = lambda name, doc, labels=("node",): GaugeMetricFamily(name, doc, labels=labels)  # noqa: E731
+        def g(name: str, doc: str, labels: tuple = ("node",)) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels)
         used, capacity = agent.store.used_bytes, agent.store.capacity_bytes
         cache = g("rewarm_node_snapshot_cache_bytes", "Local snapshot tier bytes", ("node", "kind"))
         cache.add_metric((node, "used"), used)
@@ -268,7 +269,8 @@ def readiness(agent: "NodeAgent", *, stall_s: float = 10.0) -> tuple[bool, str]:
     if idle_s > stall_s:
         return False, f"agent loop stalled: no tick for {idle_s:.1f} s (limit {stall_s} s)"
     if not agent.inventory.devices or not agent.models:
-        return False, f"nothing to serve: devices {agent.inventory.devices}, models {sorted(agent.models)}"
+        return False, (f"nothing to serve: devices {agent.inventory.devices}, "
+                       f"models {sorted(agent.models)}")
     with agent.metrics._lock:
         outcomes = dict(agent.metrics.outcomes)
     if outcomes and not any(ok for ok, _r in outcomes.values()):

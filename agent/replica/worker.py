@@ -143,7 +143,7 @@ class Worker:
             return
         self.draining = True
         log.info("draining: %d requests in flight, at most %.1f s", self.in_flight(),
-                 self.drain_grace_s)
+                 self.drain_grace_s, extra={"replica": self.replica_id})
         asyncio.get_running_loop().create_task(self._drain_then_stop())
 
     def in_flight(self) -> int:
