@@ -197,6 +197,11 @@ class Telemetry:
                 self._models[model] = label
         return label
 
+    @staticmethod
+    def _new(table: dict, key: tuple, bounds: tuple) -> _Histogram:
+        h = table[key] = _Histogram(bounds)
+        return h
+
     @property
     def request_counts(self) -> dict[tuple[str, int], int]:
         """Requests answered by (path, code), summed over models."""
@@ -213,29 +218,23 @@ class Telemetry:
         ``reason``: for a refusal, one of :data:`REJECT_REASONS` or its text;
         ``predicted_ttft_ms``: the TTFT the router predicted when it chose the replica (feeds
         ``rewarm_ttft_prediction_ratio`` when the request got a first token)."""
-        label = self._model(model)
+        label = self._models.get(model) or self._model(model)
         key = (label, path, code)
         counts = self._requests
         counts[key] = counts.get(key, 0) + 1
-        if code in _DEFAULT_REASON:
+        if code != 200 and code in _DEFAULT_REASON:
             rkey = (label, code, reject_reason(code, reason))
             self._rejections[rkey] = self._rejections.get(rkey, 0) + 1
         if ttft_ms is not None:
             hkey = (label, path)
-            h = self._ttft.get(hkey)
-            if h is None:
-                h = self._ttft[hkey] = _Histogram()
+            h = self._ttft.get(hkey) or self._new(self._ttft, hkey, BUCKETS_S)
             h.observe(ttft_ms / 1000.0)
             if predicted_ttft_ms:
-                r = self._ratio.get(hkey)
-                if r is None:
-                    r = self._ratio[hkey] = _Histogram(RATIO_BUCKETS)
+                r = self._ratio.get(hkey) or self._new(self._ratio, hkey, RATIO_BUCKETS)
                 r.observe(ttft_ms / predicted_ttft_ms)
         if queue_wait_ms:
             hkey = (label, path)
-            h = self._queue_wait.get(hkey)
-            if h is None:
-                h = self._queue_wait[hkey] = _Histogram()
+            h = self._queue_wait.get(hkey) or self._new(self._queue_wait, hkey, BUCKETS_S)
             h.observe(queue_wait_ms / 1000.0)
         self.events += 1
         if self._file is not None:
