@@ -124,7 +124,7 @@ class ReplicaRecord:
             out["phase"] = self.phase
         if load and self.handle is not None:
             try:
-                stats = self.handle.stats()
+                stats = self.last_stats = self.handle.stats()
             except (OSError, RewarmError, RuntimeError):
                 stats = {}
             if all(k in stats for k in LOAD_KEYS):
@@ -272,10 +272,12 @@ class NodeAgent(SnapshotOps, SuspendOps):
         finally:
             self._phase(rec, None)
             self.executor.submit(self.refill_pool)
-        self.catalog.record_cold_start(spec.name, rec.path, "ok", self.clock.now() - start, rid)
-        self.metrics.restore_finished(rec, self.clock.now() - start, True, self.catalog)
+        took_s = self.clock.now() - start
+        self.catalog.record_cold_start(spec.name, rec.path, "ok", took_s, rid)
         self._go_warm(rec)
-        return rec.describe(load=True)
+        out = rec.describe(load=True)      # keeps the stats it read in rec.last_stats
+        self.metrics.restore_finished(rec, took_s, True, self.catalog)
+        return out
 
     def _at_cap(self, model: str) -> bool:
         """Whether ``model`` has ``max_replicas_per_model`` replicas coming up or warm (call

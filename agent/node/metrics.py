@@ -188,12 +188,10 @@ def restores_in_flight(records, now_s: float) -> list[dict[str, Any]]:
 
 
 def _phases(rec: "ReplicaRecord") -> dict[str, float]:
-    if rec.handle is None:
-        return {}
-    try:
-        return dict(rec.handle.stats().get("phases_s") or {})
-    except Exception:  # a replica that cannot answer has no phases to report  # noqa: BLE001
-        return {}
+    """The load phases from the replica's last ``stats`` (read by ``describe(load=True)``;
+    no call of its own: the restore path asks the replica once)."""
+    phases = (getattr(rec, "last_stats", None) or {}).get("phases_s") or {}
+    return {k: v for k, v in phases.items() if isinstance(v, (int, float))}
 
 
 class _AgentCollector:

@@ -43,8 +43,8 @@ def exposed() -> dict[str, set[str]]:
         {"path": "restore", "error": "SnapshotCorrupt"}], lifecycle=SimpleNamespace(
         state=ReplicaState.WARM), phase="restore", last_stats={
         "tokens_per_s": 1.0, "batch_size": 1, "queued_prefill_tokens": 3, "active_seqs": 1},
-        handle=SimpleNamespace(stats=lambda: {"phases_s": {"weights_s": 0.1, "package_s": 0.1,
-                                                           "golden_s": 0.2}}))
+        handle=None)
+    record.last_stats["phases_s"] = {"weights_s": 0.1, "package_s": 0.1, "golden_s": 0.2}
     node.attach(SimpleNamespace(store=SimpleNamespace(used_bytes=1, capacity_bytes=2),
                                 pool={"cpu": []}, replicas={"r": record},
                                 _lock=threading.Lock()))
