@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 
+from agent import exitcodes, logs
 from agent.errors import RewarmError
 
 # One place where every subcommand group is registered.
@@ -33,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Scale-to-zero LLM serving: every cold start after the first is a verified restore.")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", default=os.environ.get("REWARM_LOG_FORMAT") or "text",
+                        choices=logs.FORMATS,
+                        help="text (default) or json: one object per line with time, level, "
+                             "component, message, model/replica/request_id when known "
+                             "(default $REWARM_LOG_FORMAT, which the replicas an agent starts "
+                             "inherit)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -46,23 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; the exit status is one of :mod:`agent.exitcodes` (2: bad usage,
+    sysexits.h codes for an unreachable service, a refused request, a configuration error)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(args.log_level, args.log_format)
     try:
         result = args.func(args)
     except BrokenPipeError:
         # The reader went away (``rewarm agent status | head``): stop quietly, as other tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return exitcodes.BROKEN_PIPE
     except (RewarmError, OSError) as exc:
         # A typed error names the thing, the value and the limit: say it, without a traceback
         # (--log-level DEBUG shows where it came from).
         logging.getLogger("agent.cli").debug("command failed", exc_info=True)
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exitcodes.exit_code(exc)
     except KeyboardInterrupt:
-        return 130
+        return exitcodes.INTERRUPTED
     return int(result or 0)
 
 

@@ -6,11 +6,25 @@ path, queue_wait_ms, restore_ms, ttft_ms, sla_breached, timestamp_ms) with the a
 or ``refused`` for requests answered with an error before reaching a replica.  Events are
 kept in memory and written in batches so that the request path only appends a tuple.
 
-Metrics (prometheus-client custom collector reading plain counters at scrape time, served
-on an HTTP port by :meth:`Telemetry.serve_http`):
-``rewarm_requests_total{path,code}``, ``rewarm_queue_depth{model}``,
-``rewarm_ttft_seconds`` and ``rewarm_queue_wait_seconds`` histograms,
-``rewarm_restores_in_flight``.
+Metrics (one scheme across rewarm, labels bounded: ``model`` — at most
+``max_models`` distinct names, the rest folded into ``_other`` since clients name models —,
+``path`` (:data:`PATHS`), ``code`` (the status code), ``reason`` (:data:`REJECT_REASONS`)):
+
+=======================================  ==========================================
+``rewarm_requests_total``                {model, path, code}  requests answered
+``rewarm_rejections_total``              {model, code, reason}  429/503/504/413 answers
+``rewarm_ttft_seconds``                  {model, path}  histogram, front door TTFT
+``rewarm_queue_wait_seconds``            {model, path}  histogram, time queued for capacity
+``rewarm_ttft_prediction_ratio``         {model, path}  histogram, actual / predicted TTFT
+``rewarm_queue_depth``                   {model}  requests waiting for capacity
+``rewarm_restores_in_flight``            —  restores asked for, not finished
+``process_*``                            prometheus-client's ProcessCollector
+=======================================  ==========================================
+
+Latency buckets reach 600 s (:data:`BUCKETS_S`) so a multi-minute cold boot lands in a bucket,
+not in ``+Inf``.  Counters are plain ints read by a custom collector at scrape time, so the
+request path never takes a metrics lock.  :meth:`Telemetry.serve_http` serves ``/metrics``,
+``/healthz`` and ``/readyz`` (agent/health.py).
 """
 
 from __future__ import annotations
@@ -19,20 +33,56 @@ import json
 import time
 from bisect import bisect_left
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 EVENT_FIELDS = ("request_id", "model", "path", "code", "queue_wait_ms", "restore_ms",
                 "ttft_ms", "sla_breached", "timestamp_ms")
 
-# Latency buckets (s): from sub-millisecond warm hits to multi-second restores.
-_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+             30, 60, 120, 300, 600)
+"""Latency buckets (s): sub-millisecond warm hits to a 10-minute cold boot (the issue's
+measured 44 s cold boot and the ladder's 417 s naive boot both land below the top)."""
 
+RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10)
+"""actual / predicted TTFT: 1.0 is a perfect prediction, above it the prediction was low."""
+
+PATHS = ("warm_hit", "suspended_resume", "snapshot_restore", "cold_boot", "refused")
+
+REJECT_REASONS = ("queue_full", "max_wait", "deadline_unreachable", "deadline",
+                  "max_connections", "fd_reserve", "draining", "no_capacity",
+                  "replica_failed", "too_large", "other")
+"""The ``reason`` label of ``rewarm_rejections_total``.  Callers pass one of these, or the
+refusal's text, which :func:`reject_reason` classifies."""
+
+OTHER_MODEL = "_other"
 
 _LINE = ('{"request_id": %s, "model": %s, "path": "%s", "code": %d, "queue_wait_ms": %s, '
          '"restore_ms": %s, "ttft_ms": %s, "sla_breached": %s, "timestamp_ms": %d}\n')
+
+# (substring of a refusal's text, reason) in order; the front door's messages
+# (agent/frontdoor/admission.py, server.py) name the limit they hit.
+_REASON_WORDS = (("drain", "draining"), ("max_connections", "max_connections"),
+                 ("descriptor", "fd_reserve"), ("max_depth", "queue_full"),
+                 ("queue is full", "queue_full"), ("max_wait", "max_wait"),
+                 ("deadline passed", "deadline"), ("deadline", "deadline_unreachable"),
+                 ("KV tokens", "too_large"), ("link", "replica_failed"),
+                 ("capacity", "no_capacity"))
+_DEFAULT_REASON = {429: "other", 503: "no_capacity", 504: "deadline", 413: "too_large"}
+
+
+def reject_reason(code: int, reason: str | None) -> str:
+    """The bounded ``reason`` label for a refusal: ``reason`` itself when it is one of
+    :data:`REJECT_REASONS`, else classified from its text, else a default for ``code``."""
+    if reason in REJECT_REASONS:
+        return reason
+    if reason:
+        for word, label in _REASON_WORDS:
+            if word in reason:
+                return label
+    return _DEFAULT_REASON.get(code, "other")
 
 
 def _num(x: float | None) -> str:
@@ -45,24 +95,31 @@ class _Histogram:
     """Bucket counts kept as plain ints (prometheus-client's Histogram takes a lock and
     does more per observation; this is one bisect)."""
 
-    __slots__ = ("counts", "sum", "n")
+    __slots__ = ("bounds", "counts", "sum", "n")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(_BUCKETS) + 1)
+    def __init__(self, bounds: tuple = BUCKETS_S) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
         self.sum, self.n = 0.0, 0
 
     def observe(self, x: float) -> None:
-        self.counts[bisect_left(_BUCKETS, x)] += 1
+        self.counts[bisect_left(self.bounds, x)] += 1
         self.sum += x
         self.n += 1
 
-    def family(self, name: str, doc: str) -> HistogramMetricFamily:
-        counts, total = list(self.counts), self.sum
-        cumulative, buckets = 0, []
-        for bound, count in zip((*map(str, _BUCKETS), "+Inf"), counts):
+    def buckets(self) -> list[tuple[str, int]]:
+        cumulative, out = 0, []
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), list(self.counts)):
             cumulative += count
-            buckets.append((bound, cumulative))
-        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+            out.append((bound, cumulative))
+        return out
+
+
+def _histograms(name: str, doc: str, table: dict) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=("model", "path"))
+    for (model, path), h in list(table.items()):
+        family.add_metric((model, path), h.buckets(), h.sum)
+    return family
 
 
 class _Collector:
@@ -74,18 +131,26 @@ class _Collector:
 
     def collect(self):
         t = self.t
-        requests = CounterMetricFamily("rewarm_requests", "Requests answered, by path and code",
-                                       labels=("path", "code"))
-        for (path, code), n in list(t.request_counts.items()):
-            requests.add_metric((path, str(code)), n)
+        requests = CounterMetricFamily("rewarm_requests", "Requests answered at the front door",
+                                       labels=("model", "path", "code"))
+        for (model, path, code), n in list(t._requests.items()):
+            requests.add_metric((model, path, str(code)), n)
+        rejected = CounterMetricFamily("rewarm_rejections", "Requests refused (429, 503, 504,"
+                                       " 413) by reason", labels=("model", "code", "reason"))
+        for (model, code, reason), n in list(t._rejections.items()):
+            rejected.add_metric((model, str(code), reason), n)
         depth = GaugeMetricFamily("rewarm_queue_depth", "Requests waiting for capacity",
                                   labels=("model",))
         for model, n in list(t.depths.items()):
             depth.add_metric((model,), n)
         yield requests
+        yield rejected
         yield depth
-        yield t.ttft.family("rewarm_ttft_seconds", "Time to first token at the front door")
-        yield t.queue_wait.family("rewarm_queue_wait_seconds", "Time spent queued for capacity")
+        yield _histograms("rewarm_ttft_seconds", "Time to first token at the front door", t._ttft)
+        yield _histograms("rewarm_queue_wait_seconds", "Time spent queued for capacity",
+                          t._queue_wait)
+        yield _histograms("rewarm_ttft_prediction_ratio", "Actual TTFT / the TTFT predicted "
+                          "when the request was routed", t._ratio)
         yield GaugeMetricFamily("rewarm_restores_in_flight", "Restores asked for, not finished",
                                 value=t.restores)
 
@@ -97,33 +162,80 @@ class Telemetry:
     ``flush_events``: events buffered before a write (small, so that formatting a batch,
     about 2 us per event, never stalls the event loop for long: 128 events ~ 0.3 ms).
     ``registry``: the Prometheus registry (a fresh one by default, so several front doors
-    in one test process coexist).
+    in one test process coexist); ``process_metrics``: add ``process_*`` (CPU, RSS, fds).
+    ``max_models``: distinct ``model`` label values kept before folding into ``_other``.
     """
 
     def __init__(self, events_path: Path | str | None = None, *,
-                 registry: CollectorRegistry | None = None, flush_events: int = 128) -> None:
+                 registry: CollectorRegistry | None = None, flush_events: int = 128,
+                 process_metrics: bool = True, max_models: int = 64) -> None:
         self.registry = registry or CollectorRegistry()
-        self.request_counts: dict[tuple[str, int], int] = {}
+        self._requests: dict[tuple[str, str, int], int] = {}
+        self._rejections: dict[tuple[str, int, str], int] = {}
         self.depths: dict[str, int] = {}
-        self.ttft, self.queue_wait = _Histogram(), _Histogram()
+        self._ttft: dict[tuple[str, str], _Histogram] = {}
+        self._queue_wait: dict[tuple[str, str], _Histogram] = {}
+        self._ratio: dict[tuple[str, str], _Histogram] = {}
         self.restores = 0
+        self._models: dict[str, str] = {}
+        self.max_models = max_models
+        self.restore_outcomes: dict[str, tuple[bool, str]] = {}
         self.registry.register(_Collector(self))
+        if process_metrics:
+            ProcessCollector(registry=self.registry)
         self._quoted: dict[str, str] = {}
         self._file: TextIO | None = open(events_path, "a") if events_path else None
         self._buffer: list[tuple] = []
         self._flush_events = flush_events
         self.events = 0
 
+    def _model(self, model: str) -> str:
+        label = self._models.get(model)
+        if label is None:
+            label = model if len(self._models) < self.max_models else OTHER_MODEL
+            if label != OTHER_MODEL:
+                self._models[model] = label
+        return label
+
+    @staticmethod
+    def _new(table: dict, key: tuple, bounds: tuple) -> _Histogram:
+        h = table[key] = _Histogram(bounds)
+        return h
+
+    @property
+    def request_counts(self) -> dict[tuple[str, int], int]:
+        """Requests answered by (path, code), summed over models."""
+        out: dict[tuple[str, int], int] = {}
+        for (_m, path, code), n in list(self._requests.items()):
+            out[(path, code)] = out.get((path, code), 0) + n
+        return out
+
     def event(self, request_id: Any, model: str, path: str, code: int, queue_wait_ms: float,
-              restore_ms: float | None, ttft_ms: float | None, sla_breached: bool) -> None:
-        """Record one request's outcome (``timestamp_ms``: wall clock, ms since the epoch)."""
-        key = (path, code)
-        counts = self.request_counts
+              restore_ms: float | None, ttft_ms: float | None, sla_breached: bool, *,
+              reason: str | None = None, predicted_ttft_ms: float | None = None) -> None:
+        """Record one request's outcome (``timestamp_ms``: wall clock, ms since the epoch).
+
+        ``reason``: for a refusal, one of :data:`REJECT_REASONS` or its text;
+        ``predicted_ttft_ms``: the TTFT the router predicted when it chose the replica (feeds
+        ``rewarm_ttft_prediction_ratio`` when the request got a first token)."""
+        label = self._models.get(model) or self._model(model)
+        key = (label, path, code)
+        counts = self._requests
         counts[key] = counts.get(key, 0) + 1
+        if code != 200 and code in _DEFAULT_REASON:
+            rkey = (label, code, reject_reason(code, reason))
+            self._rejections[rkey] = self._rejections.get(rkey, 0) + 1
         if ttft_ms is not None:
-            self.ttft.observe(ttft_ms / 1000.0)
+            hkey = (label, path)
+            h = self._ttft.get(hkey) or self._new(self._ttft, hkey, BUCKETS_S)
+            h.observe(ttft_ms / 1000.0)
+            if predicted_ttft_ms:
+                r = self._ratio.get(hkey) or self._new(self._ratio, hkey, RATIO_BUCKETS)
+                r.observe(ttft_ms / predicted_ttft_ms)
         if queue_wait_ms:
-            self.queue_wait.observe(queue_wait_ms / 1000.0)
+            hkey = (label, path)
+            h = self._queue_wait.get(hkey) or self._new(self._queue_wait, hkey, BUCKETS_S)
+            h.observe(queue_wait_ms / 1000.0)
         self.events += 1
         if self._file is not None:
             self._buffer.append((request_id, model, path, code, queue_wait_ms, restore_ms,
@@ -132,10 +244,25 @@ class Telemetry:
                 self.flush()
 
     def queue_depth(self, model: str, depth: int) -> None:
-        self.depths[model] = depth
+        self.depths[self._model(model)] = depth
 
     def restores_in_flight(self, n: int) -> None:
         self.restores = n
+
+    def restore_outcome(self, model: str, ok: bool, reason: str = "") -> None:
+        """The front door's latest restore request for ``model`` succeeded or failed (with
+        ``reason``); :meth:`ready` reads these."""
+        self.restore_outcomes[self._model(model)] = (ok, reason)
+
+    def ready(self) -> tuple[bool, str]:
+        """Not ready while the latest restore of every model that asked for one failed
+        (e.g. ``503 no candidate nodes``): nothing can be brought up, so only warm replicas
+        serve.  Ready otherwise (including before any restore was asked for)."""
+        outcomes = list(self.restore_outcomes.items())
+        if outcomes and not any(ok for _m, (ok, _r) in outcomes):
+            return False, "every restore fails: " + "; ".join(
+                f"{m}: {r}" for m, (_ok, r) in sorted(outcomes))
+        return True, "ready"
 
     def flush(self) -> None:
         """Write buffered events as JSON lines."""
@@ -151,7 +278,9 @@ class Telemetry:
         rid, model, path, code, wait, restore, ttft, breached, stamp = row
         quoted = self._quoted.get(model)
         if quoted is None:
-            quoted = self._quoted[model] = json.dumps(model)
+            quoted = json.dumps(model)
+            if len(self._quoted) < 4096:
+                self._quoted[model] = quoted
         return _LINE % (rid if type(rid) is int else json.dumps(rid), quoted, path, code,
                         _num(wait), _num(restore), _num(ttft),
                         "true" if breached else "false", stamp)
@@ -162,7 +291,12 @@ class Telemetry:
             self._file.close()
             self._file = None
 
-    def serve_http(self, port: int, addr: str = "127.0.0.1"):
-        """Serve ``/metrics`` on ``addr:port`` in a daemon thread; returns the server."""
-        server, _thread = start_http_server(port, addr, registry=self.registry)
-        return server
+    def serve_http(self, port: int, addr: str = "127.0.0.1", *,
+                   ready: Callable[[], tuple[bool, str]] | None = None):
+        """Serve ``/metrics``, ``/healthz`` and ``/readyz`` on ``addr:port`` in a daemon thread
+        (agent/health.py); ``ready`` defaults to :meth:`ready`.  Returns the server
+        (``server_address``, ``shutdown()``, ``close()``)."""
+        from agent.health import serve_status
+
+        return serve_status(self.registry, addr, port, ready=ready or self.ready,
+                            component="frontdoor")

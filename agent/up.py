@@ -414,8 +414,9 @@ def run_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("rewarm up: stopping (draining replicas)", flush=True)
     except (RewarmError, TimeoutError, RuntimeError) as err:
+        from agent.exitcodes import exit_code
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return exit_code(err)
     finally:
         if stack is not None:
             stack.close()

@@ -101,9 +101,7 @@ job "rewarm-agent" {
       }
     }
 
-    # /metrics of the node agent (its --metrics-listen, added with agent/node's metrics
-    # module: pass "--metrics-listen", "${attr.unique.network.ip-address}:${NOMAD_PORT_metrics}"
-    # in the task's args once the agent has that flag).
+    # /metrics of the node agent (its --metrics-listen status port, agent/node/metrics.py).
     service {
       name     = "rewarm-agent-metrics"
       port     = "metrics"
@@ -128,7 +126,8 @@ job "rewarm-agent" {
                    "--replica-host", "${attr.unique.network.ip-address}",
                    "--registry", "consul", "--nomad-metadata",
                    "--nomad-node-id", "${node.unique.id}", "--remote", var.remote_dir,
-                   "--threads", "${var.threads}", "--buffer-mib", "${var.buffer_mib}"]
+                   "--threads", "${var.threads}", "--buffer-mib", "${var.buffer_mib}",
+                   "--metrics-listen", "${attr.unique.network.ip-address}:${NOMAD_PORT_metrics}", "--drain-grace-s", "30"]
       }
 
       env {
@@ -159,7 +158,8 @@ job "rewarm-agent" {
       }
 
       kill_signal = "SIGTERM"
-      # The drain grace (--drain-grace-s, default 30 s) plus a 5 s margin.
+      # The drain grace (--drain-grace-s 30) plus a 5 s margin; Nomad caps this at the client's
+      # max_kill_timeout (30 s unless raised in its configuration).
       kill_timeout = "35s"
 
       resources {

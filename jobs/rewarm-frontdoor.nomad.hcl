@@ -95,7 +95,7 @@ job "rewarm-frontdoor" {
         args    = ["frontdoor", "--host", "${attr.unique.network.ip-address}",
                    "--port", "${NOMAD_PORT_api}", "--consul", var.consul_addr,
                    "--scaler", "nomad", "--tokens", var.tokens_file,
-                   "--metrics-port", "${NOMAD_PORT_metrics}"]
+                   "--metrics-port", "${NOMAD_PORT_metrics}", "--drain-grace-s", "30"]
       }
 
       env {
@@ -117,7 +117,8 @@ job "rewarm-frontdoor" {
       }
 
       kill_signal = "SIGTERM"
-      # The drain grace (--drain-grace-s, default 30 s) plus a 5 s margin.
+      # The drain grace (--drain-grace-s 30: streams finish, new requests get 503) plus a 5 s
+      # margin; Nomad caps this at the client's max_kill_timeout (30 s unless raised).
       kill_timeout = "35s"
 
       resources {

@@ -78,6 +78,7 @@ def _serve(args) -> int:
     from agent.frontdoor.auth import TokenAuth, check_bind
     from agent.frontdoor.capacity import NodeAgentCapacity, nodes_from_registry
     from agent.frontdoor.server import FrontDoor, FrontDoorConfig
+    from agent import sdnotify
     from agent.telemetry import Telemetry
 
     models = {}
@@ -129,6 +130,7 @@ def _serve(args) -> int:
         host, port = await fd.start()
         gc.freeze()  # start-up objects leave the collector's generations: shorter GC pauses
         print(f"front door listening on {host}:{port}", flush=True)
+        sdnotify.ready(f"listening on {host}:{port}")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -252,6 +254,7 @@ def seed(text: str) -> int:
 
 def _generate(args) -> int:
     from agent.client import Client, discover
+    from agent.exitcodes import EX_UNAVAILABLE, exit_code
 
     if (args.prompt is None) == (args.tokens is None):
         print("error: give a prompt or --tokens ID,ID,... (exactly one)", file=sys.stderr)
@@ -262,7 +265,7 @@ def _generate(args) -> int:
         found = discover(consul_host=host, consul_port=port)
         if not found:
             print("error: no healthy rewarm-frontdoor in Consul", file=sys.stderr)
-            return 3
+            return EX_UNAVAILABLE
         address = found[0]
     else:
         address = _hostport(args.address)
@@ -271,7 +274,7 @@ def _generate(args) -> int:
     except Unreachable as err:
         print(f"error: {err} (is `rewarm up` or `rewarm frontdoor` running there? pass "
               "--address or --consul)", file=sys.stderr)
-        return 2
+        return exit_code(err)
     try:
         done = {}
         out = TextStream(sys.stdout)
@@ -289,6 +292,6 @@ def _generate(args) -> int:
         return 0
     except RewarmError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return exit_code(err)
     finally:
         client.close()

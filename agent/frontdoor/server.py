@@ -425,7 +425,8 @@ class FrontDoor:
                 path: str = "refused", **extra: Any) -> None:
         self.counts["errors"] += 1
         conn.send(packb(error_message(rid, code, reason, **extra)))
-        self.telemetry.event(rid, model, path, code, 0.0, None, None, code == 504)
+        self.telemetry.event(rid, model, path, code, 0.0, None, None, code == 504,
+                             reason=reason)
 
     # --- queues and restores ---------------------------------------------------------
 
@@ -463,6 +464,7 @@ class FrontDoor:
         try:
             result = await self.capacity.request_restore(model)
             ok = True
+            self.telemetry.restore_outcome(model, True)
             now = self.clock.now()
             self.last_restore[model] = (now, result.path, result.restore_ms)
             self._restore_measured(model, result.restore_ms or (now - started) * 1000.0)
@@ -477,6 +479,7 @@ class FrontDoor:
         except Exception as exc:  # the requester's failure, whatever it is, ends this restore
             log.warning("restore of %s failed: %s", model, exc)
             reason = exc.message if isinstance(exc, RewarmError) else str(exc)
+            self.telemetry.restore_outcome(model, False, reason)
         finally:
             self.gate.finished(model)
             self.telemetry.restores_in_flight(self.gate.total)

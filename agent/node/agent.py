@@ -37,9 +37,11 @@ from agent.node import capture as cap
 from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_id
 from agent.node.inventory import Inventory
 from agent.node.lifecycle import Lifecycle, ReplicaState as S
+from agent.node.metrics import NodeMetrics, restores_in_flight
 from agent.node.registration import Registrar
 from agent.node.snapshots import SnapshotOps
 from agent.node.suspend import Suspender, SuspendOps, _bounded
+from agent.progress import byte_callback
 from agent.snapshot.catalog import Catalog, SnapshotRow
 from agent.snapshot.pins import check_pins
 from agent.snapshot.reader import read_manifest, verify_chunks
@@ -110,6 +112,9 @@ class ReplicaRecord:
     snapshot_id: str | None = None
     path: str = ""                      # restore | staged_restore | cold_boot
     attempts: list[dict] = field(default_factory=list)
+    phase: str | None = None            # while coming up: stage | restore | cold_boot
+    phase_since_s: float = 0.0
+    last_stats: dict = field(default_factory=dict)   # the worker's stats at the last tick
 
     def describe(self, *, load: bool = False) -> dict[str, Any]:
         """The replica as the control API reports it.  With ``load`` (and a running
@@ -121,9 +126,11 @@ class ReplicaRecord:
                "state": self.lifecycle.state.value, "snapshot": self.snapshot_id,
                "path": self.path, "address": self.handle.address if self.handle else None,
                "attempts": self.attempts}
+        if self.phase is not None:
+            out["phase"] = self.phase
         if load and self.handle is not None:
             try:
-                stats = self.handle.stats()
+                stats = self.last_stats = self.handle.stats()
             except (OSError, RewarmError, RuntimeError):
                 stats = {}
             if all(k in stats for k in LOAD_KEYS):
@@ -161,7 +168,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
                  executor: ThreadPoolExecutor | None = None,
                  sleep: Callable[[float], None] | None = None,
                  summary: SnapshotSummary | None = None,
-                 node_meta: NodeMetadata | None = None) -> None:
+                 node_meta: NodeMetadata | None = None,
+                 metrics: NodeMetrics | None = None) -> None:
         import time
 
         self.config = config
@@ -180,12 +188,23 @@ class NodeAgent(SnapshotOps, SuspendOps):
         self.pool: dict[str, list[Zygote]] = {d: [] for d in inventory.devices}
         self.captures: dict[str, Future] = {}
         self.staging: dict[str, tuple[int, int]] = {}   # snapshot id -> (bytes done, total)
-        self.store.on_evict = self._on_evict
+        self.store.on_evict = self._evicted
+        self.metrics = metrics or NodeMetrics(config.node_id)
+        self.last_tick_s: float | None = None
+        self.closing = False
         self._reconcile()
         self.agent_instance = ServiceInstance(
             "rewarm-agent", f"rewarm-agent-{config.node_id}", config.control_address,
             config.control_port, meta=self._agent_meta())
         self.registrar.want(self.agent_instance)
+        self.metrics.attach(self)
+
+    def _evicted(self, snapshot_id: str) -> None:
+        self.metrics.evicted(snapshot_id)
+        self._on_evict(snapshot_id)
+
+    def _phase(self, rec: ReplicaRecord, phase: str | None) -> None:
+        rec.phase, rec.phase_since_s = phase, self.clock.now()
 
     # -- zygote pool -------------------------------------------------------------------------
     def refill_pool(self) -> int:
@@ -251,16 +270,22 @@ class NodeAgent(SnapshotOps, SuspendOps):
         start = self.clock.now()
         try:
             self._ladder(rec)
-        except BaseException:
+        except BaseException as exc:
             if rec.lifecycle.state is not S.DEAD:
                 rec.lifecycle.move(S.DEAD, "every way up failed")
             self._record(rec)
+            self.metrics.restore_finished(rec, self.clock.now() - start, False,
+                                          reason=f"{type(exc).__name__}: {exc}")
             raise
         finally:
+            self._phase(rec, None)
             self.executor.submit(self.refill_pool)
-        self.catalog.record_cold_start(spec.name, rec.path, "ok", self.clock.now() - start, rid)
+        took_s = self.clock.now() - start
+        self.catalog.record_cold_start(spec.name, rec.path, "ok", took_s, rid)
         self._go_warm(rec)
-        return rec.describe(load=True)
+        out = rec.describe(load=True)      # keeps the stats it read in rec.last_stats
+        self.metrics.restore_finished(rec, took_s, True, self.catalog)
+        return out
 
     def _at_cap(self, model: str) -> bool:
         """Whether ``model`` has ``max_replicas_per_model`` replicas coming up or warm (call
@@ -310,6 +335,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
 
     def _try_restore(self, rec: ReplicaRecord, row: SnapshotRow, path: str) -> bool:
         rec.lifecycle.move(S.RESTORING, f"{path} {row.snapshot_id}")
+        self._phase(rec, "restore")
         self._record(rec, row.snapshot_id)
         zygote = self._take_zygote(rec.device)
         try:
@@ -327,7 +353,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
         except _Failed as failed:
             exc, status = failed.exc, failed.status
             log.error("%s of %s from %s failed closed (%s): %s", path, rec.spec.key,
-                      row.snapshot_id, status, exc)
+                      row.snapshot_id, status, exc, extra={"model": rec.spec.name,
+                      "replica": rec.lifecycle.replica_id, "snapshot": row.snapshot_id})
             if row.status in ("pending", "ready"):
                 self.catalog.set_status(row.snapshot_id, status, f"{type(exc).__name__}: {exc}")
                 self.publish(row.snapshot_id)
@@ -352,14 +379,21 @@ class NodeAgent(SnapshotOps, SuspendOps):
         k = sum(1 for r in self.catalog.snapshots(rec.spec.name) if r.snapshot_id.startswith(prefix))
         sid = f"{prefix}{k}"
         dest = self.store.path(sid)
+        self._phase(rec, "stage")
+
+        shown, close_bar = byte_callback(f"stage {row.snapshot_id}")
 
         def progress(done_bytes: int, total_bytes: int) -> None:
             with self._lock:
                 self.staging[sid] = (done_bytes, total_bytes)
+            shown(done_bytes, total_bytes)
 
         try:
             self.store.make_room(row.size_bytes)
-            remote.stage(Path(row.remote_uri), dest, progress)
+            try:
+                remote.stage(Path(row.remote_uri), dest, progress)
+            finally:
+                close_bar()
             with self._lock:
                 self.staging.pop(sid, None)
             return cap.register_snapshot(self.catalog, self.store, sid, rec.spec,
@@ -376,6 +410,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
             return None
 
     def _cold_boot(self, rec: ReplicaRecord) -> None:
+        self._phase(rec, "cold_boot")
         rec.handle = self.backend.cold_boot(rec.spec, rec.device, rec.lifecycle.replica_id)
         rec.path = "cold_boot"
         if self.catalog.newest_ready(rec.spec.name, rec.spec.version) is None:
@@ -472,7 +507,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
         for rec in self.live_replicas_all():
             alive = getattr(rec.handle, "alive", None)
             if alive is not None and not alive():
-                log.error("replica %s: its process died; deregistering", rec.lifecycle.replica_id)
+                log.error("replica %s: its process died; deregistering", rec.lifecycle.replica_id,
+                          extra={"replica": rec.lifecycle.replica_id})
                 self.registrar.drop(rec.lifecycle.replica_id)
                 try:
                     rec.handle.shutdown()      # reaps the process, removes its socket file
@@ -486,9 +522,11 @@ class NodeAgent(SnapshotOps, SuspendOps):
                     stats = rec.handle.stats()
                 except (OSError, RewarmError, RuntimeError):
                     continue
+                rec.last_stats = stats
                 self.registrar.update_meta(rec.lifecycle.replica_id, _load_meta(stats))
         self.registrar.update_meta(self.agent_instance.id, self._agent_meta())
         self.registrar.sync()
+        self.last_tick_s = self.clock.now()
         if self.node_meta is not None:
             self.node_meta.update(self.cached_models())
 
@@ -517,10 +555,11 @@ class NodeAgent(SnapshotOps, SuspendOps):
             pool = {d: len(z) for d, z in self.pool.items()}
             captures = sorted(k for k, f in self.captures.items() if not f.done())
             staging = {k: {"done_bytes": d, "total_bytes": t} for k, (d, t) in self.staging.items()}
+            in_flight = restores_in_flight(self.replicas.values(), self.clock.now())
         st = self.registrar.state
         return {"node": self.config.node_id, "inventory": self.inventory.describe(),
                 "replicas": replicas, "zygotes": pool, "captures_running": captures,
-                "staging": staging,
+                "staging": staging, "restores_in_flight": in_flight,
                 "models": {n: s.version for n, s in self.models.items()},
                 "registry": {"healthy": st.healthy, "failures": st.failures,
                              "last_error": st.last_error},
@@ -528,9 +567,13 @@ class NodeAgent(SnapshotOps, SuspendOps):
                           "capacity_bytes": self.store.capacity_bytes}}
 
     def close(self) -> None:
-        """Drain everything (forced), deregister, stop the executor."""
-        for rec in self.live_replicas_all():
-            self.drain(rec.lifecycle.replica_id, force=True)
+        """Drain everything (forced, all replicas at once so the whole drain takes at most
+        ``drain_timeout_s``), deregister, stop the executor."""
+        self.closing = True
+        live = [r.lifecycle.replica_id for r in self.live_replicas_all()]
+        if live:
+            with ThreadPoolExecutor(max_workers=len(live), thread_name_prefix="drain") as pool:
+                list(pool.map(lambda rid: self.drain(rid, force=True), live))
         self.registrar.drop(self.agent_instance.id)
         self.executor.shutdown(wait=True)
         with self._lock:

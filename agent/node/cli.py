@@ -15,6 +15,7 @@ import sys
 from agent.argtypes import host_port, nonneg_int, positive_float, positive_int
 from agent.cluster.control import DEFAULT_AGENT, default_agent
 from agent.errors import RewarmError
+from agent.exitcodes import exit_code
 
 
 
@@ -27,7 +28,7 @@ def _client(op: str, **fields):
             result = control_call(args.agent, op, timeout_s=args.timeout_s, fields=values)
         except (RewarmError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return exit_code(exc)
         print(json.dumps(result, indent=2, default=str))
         return 0
     return run
@@ -80,6 +81,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the Nomad node to publish for (default: the local Nomad agent's)")
     p.add_argument("--restore", action="append", default=[], metavar="MODEL",
                    help="bring one replica of MODEL up at start (repeatable)")
+    p.add_argument("--metrics-listen", type=host_port, default=None, metavar="HOST:PORT",
+                   help="serve /metrics, /healthz and /readyz here (port 0: any free port)")
+    p.add_argument("--drain-grace-s", type=positive_float, default=30.0,
+                   help="at SIGTERM, how long in-flight requests may run before replicas "
+                        "stop (systemd TimeoutStopSec and Nomad kill_timeout are set above it)")
     p.set_defaults(func=_run)
 
     client("status", "the agent's replicas, zygotes, registry health").set_defaults(

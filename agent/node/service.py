@@ -1,8 +1,10 @@
 """Assembles a node agent from settings and runs it: control API, agent loop, zygote pool.
 
 ``build_agent`` is what ``rewarm agent run``, ``rewarm up`` and the fault-matrix benchmark
-call; ``run_agent`` serves until SIGTERM/SIGINT, then drains every replica (forced) and
-deregisters.
+call; ``run_agent`` serves until SIGTERM/SIGINT, then drains every replica (forced, at most
+``--drain-grace-s``) and deregisters.  With ``--metrics-listen`` it serves ``/metrics``,
+``/healthz`` and ``/readyz`` (agent/node/metrics.py); under systemd it says READY=1 once the
+control API listens, feeds the watchdog while the agent loop ticks, and says STOPPING=1.
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ import socket
 import threading
 from pathlib import Path
 
+from agent import sdnotify
 from agent.cluster.base import Registry
+from agent.errors import ConfigError
+from agent.health import serve_status
+from agent.limits import raise_nofile
 from agent.node.agent import AgentConfig, NodeAgent
 from agent.node.backend import Backend, InProcessBackend, ModelSpec
 from agent.cluster.control import control_token
 from agent.node.control import ControlServer, check_control_bind
 from agent.node.inventory import Inventory
+from agent.node.metrics import readiness
 from agent.snapshot.catalog import Catalog
 from agent.snapshot.store import LocalStore
 
@@ -87,33 +94,66 @@ def _suspender():
     return Suspender(driver) if driver.available() else None
 
 
+async def _feed_watchdog(agent: NodeAgent, interval_s: float, stall_s: float) -> None:
+    """WATCHDOG=1 every ``interval_s`` while the agent loop ticked within ``stall_s``: a hung
+    loop stops the pings and systemd restarts the unit."""
+    while True:
+        await asyncio.sleep(interval_s)
+        last = agent.last_tick_s
+        if last is None or agent.clock.now() - last <= stall_s:
+            sdnotify.watchdog()
+
+
 async def serve(agent: NodeAgent, listen: str, stop: asyncio.Event,
-                restore: list[str] = (), token: str | None = None) -> None:
-    """Control API (``token``: required of every op when set) + agent loop until ``stop``."""
+                restore: list[str] = (), token: str | None = None,
+                metrics_listen: str | None = None) -> None:
+    """Control API (``token``: required of every op when set) + agent loop until ``stop``;
+    the status port on ``metrics_listen`` (HOST:PORT) when given."""
     server = ControlServer(agent, listen, token)
     address = await server.start()
     agent.agent_instance.address, _, port = address.rpartition(":")
     agent.agent_instance.port = int(port) if port.isdigit() else 0
     agent.registrar.want(agent.agent_instance)  # again, with the bound address
-    print(f"rewarm agent {agent.config.node_id} listening on {address}", flush=True)
+    status = None
+    if metrics_listen:
+        host, _, mport = metrics_listen.rpartition(":")
+        try:
+            status = serve_status(agent.metrics.registry, host or "127.0.0.1", int(mport),
+                                  ready=lambda: readiness(agent), component="agent")
+        except OSError as exc:
+            await server.close()
+            raise ConfigError(f"--metrics-listen {metrics_listen}: cannot listen: {exc}",
+                              name="metrics_listen", value=metrics_listen,
+                              limit="a free HOST:PORT") from exc
+    print(f"rewarm agent {agent.config.node_id} listening on {address}"
+          + (f"; metrics on {status.url}/metrics" if status else ""), flush=True)
     loop_stop = threading.Event()
     loop_thread = threading.Thread(target=agent.run, args=(loop_stop,), daemon=True,
                                    name="agent-loop")
     loop_thread.start()
     loop = asyncio.get_running_loop()
+    sdnotify.ready(f"control API on {address}")
+    watchdog_s = sdnotify.watchdog_interval_s()
+    tasks = [asyncio.create_task(_feed_watchdog(agent, watchdog_s, 10.0))] if watchdog_s else []
     for model in restore:
         await loop.run_in_executor(None, agent.restore, model)
     try:
         await stop.wait()
     finally:
+        sdnotify.stopping(f"draining replicas (at most {agent.config.drain_timeout_s} s)")
+        for task in tasks:
+            task.cancel()
         await server.close()
         loop_stop.set()
         await loop.run_in_executor(None, agent.close)
+        if status is not None:
+            status.close()
 
 
 def run_agent(args: argparse.Namespace) -> int:
     from agent.node.processes import ProcessBackend
 
+    raise_nofile("agent")
     token = control_token()
     check_control_bind(args.listen, token, args.allow_open)   # before anything starts
     state = Path(args.state_dir)
@@ -137,7 +177,8 @@ def run_agent(args: argparse.Namespace) -> int:
                         release=Path(args.release) if args.release else None, listen=args.listen,
                         zygotes_per_device=args.zygotes, suspender=_suspender(),
                         max_replicas_per_model=args.max_replicas_per_model,
-                        node_meta=node_meta)
+                        node_meta=node_meta,
+                        drain_timeout_s=args.drain_grace_s)
 
     if args.registry == "consul":
         _announce_models(agent)
@@ -147,7 +188,8 @@ def run_agent(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(agent, args.listen, stop, args.restore, token)
+        await serve(agent, args.listen, stop, args.restore, token,
+                    metrics_listen=args.metrics_listen)
 
     asyncio.run(main())
     return 0

@@ -154,12 +154,21 @@ def _run(args) -> int:
 
     clock = SystemClock()
     service, leader = build(args, clock)
-    if args.metrics_port:
-        from prometheus_client import start_http_server
+    from agent import sdnotify
+    from agent.limits import raise_nofile
 
+    raise_nofile("predictor")
+    status = None
+    if args.metrics_port:
+        from prometheus_client import ProcessCollector
+
+        from agent.health import serve_status
         from agent.cluster.acl import ACL_DENIED
+        ProcessCollector(registry=service.registry)
         service.registry.register(ACL_DENIED)   # a refused Consul/Nomad token shows here too
-        start_http_server(args.metrics_port, registry=service.registry)
+        status = serve_status(service.registry, "127.0.0.1", args.metrics_port,
+                              ready=service.ready, component="predictor")
+    sdnotify.ready()
     stop = threading.Event()
     try:
         if args.ticks is not None:
@@ -176,6 +185,9 @@ def _run(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        sdnotify.stopping()
+        if status is not None:
+            status.close()
         if leader is not None:
             leader.release()
     return 0

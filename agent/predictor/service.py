@@ -39,8 +39,8 @@ class Leader(Protocol):
 class PredictorService:
     """Drives one :class:`Predictor` from front-door counters, gated by a leader lock.
 
-    Metrics (prometheus-client, on ``registry``): ``rewarm_predictor_forecast_rps{model}``,
-    ``rewarm_predictor_actual_rps{model}``, ``rewarm_predictor_target_replicas{model}``,
+    Metrics (prometheus-client, on ``registry``): ``rewarm_predictor_forecast_requests_per_second{model}``,
+    ``rewarm_predictor_actual_requests_per_second{model}`` (per second: Prometheus's base unit), ``rewarm_predictor_target_replicas{model}``,
     ``rewarm_predictor_keepalive_seconds{model,tier}``, ``rewarm_predictor_leader``.
     After each acting tick a scaler with ``expire_parked(model, park_s)`` is told how long
     suspended replicas may stay parked (keep-alive ``stop_s - warm_s``).
@@ -60,13 +60,24 @@ class PredictorService:
         self.is_leader = False
         self.registry = registry or CollectorRegistry()
         g = lambda name, doc, labels=("model",): Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
-        self._forecast = g("rewarm_predictor_forecast_rps", "Forecast request rate at lead time")
-        self._actual = g("rewarm_predictor_actual_rps", "Observed request rate, last window")
+        self._forecast = g("rewarm_predictor_forecast_requests_per_second",
+                           "Forecast request rate at lead time")
+        self._actual = g("rewarm_predictor_actual_requests_per_second",
+                         "Observed request rate, last window")
         self._target = g("rewarm_predictor_target_replicas", "Warm-pool target")
         self._keepalive = g("rewarm_predictor_keepalive_seconds", "Breakeven keep-alive",
                             ("model", "tier"))
         self._leading = Gauge("rewarm_predictor_leader", "1 while this predictor acts",
                               registry=self.registry)
+
+    def ready(self) -> tuple[bool, str]:
+        """Readiness for the status port: not while the front doors' counters cannot be
+        fetched (the forecast has no input); a follower that is not leading is ready."""
+        since = self._fetch_failing_since
+        if since is not None:
+            return False, (f"front-door stats unreachable for "
+                           f"{self._clock.now() - since:.0f} s")
+        return True, "ready" if self.is_leader else "ready (standing by: not the leader)"
 
     def sample(self) -> dict[str, tuple[int, float]]:
         """Read every front door once; feed ``observe``; returns ``{model: (arrivals, window_s)}``."""

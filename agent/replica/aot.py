@@ -107,21 +107,33 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
     target = target or current_target(device)
     dest = Path(out_dir) / target_dirname(target)
     dest.mkdir(parents=True, exist_ok=True)
+    from agent.progress import bar
+
     model = Transformer.from_weights(config, {k: v.to(device) for k, v in weights.items()})
     started = time.perf_counter()
+    # Two steps of very different length (export seconds, AOTInductor compile minutes): the
+    # bar names the running step and its elapsed time, there is no finer progress to show.
+    shown = bar(2, f"build {target}", unit="step")
+    shown.set_postfix_str("torch.export")
     with torch.no_grad():
         exported = torch.export.export(
             model, example_inputs(config, max_seqs, max_seq_len, device),
             dynamic_shapes=dynamic_shapes(config, max_seqs, max_seq_len))
     export_s = time.perf_counter() - started
+    shown.update(1)
+    shown.set_postfix_str("AOTInductor compile")
     package = dest / PACKAGE_NAME
     partial = dest / ("partial-" + PACKAGE_NAME)
-    torch._inductor.aoti_compile_and_package(
-        exported, package_path=str(partial),
-        inductor_configs={"aot_inductor.package_constants_in_so": False,
-                          "aot_inductor.metadata": {"rewarm.target": target},
-                          # GPU kernels are autotuned here, at build time, never at boot.
-                          "max_autotune": device.startswith("cuda")})
+    try:
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(partial),
+            inductor_configs={"aot_inductor.package_constants_in_so": False,
+                              "aot_inductor.metadata": {"rewarm.target": target},
+                              # GPU kernels are autotuned here, at build time, never at boot.
+                              "max_autotune": device.startswith("cuda")})
+    finally:
+        shown.update(1)
+        shown.close()
     partial.replace(package)
     compile_s = time.perf_counter() - started - export_s
     constants = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from agent.argtypes import listen_address, positive_int
+from agent.argtypes import host_port, listen_address, positive_float, positive_int
 
 
 def _import_gguf(args: argparse.Namespace) -> int:
@@ -105,7 +105,8 @@ def _replica(args: argparse.Namespace) -> int:
                        zygote_mode=args.zygote, release=args.release, compile=args.compile,
                        buffer_bytes=args.buffer_mib << 20, threads=args.threads,
                        replica_id=args.replica_id, tcp_control=args.tcp_control,
-                       data_listen=args.data_listen)
+                       data_listen=args.data_listen,
+                       drain_grace_s=args.drain_grace_s, metrics_listen=args.metrics_listen)
 
 
 def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
@@ -136,4 +137,9 @@ def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tcp-control", action="store_true",
                    help="on a HOST:PORT listener, also accept restore/capture/shutdown (they "
                         "touch this host's files and process; trusted networks only)")
+    p.add_argument("--drain-grace-s", type=positive_float, default=30.0,
+                   help="at SIGTERM: refuse new requests (503), let those in flight finish "
+                        "for at most this long, then exit")
+    p.add_argument("--metrics-listen", type=host_port, default=None, metavar="HOST:PORT",
+                   help="serve /metrics, /healthz and /readyz here")
     p.set_defaults(func=_replica)

@@ -93,30 +93,39 @@ def gguf_tensors(reader, config: LlamaConfig) -> dict[str, torch.Tensor]:
     """Dequantized tensors under Hugging Face names, Q/K un-permuted, in ``config.dtype``."""
     from gguf import quants
 
+    from agent.progress import bar
+
     out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif t.name == "output.weight":
-            name = "lm_head.weight"
-        elif t.name.startswith("blk."):
-            _, idx, rest = t.name.split(".", 2)
-            if rest not in _NAMES:
-                raise InvalidCheckpoint(f"GGUF: unknown tensor {t.name!r}", path=None,
-                                        field=t.name, value=None, limit=sorted(_NAMES))
-            name = f"model.layers.{int(idx)}.{_NAMES[rest]}"
-            if rest == "attn_q.weight":
-                w = unpermute_rope(w, config.num_attention_heads)
-            elif rest == "attn_k.weight":
-                w = unpermute_rope(w, config.num_key_value_heads)
-        else:
-            continue  # e.g. rope_freqs: derived from rope_theta here
-        out[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(config.torch_dtype)
+    with bar(len(reader.tensors), "import-gguf: dequantize", unit="tensor") as shown:
+        for t in reader.tensors:
+            _gguf_tensor(t, config, out, quants)
+            shown.update(1)
     check_shapes(out, hf_expected_shapes(config), where="GGUF")
     return out
+
+
+def _gguf_tensor(t, config: LlamaConfig, out: dict[str, torch.Tensor], quants) -> None:
+    """Dequantize one GGUF tensor ``t`` into ``out`` under its Hugging Face name."""
+    w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    if t.name == "token_embd.weight":
+        name = "model.embed_tokens.weight"
+    elif t.name == "output_norm.weight":
+        name = "model.norm.weight"
+    elif t.name == "output.weight":
+        name = "lm_head.weight"
+    elif t.name.startswith("blk."):
+        _, idx, rest = t.name.split(".", 2)
+        if rest not in _NAMES:
+            raise InvalidCheckpoint(f"GGUF: unknown tensor {t.name!r}", path=None,
+                                    field=t.name, value=None, limit=sorted(_NAMES))
+        name = f"model.layers.{int(idx)}.{_NAMES[rest]}"
+        if rest == "attn_q.weight":
+            w = unpermute_rope(w, config.num_attention_heads)
+        elif rest == "attn_k.weight":
+            w = unpermute_rope(w, config.num_key_value_heads)
+    else:
+        return  # e.g. rope_freqs: derived from rope_theta here
+    out[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(config.torch_dtype)
 
 
 GGUF_MAGIC = b"GGUF"

@@ -35,6 +35,7 @@ from typing import Any
 
 from agent.errors import ConfigError, InvalidCheckpoint, ProtocolError, RewarmError, Unauthorized
 from agent.protocol import Decoder, error_message, pack, read_messages
+from agent.replica.meter import ReplicaMeter
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class Worker:
 
     def __init__(self, loaded=None, *, buffer=None, replica_id: str = "replica",
                  parent_pid: int | None = None, watchdog_s: float = 1.0,
-                 tcp_control: bool = True) -> None:
+                 tcp_control: bool = True, drain_grace_s: float = 30.0) -> None:
         self.loaded, self.buffer, self.replica_id = loaded, buffer, replica_id
         # restore/capture/shutdown read or write files on this host or end the process: on a
         # TCP listener they are refused unless ``tcp_control`` (a unix socket's file mode
@@ -93,6 +94,8 @@ class Worker:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._tokenizer = None
+        self.meter = ReplicaMeter()
+        self.drain_grace_s, self.draining = drain_grace_s, False
 
     # --- lifecycle -----------------------------------------------------------------------
     async def serve(self, listen: str, ready=None, data_listen: str | None = None) -> None:
@@ -119,7 +122,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, self.drain)
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
         tasks = [asyncio.create_task(self._batch_loop())]
@@ -144,6 +147,26 @@ class Worker:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def drain(self) -> None:
+        """SIGTERM: refuse new ``generate`` (503 + ``retry_after_ms``), let the requests in
+        flight finish for up to ``drain_grace_s``, then stop (what is left gets 503)."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("draining: %d requests in flight, at most %.1f s", self.in_flight(),
+                 self.drain_grace_s, extra={"replica": self.replica_id})
+        asyncio.get_running_loop().create_task(self._drain_then_stop())
+
+    def in_flight(self) -> int:
+        return len(self._by_seq) + len(self._submits)
+
+    async def _drain_then_stop(self, poll_s: float = 0.05) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_grace_s
+        while self.in_flight() and loop.time() < deadline:
+            await asyncio.sleep(min(poll_s, deadline - loop.time()))
+        self.stop()
 
     async def _watch_parent(self) -> None:
         while True:
@@ -192,7 +215,11 @@ class Worker:
                 raise Unauthorized(f"op {op!r} reads or writes files on this host or stops the "
                                    "replica: accepted on a unix-socket listener only (start "
                                    "with --tcp-control on a trusted network)", op=op)
-            if op == "generate":
+            if op == "generate" and self.draining:
+                self._send(writer, error_message(rid, 503, "replica draining: it stops within "
+                                                 f"drain_grace_s({self.drain_grace_s})",
+                                                 retry_after_ms=1000))
+            elif op == "generate":
                 mine.append(self._accept(msg, writer))
                 self._wake.set()
             elif op == "health":
@@ -226,6 +253,9 @@ class Worker:
             result.update(model=self.loaded.identity.name, version=self.loaded.identity.version,
                           path=self.loaded.path, package_digest=self.loaded.package_digest,
                           phases_s=self.loaded.phases_s)
+            result.update(self.meter.snapshot(self.loaded.engine,
+                                              (len(m.get("prompt") or ()) for _r, m in self._submits)))
+        result["draining"] = self.draining
         return result
 
     def _accept(self, msg: dict, writer) -> _Request:
@@ -331,7 +361,10 @@ class Worker:
             cancels, self._cancels = self._cancels, []
             for request, _ in submits:
                 request.seq_id = -2  # being submitted
+            started = time.perf_counter()
             failed, events = await loop.run_in_executor(self._pool, self._tick, submits, cancels)
+            self.meter.step(sum(1 for e in events if e.token >= 0),
+                            len({e.seq_id for e in events}), time.perf_counter() - started)
             for request, exc in failed:
                 self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
             for request, _ in submits:
@@ -400,14 +433,16 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
                 zygote_mode: bool = False, release: str | None = None, compile: bool = False,
                 buffer_bytes: int | None = None, threads: int | None = None,
                 replica_id: str | None = None, started_unix: float | None = None,
-                tcp_control: bool = False, data_listen: str | None = None) -> int:
+                tcp_control: bool = False, data_listen: str | None = None,
+                drain_grace_s: float = 30.0, metrics_listen: str | None = None) -> int:
     """The body of ``rewarm replica``: load one way, print the ready line, serve until stopped.
 
     Exactly one of ``model_dir`` (full boot; ``release`` binds its AOT package, ``compile``
     uses torch.compile), ``snapshot`` (restore into a fresh process) or ``zygote_mode`` (wait
     for a ``restore`` op; ``buffer_bytes`` sizes the restore buffer).  On a TCP ``listen``
     the control ops (:data:`CONTROL_OPS`) are refused unless ``tcp_control``.  Raises
-    ConfigError when not exactly one is given.
+    ConfigError when not exactly one is given.  SIGTERM drains for ``drain_grace_s``;
+    ``metrics_listen`` (HOST:PORT) serves /metrics, /healthz, /readyz (agent/health.py).
     """
     from agent.errors import ConfigError
 
@@ -433,13 +468,40 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
         loaded = zygote.boot(Path(model_dir), release=Path(release) if release else None,
                              compile=compile)
     worker = Worker(loaded, buffer=buffer, replica_id=replica_id or f"replica-{os.getpid()}",
-                    parent_pid=parent, tcp_control=tcp_control)
+                    parent_pid=parent, tcp_control=tcp_control, drain_grace_s=drain_grace_s)
+    status = _serve_status(worker, metrics_listen) if metrics_listen else None
 
     def ready(address: str) -> None:
         print(ready_line(address, worker, started_unix, imports_done_unix), flush=True)
 
-    asyncio.run(worker.serve(listen, ready, data_listen))
+    try:
+        asyncio.run(worker.serve(listen, ready, data_listen))
+    finally:
+        if status is not None:
+            status.close()
     return 0
+
+
+def _serve_status(worker: Worker, listen: str):
+    """The replica's status port: its load as ``rewarm_replica_*`` and readiness (serving
+    and not draining)."""
+    from agent.health import serve_status
+    from agent.replica.meter import replica_registry
+
+    def ready() -> tuple[bool, str]:
+        if worker.draining:
+            return False, "draining"
+        if worker.state is not State.SERVING:
+            return False, f"state {worker.state.value}"
+        return True, "ready"
+
+    host, _, port = listen.rpartition(":")
+    try:
+        return serve_status(replica_registry(worker.stats), host or "127.0.0.1", int(port),
+                            ready=ready, component="replica")
+    except OSError as exc:
+        raise ConfigError(f"--metrics-listen {listen}: cannot listen: {exc}",
+                          name="metrics_listen", value=listen, limit="a free HOST:PORT") from exc
 
 
 def call(address: str, message: dict, *, timeout_s: float = 120.0) -> list[dict]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from agent.argtypes import positive_int
 from agent.errors import RewarmError
+from agent.exitcodes import exit_code
 
 
 def _key(args) -> bytes | None:
@@ -57,7 +58,7 @@ def _guard(func):
             return func(args)
         except RewarmError as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return exit_code(exc)
     return run
 
 

@@ -172,18 +172,24 @@ def import_hf(hf_dir: Path | str, dest: Path | str, *, key: bytes | None = None,
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise _bad(hf_dir, "*.safetensors", 0, ">= 1 file", "no safetensors files")
+    from agent.progress import bar
+
     digest = hashlib.sha256()
     tensors: dict[str, torch.Tensor] = {}
-    for p in [cfg_path, *files]:
-        digest.update(p.name.encode() + b"\0")
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    for p in files:
-        for tname, t in load_safetensors(p).items():
-            if tname in tensors:
-                raise _bad(p, tname, tname, "unique across files", "duplicate tensor name")
-            tensors[tname] = t
+    with bar(sum(p.stat().st_size for p in files), "import: digest") as shown:
+        for p in [cfg_path, *files]:
+            digest.update(p.name.encode() + b"\0")
+            with open(p, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+                    shown.update(len(block) if p != cfg_path else 0)
+    with bar(len(files), "import: load", unit="file") as shown:
+        for p in files:
+            for tname, t in load_safetensors(p).items():
+                if tname in tensors:
+                    raise _bad(p, tname, tname, "unique across files", "duplicate tensor name")
+                tensors[tname] = t
+            shown.update(1)
     hexd = digest.hexdigest()
     model = ModelIdentity(name or str(config.get("_name_or_path") or hf_dir.name), version or hexd[:12],
                           "sha256:" + hexd)

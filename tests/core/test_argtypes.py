@@ -1,5 +1,6 @@
 """The command line's argparse types: each limit at and just past its value."""
 
+from agent import exitcodes
 import argparse
 
 import pytest
@@ -55,6 +56,6 @@ def test_every_component_cli_checks_its_numbers(argv, says, capsys):
 def test_a_front_door_model_deadline_that_is_not_a_number_is_one_error_line(capsys):
     from agent.cli import main
 
-    assert main(["frontdoor", "--model", "m=abc"]) == 2
+    assert main(["frontdoor", "--model", "m=abc"]) == exitcodes.EX_CONFIG
     err = capsys.readouterr().err
     assert err.startswith("error: --model 'm=abc'") and "Traceback" not in err

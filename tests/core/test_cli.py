@@ -1,6 +1,7 @@
 """The command line: building the parser (every ``--help``) imports no torch; a typed error
 is one line on stderr and exit status 2, never a traceback."""
 
+from agent import exitcodes
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ def test_building_the_parser_imports_no_torch():
 def test_a_typed_error_is_one_line_and_exit_2(tmp_path, capsys):
     from agent.cli import main
 
-    assert main(["snapshot", "verify", str(tmp_path / "nope")]) == 2
+    assert main(["snapshot", "verify", str(tmp_path / "nope")]) == exitcodes.EX_NOINPUT
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "nope" in err and "Traceback" not in err
     assert err.count("\n") == 1

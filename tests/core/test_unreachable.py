@@ -3,6 +3,7 @@ do, and is still a ConnectionError (callers that catch OSError keep working)."""
 
 from __future__ import annotations
 
+from agent import exitcodes
 import socket
 
 import pytest
@@ -44,7 +45,7 @@ def test_a_malformed_address_is_a_config_error(address):
 
 def test_agent_status_without_an_agent_says_where_it_looked(free_port, capsys):
     address = f"127.0.0.1:{free_port}"
-    assert main(["agent", "status", "--agent", address]) == 2
+    assert main(["agent", "status", "--agent", address]) == exitcodes.EX_UNAVAILABLE
     err = capsys.readouterr().err
     assert err == (f"error: cannot reach node agent at {address}: Connection refused (is "
                    "`rewarm agent run` or `rewarm up` running there? pass --agent or set "
@@ -53,7 +54,7 @@ def test_agent_status_without_an_agent_says_where_it_looked(free_port, capsys):
 
 def test_generate_without_a_front_door_says_where_it_looked(free_port, capsys):
     address = f"127.0.0.1:{free_port}"
-    assert main(["generate", "--model", "m", "--address", address, "hi"]) == 2
+    assert main(["generate", "--model", "m", "--address", address, "hi"]) == exitcodes.EX_UNAVAILABLE
     err = capsys.readouterr().err
     assert err == (f"error: cannot reach front door at {address}: Connection refused (is "
                    "`rewarm up` or `rewarm frontdoor` running there? pass --address or "

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from stub_replica import StubReplica  # noqa: E402
 
+from agent import exitcodes
 from agent.cli import main as rewarm  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ def test_frontdoor_process_serves_generate_and_writes_events(stub_port, tmp_path
                        "--max-tokens", "3", "hello"]) == 0
         out, err = capsys.readouterr()
         assert out.split() == ["0", "1", "2"] and "path warm_hit" in err
-        assert rewarm(["generate", "--model", "nope", "--address", address, "x"]) == 2
+        assert rewarm(["generate", "--model", "nope", "--address", address, "x"]) == exitcodes.EX_TEMPFAIL
         assert "404" in capsys.readouterr().err
         # token ids instead of text (the stub counts on from the prompt's length)
         assert rewarm(["generate", "--model", "demo", "--address", address,
@@ -58,7 +59,7 @@ def test_frontdoor_process_serves_generate_and_writes_events(stub_port, tmp_path
 
 
 def test_frontdoor_refuses_an_open_bind_without_tokens(capsys):
-    assert rewarm(["frontdoor", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert rewarm(["frontdoor", "--host", "0.0.0.0", "--port", "0"]) == exitcodes.EX_CONFIG
     assert "without tokens" in capsys.readouterr().err
 
 

@@ -33,9 +33,9 @@ def test_prometheus_metrics_are_served(tmp_path):
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         server.shutdown()
-    assert 'rewarm_requests_total{code="200",path="warm_hit"} 2.0' in text
-    assert 'rewarm_requests_total{code="504",path="refused"} 1.0' in text
+    assert 'rewarm_requests_total{code="200",model="m",path="warm_hit"} 2.0' in text
+    assert 'rewarm_requests_total{code="504",model="m",path="refused"} 1.0' in text
     assert 'rewarm_queue_depth{model="m"} 7.0' in text
     assert "rewarm_restores_in_flight 2.0" in text
-    assert "rewarm_ttft_seconds_count 2.0" in text
-    assert "rewarm_queue_wait_seconds_count 1.0" in text
+    assert 'rewarm_ttft_seconds_count{model="m",path="warm_hit"} 2.0' in text
+    assert 'rewarm_queue_wait_seconds_count{model="m",path="warm_hit"} 1.0' in text

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from agent import exitcodes
 from agent.cli import main
 from agent.errors import ModelNotFound, ProtocolError, ReplicaNotFound
 from agent.cluster.control import ControlError, control_call
@@ -60,7 +61,8 @@ def test_errors_are_answers(served, capsys):
     with pytest.raises(ReplicaNotFound) as info:
         control_call(address, "suspend", replica="nope")
     assert info.value.status == 404
-    assert main(["agent", "snapshot", "evict", "missing", "--agent", address]) == 2
+    # the agent answers 500 for it (a server failure, not a refusal): exit status 1
+    assert main(["agent", "snapshot", "evict", "missing", "--agent", address]) == exitcodes.FAILURE
     assert "no snapshot 'missing'" in capsys.readouterr().err
 
 
@@ -101,7 +103,7 @@ def test_an_unknown_replica_is_404_naming_it(served, op, capsys):
     assert (err.status, err.op) == (404, op)
     assert err.reason == "no replica 'nope' on node n1; replicas: []"
     assert isinstance(err, LookupError)
-    assert main(["agent", op, "nope", "--agent", address]) == 2
+    assert main(["agent", op, "nope", "--agent", address]) == exitcodes.EX_TEMPFAIL
     assert capsys.readouterr().err == "error: agent: no replica 'nope' on node n1; replicas: []\n"
 
 
@@ -116,7 +118,7 @@ def test_suspend_and_resume_on_a_cpu_node_are_409_with_the_right_verb(served, ca
             assert refused.value.status == 409
             assert refused.value.reason == (f"replica {rid} cannot be {verb}: this node has no "
                                             "CUDA checkpoint support (GPU nodes only)")
-            assert main(["agent", op, rid, "--agent", address]) == 2
+            assert main(["agent", op, rid, "--agent", address]) == exitcodes.EX_TEMPFAIL
             assert capsys.readouterr().err == (f"error: agent: {op} failed (409): "
                                                f"{refused.value.reason}\n")
         assert control_call(address, "status")["replicas"][0]["state"] == "warm"
@@ -141,7 +143,7 @@ def test_a_token_is_required_of_every_op_when_set(make_agent, tmp_path, monkeypa
         monkeypatch.setenv("REWARM_CONTROL_TOKEN", "wrong-wrong-wrong-wrong")
         with pytest.raises(Unauthorized, match="token wrong"):
             control_call(address, "status")
-        assert main(["agent", "status", "--agent", address]) == 2
+        assert main(["agent", "status", "--agent", address]) == exitcodes.EX_NOPERM
         assert "token wrong" in capsys.readouterr().err
         monkeypatch.setenv("REWARM_CONTROL_TOKEN", "s3cret-s3cret-s3cret")
         assert control_call(address, "status")["node"] == "n1"

@@ -204,7 +204,7 @@ def test_metrics_and_parked_expiry_follow_the_decisions():
         clock.advance(1)
         svc.step()
     text = generate_latest(svc.registry).decode()
-    assert 'rewarm_predictor_actual_rps{model="m"} 20.0' in text
+    assert 'rewarm_predictor_actual_requests_per_second{model="m"} 20.0' in text
     assert 'rewarm_predictor_leader 1.0' in text
     assert len(expired) == 3 and expired[0][0] == "m"
     leader.leading = False
@@ -270,3 +270,23 @@ def test_a_front_door_outage_is_logged_when_it_starts_each_minute_and_when_it_en
     assert len(said) == 3
     assert "unavailable: front door gone" in said[0] and "for 60 s" in said[1]
     assert said[2] == "predictor: front-door stats back after 90 s"
+
+
+def test_ready_says_why_not_while_the_stats_cannot_be_fetched():
+    up = {"ok": True}
+
+    def fetch():
+        if not up["ok"]:
+            raise OSError("front door unreachable")
+        return {"a": {"arrivals": {"m": 1}}}
+
+    svc, clock = make(fetch, Leader())
+    svc.step()
+    assert svc.ready() == (True, "ready")              # Leader() leads by default
+    up["ok"] = False
+    svc.step()
+    clock.advance(12)
+    assert svc.ready() == (False, "front-door stats unreachable for 12 s")
+    up["ok"] = True
+    svc.step()
+    assert svc.ready()[0] is True

@@ -3,6 +3,7 @@ path or device, the value found and what was expected: one ``error:`` line, neve
 
 from __future__ import annotations
 
+from agent import exitcodes
 import pytest
 
 from agent.cli import main
@@ -18,7 +19,7 @@ def test_a_file_that_is_not_gguf_names_the_magic_found(tmp_path, capsys):
     err = info.value
     assert (err.path, err.field, err.value, err.limit) == (bad, "magic", b"\x08\x00\x00\x00", b"GGUF")
     assert str(bad) in str(err) and "not a GGUF file" in str(err)
-    assert main(["model", "import-gguf", str(bad), str(tmp_path / "out")]) == 2
+    assert main(["model", "import-gguf", str(bad), str(tmp_path / "out")]) == exitcodes.EX_DATAERR
     out = capsys.readouterr().err
     assert out.startswith(f"error: {bad}: not a GGUF file: magic ") and out.count("\n") == 1
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
@@ -65,6 +66,6 @@ def test_build_for_cuda_without_cuda_is_a_config_error(tmp_path, monkeypatch, ca
     with pytest.raises(ConfigError):   # refused before the (missing) model is read
         build(tmp_path / "tiny", tmp_path / "rel", device="cuda")
     assert main(["build", str(tmp_path / "tiny"), "--out", str(tmp_path / "rel"),
-                 "--device", "cuda"]) == 2
+                 "--device", "cuda"]) == exitcodes.EX_CONFIG
     out = capsys.readouterr().err
     assert out.startswith("error: --device 'cuda' cannot be used here") and out.count("\n") == 1

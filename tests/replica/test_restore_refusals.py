@@ -176,7 +176,7 @@ def test_the_cli_says_one_error_line_not_a_traceback(imported, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "agent.cli", "replica", "--threads", "1",
                            "--listen", f"unix:{sock}", "--snapshot", str(imported)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
+    assert proc.returncode == 65       # EX_DATAERR: the snapshot is not one a replica restores
     assert "Traceback" not in proc.stderr and "KeyError" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {imported}: a weights-only snapshot")

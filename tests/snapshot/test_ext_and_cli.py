@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from agent import exitcodes
 from agent import _restore
 from agent.cli import main
 from agent.snapshot.reader import HostBuffer
@@ -67,7 +68,7 @@ def test_cli_inspect_verify_import(tmp_path, capsys, make_snapshot):
     with open(path / DATA_NAME, "r+b") as f:
         f.seek(100)
         f.write(b"\xee")
-    assert main(["snapshot", "verify", str(path)]) == 2
+    assert main(["snapshot", "verify", str(path)]) == exitcodes.EX_DATAERR
     assert "chunk 0" in capsys.readouterr().err
     hf = tmp_path / "hf"
     hf.mkdir()

@@ -1,0 +1,277 @@
+"""The node agent's own Prometheus metrics, served on its status port (agent/health.py).
+
+Labels are bounded: ``node`` (this node's id), ``model`` (configured models only),
+``tier`` (:data:`TIERS`), ``phase`` (:data:`PHASES`), ``kind`` (:data:`FAILURE_KINDS`),
+``result``, ``state`` (the lifecycle's states).
+
+=============================================  =============================================
+``rewarm_node_restore_seconds``                {node, model, tier} histogram, request to warm
+``rewarm_node_restore_phase_seconds``          {node, model, tier, phase} histogram, the
+                                               replica's load phases (weights, package, golden)
+``rewarm_node_restored_bytes_total``           {node, tier} snapshot bytes restored
+``rewarm_node_verification_failures_total``    {node, kind} restores refused by a check
+``rewarm_node_golden_checks_total``            {node, result} pass / fail
+``rewarm_node_restores_total``                 {node, tier, result} ok / failed restore requests
+``rewarm_node_snapshot_cache_bytes``           {node, kind} used / free (capacity - used)
+``rewarm_node_snapshot_cache_lookups_total``   {node, result} hit / miss (local copy present)
+``rewarm_node_snapshot_cache_hit_ratio``       {node} hits / lookups since start (NaN before any)
+``rewarm_node_snapshot_evictions_total``       {node} local copies removed to make room
+``rewarm_node_zygotes_ready``                  {node} pre-started workers waiting for a restore
+``rewarm_node_replicas``                       {node, state} replicas by lifecycle state
+``rewarm_node_suspended_replicas``             {node} (also a state above; the tier's own gauge)
+``rewarm_node_restores_in_flight``             {node, phase} restores under way by step
+``rewarm_replica_tokens_per_second``           {node, model} summed over warm replicas
+``rewarm_replica_batch_size``                  {node, model} sequences in the last step, summed
+``rewarm_replica_queued_prefill_tokens``       {node, model} prompt tokens not yet prefilled
+``rewarm_replica_kv_slots_used``               {node, model} KV slots holding a sequence
+``process_*``                                  this agent process (ProcessCollector)
+=============================================  =============================================
+
+Counters and histograms are prometheus-client's own; the gauges are read from the agent at
+scrape time by a custom collector, so the agent never pushes them.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
+
+from agent.telemetry import BUCKETS_S
+
+if TYPE_CHECKING:
+    from agent.node.agent import NodeAgent, ReplicaRecord
+
+TIERS = {"restore": "local", "staged_restore": "remote", "cold_boot": "cold",
+         "resume": "suspended", "warm": "warm"}
+"""The agent's ``path`` names -> the ``tier`` label (ARCHITECTURE.md's tiers of warmth)."""
+
+PHASES = {"weights_s": "weights", "package_s": "package", "compile_s": "package",
+          "golden_s": "golden"}
+"""A replica's ``phases_s`` keys (agent/replica/zygote.py) -> the ``phase`` label."""
+
+FAILURE_KINDS = ("checksum", "signature", "pins", "golden", "timeout", "stage", "other")
+
+REPLICA_KEYS = (("tokens_per_s", "rewarm_replica_tokens_per_second",
+                 "Tokens generated per second over the replica's recent window"),
+                ("batch_size", "rewarm_replica_batch_size",
+                 "Sequences in the replica's last engine step"),
+                ("queued_prefill_tokens", "rewarm_replica_queued_prefill_tokens",
+                 "Prompt tokens waiting to be prefilled"),
+                ("active_seqs", "rewarm_replica_kv_slots_used", "KV slots holding a sequence"))
+
+
+def failure_kind(attempt: dict[str, Any]) -> str:
+    """The ``kind`` label of one failed ladder step (``ReplicaRecord.attempts`` entry)."""
+    error, path = attempt.get("error", ""), attempt.get("path", "")
+    if path == "stage":
+        return "stage"
+    if attempt.get("status") == "stale-pins" or error == "SnapshotIncompatible":
+        return "pins"
+    return {"SnapshotTampered": "signature", "SnapshotCorrupt": "checksum",
+            "GoldenMismatch": "golden", "TimeoutError": "timeout"}.get(error, "other")
+
+
+class NodeMetrics:
+    """Metrics of one node agent (module docstring).  ``registry``: a fresh one by default.
+    Thread-safe: the control server's threads call :meth:`restore_finished`."""
+
+    def __init__(self, node_id: str, registry: CollectorRegistry | None = None, *,
+                 process_metrics: bool = True) -> None:
+        self.node = node_id
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.restore_s = Histogram("rewarm_node_restore_seconds", "Restore request to warm",
+                                   ("node", "model", "tier"), buckets=BUCKETS_S, registry=r)
+        self.phase_s = Histogram("rewarm_node_restore_phase_seconds",
+                                 "A replica's load phases during a restore",
+                                 ("node", "model", "tier", "phase"), buckets=BUCKETS_S, registry=r)
+        self.restored_bytes = Counter("rewarm_node_restored_bytes", "Snapshot bytes restored",
+                                      ("node", "tier"), registry=r)
+        self.failures = Counter("rewarm_node_verification_failures",
+                                "Restores refused by a check (checksum, signature, pins, "
+                                "golden, timeout, stage)", ("node", "kind"), registry=r)
+        self.golden = Counter("rewarm_node_golden_checks", "Golden-token checks by result",
+                              ("node", "result"), registry=r)
+        self.restores = Counter("rewarm_node_restores", "Restore requests by tier and result",
+                                ("node", "tier", "result"), registry=r)
+        self.lookups = Counter("rewarm_node_snapshot_cache_lookups",
+                               "Restores that found (hit) or lacked (miss) a local copy",
+                               ("node", "result"), registry=r)
+        self.evictions = Counter("rewarm_node_snapshot_evictions",
+                                 "Local snapshot copies removed", ("node",), registry=r)
+        for result in ("hit", "miss"):
+            self.lookups.labels(node_id, result)
+        for result in ("pass", "fail"):
+            self.golden.labels(node_id, result)
+        for kind in FAILURE_KINDS:
+            self.failures.labels(node_id, kind)
+        self.evictions.labels(node_id)
+        self._hits = self._lookups = 0
+        self.outcomes: dict[str, tuple[bool, str]] = {}   # model -> latest restore (ok, why)
+        self._lock = threading.Lock()
+        self.agent: NodeAgent | None = None
+        if process_metrics:
+            ProcessCollector(registry=r)
+
+    def attach(self, agent: "NodeAgent") -> "NodeMetrics":
+        """Read ``agent``'s gauges at scrape time (once)."""
+        self.agent = agent
+        self.registry.register(_AgentCollector(self))
+        return self
+
+    # -- events from the agent ---------------------------------------------------------------
+    def restore_finished(self, rec: "ReplicaRecord", duration_s: float, ok: bool,
+                         catalog=None, *, reason: str = "") -> None:
+        """One ``restore()`` ended: its tier (``rec.path``), duration, each failed step
+        (``rec.attempts``), the phases the replica reports, bytes restored (the size of
+        ``rec.snapshot_id`` in ``catalog``), cache hit/miss; ``reason``: why it failed (kept
+        for :func:`readiness`)."""
+        node, model = self.node, rec.spec.name
+        with self._lock:
+            self.outcomes[model] = (ok, reason)
+        tried_local = any(a.get("path") == "restore" for a in rec.attempts)
+        if rec.path in ("restore", "staged_restore", "cold_boot") or rec.attempts:
+            hit = rec.path == "restore" or tried_local
+            with self._lock:
+                self._lookups += 1
+                self._hits += hit
+            self.lookups.labels(node, "hit" if hit else "miss").inc()
+        for attempt in rec.attempts:
+            kind = failure_kind(attempt)
+            self.failures.labels(node, kind).inc()
+            if kind == "golden":
+                self.golden.labels(node, "fail").inc()
+        tier = TIERS.get(rec.path, "cold") if ok else "none"
+        self.restores.labels(node, tier, "ok" if ok else "failed").inc()
+        if not ok or rec.path == "warm":
+            return
+        self.restore_s.labels(node, model, tier).observe(duration_s)
+        phases = _phases(rec)
+        for key, seconds in phases.items():
+            if key in PHASES:
+                self.phase_s.labels(node, model, tier, PHASES[key]).observe(float(seconds))
+        if "golden_s" in phases:
+            self.golden.labels(node, "pass").inc()
+        size_bytes = _size_bytes(catalog, rec.snapshot_id)
+        if size_bytes and tier in ("local", "remote"):
+            self.restored_bytes.labels(node, tier).inc(size_bytes)
+
+    def evicted(self, snapshot_id: str) -> None:
+        self.evictions.labels(self.node).inc()
+
+    def hit_ratio(self) -> float:
+        with self._lock:
+            return self._hits / self._lookups if self._lookups else math.nan
+
+
+def _size_bytes(catalog, snapshot_id: str | None) -> int | None:
+    from agent.errors import SnapshotError
+
+    if catalog is None or snapshot_id is None:
+        return None
+    try:
+        return catalog.snapshot(snapshot_id).size_bytes
+    except SnapshotError:
+        return None
+
+
+def restores_in_flight(records, now_s: float) -> list[dict[str, Any]]:
+    """The replicas coming up: ``replica``, ``model``, ``phase`` (stage | restore |
+    cold_boot), ``seconds`` in that phase, ``snapshot`` (call with the agent's lock held)."""
+    return [{"replica": r.lifecycle.replica_id, "model": r.spec.name, "phase": r.phase,
+             "seconds": round(now_s - r.phase_since_s, 3), "snapshot": r.snapshot_id}
+            for r in records if r.phase is not None]
+
+
+def _phases(rec: "ReplicaRecord") -> dict[str, float]:
+    """The load phases from the replica's last ``stats`` (read by ``describe(load=True)``;
+    no call of its own: the restore path asks the replica once)."""
+    phases = (getattr(rec, "last_stats", None) or {}).get("phases_s") or {}
+    return {k: v for k, v in phases.items() if isinstance(v, (int, float))}
+
+
+class _AgentCollector:
+    def __init__(self, m: NodeMetrics) -> None:
+        self.m = m
+
+    def collect(self):
+        from agent.node.lifecycle import ReplicaState
+
+        m, agent, node = self.m, self.m.agent, self.m.node
+        def g(name: str, doc: str, labels: tuple = ("node",)) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels)
+        used, capacity = agent.store.used_bytes, agent.store.capacity_bytes
+        cache = g("rewarm_node_snapshot_cache_bytes", "Local snapshot tier bytes", ("node", "kind"))
+        cache.add_metric((node, "used"), used)
+        cache.add_metric((node, "free"), max(0, capacity - used))
+        yield cache
+        ratio = g("rewarm_node_snapshot_cache_hit_ratio", "Restores with a local copy / restores")
+        ratio.add_metric((node,), m.hit_ratio())
+        yield ratio
+        with agent._lock:
+            zygotes = sum(len(z) for z in agent.pool.values())
+            records = list(agent.replicas.values())
+        ready = g("rewarm_node_zygotes_ready", "Pre-started workers waiting for a restore")
+        ready.add_metric((node,), zygotes)
+        yield ready
+        by_state = g("rewarm_node_replicas", "Replicas by lifecycle state", ("node", "state"))
+        counts = {s.value: 0 for s in ReplicaState}
+        for rec in records:
+            counts[rec.lifecycle.state.value] += 1
+        for state, n in counts.items():
+            by_state.add_metric((node, state), n)
+        yield by_state
+        suspended = g("rewarm_node_suspended_replicas", "Replicas parked in host memory")
+        suspended.add_metric((node,), counts.get("suspended", 0))
+        yield suspended
+        flight = g("rewarm_node_restores_in_flight", "Restores under way by step",
+                   ("node", "phase"))
+        phases = {"stage": 0, "restore": 0, "cold_boot": 0}
+        for rec in records:
+            phase = getattr(rec, "phase", None)
+            if phase in phases:
+                phases[phase] += 1
+        for phase, n in phases.items():
+            flight.add_metric((node, phase), n)
+        yield flight
+        per_model: dict[str, dict[str, float]] = {}
+        for rec in records:
+            stats = getattr(rec, "last_stats", None)
+            if rec.lifecycle.state is not ReplicaState.WARM or not stats:
+                continue
+            row = per_model.setdefault(rec.spec.name, {k: 0.0 for k, _n, _d in REPLICA_KEYS})
+            for key, _name, _doc in REPLICA_KEYS:
+                value = stats.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    row[key] += value
+        for key, name, doc in REPLICA_KEYS:
+            fam = g(name, doc + " (warm replicas on this node, summed)", ("node", "model"))
+            for model, row in sorted(per_model.items()):
+                fam.add_metric((node, model), row[key])
+            yield fam
+
+
+def readiness(agent: "NodeAgent", *, stall_s: float = 10.0) -> tuple[bool, str]:
+    """Whether ``agent`` can restore now, and why not: not while it shuts down, before its
+    loop's first tick or when the loop has not ticked for ``stall_s``, with no device or no
+    model, or while the latest restore of every model that asked for one failed."""
+    if agent.closing:
+        return False, "shutting down: draining replicas"
+    if agent.last_tick_s is None:
+        return False, "starting: the agent loop has not run yet"
+    idle_s = agent.clock.now() - agent.last_tick_s
+    if idle_s > stall_s:
+        return False, f"agent loop stalled: no tick for {idle_s:.1f} s (limit {stall_s} s)"
+    if not agent.inventory.devices or not agent.models:
+        return False, (f"nothing to serve: devices {agent.inventory.devices}, "
+                       f"models {sorted(agent.models)}")
+    with agent.metrics._lock:
+        outcomes = dict(agent.metrics.outcomes)
+    if outcomes and not any(ok for ok, _r in outcomes.values()):
+        return False, "every restore fails: " + "; ".join(
+            f"{m}: {r}" for m, (_ok, r) in sorted(outcomes.items()))
+    return True, "ready"

@@ -1,0 +1,100 @@
+"""A replica's load, measured where it happens: tokens per second, batch size, queued prefill
+tokens, KV slots in use.  Read by the worker's ``stats`` op (so the node agent exports them,
+agent/node/metrics.py) and by the replica's own status port (``rewarm replica
+--metrics-listen``).
+
+``tokens_per_s`` is the tokens emitted in the last ``window_s`` seconds divided by that wall
+time (or by the time since the first step began, when that is shorter): a sliding window of
+engine steps, so an idle replica drops to 0 within the window.
+The clock is injected (seconds, monotonic).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class ReplicaMeter:
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s, self._clock = window_s, clock
+        self._steps: collections.deque[tuple[float, int]] = collections.deque()
+        self.generated_tokens = 0
+        self.batch_size = 0
+        self._first_s: float | None = None
+
+    def step(self, tokens: int, batch: int, duration_s: float = 0.0) -> None:
+        """One engine step, which took ``duration_s``, emitted ``tokens`` tokens for ``batch``
+        sequences."""
+        now = self._clock()
+        if self._first_s is None:
+            self._first_s = now - duration_s
+        self._steps.append((now, tokens))
+        self.generated_tokens += tokens
+        self.batch_size = batch
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._steps and self._steps[0][0] < now - self.window_s:
+            self._steps.popleft()
+
+    def tokens_per_s(self) -> float:
+        now = self._clock()
+        self._trim(now)
+        if not self._steps:
+            self.batch_size = 0
+            return 0.0
+        wall_s = min(self.window_s, now - self._first_s)
+        return sum(n for _t, n in self._steps) / wall_s if wall_s > 0 else 0.0
+
+    def snapshot(self, engine, pending_prompts: Iterable[int] = ()) -> dict[str, Any]:
+        """The load keys (``stats``): ``tokens_per_s`` (float), ``batch_size``,
+        ``queued_prefill_tokens`` (prompt tokens of sequences not yet admitted to a slot plus
+        ``pending_prompts``, the lengths of requests not yet handed to the engine),
+        ``kv_slots_used``, ``kv_slots``, ``generated_tokens`` (ints)."""
+        waiting = getattr(engine, "_waiting", ())
+        queued = sum(len(s.prompt) for s in list(waiting)) + sum(pending_prompts)
+        return {"tokens_per_s": round(self.tokens_per_s(), 3), "batch_size": self.batch_size,
+                "queued_prefill_tokens": int(queued), "kv_slots_used": int(engine.kv.active),
+                "kv_slots": int(engine.kv.max_seqs), "generated_tokens": self.generated_tokens}
+
+
+class _Collector:
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        model = str(s.get("model") or "")
+        labels = ("model",)
+
+        def gauge(name: str, doc: str, key: str):
+            fam = GaugeMetricFamily(name, doc, labels=labels)
+            fam.add_metric((model,), float(s.get(key) or 0))
+            return fam
+
+        yield gauge("rewarm_replica_tokens_per_second", "Tokens generated per second (window)",
+                    "tokens_per_s")
+        yield gauge("rewarm_replica_batch_size", "Sequences in the last engine step", "batch_size")
+        yield gauge("rewarm_replica_queued_prefill_tokens", "Prompt tokens waiting to be prefilled",
+                    "queued_prefill_tokens")
+        yield gauge("rewarm_replica_kv_slots_used", "KV slots holding a sequence", "kv_slots_used")
+        yield gauge("rewarm_replica_kv_slots", "KV slots (largest batch)", "kv_slots")
+        yield gauge("rewarm_replica_kv_used_tokens", "KV cache tokens in use", "kv_used_tokens")
+        total = CounterMetricFamily("rewarm_replica_generated_tokens", "Tokens generated",
+                                    labels=labels)
+        total.add_metric((model,), float(s.get("generated_tokens") or 0))
+        yield total
+
+
+def replica_registry(stats: Callable[[], dict[str, Any]]) -> CollectorRegistry:
+    """A registry exposing ``stats()``'s load keys as ``rewarm_replica_*{model}`` plus
+    ``process_*``."""
+    registry = CollectorRegistry()
+    registry.register(_Collector(stats))
+    ProcessCollector(registry=registry)
+    return registry
