@@ -167,6 +167,19 @@ class SpeedProfile:
                               value=exc.value, limit=exc.limit) from None
 
 
+def slot_wait_steps(remaining_tokens: tuple[int, ...] | list[int], waiting_seqs: int,
+                    free_slots: int) -> int:
+    """Decode steps a new request waits for a sequence slot: 0 while ``waiting_seqs`` ahead
+    of it leave a slot free, else until the ``k``-th earliest-ending active sequence ends
+    (``remaining_tokens`` ascending, one token per step; beyond one round of the batch, whole
+    lifetimes of the longest again: an upper bound)."""
+    ahead = waiting_seqs + 1 - free_slots
+    if ahead <= 0 or not remaining_tokens:
+        return 0
+    rounds, k = divmod(ahead - 1, len(remaining_tokens))
+    return int(remaining_tokens[k] + rounds * remaining_tokens[-1])
+
+
 MAX_PROFILE_BYTES = 16 << 20
 
 

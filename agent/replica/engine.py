@@ -34,6 +34,7 @@ from agent.replica.config import LlamaConfig
 from agent.replica.kv import KVPlan, KVSlotAllocator, plan_kv
 from agent.replica.model import Transformer, new_kv_caches
 from agent.replica.speedmeter import SpeedMeter
+from agent.speed import slot_wait_steps
 
 Forward = Callable[..., torch.Tensor]
 MAX_SEED = 2**63 - 1
@@ -273,13 +274,8 @@ class Engine:
         sequences to finish (their remaining tokens, one decode step each)."""
         load, profile = self.load, self.meter.profile()
         waiting = load.waiting_seqs + waiting_seqs
-        free = self.kv.max_seqs - load.active_seqs
-        ahead = waiting + 1 - free  # sequences that must end before this one gets a slot
-        slot_wait = 0
-        if ahead > 0 and load.remaining_tokens:
-            rem = load.remaining_tokens
-            rounds, k = divmod(ahead - 1, len(rem))
-            slot_wait = rem[k] + rounds * rem[-1]  # beyond one round: whole lifetimes again
+        slot_wait = slot_wait_steps(load.remaining_tokens, waiting,
+                                    self.kv.max_seqs - load.active_seqs)
         return profile.predict_ttft_s(
             prompt_tokens, active_seqs=load.active_seqs, active_ctx_tokens=load.active_ctx_tokens,
             waiting_seqs=waiting, queued_prefill_tokens=load.queued_prefill_tokens
