@@ -384,25 +384,28 @@ class Worker:
         now = time.perf_counter()
         for event in events:
             request = self._by_seq.get(event.seq_id)
-            if request is None:
-                continue
-            if event.token >= 0:
-                request.first_s = request.first_s or now
-                request.tokens.append(event.token)
-                out = {"id": request.request_id, "type": "tokens", "tokens": [event.token]}
-                if request.text:
-                    out["text"] = next_text(self.tokenizer(), request)
-                self._send(request.writer, out)
-            if event.done:
-                del self._by_seq[event.seq_id]
-                done = {"id": request.request_id, "type": "done",
-                        "ttft_ms": round(((request.first_s or now) - request.started_s) * 1e3, 3),
-                        "total_ms": round((now - request.started_s) * 1e3, 3),
-                        "path": self.loaded.path, "replica": self.replica_id,
-                        "n_tokens": len(request.tokens)}
-                if request.text:
-                    done["text"] = self.tokenizer().decode(request.tokens)
-                self._send(request.writer, done)
+            if request is not None:
+                self._on_event(request, event, now)
+
+    def _on_event(self, request: _Request, event, now: float) -> None:
+        """One engine event of ``request``: its token, and its ``done`` answer when it ends."""
+        if event.token >= 0:
+            request.first_s = request.first_s or now
+            request.tokens.append(event.token)
+            out = {"id": request.request_id, "type": "tokens", "tokens": [event.token]}
+            if request.text:
+                out["text"] = next_text(self.tokenizer(), request)
+            self._send(request.writer, out)
+        if event.done:
+            del self._by_seq[event.seq_id]
+            done = {"id": request.request_id, "type": "done",
+                    "ttft_ms": round(((request.first_s or now) - request.started_s) * 1e3, 3),
+                    "total_ms": round((now - request.started_s) * 1e3, 3),
+                    "path": self.loaded.path, "replica": self.replica_id,
+                    "n_tokens": len(request.tokens)}
+            if request.text:
+                done["text"] = self.tokenizer().decode(request.tokens)
+            self._send(request.writer, done)
 
 
 def next_text(tokenizer, request: _Request) -> str:
