@@ -112,6 +112,8 @@ class Simulation:
                               "output tokens (a trace's); this workload has none",
                               name="workload", value="no tokens", limit="prompt_tokens")
         self._dispatched_s = np.zeros(n) if self.engines is not None else None
+        # prompt tokens per request for the router's prefill-queue accounting (profile mode)
+        self._prompt = workload.prompt_tokens.tolist() if self.engines is not None else None
 
     def schedule(self, t_s: float, kind: int, a: int, b: int) -> None:
         self._seq += 1
@@ -122,9 +124,17 @@ class Simulation:
         return len(self.queue) + (self._head is not None)
 
     # --- dispatch ------------------------------------------------------------------------
+    def _choose(self, i: int, need_tokens: int):
+        if self._prompt is None:
+            return self.router.choose(self.model, need_tokens)
+        return self.router.choose(self.model, need_tokens, self._prompt[i])
+
     def _dispatch(self, load, i: int, now: float) -> None:
         need = int(self.w.need_tokens[i])
-        self.router.on_dispatch(load.replica_id, need)
+        if self._prompt is None:
+            self.router.on_dispatch(load.replica_id, need)
+        else:
+            self.router.on_dispatch(load.replica_id, need, self._prompt[i])
         r = self.fleet.index[load.replica_id]
         self.fleet.busy[r] += 1
         self.in_flight += 1
@@ -146,8 +156,11 @@ class Simulation:
         eng = self.engines[r]
         firsts, end_s = eng.start_step(now)
         arrival = self.w.arrival_s
+        warm = self.fleet.state[r] == WARM
         for req, t in firsts:
             self.ttft_s[req] = t - float(arrival[req])
+            if warm:   # the front door sees the first token (at its time; accounting only)
+                self.router.on_first_token(self.fleet.ids[r], self._prompt[req])
         self.schedule(end_s, STEP, r, eng.generation)
 
     def _step_end(self, r: int, generation: int, t: float) -> None:
@@ -159,7 +172,7 @@ class Simulation:
             self.in_flight -= 1
             self.busy_slot_s += t - float(self._dispatched_s[req])
             if fleet.state[r] == WARM:
-                self.router.on_complete(fleet.ids[r], int(need[req]))
+                self.router.on_complete(fleet.ids[r], int(need[req]), self._prompt[req])
             fleet.on_complete(r)
         if eng.busy:
             self._start_step(r, t)
@@ -178,12 +191,11 @@ class Simulation:
         if self._head is None and not len(self.queue):
             return
         self._expire()
-        choose, model = self.router.choose, self.model
         while True:
             p = self._head if self._head is not None else self.queue.pop_earliest()
             if p is None:
                 return
-            load = choose(model, p.need_tokens)
+            load = self._choose(p.request_id, p.need_tokens)
             if load is None:
                 self._head = p
                 return
@@ -204,6 +216,7 @@ class Simulation:
         self.fleet._schedule = self.schedule
         choose, queue, model, router = self.router.choose, self.queue, self.model, self.router
         fleet = self.fleet
+        prompt = self._prompt
         ticks_t, warm_s, billed_s, depth_s = [], [], [], []
         next_tick = t0
         arrivals_in_tick = 0
@@ -239,6 +252,8 @@ class Simulation:
                 clock.set(next_tick)
                 self._expire()
                 self.controller.tick(next_tick, arrivals_in_tick, self)
+                if self.engines is not None:
+                    fleet.report_loads()     # the replicas' load reports, once a tick
                 self._drain(next_tick)
                 arrivals_in_tick = 0
                 ticks_t.append(next_tick - t0)
@@ -253,7 +268,8 @@ class Simulation:
                 arrivals_in_tick += 1
                 load = None
                 if self._head is None and not len(queue):
-                    load = choose(model, need[i])
+                    load = choose(model, need[i]) if prompt is None \
+                        else choose(model, need[i], prompt[i])
                 if load is not None:
                     self._dispatch(load, i, t_arr)
                 else:

@@ -263,10 +263,27 @@ class Fleet:
         if self.engines:
             self.engines[i].reset()
         c = self.cfg
-        self.router.upsert(ReplicaLoad(self.ids[i], c.model, f"sim://{self.ids[i]}",
-                                       c.seqs_per_replica, 0, c.kv_capacity_tokens, 0))
+        load = ReplicaLoad(self.ids[i], c.model, f"sim://{self.ids[i]}",
+                           c.seqs_per_replica, 0, c.kv_capacity_tokens, 0)
+        if c.replica is not None:   # a replica reports its measured speed at once
+            load.speed = c.replica.speed
+        self.router.upsert(load)
         self._start_pending()
         return True
+
+    def report_loads(self) -> None:
+        """Each warm replica's load report (as a live replica's registry meta refreshes the
+        front door's view): its engine's queue and context replace the router's own
+        accounting for them; slots and KV stay the router's (dispatched requests)."""
+        for i, eng in enumerate(self.engines):
+            if self.state[i] != WARM:
+                continue
+            load = self.router.get(self.ids[i])
+            if load is not None:
+                rep = eng.report()
+                load.waiting_seqs = rep["waiting_seqs"]
+                load.queued_prefill_tokens = rep["queued_prefill_tokens"]
+                load.active_ctx_tokens = rep["active_ctx_tokens"]
 
     # --- scale-in ------------------------------------------------------------------------
     def _stop(self, i: int) -> None:

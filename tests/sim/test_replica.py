@@ -199,3 +199,16 @@ def test_cli_runs_a_trace_at_a_profile_and_refuses_it_for_scenarios(tmp_path):
                           "--replica-profile", str(profile_file(tmp_path))],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--replica-profile" in bad.stderr
+
+
+def test_router_sees_speed_and_queue_and_routes_by_predicted_ttft():
+    # A (long output) takes r0, B (long prompt) r1; C goes where it starts soonest: r0, busy
+    # decoding but with little to prefill, not r1 with more KV headroom but 150 tokens queued
+    rec, fleet = run(token_workload([(0.0, 10, 200), (0.001, 150, 2), (0.002, 5, 2)]),
+                     replicas=2, max_seqs=4)
+    step_a = SP.prefill_s(10) + SP.decode_step_s(1, 10)
+    assert rec.ttft_s[2] == pytest.approx(step_a + SP.prefill_s(5) - 0.002)
+    assert rec.ttft_s[1] == pytest.approx(SP.prefill_s(150))
+    load = fleet.router.get("r0")
+    assert load.speed == SP and load.active_seqs == 0
+    assert (load.waiting_seqs, load.queued_prefill_tokens) == (0, 0)
