@@ -21,6 +21,10 @@ Output schema ``rewarm.engine_profile/1`` (:data:`agent.speed.PROFILE_SCHEMA`), 
                          decode_per_seq_s, decode_per_ctx_token_s}  (SpeedProfile.from_file)
     meter_speed         the replica's own online estimate after the sweep (same keys)
     fit                 {prefill_max_rel_err, decode_max_rel_err}: worst point off the fit
+    check               a burst of mixed requests through the real engine (the worker's
+                        admit/decode loop) against agent/sim/replica.py at the fitted speed:
+                        {requests, ttft_rel_err_median, ttft_rel_err_max, done_rel_err_median,
+                        done_rel_err_max}
     prefill             [{prompt_tokens, s}]                 medians measured
     decode              [{batch, context_tokens, step_s}]    context = cached tokens, all seqs
     startup             {naive_s, restore_s, zygote_restore_s, staged_restore_s}: [low, high]
@@ -52,8 +56,8 @@ from agent.speed import PROFILE_SCHEMA, SPEED_META_KEYS, SpeedProfile  # noqa: E
 PROMPT_LENS = (8, 32, 128, 256, 448)
 BATCHES = (1, 2, 4, 8)
 CONTEXTS = (32, 192, 448)          # tokens cached per sequence when the step runs
-DECODE_STEPS = 4
-REPEATS = 3
+DECODE_STEPS = 6
+REPEATS = 5
 
 
 def _median_time(fn, repeats: int = REPEATS) -> float:
@@ -100,16 +104,73 @@ def sweep(engine) -> tuple[list[dict], list[dict]]:
     return prefill, decode
 
 
+def check(engine, profile: SpeedProfile, n: int = 12) -> dict:
+    """The simulator's replica against the real engine: ``n`` requests of mixed prompt and
+    output lengths submitted at once, run by the worker's loop (admit, send, decode, send)
+    on the real forward and clock, and by :class:`agent.sim.replica.SimReplica` at
+    ``profile``; relative errors of each request's first-token and completion times."""
+    from agent.sim.replica import SimReplica
+
+    vocab, room = engine.config.vocab_size, engine.kv.max_seq_len - 1
+    reqs = [(i, min(room - 40, 16 + (97 * i) % 300), 4 + (13 * i) % 36) for i in range(n)]
+    ids = {engine.submit([(7 * j + i) % vocab for j in range(p)], o): i for i, p, o in reqs}
+    first, done, t0 = {}, {}, time.perf_counter()
+    while engine.busy:
+        for ev in engine.admit():
+            first.setdefault(ids[ev.seq_id], time.perf_counter() - t0)
+            if ev.done:
+                done[ids[ev.seq_id]] = time.perf_counter() - t0
+        for ev in engine.decode():
+            if ev.done:
+                done[ids[ev.seq_id]] = time.perf_counter() - t0
+    sim = SimReplica(profile, engine.kv.max_seqs)
+    for r in reqs:
+        sim.submit(*r)
+    t, sim_first, sim_done = 0.0, {}, {}
+    while sim.busy:
+        firsts, t = sim.start_step(t)
+        sim_first.update(dict(firsts))
+        sim_done.update({r: t for r in sim.end_step()})
+    e_first = sorted(abs(sim_first[i] - first[i]) / first[i] for i in first)
+    e_done = sorted(abs(sim_done[i] - done[i]) / done[i] for i in done)
+    return {"requests": n, "ttft_rel_err_median": round(statistics.median(e_first), 4),
+            "ttft_rel_err_max": round(e_first[-1], 4),
+            "done_rel_err_median": round(statistics.median(e_done), 4),
+            "done_rel_err_max": round(e_done[-1], 4)}
+
+
+def nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``theta >= 0`` minimising the squared *relative* error ``sum(((x theta - y) / y)^2)``
+    (timing noise is multiplicative): least squares on every subset of free coefficients,
+    the others held at 0, keeping the best feasible one (exact for the 2-3 coefficients
+    here; Lawson & Hanson, "Solving Least Squares Problems", 1974, ch. 23)."""
+    from itertools import combinations
+
+    xw, yw = x / y[:, None], np.ones_like(y)
+    n = x.shape[1]
+    best, best_r = np.zeros(n), float(np.sum(yw ** 2))
+    for k in range(1, n + 1):
+        for free in combinations(range(n), k):
+            theta = np.zeros(n)
+            theta[list(free)] = np.linalg.lstsq(xw[:, free], yw, rcond=None)[0]
+            if (theta < 0).any():
+                continue
+            r = float(np.sum((xw @ theta - yw) ** 2))
+            if r < best_r:
+                best, best_r = theta, r
+    return best
+
+
 def fit(prefill: list[dict], decode: list[dict]) -> tuple[SpeedProfile, dict]:
-    """Least squares of agent/speed.py's two linear models over the measured points (negative
-    coefficients, noise around zero, become 0); returns the profile and the worst relative
-    error of the fit at any point."""
+    """agent/speed.py's two linear models fitted to the measured points (non-negative, by
+    relative error: :func:`nnls_relative`); returns the profile and the worst relative error
+    of the fit at any point."""
     xp = np.array([[1.0, p["prompt_tokens"]] for p in prefill])
     yp = np.array([p["s"] for p in prefill])
-    overhead, per_token = np.linalg.lstsq(xp, yp, rcond=None)[0]
+    overhead, per_token = nnls_relative(xp, yp)
     xd = np.array([[1.0, d["batch"] - 1, d["context_tokens"]] for d in decode])
     yd = np.array([d["step_s"] for d in decode])
-    base, per_seq, per_ctx = np.linalg.lstsq(xd, yd, rcond=None)[0]
+    base, per_seq, per_ctx = nnls_relative(xd, yd)
     profile = SpeedProfile(prefill_tokens_per_s=1.0 / max(float(per_token), 1e-9),
                            prefill_overhead_s=max(0.0, float(overhead)),
                            decode_base_s=max(1e-6, float(base)),
@@ -205,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                       "prefill_chunk": engine.prefill_chunk,
                       "kv_capacity_tokens": engine.kv.capacity_tokens},
            "speed": profile.to_dict(), "meter_speed": engine.meter.profile().to_dict(),
-           "fit": quality, "prefill": prefill, "decode": decode}
+           "fit": quality, "check": check(engine, profile), "prefill": prefill,
+           "decode": decode}
     del loaded, engine
     if not args.skip_startup:
         shutil.rmtree(args.work, ignore_errors=True)
@@ -237,6 +299,7 @@ def print_table(out: dict) -> None:
     print("speed (fit):  " + ", ".join(f"{k}={out['speed'][k]:.4g}" for k in SPEED_META_KEYS))
     print("speed (meter): " + ", ".join(f"{k}={out['meter_speed'][k]:.4g}" for k in SPEED_META_KEYS))
     print(f"fit: {out['fit']}")
+    print(f"real engine vs simulated replica, one burst: {out['check']}")
     for tier, (lo, hi) in out.get("startup", {}).items():
         print(f"{tier:<18} {lo:>7.2f} .. {hi:.2f} s")
     print(f"wall_s {out['wall_s']}")
