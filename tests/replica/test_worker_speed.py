@@ -111,3 +111,12 @@ def test_capture_records_the_measured_speed_and_restore_starts_from_it(booted, t
     assert "profile_s" not in restored.phases_s           # no boot profile: the prior is there
     assert restored.engine.meter.measured and restored.engine.meter.measured_prior
     assert read_manifest(tmp_path / "snap").extra["speed_profile"] == recorded
+
+
+def test_snapshot_without_a_recorded_speed_restores_with_a_short_profile(booted, tmp_path):
+    unmeasured = with_meter(booted, SpeedMeter())
+    manifest = zygote.capture(unmeasured, tmp_path / "snap")
+    assert "speed_profile" not in manifest.extra          # nothing measured, nothing recorded
+    restored = zygote.restore(tmp_path / "snap")
+    assert "profile_s" in restored.phases_s and restored.engine.meter.measured
+    assert not restored.engine.meter.measured_prior
