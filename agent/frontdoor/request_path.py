@@ -32,6 +32,7 @@ links.  The registry is read off the request path (a watcher thread) into the ro
 from __future__ import annotations
 
 import asyncio
+import heapq
 import inspect
 import logging
 from dataclasses import dataclass
@@ -40,8 +41,7 @@ from typing import Any, Protocol
 from agent.clock import Clock
 from agent.cluster.base import ServiceInstance
 from agent.errors import Overloaded, RewarmError
-from agent.frontdoor.admission import (AdmissionQueue, Pending, capacity_etas_s, queued_ttft_s,
-                                       slot_times_s)
+from agent.frontdoor.admission import AdmissionQueue, Pending, capacity_etas_s, slot_times_s
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.links import ReplicaLink
@@ -139,13 +139,15 @@ class Flight:
 
     __slots__ = ("owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
                  "prompt_tokens", "path", "restore_ms", "queue_wait_ms", "replica_id",
-                 "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried")
+                 "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried",
+                 "warm_deadline_s")
 
     def __init__(self, owner: "RequestPath", req: GenerateRequest, sink: Sink,
                  arrival_s: float) -> None:
         self.owner, self.req, self.sink, self.model = owner, req, sink, req.model
         self.arrival_s = arrival_s
-        self.deadline_s = arrival_s
+        self.deadline_s = arrival_s       # its first token's deadline (restore path once held)
+        self.warm_deadline_s = arrival_s  # the deadline when served by a replica warm before it
         self.need_tokens = 0
         self.prompt_tokens = 0
         self.predicted_ttft_s: float | None = None  # from arrival, when it was last placed
@@ -190,8 +192,9 @@ class RequestPath:
                        "replica_429": 0}
         self._shape: dict[str, list[float]] = {}   # model -> [mean prompt, mean max_tokens]
         self._max_seqs: dict[str, int] = {}        # model -> largest replica's slots seen
-        self._recheck_at: dict[str, float] = {}    # model -> when a restore in flight is due
-        self._slot_cache: dict[str, tuple[float, list[float], list[float]]] = {}
+        self._rechecked_s: dict[str, float] = {}   # model -> when its queue was last re-checked
+        self._slot_cache: dict[str, tuple[float, list, list[float]]] = {}
+        self._first_seen: dict[str, float] = {}    # replica id -> when it entered the view
         self._event_kw = _keywords(telemetry.event)
         self.arrivals: dict[str, int] = {}  # generate requests per model (predictor input)
         self.queued_models: set[str] = set()
@@ -223,7 +226,7 @@ class RequestPath:
         shape[0] += (prompt - shape[0]) * _SHAPE_GAIN
         shape[1] += (req.max_tokens - shape[1]) * _SHAPE_GAIN
         warm_s, restore_s = self._budgets_s(model, req.deadline_ms)
-        flight.deadline_s = now + warm_s
+        flight.deadline_s = flight.warm_deadline_s = now + warm_s
         queue = self.queues.get(model)
         found = None
         if not queue:
@@ -264,22 +267,26 @@ class RequestPath:
             queue = self.queues[model] = AdmissionQueue(
                 model, clock=self.clock, max_depth=self.config.max_queue_depth,
                 max_wait_s=self.config.max_wait_s)
-        slots, etas = self._slots(model, now)
-        ttft_s = queued_ttft_s(now, slots, len(queue),
-                               self.router.prior(model).prefill_s(flight.prompt_tokens))
-        if ttft_s is None or now + ttft_s > flight.deadline_s:
+        # the queue ahead (earlier deadlines) takes its slots first
+        ahead = [p.payload for p in queue.ordered() if p.deadline_s <= flight.deadline_s] \
+            if len(queue) <= _EXACT_QUEUE else []
+        # Admitted with a margin: one decode step at a full batch (the slot model's quantum
+        # of error) and one re-check interval, so that a small error is a 429 now, not later.
+        margin_s = self.config.recheck_s + self.router.prior(model).decode_step_s(
+            self._max_seqs.get(model, 0) or self.config.default_max_seqs)
+        predicted, slots = self._assign(model, ahead + [flight], now, margin_s)
+        ttft_s = predicted[-1]
+        if ttft_s is None:
             left_ms = (flight.deadline_s - now) * 1000.0
             warm = ("no warm replica with a free slot" if warm_pred_s is None else
                     f"best warm replica predicted {warm_pred_s * 1000:.0f} ms")
-            cap = ("no capacity in sight" if ttft_s is None else
-                   f"waiting for capacity predicted {ttft_s * 1000:.0f} ms")
+            cap = "no capacity in sight can start it in time"
             retry_ms = max(1, round(((slots[0] if slots else now + 1.0) - now) * 1000))
             self.counts["shed_429"] += 1
             self._fail(flight, 429, f"model {model!r}: cannot start within {left_ms:.0f} ms "
                        f"(the TTFT SLO from arrival): {warm}, {cap}, "
-                       f"{len(queue)} queued ahead", retry_after_ms=retry_ms,
-                       predicted_ttft_ms=None if ttft_s is None else ttft_s * 1000.0)
-            if not self.gate.in_flight.get(model) and not self.router.warm(model):
+                       f"{len(queue)} queued ahead", retry_after_ms=retry_ms)
+            if not self.gate.in_flight.get(model) and now >= self._capped_until.get(model, 0.0):
                 self._restore_for(model, 1)  # demand seen: capacity for the next ones
             return
         flight.predicted_ttft_s = now - flight.arrival_s + ttft_s
@@ -298,19 +305,26 @@ class RequestPath:
         self._maybe_restore(model)
 
     def _etas_s(self, model: str, now: float) -> list[float]:
-        """When new replicas of ``model`` are expected (restores in flight, and those that
-        could start now), soonest first (:func:`capacity_etas_s`)."""
+        """When new replicas of ``model`` are expected, soonest first
+        (:func:`capacity_etas_s`): the restores in flight, and those :meth:`_maybe_restore`
+        would start for the queue with one more request in it."""
         p99, p50 = self.restore_times.p99_ms(model), self.restore_times.p50_ms(model)
-        startable = self.gate.room(model) if self.capacity is not None else 0
+        startable = 0
+        if self.capacity is not None and now >= self._capped_until.get(model, 0.0):
+            queue = self.queues.get(model)
+            startable = self.gate.wanted(model, (len(queue) if queue else 0) + 1,
+                                         self._per_replica(model))
         return capacity_etas_s(now, self.gate.started_s.get(model, []),
                                None if p50 is None else p50 / 1000.0,
                                None if p99 is None else p99 / 1000.0, startable)
 
-    def _slots(self, model: str, now: float) -> tuple[list[float], list[float]]:
-        """(slot times, restore ETAs) for ``model``'s queue (:func:`slot_times_s`): the
-        expected end of each request at its warm replicas (dispatch + predicted TTFT +
-        max_tokens decode steps at the replica's batch) and the new replicas' slots.
-        Cached for ``tick_s`` (a burst of arrivals shares one computation)."""
+    def _slots(self, model: str, now: float) -> tuple[list[tuple[float, float]], list[float]]:
+        """(warm slots, new-replica slots) for ``model``'s queue (:func:`slot_times_s`),
+        soonest first: ``(time, when its replica was first seen)`` for the expected end of
+        each request at the warm replicas (dispatch + predicted TTFT + max_tokens decode
+        steps at the replica's batch, then the step in progress), and the times of the slots
+        of the replicas being restored (or that could be).  Cached for ``tick_s`` (a burst
+        of arrivals shares one computation)."""
         cached = self._slot_cache.get(model)
         if cached is not None and now - cached[0] < self.config.tick_s:
             return cached[1], cached[2]
@@ -318,19 +332,99 @@ class RequestPath:
         frees = []
         for load in self.router.warm(model):
             link = self.links.get(load.replica_id)
-            if link is None or not link.in_flight:
+            if link is None:
                 continue
-            step_s = (load.speed or prior).decode_step_s(max(1, load.active_seqs),
-                                                         load.active_ctx_tokens)
+            # its batch fills as the queue drains into it: steps at a full batch (an upper
+            # bound, so a wrong estimate errs towards refusing at arrival, not later)
+            speed = load.speed or prior
+            step_s = speed.decode_step_s(load.max_seqs, load.active_ctx_tokens
+                                         * max(1, load.max_seqs) // max(1, load.active_seqs))
+            seen = self._first_seen.get(load.replica_id, float("-inf"))
+            idle = load.max_seqs - load.active_seqs
+            if idle > 0:  # free now: they start after the step in progress
+                frees.extend([(now + speed.decode_step_s(load.active_seqs,
+                                                         load.active_ctx_tokens), seen,
+                               step_s)] * idle)
             for f in link.in_flight.values():
-                end = f.arrival_s + (f.predicted_ttft_s or 0.0) + f.req.max_tokens * step_s
-                frees.append(end if end > now else now + step_s)
-        etas = self._etas_s(model, now)
+                first = f.ttft_s if f.ttft_s is not None else \
+                    f.arrival_s + (f.predicted_ttft_s or 0.0)
+                end = first + f.req.max_tokens * step_s
+                if end <= now:  # overdue: the estimate was wrong; expect the overrun again
+                    end = now + (now - end)
+                frees.append((end + step_s, seen, step_s))
+        frees.sort()
         mean_prompt = self._shape.get(model, (1.0, 1.0))[0]
-        slots = slot_times_s(frees, etas, self._per_replica(model),
-                             prior.prefill_s(int(mean_prompt)))
-        self._slot_cache[model] = (now, slots, etas)
-        return slots, etas
+        fresh = slot_times_s([], self._etas_s(model, now), self._per_replica(model), prior,
+                             mean_prompt)
+        self._slot_cache[model] = (now, frees, fresh)
+        return frees, fresh
+
+    def _assign(self, model: str, flights: list[Flight], now: float,
+                margin_s: float = 0.0) -> tuple[list[float | None], list[float]]:
+        """Predicted TTFTs from now (None: no capacity in sight makes its deadline) of
+        ``flights`` (earliest deadline first), each taking the soonest slot that those before
+        it left and that it can use in time: a slot on a replica up before the request
+        arrived within its warm deadline, a new replica's within its restore-path deadline.
+        A slot taken frees again once that request's ``max_tokens`` are decoded.  Also
+        returns every slot's time (soonest first), for ``retry_after_ms``.  The last flight
+        must make its deadlines with ``margin_s`` to spare (admission; see :meth:`_hold`)."""
+        frees, fresh = self._slots(model, now)
+        prior = self.router.prior(model)
+        fresh_step = prior.decode_step_s(max(1, self._per_replica(model)))
+        inf = float("inf")
+        heap = frees + [(t, inf, fresh_step) for t in fresh]
+        times = sorted(h[0] for h in heap)
+        heapq.heapify(heap)
+        out: list[float | None] = []
+        last = len(flights) - 1
+        for k, flight in enumerate(flights):
+            own = prior.prefill_s(flight.prompt_tokens)
+            spare = margin_s if k == last else 0.0
+            found, passed = None, []
+            while heap:
+                slot = heapq.heappop(heap)
+                t, seen, step_s = slot
+                ttft_s = max(0.0, t - now) + own
+                if now + ttft_s + spare > flight.deadline_s:
+                    passed.append(slot)
+                    break
+                if seen > flight.arrival_s or now + ttft_s + spare <= flight.warm_deadline_s:
+                    found = ttft_s
+                    heapq.heappush(heap, (now + ttft_s + (flight.req.max_tokens + 1) * step_s,
+                                          seen, step_s))
+                    break
+                passed.append(slot)
+            for slot in passed:
+                heapq.heappush(heap, slot)
+            out.append(found)
+        return out, times
+
+    def _choose_in_time(self, flight: Flight, now: float) -> tuple[ReplicaLoad, float] | None:
+        """The replica with the lowest predicted TTFT that starts ``flight`` within its
+        deadline there (:meth:`_deadline_for`): among all, else among those brought up since
+        it arrived (the warm path's deadline may have passed, the restore path's not)."""
+        exclude = flight.tried or frozenset()
+        found = self.router.choose_predicted(flight.model, flight.need_tokens,
+                                             flight.prompt_tokens, exclude)
+        if found is None:
+            return None
+        if now + found[1] <= self._deadline_for(flight, found[0].replica_id):
+            return found
+        if now > flight.warm_deadline_s:
+            old = {r.replica_id for r in self.router.warm(flight.model)
+                   if self._first_seen.get(r.replica_id, float("-inf")) <= flight.arrival_s}
+            found = self.router.choose_predicted(flight.model, flight.need_tokens,
+                                                 flight.prompt_tokens, old | set(exclude))
+            if found is not None and now + found[1] <= flight.deadline_s:
+                return found
+        return None
+
+    def _deadline_for(self, flight: Flight, replica_id: str) -> float:
+        """``flight``'s deadline at this replica: the restore path's when the replica was
+        first seen after the request arrived, else the warm path's."""
+        if self._first_seen.get(replica_id, float("-inf")) > flight.arrival_s:
+            return flight.deadline_s
+        return flight.warm_deadline_s
 
     def _per_replica(self, model: str) -> int:
         """Requests one new replica of ``model`` serves within the warm SLO: its sustainable
@@ -382,7 +476,8 @@ class RequestPath:
         self.router.on_dispatch(replica.replica_id, flight.need_tokens, flight.prompt_tokens)
         self.counts["dispatched"] += 1
         message = flight.req.replica_message()
-        message["deadline_ms"] = max(1.0, (flight.deadline_s - now) * 1000.0)
+        message["deadline_ms"] = max(1.0, (self._deadline_for(flight, replica.replica_id)
+                                           - now) * 1000.0)
         flight.replica_rid = link.dispatch(flight, message)
 
     def _connect(self, replica: ReplicaLoad) -> ReplicaLink:
@@ -470,12 +565,13 @@ class RequestPath:
             load.penalty_s = max(load.penalty_s, theirs / 1000.0 - ours_s)
         flight.tried = (flight.tried or set()) | {link.replica_id}
         now = self.clock.now()
-        found = self.router.choose_predicted(flight.model, flight.need_tokens,
-                                             flight.prompt_tokens, flight.tried)
-        if found is not None and now + found[1] <= flight.deadline_s:
+        found = self._choose_in_time(flight, now)
+        if found is not None:
             self._dispatch(flight, found[0], found[1])
             return
         if self.capacity is not None:
+            warm_s, restore_s = self._budgets_s(flight.model, flight.req.deadline_ms)
+            flight.deadline_s = flight.arrival_s + restore_s
             self._hold(flight, None if found is None else found[1])
             return
         self.counts["shed_429"] += 1
@@ -524,42 +620,55 @@ class RequestPath:
     # --- queues and restores ---------------------------------------------------------
 
     def _drain(self, model: str) -> None:
-        """Dispatch queued requests earliest deadline first while a replica can start the
-        head within its deadline."""
+        """Dispatch queued requests earliest deadline first while a replica can start them
+        within their deadlines.  A request that no replica can take now (its warm deadline
+        passed, its restore not in) does not hold back the ones behind it: up to
+        ``_DRAIN_SKIP`` such are passed over."""
         queue = self.queues[model]
         now = self.clock.now()
         restored = self.last_restore.get(model)
         while queue:
             head = queue.peek()
-            flight: Flight = head.payload
-            found = self.router.choose_predicted(model, head.need_tokens, flight.prompt_tokens,
-                                                 flight.tried or frozenset())
-            if found is None or now + found[1] > head.deadline_s:
+            found = self._choose_in_time(head.payload, now)
+            if found is None:
+                self._drain_past_heads(queue, now, restored)
                 break
             queue.pop_earliest()
-            flight.pending = None
-            flight.queue_wait_ms = (now - flight.arrival_s) * 1000.0
-            if restored is not None and restored[0] >= flight.arrival_s:
-                flight.path, flight.restore_ms = restored[1], restored[2]
-            self._dispatch(flight, found[0], found[1])
+            self._send_queued(head.payload, found, now, restored)
         self.telemetry.queue_depth(model, len(queue))
+
+    def _drain_past_heads(self, queue: AdmissionQueue, now: float, restored) -> None:
+        for p in queue.ordered()[1:_DRAIN_SKIP + 1]:
+            if not self.router.choose(p.model, p.need_tokens):
+                return                                   # no slot anywhere: nothing to do
+            found = self._choose_in_time(p.payload, now)
+            if found is None:
+                continue
+            queue.cancel(p)                              # out of the heap (lazily)
+            self._send_queued(p.payload, found, now, restored)
+
+    def _send_queued(self, flight: Flight, found: tuple[ReplicaLoad, float], now: float,
+                     restored) -> None:
+        flight.pending = None
+        flight.queue_wait_ms = (now - flight.arrival_s) * 1000.0
+        if restored is not None and restored[0] >= flight.arrival_s:
+            flight.path, flight.restore_ms = restored[1], restored[2]
+        self._dispatch(flight, found[0], found[1])
 
     def _recheck(self, model: str) -> None:
         """Refuse (429) every queued request whose prediction has gone bad: the capacity in
-        sight now (restores failed, or late) cannot start it before its deadline."""
+        sight now (restores failed or late, sequences running longer than estimated) cannot
+        start it before its deadline."""
         queue = self.queues.get(model)
         if not queue:
             return
         now = self.clock.now()
         self._slot_cache.pop(model, None)
-        slots, etas = self._slots(model, now)
-        prior = self.router.prior(model)
-        ahead = 0
-        for p in queue.ordered():
+        held = queue.ordered()
+        predicted, slots = self._assign(model, [p.payload for p in held], now)
+        for p, ttft_s in zip(held, predicted):
             flight: Flight = p.payload
-            ttft_s = queued_ttft_s(now, slots, ahead, prior.prefill_s(flight.prompt_tokens))
-            if ttft_s is not None and now + ttft_s <= p.deadline_s:
-                ahead += 1
+            if ttft_s is not None:
                 continue
             queue.cancel(p)
             self.counts["shed_429"] += 1
@@ -593,10 +702,6 @@ class RequestPath:
             self.gate.started(model, now)
             asyncio.get_running_loop().create_task(self._restore(model))
         self.telemetry.restores_in_flight(self.gate.total)
-        p99 = self.restore_times.p99_ms(model)
-        starts = self.gate.started_s.get(model)
-        if p99 is not None and starts:
-            self._recheck_at[model] = min(starts) + p99 / 1000.0
 
     async def _restore(self, model: str) -> None:
         ok = False
@@ -626,7 +731,6 @@ class RequestPath:
             self._restore_outcome(model, False, reason)
         finally:
             self.gate.finished(model)
-            self._recheck_at.pop(model, None)
             self.telemetry.restores_in_flight(self.gate.total)
         queue = self.queues.get(model)
         if not queue:
@@ -667,15 +771,11 @@ class RequestPath:
 
     def expire_queued(self) -> None:
         """Answer queued requests past their deadline (504: a prediction was wrong, logged
-        with it) or wait bound (429); re-check a model's queue when a restore it counts on
-        passes its p99 without arriving."""
+        with it) or wait bound (429); every ``recheck_s`` re-check each queue against the
+        capacity then in sight (:meth:`_recheck`)."""
         now = self.clock.now()
         for model in list(self.queued_models):
             queue = self.queues[model]
-            due = self._recheck_at.get(model)
-            if due is not None and now >= due:
-                del self._recheck_at[model]
-                self._recheck(model)
             for p in queue.expire():
                 flight: Flight = p.payload
                 if p.deadline_s <= now:
@@ -694,6 +794,9 @@ class RequestPath:
                     self.counts["shed_429"] += 1
                     self._fail(flight, 429, f"waited max_wait_s({queue.max_wait_s}) for "
                                f"model {model!r}", retry_after_ms=queue.retry_after_ms())
+            if queue and now - self._rechecked_s.get(model, float("-inf")) >= self.config.recheck_s:
+                self._rechecked_s[model] = now
+                self._recheck(model)
             if not queue:
                 self.queued_models.discard(model)
             self.telemetry.queue_depth(model, len(queue))
@@ -733,6 +836,10 @@ class RequestPath:
                                              sum(f.prompt_tokens for f in waiting))
         if load.max_seqs > self._max_seqs.get(load.model, 0):
             self._max_seqs[load.model] = load.max_seqs
+        if self.router.get(load.replica_id) is None:
+            self._first_seen[load.replica_id] = self.clock.now()
+            while len(self._first_seen) > 4096:       # oldest first out
+                del self._first_seen[next(iter(self._first_seen))]
         self.router.upsert(load)
 
     def apply_replicas(self, instances: list[ServiceInstance]) -> None:
@@ -785,6 +892,8 @@ class RequestPath:
                              for m in self.router.models() for r in self.router.warm(m)}}
 
 
+_DRAIN_SKIP = 32    # queued requests passed over per drain when the head cannot go yet
+_EXACT_QUEUE = 256  # longer queues: a new request is placed on the slots alone (O(n) bound)
 _SHAPE_GAIN = 0.05  # EWMA gain of the per-model mean prompt and max_tokens (~20 requests)
 
 
