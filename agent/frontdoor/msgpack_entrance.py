@@ -19,7 +19,8 @@ from agent.errors import ProtocolError, Unauthorized
 from agent.frontdoor.auth import TokenAuth
 from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.links import Batched, nodelay, packb
-from agent.frontdoor.request_path import Flight, GenerateRequest, RequestPath
+from agent.frontdoor.request import Flight, GenerateRequest
+from agent.frontdoor.request_path import RequestPath
 from agent.protocol import PROTOCOL_VERSION, Decoder, error_message, reply_id, validate_request
 
 

@@ -32,141 +32,28 @@ links.  The registry is read off the request path (a watcher thread) into the ro
 from __future__ import annotations
 
 import asyncio
-import heapq
 import inspect
 import logging
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from agent.clock import Clock
 from agent.cluster.base import ServiceInstance
-from agent.errors import Overloaded, RewarmError
-from agent.frontdoor.admission import AdmissionQueue, Pending, capacity_etas_s, slot_times_s
+from agent.errors import Overloaded
+from agent.frontdoor.admission import AdmissionQueue, Pending
+from agent.frontdoor.planner import QueuePlanner
+from agent.frontdoor.request import SAMPLING_FIELDS, Flight, GenerateRequest, Sink
+from agent.frontdoor.restores import Restores
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.links import ReplicaLink
 from agent.frontdoor.router import ReplicaLoad, Router
-from agent.protocol import PROTOCOL_VERSION
 from agent.telemetry import Telemetry
+
+__all__ = ["RequestPath", "GenerateRequest", "Sink", "Flight", "SAMPLING_FIELDS"]
 
 log = logging.getLogger(__name__)
 
-# Sampling fields a request may carry, forwarded to the replica when set (contract point 6).
-SAMPLING_FIELDS = ("seed", "stop", "temperature", "top_p", "top_k")
-
-
-@dataclass(slots=True)
-class GenerateRequest:
-    """One validated ``generate`` request, whichever entrance it came through.
-
-    ``request_id``: the client's id (telemetry, logs); ``tokens`` ([int], the prompt's token
-    ids) or ``prompt`` (text; the replica tokenizes it), exactly one; ``max_tokens``: tokens
-    to generate (>= 1); ``deadline_ms``: the client's TTFT deadline counted from arrival, or
-    None for the model's default; ``tenant``: who sent it (None without auth).  Sampling
-    fields (None: the replica's default) are forwarded as they are.
-    """
-
-    request_id: Any
-    model: str
-    tokens: list[int] | None
-    prompt: str | None
-    max_tokens: int
-    deadline_ms: float | None = None
-    tenant: str | None = None
-    seed: int | None = None
-    stop: list | None = None          # token ids (and, where the replica supports it, strings)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-
-    @classmethod
-    def from_message(cls, message: dict, tenant: str | None = None) -> "GenerateRequest":
-        """From a ``generate`` map already checked by :func:`agent.protocol.validate_request`."""
-        get = message.get
-        return cls(message["id"], message["model"], get("tokens"), get("prompt"),
-                   message["max_tokens"], get("deadline_ms"), tenant, get("seed"), get("stop"),
-                   get("temperature"), get("top_p"), get("top_k"))
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt length in tokens: exact for ``tokens``; for text ~3 characters per BPE token
-        (an overestimate for English with a byte-level BPE vocabulary)."""
-        return len(self.tokens) if self.tokens is not None else len(self.prompt or "") // 3 + 1
-
-    def replica_message(self) -> dict:
-        """The ``generate`` map sent to a replica (its ``id`` is set by the link)."""
-        msg = {"v": PROTOCOL_VERSION, "op": "generate", "model": self.model,
-               "max_tokens": self.max_tokens}
-        if self.tokens is not None:
-            msg["tokens"] = self.tokens
-        else:
-            msg["prompt"] = self.prompt
-        if self.seed is not None:
-            msg["seed"] = self.seed
-        if self.stop is not None:
-            msg["stop"] = self.stop
-        if self.temperature is not None:
-            msg["temperature"] = self.temperature
-        if self.top_p is not None:
-            msg["top_p"] = self.top_p
-        if self.top_k is not None:
-            msg["top_k"] = self.top_k
-        return msg
-
-
-class Sink(Protocol):
-    """Where one request's answers go (an entrance's adapter).  Exactly one of :meth:`done`
-    or :meth:`error` is called, last; none after the request was cancelled."""
-
-    def tokens(self, message: dict) -> None:
-        """A chunk: ``{"type": "tokens", "tokens": [int], "text"?: str}`` (its ``id`` is the
-        replica link's own: the sink puts its client's id in)."""
-        ...
-
-    def done(self, message: dict) -> None:
-        """The end: ``{"type": "done", "n_tokens", "text"?, "ttft_ms", "total_ms", "path",
-        "replica", "queue_wait_ms"}`` (times measured here, from arrival)."""
-        ...
-
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
-        """A refusal or failure: HTTP-like ``code`` (400..504), ``reason`` naming the value
-        and the limit, ``retry_after_ms`` with 429 and 503."""
-        ...
-
-
-class Flight:
-    """One request inside the front door, from submit to its final answer (or cancel)."""
-
-    __slots__ = ("owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
-                 "prompt_tokens", "path", "restore_ms", "queue_wait_ms", "replica_id",
-                 "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried",
-                 "warm_deadline_s")
-
-    def __init__(self, owner: "RequestPath", req: GenerateRequest, sink: Sink,
-                 arrival_s: float) -> None:
-        self.owner, self.req, self.sink, self.model = owner, req, sink, req.model
-        self.arrival_s = arrival_s
-        self.deadline_s = arrival_s       # its first token's deadline (restore path once held)
-        self.warm_deadline_s = arrival_s  # the deadline when served by a replica warm before it
-        self.need_tokens = 0
-        self.prompt_tokens = 0
-        self.predicted_ttft_s: float | None = None  # from arrival, when it was last placed
-        self.tried: set[str] | None = None          # replicas that refused it (429)
-        self.path = "warm_hit"
-        self.restore_ms: float | None = None
-        self.queue_wait_ms = 0.0
-        self.replica_id = ""
-        self.replica_rid = 0
-        self.ttft_s: float | None = None
-        self.pending: Pending | None = None
-        self.over = False  # answered (done/error) or cancelled
-
-    def cancel(self) -> None:
-        """The client went away: forget this request (no answer is sent)."""
-        self.owner.cancel(self)
-
-
-class RequestPath:
+class RequestPath(QueuePlanner, Restores):
     """Owns the router, the admission queues, the replica links and the capacity requests;
     :meth:`submit` is the one way in."""
 
@@ -303,138 +190,6 @@ class RequestPath:
         self.queued_models.add(model)
         self.telemetry.queue_depth(model, len(queue))
         self._maybe_restore(model)
-
-    def _etas_s(self, model: str, now: float) -> list[float]:
-        """When new replicas of ``model`` are expected, soonest first
-        (:func:`capacity_etas_s`): the restores in flight, and those :meth:`_maybe_restore`
-        would start for the queue with one more request in it."""
-        p99, p50 = self.restore_times.p99_ms(model), self.restore_times.p50_ms(model)
-        startable = 0
-        if self.capacity is not None and now >= self._capped_until.get(model, 0.0):
-            queue = self.queues.get(model)
-            startable = self.gate.wanted(model, (len(queue) if queue else 0) + 1,
-                                         self._per_replica(model))
-        return capacity_etas_s(now, self.gate.started_s.get(model, []),
-                               None if p50 is None else p50 / 1000.0,
-                               None if p99 is None else p99 / 1000.0, startable)
-
-    def _slots(self, model: str, now: float) -> tuple[list[tuple[float, float]], list[float]]:
-        """(warm slots, new-replica slots) for ``model``'s queue (:func:`slot_times_s`),
-        soonest first: ``(time, when its replica was first seen)`` for the expected end of
-        each request at the warm replicas (dispatch + predicted TTFT + max_tokens decode
-        steps at the replica's batch, then the step in progress), and the times of the slots
-        of the replicas being restored (or that could be).  Cached for ``tick_s`` (a burst
-        of arrivals shares one computation)."""
-        cached = self._slot_cache.get(model)
-        if cached is not None and now - cached[0] < self.config.tick_s:
-            return cached[1], cached[2]
-        prior = self.router.prior(model)
-        frees = []
-        for load in self.router.warm(model):
-            link = self.links.get(load.replica_id)
-            if link is None:
-                continue
-            # its batch fills as the queue drains into it: steps at a full batch (an upper
-            # bound, so a wrong estimate errs towards refusing at arrival, not later)
-            speed = load.speed or prior
-            step_s = speed.decode_step_s(load.max_seqs, load.active_ctx_tokens
-                                         * max(1, load.max_seqs) // max(1, load.active_seqs))
-            seen = self._first_seen.get(load.replica_id, float("-inf"))
-            idle = load.max_seqs - load.active_seqs
-            if idle > 0:  # free now: they start after the step in progress
-                frees.extend([(now + speed.decode_step_s(load.active_seqs,
-                                                         load.active_ctx_tokens), seen,
-                               step_s)] * idle)
-            for f in link.in_flight.values():
-                first = f.ttft_s if f.ttft_s is not None else \
-                    f.arrival_s + (f.predicted_ttft_s or 0.0)
-                end = first + f.req.max_tokens * step_s
-                if end <= now:  # overdue: the estimate was wrong; expect the overrun again
-                    end = now + (now - end)
-                frees.append((end + step_s, seen, step_s))
-        frees.sort()
-        mean_prompt = self._shape.get(model, (1.0, 1.0))[0]
-        fresh = slot_times_s([], self._etas_s(model, now), self._per_replica(model), prior,
-                             mean_prompt)
-        self._slot_cache[model] = (now, frees, fresh)
-        return frees, fresh
-
-    def _assign(self, model: str, flights: list[Flight], now: float,
-                margin_s: float = 0.0) -> tuple[list[float | None], list[float]]:
-        """Predicted TTFTs from now (None: no capacity in sight makes its deadline) of
-        ``flights`` (earliest deadline first), each taking the soonest slot that those before
-        it left and that it can use in time: a slot on a replica up before the request
-        arrived within its warm deadline, a new replica's within its restore-path deadline.
-        A slot taken frees again once that request's ``max_tokens`` are decoded.  Also
-        returns every slot's time (soonest first), for ``retry_after_ms``.  The last flight
-        must make its deadlines with ``margin_s`` to spare (admission; see :meth:`_hold`)."""
-        frees, fresh = self._slots(model, now)
-        prior = self.router.prior(model)
-        fresh_step = prior.decode_step_s(max(1, self._per_replica(model)))
-        inf = float("inf")
-        heap = frees + [(t, inf, fresh_step) for t in fresh]
-        times = sorted(h[0] for h in heap)
-        heapq.heapify(heap)
-        out: list[float | None] = []
-        last = len(flights) - 1
-        for k, flight in enumerate(flights):
-            own = prior.prefill_s(flight.prompt_tokens)
-            spare = margin_s if k == last else 0.0
-            found, passed = None, []
-            while heap:
-                slot = heapq.heappop(heap)
-                t, seen, step_s = slot
-                ttft_s = max(0.0, t - now) + own
-                if now + ttft_s + spare > flight.deadline_s:
-                    passed.append(slot)
-                    break
-                if seen > flight.arrival_s or now + ttft_s + spare <= flight.warm_deadline_s:
-                    found = ttft_s
-                    heapq.heappush(heap, (now + ttft_s + (flight.req.max_tokens + 1) * step_s,
-                                          seen, step_s))
-                    break
-                passed.append(slot)
-            for slot in passed:
-                heapq.heappush(heap, slot)
-            out.append(found)
-        return out, times
-
-    def _choose_in_time(self, flight: Flight, now: float) -> tuple[ReplicaLoad, float] | None:
-        """The replica with the lowest predicted TTFT that starts ``flight`` within its
-        deadline there (:meth:`_deadline_for`): among all, else among those brought up since
-        it arrived (the warm path's deadline may have passed, the restore path's not)."""
-        exclude = flight.tried or frozenset()
-        found = self.router.choose_predicted(flight.model, flight.need_tokens,
-                                             flight.prompt_tokens, exclude)
-        if found is None:
-            return None
-        if now + found[1] <= self._deadline_for(flight, found[0].replica_id):
-            return found
-        if now > flight.warm_deadline_s:
-            old = {r.replica_id for r in self.router.warm(flight.model)
-                   if self._first_seen.get(r.replica_id, float("-inf")) <= flight.arrival_s}
-            found = self.router.choose_predicted(flight.model, flight.need_tokens,
-                                                 flight.prompt_tokens, old | set(exclude))
-            if found is not None and now + found[1] <= flight.deadline_s:
-                return found
-        return None
-
-    def _deadline_for(self, flight: Flight, replica_id: str) -> float:
-        """``flight``'s deadline at this replica: the restore path's when the replica was
-        first seen after the request arrived, else the warm path's."""
-        if self._first_seen.get(replica_id, float("-inf")) > flight.arrival_s:
-            return flight.deadline_s
-        return flight.warm_deadline_s
-
-    def _per_replica(self, model: str) -> int:
-        """Requests one new replica of ``model`` serves within the warm SLO: its sustainable
-        concurrency (agent/speed.py) at the model's mean prompt and max_tokens, with the
-        model's prior speed, within the largest replica's slots seen."""
-        prompt, gen = self._shape.get(model, (1.0, 1.0))
-        max_seqs = self._max_seqs.get(model, 0) or max(
-            (r.max_seqs for r in self.router.warm(model)), default=self.config.default_max_seqs)
-        return self.router.prior(model).sustainable_concurrency(
-            self.config.slo_s(model)[0], prompt, gen, max_seqs)
 
     def cancel(self, flight: Flight) -> None:
         """Forget ``flight`` (its client is gone): out of its queue, or cancelled at the
@@ -679,95 +434,6 @@ class RequestPath:
                        retry_after_ms=max(1, round(((slots[0] if slots else now + 1.0) - now)
                                                    * 1000)))
         self.telemetry.queue_depth(model, len(queue))
-
-    def _maybe_restore(self, model: str) -> None:
-        """Ask for the replicas the queue needs: its length over one replica's measured
-        sustainable concurrency at the SLO (:meth:`_per_replica`), less restores in flight."""
-        if self.capacity is None or self.clock.now() < self._capped_until.get(model, 0.0):
-            return
-        self._restore_for(model, self.gate.wanted(model, len(self.queues[model]),
-                                                  self._per_replica(model)))
-
-    def _probe_restore(self, model: str) -> None:
-        """After a node answered at its cap: ask once more (one restore, not a queue's worth)
-        if requests still wait and nothing is in flight."""
-        if self.queues.get(model) and not self.gate.in_flight.get(model):
-            self._restore_for(model, 1)
-
-    def _restore_for(self, model: str, n: int) -> None:
-        if self.capacity is None:
-            return
-        now = self.clock.now()
-        for _ in range(min(n, self.gate.room(model))):
-            self.gate.started(model, now)
-            asyncio.get_running_loop().create_task(self._restore(model))
-        self.telemetry.restores_in_flight(self.gate.total)
-
-    async def _restore(self, model: str) -> None:
-        ok = False
-        started = self.clock.now()
-        try:
-            result = await self.capacity.request_restore(model)
-            ok = True
-            self._restore_outcome(model, True)
-            now = self.clock.now()
-            self.last_restore[model] = (now, result.path, result.restore_ms)
-            if result.path != "warm_hit":  # an existing replica's answer measures nothing
-                self._restore_measured(model, result.restore_ms or (now - started) * 1000.0,
-                                       result.path)
-            if result.replica is not None:
-                self._max_seqs[model] = max(self._max_seqs.get(model, 0),
-                                            result.replica.max_seqs)
-                self.upsert(result.replica)
-                if result.path != "warm_hit":
-                    self.came_up[result.replica.replica_id] = (now, result.path, result.restore_ms)
-                    while len(self.came_up) > 1024:       # oldest first out
-                        del self.came_up[next(iter(self.came_up))]
-                self.known_models.add(model)
-                self._upserted[result.replica.replica_id] = self.clock.now()
-        except Exception as exc:  # the requester's failure, whatever it is, ends this restore
-            log.warning("restore of %s failed: %s", model, exc)
-            reason = exc.message if isinstance(exc, RewarmError) else str(exc)
-            self._restore_outcome(model, False, reason)
-        finally:
-            self.gate.finished(model)
-            self.telemetry.restores_in_flight(self.gate.total)
-        queue = self.queues.get(model)
-        if not queue:
-            return
-        self._drain(model)
-        self._recheck(model)
-        if ok:
-            if queue and result.path == "warm_hit":
-                # The node is at its replica cap and answered with a replica it already had:
-                # asking again at once would spin; queued requests go as it frees slots.
-                backoff_s = self.config.at_capacity_backoff_s
-                self._capped_until[model] = self.clock.now() + backoff_s
-                asyncio.get_running_loop().call_later(backoff_s, self._probe_restore, model)
-            elif queue:
-                self._maybe_restore(model)
-        elif not self.gate.in_flight.get(model) and not self.router.warm(model):
-            # nothing can succeed now: say so promptly
-            self.refuse_queued(model, f"model {model!r}: no capacity can be restored: {reason}")
-
-    def refuse_queued(self, model: str, reason: str) -> None:
-        """Answer every request queued for ``model`` 503 with ``reason`` (never dispatched)."""
-        for p in self.queues[model].drain():
-            self._fail(p.payload, 503, reason)
-        self.telemetry.queue_depth(model, 0)
-
-    def _restore_outcome(self, model: str, ok: bool, reason: str | None = None) -> None:
-        hook = getattr(self.telemetry, "restore_outcome", None)  # the ops branch's readiness
-        if hook is not None:
-            hook(model, ok, reason) if reason is not None else hook(model, ok)
-
-    def _restore_measured(self, model: str, restore_ms: float,
-                          path: str = "snapshot_restore") -> None:
-        self.restore_times.record(model, restore_ms, path)
-        if model not in self.config.models:
-            self._deadline_ms[model] = max(
-                self.config.default_deadline_ms,
-                self.config.deadline_per_restore_p99 * self.restore_times.p99_ms(model))
 
     def expire_queued(self) -> None:
         """Answer queued requests past their deadline (504: a prediction was wrong, logged

@@ -14,8 +14,7 @@ from stub_replica import StubReplica  # noqa: E402
 
 from agent.client import AsyncClient  # noqa: E402
 from agent.cluster.local import LocalRegistry  # noqa: E402
-from agent.errors import (DeadlineExceeded, ModelNotFound, NoCapacity, Overloaded,  # noqa: E402
-                          Unauthorized)
+from agent.errors import ModelNotFound, NoCapacity, Overloaded, Unauthorized  # noqa: E402
 from agent.frontdoor.auth import TokenAuth  # noqa: E402
 from agent.frontdoor.capacity import RestoreResult  # noqa: E402
 from agent.frontdoor.server import FrontDoor, FrontDoorConfig  # noqa: E402
@@ -152,8 +151,6 @@ def test_queue_full_429_then_a_prediction_gone_bad_429_before_the_deadline():
         c = await AsyncClient.connect(host, port, max_retries=0)
         first = asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1))
         await asyncio.sleep(0.05)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
         queued = [asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1,
                                                  deadline_ms=d)) for d in (400, 600)]
         await asyncio.sleep(0.02)
