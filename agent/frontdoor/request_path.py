@@ -87,6 +87,7 @@ class RequestPath(QueuePlanner, Restores):
         self.queued_models: set[str] = set()
         self._upserted: dict[str, float] = {}  # replica id -> when a restore reported it
         self.stopping = False
+        self._drain_until_s: float | None = None
 
     # --- the way in ------------------------------------------------------------------
 
@@ -98,8 +99,10 @@ class RequestPath(QueuePlanner, Restores):
         flight = Flight(self, req, sink, now)
         model = req.model
         if self.stopping:
-            self._fail(flight, 503, "front door shutting down: not taking new requests",
-                       retry_after_ms=1000)
+            left_s = (self._drain_until_s or now) - now
+            self._fail(flight, 503, "front door shutting down (draining): not taking new "
+                       "requests; another front door takes them",
+                       retry_after_ms=max(1, round(max(left_s, 1.0) * 1000)))
             return flight
         if model not in self.known_models:  # (not counted by model: names are the client's)
             self._fail(flight, 404, f"unknown model {model!r}")
@@ -349,6 +352,7 @@ class RequestPath(QueuePlanner, Restores):
         if self.links.get(link.replica_id) is link:
             del self.links[link.replica_id]
         self.router.remove(link.replica_id)
+        self._slot_cache.clear()
         failed, link.in_flight = list(link.in_flight.values()), {}
         for flight in failed:
             self._fail(flight, 503, reason, path=flight.path)
@@ -469,9 +473,11 @@ class RequestPath(QueuePlanner, Restores):
 
     # --- shutdown ----------------------------------------------------------------------
 
-    def begin_stop(self) -> None:
-        """Take no new requests; answer every queued one 503 (never sent to a replica)."""
+    def begin_stop(self, drain_until_s: float | None = None) -> None:
+        """Drain: take no new requests (503 with ``retry_after_ms`` until ``drain_until_s``,
+        when this front door is gone); answer every queued one 503 (never sent to a replica)."""
         self.stopping = True
+        self._drain_until_s = drain_until_s
         for model in self.queues:
             self.refuse_queued(model, f"front door shutting down: request for model "
                                       f"{model!r} was queued and never sent to a replica")
@@ -502,6 +508,7 @@ class RequestPath(QueuePlanner, Restores):
                                              sum(f.prompt_tokens for f in waiting))
         if load.max_seqs > self._max_seqs.get(load.model, 0):
             self._max_seqs[load.model] = load.max_seqs
+        self._slot_cache.pop(load.model, None)
         if self.router.get(load.replica_id) is None:
             self._first_seen[load.replica_id] = self.clock.now()
             while len(self._first_seen) > 4096:       # oldest first out

@@ -40,6 +40,7 @@ class Restores:
         if self.capacity is None:
             return
         now = self.clock.now()
+        self._slot_cache.pop(model, None)
         for _ in range(min(n, self.gate.room(model))):
             self.gate.started(model, now)
             asyncio.get_running_loop().create_task(self._restore(model))
@@ -73,6 +74,7 @@ class Restores:
             self._restore_outcome(model, False, reason)
         finally:
             self.gate.finished(model)
+            self._slot_cache.pop(model, None)
             self.telemetry.restores_in_flight(self.gate.total)
         queue = self.queues.get(model)
         if not queue:

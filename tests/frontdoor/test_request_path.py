@@ -166,3 +166,30 @@ def test_a_deadline_passing_while_queued_is_a_504_logged_with_the_prediction_it_
     with caplog.at_level("WARNING", logger="agent.frontdoor.request_path"):
         run(main())
     assert any("504" in r.message and "predicted TTFT was" in r.message for r in caplog.records)
+
+
+def test_each_answer_passes_its_prediction_to_telemetry_when_telemetry_takes_it():
+    from agent.telemetry import Telemetry
+
+    class Recording(Telemetry):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def event(self, request_id, model, path, code, queue_wait_ms, restore_ms, ttft_ms,
+                  sla_breached, *, reason=None, predicted_ttft_ms=None):
+            self.seen.append((code, ttft_ms, predicted_ttft_ms, reason))
+
+    async def main():
+        f = Fleet()
+        f.path.telemetry = rec = Recording()
+        f.path._event_kw = frozenset({"reason", "predicted_ttft_ms"})
+        s = f.submit(prompt_tokens=100)
+        await f.timeline.run_until(f.clock.now() + 5)
+        assert s.code == 200
+        code, ttft_ms, predicted_ms, _ = rec.seen[0]
+        assert code == 200 and abs(ttft_ms - predicted_ms) < 1e-6   # right, here
+        f.path.begin_stop(f.clock.now() + 1)
+        f.submit()
+        assert rec.seen[1][0] == 503 and "draining" in rec.seen[1][3]
+    run(main())
