@@ -374,7 +374,13 @@ class RequestPath(QueuePlanner, Restores):
     def _event(self, *args: Any, **kw: Any) -> None:
         """Telemetry's event, with the keywords it knows (``reason``, ``predicted_ttft_ms``
         arrive with the ops branch's telemetry; older telemetry is called without them)."""
-        self.telemetry.event(*args, **{k: v for k, v in kw.items() if k in self._event_kw})
+        known = self._event_kw
+        if known is _ALL_EVENT_KW:
+            self.telemetry.event(*args, **kw)
+        elif not known:
+            self.telemetry.event(*args)
+        else:
+            self.telemetry.event(*args, **{k: v for k, v in kw.items() if k in known})
 
     # --- queues and restores ---------------------------------------------------------
 
@@ -580,6 +586,10 @@ def _keywords(fn: Any) -> frozenset:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return frozenset()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return frozenset({"reason", "predicted_ttft_ms"})
-    return frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+    names = frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+    if any(p.kind is p.VAR_KEYWORD for p in params) or _ALL_EVENT_KW <= names:
+        return _ALL_EVENT_KW
+    return names
+
+
+_ALL_EVENT_KW = frozenset({"reason", "predicted_ttft_ms"})
