@@ -193,3 +193,20 @@ def test_each_answer_passes_its_prediction_to_telemetry_when_telemetry_takes_it(
         f.submit()
         assert rec.seen[1][0] == 503 and "draining" in rec.seen[1][3]
     run(main())
+
+
+def test_late_and_expired_lines_are_rate_limited(caplog):
+    import logging
+
+    from agent.clock import ManualClock
+    from agent.frontdoor.ratelog import RateLimitedLog
+
+    clock = ManualClock()
+    rl = RateLimitedLog(logging.getLogger("t.rl"), "things", clock=clock, interval_s=10, burst=2)
+    with caplog.at_level("WARNING", logger="t.rl"):
+        for i in range(50):
+            rl.warning("thing %d", i)
+        clock.advance(10)
+        rl.tick()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["thing 0", "thing 1", "things: 48 more in the last 10 s (not logged one by one)"]
