@@ -145,9 +145,13 @@ class AdmissionQueue:
             out.append(p)
         return out
 
-    def ordered(self) -> list[Pending]:
-        """The requests held, earliest deadline first (a copy; O(n log n))."""
-        return [entry[2] for entry in sorted(self._heap) if not entry[2].cancelled]
+    def ordered(self, limit: int | None = None) -> list[Pending]:
+        """The requests held, earliest deadline first (a copy; O(n log n)), or the first
+        ``limit`` of them (O(n log limit))."""
+        entries = sorted(self._heap) if limit is None else heapq.nsmallest(
+            limit + (len(self._heap) - self._live), self._heap)
+        out = [entry[2] for entry in entries if not entry[2].cancelled]
+        return out if limit is None else out[:limit]
 
     def next_deadline_s(self) -> float | None:
         """The earliest ``give_up_s`` held (when :meth:`expire` next has work), or None."""

@@ -81,7 +81,8 @@ class RequestPath(QueuePlanner, Restores):
         self._shape: dict[str, list[float]] = {}   # model -> [mean prompt, mean max_tokens]
         self._max_seqs: dict[str, int] = {}        # model -> largest replica's slots seen
         self._rechecked_s: dict[str, float] = {}   # model -> when its queue was last re-checked
-        self._slot_cache: dict[str, tuple[float, list, list[float]]] = {}
+        self._slot_cache: dict[str, tuple[float, list, float]] = {}
+        self._per_replica_cache: dict[str, tuple[float, int]] = {}
         self._first_seen: dict[str, float] = {}    # replica id -> when it entered the view
         self._budgets: dict[str, tuple[float, float]] = {}  # model -> (warm, restore) s
         self._event_kw = _keywords(telemetry.event)
@@ -168,20 +169,24 @@ class RequestPath(QueuePlanner, Restores):
                 model, clock=self.clock, max_depth=self.config.max_queue_depth,
                 max_wait_s=self.config.max_wait_s)
         # the queue ahead (earlier deadlines) takes its slots first
-        ahead = [p.payload for p in queue.ordered() if p.deadline_s <= flight.deadline_s] \
-            if len(queue) <= _EXACT_QUEUE else []
+        if len(queue) <= _EXACT_QUEUE:
+            before, skip = [p.payload for p in queue.ordered()
+                            if p.deadline_s <= flight.deadline_s], 0
+        else:  # a long queue: the ones ahead are taken to hold the first slots
+            before, skip = [], len(queue)
         # Admitted with a margin: one decode step at a full batch (the slot model's quantum
         # of error) and one re-check interval, so that a small error is a 429 now, not later.
         margin_s = self.config.recheck_s + self.router.prior(model).decode_step_s(
             self._max_seqs.get(model, 0) or self.config.default_max_seqs)
-        predicted, slots = self._assign(model, ahead + [flight], now, margin_s)
+        predicted, first = self._assign(model, before + [flight], now, margin_s, skip)
         ttft_s = predicted[-1]
         if ttft_s is None:
             left_ms = (flight.deadline_s - now) * 1000.0
             warm = ("no warm replica with a free slot" if warm_pred_s is None else
                     f"best warm replica predicted {warm_pred_s * 1000:.0f} ms")
             cap = "no capacity in sight can start it in time"
-            retry_ms = max(1, round(((slots[0] if slots else now + 1.0) - now) * 1000))
+            retry_ms = max(1, round(((first if first < float("inf") else now + 1.0) - now)
+                                    * 1000))
             self.counts["shed_429"] += 1
             self._fail(flight, 429, f"model {model!r}: cannot start within {left_ms:.0f} ms "
                        f"(the TTFT SLO from arrival): {warm}, {cap}, "
@@ -452,8 +457,8 @@ class RequestPath(QueuePlanner, Restores):
             return
         now = self.clock.now()
         self._slot_cache.pop(model, None)
-        held = queue.ordered()
-        predicted, slots = self._assign(model, [p.payload for p in held], now)
+        held = queue.ordered(_RECHECK_MAX)  # the rest are checked as they move up
+        predicted, first = self._assign(model, [p.payload for p in held], now)
         for p, ttft_s in zip(held, predicted):
             flight: Flight = p.payload
             if ttft_s is not None:
@@ -464,8 +469,8 @@ class RequestPath(QueuePlanner, Restores):
             self._fail(flight, 429, f"model {model!r}: queued with a predicted TTFT of "
                        f"{was:.0f} ms; capacity now in sight cannot start it within its "
                        f"deadline ({(p.deadline_s - now) * 1000:.0f} ms left)",
-                       retry_after_ms=max(1, round(((slots[0] if slots else now + 1.0) - now)
-                                                   * 1000)))
+                       retry_after_ms=max(1, round(((first if first < float("inf")
+                                                     else now + 1.0) - now) * 1000)))
         self.telemetry.queue_depth(model, len(queue))
 
     def expire_queued(self) -> None:
@@ -601,7 +606,8 @@ class RequestPath(QueuePlanner, Restores):
 
 
 _DRAIN_SKIP = 32    # queued requests passed over per drain when the head cannot go yet
-_EXACT_QUEUE = 256  # longer queues: a new request is placed on the slots alone (O(n) bound)
+_EXACT_QUEUE = 32   # longer queues: a new request is placed after len(queue) slots
+_RECHECK_MAX = 128  # queued requests re-checked each time, earliest deadline first
 _SHAPE_GAIN = 0.05  # EWMA gain of the per-model mean prompt and max_tokens (~20 requests)
 
 
