@@ -166,12 +166,16 @@ def capacity_etas_s(now_s: float, started_s: list[float], p50_s: float | None,
     """Clock times (s) at which new replicas of one model are expected, soonest first.
 
     ``started_s``: when each restore in flight began; ``p50_s``/``p99_s``: the model's
-    measured restore quantiles on the tier it restores from (None: not measured yet, taken
-    as 0: the first restore is asked for, and a late one is a counted 504); ``startable``:
+    measured restore quantiles on the tier it restores from (None: not measured yet: every
+    ETA is "now", and the caller holds the request to the model's default deadline rather
+    than the restore SLO, since the first restore may be a cold boot); ``startable``:
     restores that could still start now.  A restore in flight is due ``started + p99``; one
     already past it is in the tail, and is given the larger of ``p99 - p50`` (the measured
     spread) and its overrun so far."""
-    p99 = p99_s or 0.0
+    if p99_s is None:  # nothing measured: no ETA to hold it to (the caller's budget does)
+        etas = [now_s] * (len(started_s) + max(0, startable))
+        return etas
+    p99 = p99_s
     spread = max(0.0, p99 - (p50_s or p99))
     etas = []
     for t0 in started_s:

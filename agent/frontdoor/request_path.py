@@ -153,9 +153,13 @@ class RequestPath(QueuePlanner, Restores):
         if deadline_ms:
             return deadline_ms / 1000.0, deadline_ms / 1000.0
         budgets = self._budgets.get(model)
-        if budgets is None:  # cached; dropped when the model's default deadline changes
+        if budgets is None:  # cached; dropped when a restore of the model is measured
             default_s = self._deadline_ms.get(model, self.config.default_deadline_ms) / 1000.0
             warm_s, restore_s = self.config.slo_s(model)
+            if self.restore_times.p99_ms(model) is None:
+                # Nothing restored yet: the first restore may be a cold boot (minutes, no
+                # snapshot yet), which no restore-path SLO covers; the default deadline does.
+                restore_s = default_s
             budgets = self._budgets[model] = (min(default_s, warm_s), min(default_s, restore_s))
         return budgets
 
