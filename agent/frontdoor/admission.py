@@ -19,6 +19,7 @@ from typing import Any
 
 from agent.clock import Clock
 from agent.errors import ConfigError, Overloaded
+from agent.speed import SpeedProfile
 
 
 @dataclass(eq=False)  # identity: a queued request is a thing, not a value (hashable)
@@ -38,6 +39,7 @@ class Pending:
     payload: Any = field(default=None, repr=False)
     give_up_s: float = field(default=float("inf"), repr=False)  # set by AdmissionQueue.offer
     cancelled: bool = field(default=False, repr=False)           # set by AdmissionQueue.cancel
+    predicted_ttft_s: float | None = field(default=None, repr=False)  # when it was admitted
 
 
 class AdmissionQueue:
@@ -143,7 +145,72 @@ class AdmissionQueue:
             out.append(p)
         return out
 
+    def ordered(self, limit: int | None = None) -> list[Pending]:
+        """The requests held, earliest deadline first (a copy; O(n log n)), or the first
+        ``limit`` of them (O(n log limit))."""
+        entries = sorted(self._heap) if limit is None else heapq.nsmallest(
+            limit + (len(self._heap) - self._live), self._heap)
+        out = [entry[2] for entry in entries if not entry[2].cancelled]
+        return out if limit is None else out[:limit]
+
     def next_deadline_s(self) -> float | None:
         """The earliest ``give_up_s`` held (when :meth:`expire` next has work), or None."""
         head = self.peek()
         return None if head is None else head.give_up_s
+
+
+# --- when capacity that is not warm yet can serve a request (pure helpers) ---------------
+
+def capacity_etas_s(now_s: float, started_s: list[float], p50_s: float | None,
+                    p99_s: float | None, startable: int) -> list[float]:
+    """Clock times (s) at which new replicas of one model are expected, soonest first.
+
+    ``started_s``: when each restore in flight began; ``p50_s``/``p99_s``: the model's
+    measured restore quantiles on the tier it restores from (None: not measured yet: every
+    ETA is "now", and the caller holds the request to the model's default deadline rather
+    than the restore SLO, since the first restore may be a cold boot); ``startable``:
+    restores that could still start now.  A restore in flight is due ``started + p99``; one
+    already past it is in the tail, and is given the larger of ``p99 - p50`` (the measured
+    spread) and its overrun so far."""
+    if p99_s is None:  # nothing measured: no ETA to hold it to (the caller's budget does)
+        etas = [now_s] * (len(started_s) + max(0, startable))
+        return etas
+    p99 = p99_s
+    spread = max(0.0, p99 - (p50_s or p99))
+    etas = []
+    for t0 in started_s:
+        due = t0 + p99
+        # overdue: in the tail; at least the measured spread more, and as long again as it
+        # has overrun (so a restore that hangs is not "due any moment" for ever)
+        etas.append(due if due > now_s else now_s + max(spread, now_s - due))
+    etas.extend([now_s + p99] * max(0, startable))
+    etas.sort()
+    return etas
+
+
+def slot_times_s(frees_s: list[float], etas_s: list[float], per_replica: int,
+                 speed: SpeedProfile, mean_prompt_tokens: float) -> list[float]:
+    """Clock times (s) at which a queued request can start its own prefill, one entry per
+    request, soonest first: a slot freed at each of ``frees_s`` (a warm replica's sequence
+    that ends, already including the decode step then in progress), and ``per_replica``
+    slots on each new replica due at ``etas_s`` (its sustainable concurrency at the SLO): the
+    j-th waits for the step of the j before it and their prefills (``mean_prompt_tokens``
+    each), as :meth:`SpeedProfile.predict_ttft_s` counts them."""
+    slots = list(frees_s)
+    base = speed.prefill_s(0)
+    for j in range(max(1, per_replica)):
+        wait_s = speed.predict_ttft_s(0, active_seqs=j, waiting_seqs=j,
+                                      queued_prefill_tokens=int(j * mean_prompt_tokens)) - base
+        slots.extend(eta + wait_s for eta in etas_s)
+    slots.sort()
+    return slots
+
+
+def queued_ttft_s(now_s: float, slots_s: list[float], ahead: int,
+                  prefill_s: float) -> float | None:
+    """Predicted TTFT from now (s) of a request with ``ahead`` requests queued before it
+    (earliest deadline first) on the slots :func:`slot_times_s` gives: its slot, then its
+    own prefill.  None when the capacity in sight does not reach this far down the queue."""
+    if ahead >= len(slots_s):
+        return None
+    return max(0.0, slots_s[ahead] - now_s) + prefill_s

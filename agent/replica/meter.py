@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -51,16 +51,14 @@ class ReplicaMeter:
         wall_s = min(self.window_s, now - self._first_s)
         return sum(n for _t, n in self._steps) / wall_s if wall_s > 0 else 0.0
 
-    def snapshot(self, engine, pending_prompts: Iterable[int] = ()) -> dict[str, Any]:
-        """The load keys (``stats``): ``tokens_per_s`` (float), ``batch_size``,
-        ``queued_prefill_tokens`` (prompt tokens of sequences not yet admitted to a slot plus
-        ``pending_prompts``, the lengths of requests not yet handed to the engine),
-        ``kv_slots_used``, ``kv_slots``, ``generated_tokens`` (ints)."""
-        waiting = getattr(engine, "_waiting", ())
-        queued = sum(len(s.prompt) for s in list(waiting)) + sum(pending_prompts)
+    def snapshot(self, engine) -> dict[str, Any]:
+        """The load keys (``stats``) this meter adds: ``tokens_per_s`` (float), ``batch_size``,
+        ``kv_slots_used``, ``kv_slots``, ``generated_tokens`` (ints).  The queue
+        (``queued_prefill_tokens``, ``waiting_seqs``) comes from the engine's own report
+        (:meth:`Engine.speed_report`, agent/speed.py's QUEUE_META_KEYS)."""
         return {"tokens_per_s": round(self.tokens_per_s(), 3), "batch_size": self.batch_size,
-                "queued_prefill_tokens": int(queued), "kv_slots_used": int(engine.kv.active),
-                "kv_slots": int(engine.kv.max_seqs), "generated_tokens": self.generated_tokens}
+                "kv_slots_used": int(engine.kv.active), "kv_slots": int(engine.kv.max_seqs),
+                "generated_tokens": self.generated_tokens}
 
 
 class _Collector:

@@ -14,8 +14,7 @@ from stub_replica import StubReplica  # noqa: E402
 
 from agent.client import AsyncClient  # noqa: E402
 from agent.cluster.local import LocalRegistry  # noqa: E402
-from agent.errors import (DeadlineExceeded, ModelNotFound, NoCapacity, Overloaded,  # noqa: E402
-                          Unauthorized)
+from agent.errors import ModelNotFound, NoCapacity, Overloaded, Unauthorized  # noqa: E402
 from agent.frontdoor.auth import TokenAuth  # noqa: E402
 from agent.frontdoor.capacity import RestoreResult  # noqa: E402
 from agent.frontdoor.server import FrontDoor, FrontDoorConfig  # noqa: E402
@@ -143,27 +142,29 @@ def test_error_codes_404_401():
     run(main())
 
 
-def test_queue_full_429_then_deadline_504_never_dispatched():
+def test_queue_full_429_then_a_prediction_gone_bad_429_before_the_deadline():
     async def main():
-        # The only replica has one sequence slot, held by a request it never answers.
+        # The only replica has one sequence slot, held by a request it never answers: the
+        # front door's estimate of when that slot frees turns out wrong.
         fd, stubs, host, port = await setup(stub={"max_seqs": 1, "hold": True},
                                             max_queue_depth=2, capacity=FakeCapacity(fail=True, delay_s=5))
+        fd.path.restore_times.record("m", 5000.0)   # restores measured: too slow to help here
         c = await AsyncClient.connect(host, port, max_retries=0)
         first = asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1))
         await asyncio.sleep(0.05)
         queued = [asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1,
-                                                 deadline_ms=d)) for d in (150, 300)]
-        await asyncio.sleep(0.05)
-        with pytest.raises(Overloaded) as err:
+                                                 deadline_ms=d)) for d in (400, 600)]
+        await asyncio.sleep(0.02)
+        with pytest.raises(Overloaded) as err:   # the queue is full
             await c.generate("m", tokens=[1], max_tokens=1)
         assert err.value.retry_after_ms > 0
         for task in queued:
-            with pytest.raises(DeadlineExceeded):
+            with pytest.raises(Overloaded, match="capacity now in sight cannot start it"):
                 await task
-        assert len(stubs[0].received) == 1     # the expired ones never reached the replica
+        assert fd.path.counts["expired_504"] == 0   # refused when known, not at the deadline
+        assert len(stubs[0].received) == 1     # the refused ones never reached the replica
         stubs[0].release()
         assert (await first).tokens == [1]
-        first.cancel()
         await c.close()
         await fd.stop()
     run(main())
@@ -172,7 +173,9 @@ def test_queue_full_429_then_deadline_504_never_dispatched():
 def test_restore_serves_queued_requests_earliest_deadline_first_within_the_cap():
     async def main():
         cap = FakeCapacity(delay_s=0.1)
-        fd, _, host, port = await setup(replicas=0, capacity=cap, restores_per_model=2)
+        # default_max_seqs: the restored stubs' 64 slots, known before the first one is seen
+        fd, _, host, port = await setup(replicas=0, capacity=cap, restores_per_model=2,
+                                        default_max_seqs=64)
         c = await AsyncClient.connect(host, port)
         order = []
 
@@ -433,13 +436,13 @@ def test_measured_restore_p99_sets_default_deadlines_and_refuses_hopeless_waits(
         c = await AsyncClient.connect(host, port, max_retries=0)
         g = await c.generate("n", tokens=[1], max_tokens=1)
         assert g.done["path"] == "snapshot_restore"
-        assert fd._deadline_ms["n"] == 30_000.0       # 1.5 x p99, above the 5 s default
-        assert fd._deadline_ms["m"] == 5000.0         # configured models keep theirs
+        assert fd.path._deadline_ms["n"] == 30_000.0       # 1.5 x p99, above the 5 s default
+        assert fd.path._deadline_ms["m"] == 5000.0         # configured models keep theirs
         for rid in list(fd.router._replicas):         # the restored replicas go away
             fd.router.remove(rid)
-        with pytest.raises(Overloaded, match="expected wait") as err:
+        with pytest.raises(Overloaded, match="cannot start within 4000 ms") as err:
             await c.generate("n", tokens=[1], max_tokens=1)
-        assert err.value.retry_after_ms == 20_000     # p99 20 s > max_wait_s 10 s
+        assert err.value.retry_after_ms == 20_000     # restore p99 20 s > the 4 s restore SLO
         await c.close()
         await fd.stop()
     run(main())
