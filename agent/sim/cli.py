@@ -23,7 +23,6 @@ import math
 from pathlib import Path
 
 from agent.argtypes import positive_float
-from agent.errors import ConfigError
 
 
 def register(subparsers) -> None:
