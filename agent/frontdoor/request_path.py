@@ -69,6 +69,7 @@ class GenerateRequest:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    messages: list | None = None      # chat turns [{role, content}] instead of tokens/prompt
 
     @classmethod
     def from_message(cls, message: dict, tenant: str | None = None) -> "GenerateRequest":
@@ -76,13 +77,17 @@ class GenerateRequest:
         get = message.get
         return cls(message["id"], message["model"], get("tokens"), get("prompt"),
                    message["max_tokens"], get("deadline_ms"), tenant, get("seed"), get("stop"),
-                   get("temperature"), get("top_p"), get("top_k"))
+                   get("temperature"), get("top_p"), get("top_k"), get("messages"))
 
     @property
     def prompt_tokens(self) -> int:
         """Prompt length in tokens: exact for ``tokens``; for text ~3 characters per BPE token
         (an overestimate for English with a byte-level BPE vocabulary)."""
-        return len(self.tokens) if self.tokens is not None else len(self.prompt or "") // 3 + 1
+        if self.tokens is not None:
+            return len(self.tokens)
+        if self.messages is not None:  # the chat template adds a few tokens per turn
+            return sum(len(m["content"]) // 3 + 8 for m in self.messages) + 8
+        return len(self.prompt or "") // 3 + 1
 
     def replica_message(self) -> dict:
         """The ``generate`` map sent to a replica (its ``id`` is set by the link)."""
@@ -90,6 +95,8 @@ class GenerateRequest:
                "max_tokens": self.max_tokens}
         if self.tokens is not None:
             msg["tokens"] = self.tokens
+        elif self.messages is not None:
+            msg["messages"] = self.messages
         else:
             msg["prompt"] = self.prompt
         if self.seed is not None:
