@@ -389,7 +389,7 @@ OP_SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
                  "max_tokens": (_INT, False), "seed": (_INT + (type(None),), False),
                  "temperature": (_NUM, False), "top_p": (_NUM, False), "top_k": (_INT, False),
                  "deadline_ms": (_NUM, False), "stop": ((list,), False),
-                 "token": ((str,), False)},
+                 "detokenize": ((bool,), False), "token": ((str,), False)},
     "stats": {"id": (_ID, True), "token": ((str,), False)},
     "health": {"id": (_ID, True), "token": ((str,), False)},
     "models": {"id": (_ID, True), "token": ((str,), False)},

@@ -263,7 +263,7 @@ class Worker:
                                 value=stop, limit="[int | str]")
         stop_ids = {t for t in stop if type(t) is int}
         stop_strs = [t for t in stop if type(t) is str and t]
-        text = tokens is None or bool(stop_strs)
+        text = tokens is None or bool(stop_strs) or msg.get("detokenize") is True
         if tokens is None and isinstance(prompt, str):
             tokens = self.tokenizer_for("prompt").encode(prompt).ids
             eos = self.loaded.config.eos_token_id

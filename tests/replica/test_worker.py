@@ -357,3 +357,10 @@ def test_cancel_frees_the_slot_and_sends_nothing_more(booted):
     assert seen[-1]["result"]["active_seqs"] == 0
     assert not [m for m in seen if m.get("id") == 7 and m["type"] != "tokens"]
     assert len([m for m in seen if m.get("id") == 7]) < 60
+
+
+def test_detokenize_gives_text_for_a_token_prompt(texted):
+    answers = run(Worker(texted), [{"op": "generate", "id": 1, "tokens": [104, 105],
+                                    "max_tokens": 6, "detokenize": True}])
+    done = answers[1][-1]
+    assert done["text"] == _text(answers[1]) and done["n_tokens"] == 6 and done["text"]
