@@ -18,9 +18,10 @@ disconnect reaches :meth:`Flight.cancel`.  Why its own port rather than sniffing
 bytes on the msgpack port: the msgpack hot path stays untouched, each port gets the health
 check of its protocol (TCP for msgpack, HTTP ``/ready`` for this one) and its own firewall rule.
 
-Limits, checked before anything is allocated for the request (:class:`HttpConfig`): request
-line and each header ``max_header_bytes`` and at most ``max_headers`` headers (aiohttp's
-parser: 400), body ``max_body_bytes`` (from Content-Length before reading, and while reading
+Limits, checked before anything is allocated for the request (:class:`HttpConfig`): the
+request target and each header's name and value ``max_header_bytes``, at most
+``max_headers`` headers (aiohttp's parser answers 400 itself, as plain text: no request
+exists yet), body ``max_body_bytes`` (from Content-Length before reading, and while reading
 a chunked body: 413), the request's head within ``header_timeout_s`` of its first byte and
 its body within ``body_timeout_s`` (slow senders: 408), ``idle_timeout_s`` between requests,
 ``write_timeout_s`` for a client that stops reading its answer, ``max_connections`` (503).
@@ -45,6 +46,10 @@ from agent.frontdoor.auth import TokenAuth
 from agent.frontdoor.request_path import Flight, GenerateRequest, RequestPath
 
 log = logging.getLogger(__name__)
+# aiohttp logs each malformed request (answered 400 by its parser) with a traceback: a
+# client could fill the log.  Those are counted by their answers, not logged.
+_PARSER_LOG = logging.getLogger(__name__ + ".parser")
+_PARSER_LOG.setLevel(logging.CRITICAL)
 HTTP_PORT_ENV = "REWARM_HTTP_PORT"
 DEFAULT_HTTP_PORT = 8000
 MODEL_STATES = ("warm", "suspended", "snapshot", "cold")
@@ -238,7 +243,7 @@ class HttpEntrance:
             app, handle_signals=False, access_log=None, handler_cancellation=True,
             keepalive_timeout=cfg.idle_timeout_s, max_line_size=cfg.max_header_bytes,
             max_field_size=cfg.max_header_bytes, max_headers=cfg.max_headers,
-            shutdown_timeout=1.0)
+            shutdown_timeout=1.0, logger=_PARSER_LOG)
         await self._runner.setup()
         factory = self._runner.server
         loop = asyncio.get_running_loop()
