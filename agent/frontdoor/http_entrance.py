@@ -68,6 +68,7 @@ class HttpConfig:
     body_timeout_s: float = 30.0       # to read the whole body
     idle_timeout_s: float = 75.0       # keep-alive: no request for this long closes
     write_timeout_s: float = 30.0      # a client not reading its answer for this long is cut
+    close_linger_s: float = 2.0        # after an answer, read (and drop) an unread body this long
     max_connections: int = 4096
     sweep_s: float = 0.25              # header / idle timeout resolution
 
@@ -82,7 +83,7 @@ class HttpConfig:
                 raise ConfigError(f"HttpConfig {name}={value!r} must be an int >= 1",
                                   name=name, value=value, limit=1)
         for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s",
-                     "write_timeout_s", "sweep_s"):
+                     "write_timeout_s", "close_linger_s", "sweep_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) \
                     or not value > 0 or math.isinf(value):
@@ -243,7 +244,7 @@ class HttpEntrance:
             app, handle_signals=False, access_log=None, handler_cancellation=True,
             keepalive_timeout=cfg.idle_timeout_s, max_line_size=cfg.max_header_bytes,
             max_field_size=cfg.max_header_bytes, max_headers=cfg.max_headers,
-            shutdown_timeout=1.0, logger=_PARSER_LOG)
+            shutdown_timeout=1.0, logger=_PARSER_LOG, lingering_time=cfg.close_linger_s)
         await self._runner.setup()
         factory = self._runner.server
         loop = asyncio.get_running_loop()
