@@ -34,15 +34,16 @@ import dataclasses
 import json
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from agent.clock import Clock
-from agent.errors import ConfigError, MessageTooLarge, ProtocolError, Unauthorized
+from agent.errors import MessageTooLarge, ProtocolError, Unauthorized
 from agent.frontdoor import openai_api as oa
 from agent.frontdoor.auth import TokenAuth
+from agent.frontdoor.http_conn import (DEFAULT_HTTP_PORT, HTTP_PORT_ENV,  # noqa: F401 (re-exported)
+                                       ConnGuard, HttpConfig, canned, http_port_from_env)
 from agent.frontdoor.request_path import Flight, GenerateRequest, RequestPath
 
 log = logging.getLogger(__name__)
@@ -50,45 +51,7 @@ log = logging.getLogger(__name__)
 # client could fill the log.  Those are counted by their answers, not logged.
 _PARSER_LOG = logging.getLogger(__name__ + ".parser")
 _PARSER_LOG.setLevel(logging.CRITICAL)
-HTTP_PORT_ENV = "REWARM_HTTP_PORT"
-DEFAULT_HTTP_PORT = 8000
 MODEL_STATES = ("warm", "suspended", "snapshot", "cold")
-
-
-@dataclass
-class HttpConfig:
-    """The HTTP entrance's address and limits (units in the names)."""
-
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_HTTP_PORT      # 0 picks a free port
-    max_body_bytes: int = 1 << 20
-    max_header_bytes: int = 8190       # the request line, and each header line
-    max_headers: int = 64
-    header_timeout_s: float = 10.0     # from a request's first byte to the end of its head
-    body_timeout_s: float = 30.0       # to read the whole body
-    idle_timeout_s: float = 75.0       # keep-alive: no request for this long closes
-    write_timeout_s: float = 30.0      # a client not reading its answer for this long is cut
-    close_linger_s: float = 2.0        # after an answer, read (and drop) an unread body this long
-    max_connections: int = 4096
-    sweep_s: float = 0.25              # header / idle timeout resolution
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or isinstance(self.port, bool) \
-                or not 0 <= self.port <= 65535:
-            raise ConfigError(f"HttpConfig port={self.port!r} must be an int within 0..65535",
-                              name="http_port", value=self.port, limit=(0, 65535))
-        for name in ("max_body_bytes", "max_header_bytes", "max_headers", "max_connections"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"HttpConfig {name}={value!r} must be an int >= 1",
-                                  name=name, value=value, limit=1)
-        for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s",
-                     "write_timeout_s", "close_linger_s", "sweep_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) \
-                    or not value > 0 or math.isinf(value):
-                raise ConfigError(f"HttpConfig {name}={value!r} must be a finite number > 0",
-                                  name=name, value=value, limit=0)
 
 
 class ModelStates(Protocol):
@@ -96,6 +59,26 @@ class ModelStates(Protocol):
     ``snapshot`` or ``cold`` (a catalog, a node agent's snapshot list)."""
 
     def states(self) -> dict[str, str]: ...
+
+
+class CatalogStates:
+    """:class:`ModelStates` from a snapshot catalog (agent/snapshot/catalog.py): a model with
+    a suspended replica is ``suspended``, else one with a ready snapshot is ``snapshot``, else
+    ``cold`` (warm is the router's to say).  ``models``: the names to report."""
+
+    def __init__(self, catalog, models: list[str]) -> None:
+        self.catalog, self.models = catalog, list(models)
+
+    def states(self) -> dict[str, str]:
+        out = {}
+        for name in self.models:
+            if self.catalog.replicas(name, states=["suspended"]):
+                out[name] = "suspended"
+            elif self.catalog.snapshots(name, status="ready"):
+                out[name] = "snapshot"
+            else:
+                out[name] = "cold"
+        return out
 
 
 @dataclasses.dataclass(slots=True)
@@ -151,65 +134,6 @@ def error_response(status: int, message: str, param: str | None = None,
                         text=json.dumps(oa.error_body(status, message, param, retry_after_ms)))
 
 
-_CANNED = {408: b"request head not complete within header_timeout_s",
-           503: b"too many connections"}
-
-
-def _canned(status: int, reason: str) -> bytes:
-    """A complete HTTP/1.1 error answer for a connection no request object exists for yet
-    (a head too slow, over the connection cap): written, then the connection closes."""
-    body = json.dumps(oa.error_body(status, _CANNED[status].decode())).encode()
-    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
-
-
-class _Guard(asyncio.Protocol):
-    """Wraps aiohttp's per-connection protocol to time each request's head (slowloris) and
-    the idle time between requests, which aiohttp does not bound itself."""
-
-    __slots__ = ("entrance", "inner", "transport", "head_start_s", "busy", "last_s",
-                 "accepted")
-
-    def __init__(self, entrance: "HttpEntrance", inner: asyncio.Protocol) -> None:
-        self.entrance, self.inner = entrance, inner
-        self.transport: asyncio.Transport | None = None
-        self.head_start_s: float | None = None
-        self.busy = 0            # requests being handled on this connection
-        self.last_s = entrance.clock.now()
-        self.accepted = False
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        if not self.entrance.accept(self):
-            transport.write(_canned(503, "Service Unavailable"))
-            transport.close()
-            return
-        self.accepted = True
-        self.inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        if not self.accepted:
-            return
-        self.last_s = now = self.entrance.clock.now()
-        if not self.busy and self.head_start_s is None:
-            self.head_start_s = now
-        self.inner.data_received(data)
-
-    def eof_received(self):
-        return self.inner.eof_received() if self.accepted else None
-
-    def connection_lost(self, exc) -> None:
-        if self.accepted:
-            self.entrance.forget(self)
-            self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-
 class HttpEntrance:
     """The HTTP door over ``path`` (the front door's request path) with ``auth`` (its
     tokens).  ``models``: the catalog's view of the tiers below warm (None: a model is warm
@@ -219,11 +143,13 @@ class HttpEntrance:
                  models: ModelStates | None = None) -> None:
         self.path, self.config, self.clock, self.auth = path, config, clock, auth
         self.models = models
-        self.guards: dict[Any, _Guard] = {}
+        self.guards: dict[Any, ConnGuard] = {}
         self.counts = {"requests": 0, "cancelled": 0, "timeouts": 0, "refused_conns": 0}
         self._runner: web.AppRunner | None = None
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task | None = None
+        self.announcer = None             # set by start_http
+        self.instance_id = "frontdoor-http"
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -249,7 +175,7 @@ class HttpEntrance:
         factory = self._runner.server
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _Guard(self, factory()), cfg.host, cfg.port, backlog=1024,
+            lambda: ConnGuard(self, factory()), cfg.host, cfg.port, backlog=1024,
             reuse_address=True)
         self._sweeper = loop.create_task(self._sweep_loop())
         return self.address
@@ -281,14 +207,14 @@ class HttpEntrance:
 
     # --- connections -----------------------------------------------------------------
 
-    def accept(self, guard: _Guard) -> bool:
+    def accept(self, guard: ConnGuard) -> bool:
         if len(self.guards) >= self.config.max_connections:
             self.counts["refused_conns"] += 1
             return False
         self.guards[guard.transport] = guard
         return True
 
-    def forget(self, guard: _Guard) -> None:
+    def forget(self, guard: ConnGuard) -> None:
         self.guards.pop(guard.transport, None)
 
     def sweep(self) -> None:
@@ -301,7 +227,7 @@ class HttpEntrance:
             if guard.head_start_s is not None:
                 if now - guard.head_start_s > cfg.header_timeout_s:
                     self.counts["timeouts"] += 1
-                    guard.transport.write(_canned(408, "Request Timeout"))
+                    guard.transport.write(canned(408, "Request Timeout"))
                     guard.transport.close()
             elif now - guard.last_s > cfg.idle_timeout_s:
                 guard.transport.close()
@@ -534,3 +460,36 @@ class HttpEntrance:
 
 class _Timeout(Exception):
     """A request's body did not arrive within body_timeout_s (answered 408)."""
+
+
+async def start_http(frontdoor, config: HttpConfig, *, models: ModelStates | None = None,
+                     announcer=None) -> HttpEntrance:
+    """Start the HTTP entrance over a started ``frontdoor`` (agent/frontdoor/server.py) with
+    its request path, clock and tokens; with ``announcer`` (a ConsulHttpAnnouncer) its port
+    is registered as ``rewarm-frontdoor-http``.  Stop it with :func:`stop_http`."""
+    from agent.cluster.base import ServiceInstance
+    from agent.frontdoor.announce import FRONTDOOR_HTTP_SERVICE
+
+    entrance = HttpEntrance(frontdoor.path, config, clock=frontdoor.clock, auth=frontdoor.auth,
+                            models=models)
+    host, port = await entrance.start()
+    entrance.announcer = announcer
+    entrance.instance_id = f"{frontdoor.instance_id}-http"
+    if announcer is not None:
+        await asyncio.to_thread(announcer.announce, ServiceInstance(
+            FRONTDOOR_HTTP_SERVICE, entrance.instance_id, host, port, tags=["protocol=http"]))
+    return entrance
+
+
+async def stop_http(frontdoor, entrance: HttpEntrance, grace_s: float = 1.0) -> None:
+    """Stop both doors in order: the HTTP listener first (no new requests), then the front
+    door (queued requests 503 at once, running ones within ``grace_s``), then the HTTP
+    connections, once their handlers have written those answers."""
+    entrance.close_listener()
+    if getattr(entrance, "announcer", None) is not None:
+        try:
+            await asyncio.to_thread(entrance.announcer.withdraw, entrance.instance_id)
+        except Exception as exc:  # shutting down: say so, carry on
+            log.warning("withdrawing %s failed: %s", entrance.instance_id, exc)
+    await frontdoor.stop(grace_s=grace_s)
+    await entrance.stop()

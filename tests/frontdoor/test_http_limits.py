@@ -191,3 +191,27 @@ def test_config_refuses_nonsense(change, name):
     with pytest.raises(ConfigError) as err:
         HttpConfig(**change)
     assert err.value.name == name
+
+
+def test_http_port_from_env():
+    from agent.frontdoor.http_conn import http_port_from_env
+
+    assert http_port_from_env({}) == 8000 and http_port_from_env({"REWARM_HTTP_PORT": "0"}) == 0
+    assert http_port_from_env({"REWARM_HTTP_PORT": "65535"}) == 65535
+    for bad in ("65536", "-1", "http"):
+        with pytest.raises(ConfigError) as err:
+            http_port_from_env({"REWARM_HTTP_PORT": bad})
+        assert err.value.name == "REWARM_HTTP_PORT"
+
+
+def test_catalog_states(tmp_path):
+    from agent.frontdoor.http_entrance import CatalogStates
+    from agent.snapshot.catalog import Catalog
+
+    cat = Catalog(":memory:")
+    cat.add_snapshot("s1", model_name="a", model_version="1", path=str(tmp_path), pins={},
+                     size_bytes=1, digest="d", status="ready")
+    cat.upsert_replica("r1", model_name="b", model_version="1", node_id="n", device="cpu",
+                       state="suspended", snapshot_id=None)
+    assert CatalogStates(cat, ["a", "b", "c"]).states() == {"a": "snapshot", "b": "suspended",
+                                                            "c": "cold"}
