@@ -8,6 +8,7 @@ job "rewarm-frontdoor" {
 
     network {
       port "api" { static = 7000 }
+      port "http" { static = 8000 } # the OpenAI-compatible HTTP entrance
     }
 
     service {
@@ -22,12 +23,26 @@ job "rewarm-frontdoor" {
       }
     }
 
+    service {
+      name     = "rewarm-frontdoor-http"
+      port     = "http"
+      provider = "consul"
+
+      check {
+        type     = "http"
+        path     = "/ready"
+        interval = "5s"
+        timeout  = "2s"
+      }
+    }
+
     task "frontdoor" {
       driver = "raw_exec"
 
       config {
         command = "rewarm"
         args    = ["frontdoor", "--host", "0.0.0.0", "--port", "${NOMAD_PORT_api}",
+                   "--http-port", "${NOMAD_PORT_http}",
                    "--consul", "${attr.unique.network.ip-address}:8500",
                    "--tokens", "/etc/rewarm/tokens", "--metrics-port", "9400"]
       }
