@@ -10,15 +10,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.errors import ConfigError
+from agent.frontdoor.router import DEFAULT_PRIOR
 from agent.protocol import DEFAULT_LIMITS, Limits
+from agent.speed import SpeedProfile
 
 
 @dataclass
 class FrontDoorConfig:
-    """Knobs, with units in their names.  ``models``: model -> default deadline (ms).  Models
-    not listed (seen in the registry) get ``default_deadline_ms`` until restores are measured,
-    then ``max(default_deadline_ms, deadline_per_restore_p99 x restore p99)``: deadlines
-    follow the restore latency's p99 (design document, "Deadline-Aware Admission Control")."""
+    """Knobs, with units in their names.
+
+    TTFT SLOs are per model (issue 12 contract point 4): ``slos`` maps a model to its
+    ``(warm_ms, restore_ms)``; others get ``warm_slo_ms`` / ``restore_slo_ms`` (the snapshot
+    design document's warm-hit p99 2,000 ms and restore-path p99 4,000 ms).  A request with
+    no ``deadline_ms`` of its own must get its first token within its path's SLO, counted
+    from arrival (and within ``models[model]``, the model's default deadline, when that is
+    shorter); a request's own ``deadline_ms`` replaces both.  Models not listed (seen in the
+    registry) have a default deadline of ``default_deadline_ms`` until restores are
+    measured, then ``max(default_deadline_ms, deadline_per_restore_p99 x restore p99)``
+    (design document, "Deadline-Aware Admission Control").
+
+    ``drain_grace_s``: on stop, how long streams in flight may take to finish (new requests
+    are answered 503 meanwhile).  ``fd_reserve``: descriptors kept back from connections
+    (replica links, files, the emergency 429 of a connection accepted at the limit).
+    ``prior_speed``: the speed assumed when no replica has reported one
+    (:data:`agent.frontdoor.router.DEFAULT_PRIOR`); ``default_max_seqs``: the sequence slots
+    assumed for a model none of whose replicas has been seen yet (agent/replica's default
+    ``--max-seqs``)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -42,6 +59,19 @@ class FrontDoorConfig:
     limits: Limits = DEFAULT_LIMITS
     replica_limits: Limits = DEFAULT_LIMITS
     announce: bool = False         # register as rewarm-frontdoor (see announce.py)
+    warm_slo_ms: float = 2000.0    # TTFT SLO of a warm hit (design document: p99 2 s)
+    restore_slo_ms: float = 4000.0  # TTFT SLO of the restore path (design document: p99 4 s)
+    slos: dict[str, tuple[float, float]] = field(default_factory=dict)  # model -> (warm, restore) ms
+    drain_grace_s: float = 30.0    # stop: streams in flight finish within this
+    fd_reserve: int = 32           # descriptors never given to client connections
+    accept_log_interval_s: float = 10.0  # accept errors: one log line per interval, with a count
+    prior_speed: SpeedProfile = DEFAULT_PRIOR
+    default_max_seqs: int = 8      # slots of a replica not seen yet (the replica's --max-seqs default)
+
+    def slo_s(self, model: str) -> tuple[float, float]:
+        """``model``'s (warm, restore) TTFT SLOs in seconds."""
+        warm_ms, restore_ms = self.slos.get(model, (self.warm_slo_ms, self.restore_slo_ms))
+        return warm_ms / 1000.0, restore_ms / 1000.0
 
     def __post_init__(self) -> None:
         """Refuse values that make no sense with :class:`ConfigError` naming the knob, the
@@ -51,14 +81,15 @@ class FrontDoorConfig:
             raise ConfigError(f"FrontDoorConfig port={self.port!r} must be an int within "
                               f"0..65535", name="port", value=self.port, limit=(0, 65535))
         for name in ("max_queue_depth", "max_connections", "restores_per_model",
-                     "restores_overall", "close_linger_bytes"):
+                     "restores_overall", "close_linger_bytes", "fd_reserve", "default_max_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"FrontDoorConfig {name}={value!r} must be an int >= 1",
                                   name=name, value=value, limit=1)
         for name in ("default_deadline_ms", "deadline_per_restore_p99", "max_wait_s",
                      "idle_timeout_s", "frame_deadline_s", "close_linger_s", "tick_s",
-                     "sweep_s", "registry_poll_s", "registry_wait_s"):
+                     "sweep_s", "registry_poll_s", "registry_wait_s", "warm_slo_ms",
+                     "restore_slo_ms", "drain_grace_s", "accept_log_interval_s"):
             value = getattr(self, name)
             if not _positive(value):
                 raise ConfigError(f"FrontDoorConfig {name}={value!r} must be a number > 0",
@@ -69,6 +100,16 @@ class FrontDoorConfig:
                               name="at_capacity_backoff_s", value=self.at_capacity_backoff_s,
                               limit=0)
         top = self.limits.max_deadline_ms
+        for model, pair in self.slos.items():
+            if not (isinstance(pair, tuple) and len(pair) == 2 and all(
+                    _positive(v) and v <= top for v in pair)):
+                raise ConfigError(f"FrontDoorConfig slos[{model!r}]={pair!r} must be (warm_ms, "
+                                  f"restore_ms), each within (0, {top}] ms",
+                                  name=f"slos[{model!r}]", value=pair, limit=top)
+        if not isinstance(self.prior_speed, SpeedProfile):
+            raise ConfigError(f"FrontDoorConfig prior_speed={self.prior_speed!r} must be a "
+                              f"SpeedProfile", name="prior_speed", value=self.prior_speed,
+                              limit="SpeedProfile")
         for model, deadline_ms in self.models.items():
             if not isinstance(model, str) or not model:
                 raise ConfigError(f"FrontDoorConfig models: model name {model!r} must be a "

@@ -7,15 +7,22 @@ admission (deadline from arrival, earliest deadline first), capacity requests, t
 links, telemetry.  :meth:`Flight.cancel` (the client went away) takes a queued request out
 of its queue, or tells the replica to stop a dispatched one and frees its slot.
 
-State machine of one ``generate`` request::
+State machine of one ``generate`` request (deadline from arrival; SLOs per model and path)::
 
-    submit ──► 404 / 503 (answered at once)
+    submit ──► 404 / 413 / 503 (answered at once)
        │
-       ├─ warm replica with headroom, nobody queued ─► DISPATCHED ─► tokens…, done
-       │
-       └─ else ─► QUEUED (per-model deadline heap) ─┬─ replica warm/freed ─► DISPATCHED
-                   │ full / wait too long: 429      ├─ deadline passed: 504 (never sent)
-                   └─ asks for a restore (capped)   └─ every restore failed: 503
+       ├─ nobody queued, a warm replica's predicted TTFT within the warm SLO ─► DISPATCHED
+       │      (lowest predicted TTFT; ``deadline_ms`` = time left)   replica 429 ─┐
+       │                                                    ├─ another replica ◄──┤
+       │                                                    └─ tokens…, done      │
+       └─ else: can capacity arriving (restore ETA p99 per tier, restores in flight  │
+          with their remaining ETA, the queue ahead) start it within the restore SLO?◄┘
+              no ─► 429 + retry_after_ms at once
+              yes ─► QUEUED (earliest deadline first) ─┬─ a replica can start it in time ─► DISPATCHED
+                     asks for capacity (measured       ├─ prediction gone bad: 429 when known
+                     sustainable concurrency)          ├─ deadline passed: 504, logged with
+                                                       │  the prediction it broke (never sent)
+                                                       └─ every restore failed: 503
 
 Routing and admission are the pure :class:`~agent.frontdoor.router.Router` and
 :class:`~agent.frontdoor.admission.AdmissionQueue`; this module wires them to the replica
@@ -25,6 +32,7 @@ links.  The registry is read off the request path (a watcher thread) into the ro
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,7 +40,8 @@ from typing import Any, Protocol
 from agent.clock import Clock
 from agent.cluster.base import ServiceInstance
 from agent.errors import Overloaded, RewarmError
-from agent.frontdoor.admission import AdmissionQueue, Pending
+from agent.frontdoor.admission import (AdmissionQueue, Pending, capacity_etas_s, queued_ttft_s,
+                                       slot_times_s)
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.links import ReplicaLink
@@ -136,8 +145,8 @@ class Flight:
     """One request inside the front door, from submit to its final answer (or cancel)."""
 
     __slots__ = ("owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
-                 "path", "restore_ms", "queue_wait_ms", "replica_id", "replica_rid", "ttft_s",
-                 "pending", "over")
+                 "prompt_tokens", "path", "restore_ms", "queue_wait_ms", "replica_id",
+                 "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried")
 
     def __init__(self, owner: "RequestPath", req: GenerateRequest, sink: Sink,
                  arrival_s: float) -> None:
@@ -145,6 +154,9 @@ class Flight:
         self.arrival_s = arrival_s
         self.deadline_s = arrival_s
         self.need_tokens = 0
+        self.prompt_tokens = 0
+        self.predicted_ttft_s: float | None = None  # from arrival, when it was last placed
+        self.tried: set[str] | None = None          # replicas that refused it (429)
         self.path = "warm_hit"
         self.restore_ms: float | None = None
         self.queue_wait_ms = 0.0
@@ -169,7 +181,7 @@ class RequestPath:
         self.clock = clock
         self.telemetry = telemetry
         self.capacity = capacity
-        self.router = Router()
+        self.router = Router(config.prior_speed)
         self.gate = RestoreGate(per_model=config.restores_per_model,
                                 overall=config.restores_overall)
         self.queues: dict[str, AdmissionQueue] = {}
@@ -180,7 +192,14 @@ class RequestPath:
         self._capped_until: dict[str, float] = {}  # model -> clock time to ask for capacity again
         self.restore_times = RestoreTimes()
         self._deadline_ms = dict(config.models)  # model -> default deadline (ms)
-        self.counts = {"requests": 0, "dispatched": 0, "done": 0, "errors": 0, "cancelled": 0}
+        self.counts = {"requests": 0, "dispatched": 0, "done": 0, "errors": 0, "cancelled": 0,
+                       "shed_429": 0, "expired_504": 0, "late_first_token": 0,
+                       "replica_429": 0}
+        self._shape: dict[str, list[float]] = {}   # model -> [mean prompt, mean max_tokens]
+        self._max_seqs: dict[str, int] = {}        # model -> largest replica's slots seen
+        self._recheck_at: dict[str, float] = {}    # model -> when a restore in flight is due
+        self._slot_cache: dict[str, tuple[float, list[float], list[float]]] = {}
+        self._event_kw = _keywords(telemetry.event)
         self.arrivals: dict[str, int] = {}  # generate requests per model (predictor input)
         self.queued_models: set[str] = set()
         self._upserted: dict[str, float] = {}  # replica id -> when a restore reported it
@@ -203,16 +222,21 @@ class RequestPath:
             self._fail(flight, 404, f"unknown model {model!r}")
             return flight
         self.arrivals[model] = self.arrivals.get(model, 0) + 1
-        # KV need: prompt tokens + max_tokens.
-        need = flight.need_tokens = req.prompt_tokens + req.max_tokens
-        deadline_ms = req.deadline_ms or self._deadline_ms.get(
-            model, self.config.default_deadline_ms)
-        flight.deadline_s = now + deadline_ms / 1000.0
+        prompt = flight.prompt_tokens = req.prompt_tokens
+        need = flight.need_tokens = prompt + req.max_tokens  # KV need
+        shape = self._shape.get(model)
+        if shape is None:
+            shape = self._shape[model] = [float(prompt), float(req.max_tokens)]
+        shape[0] += (prompt - shape[0]) * _SHAPE_GAIN
+        shape[1] += (req.max_tokens - shape[1]) * _SHAPE_GAIN
+        warm_s, restore_s = self._budgets_s(model, req.deadline_ms)
+        flight.deadline_s = now + warm_s
         queue = self.queues.get(model)
+        found = None
         if not queue:
-            replica = self.router.choose(model, need)
-            if replica is not None:
-                self._dispatch(flight, replica)
+            found = self.router.choose_predicted(model, need, prompt)
+            if found is not None and found[1] <= warm_s:
+                self._dispatch(flight, found[0], found[1])
                 return flight
         warm = self.router.warm(model)
         if warm and need > max(r.kv_capacity_tokens for r in warm):
@@ -220,27 +244,110 @@ class RequestPath:
             self._fail(flight, 413, f"request needs {need} KV tokens; the largest replica of "
                        f"{model!r} holds {largest}")
             return flight
-        if queue is None:
-            queue = self.queues[model] = AdmissionQueue(
-                model, clock=self.clock, max_depth=self.config.max_queue_depth,
-                max_wait_s=self.config.max_wait_s)
         if self.capacity is None and not warm:
             self._fail(flight, 503, f"model {model!r}: no warm replica and no capacity "
                        f"requester configured")
             return flight
-        p99_ms = self.restore_times.p99_ms(model)
-        queue.expected_wait_s = p99_ms / 1000.0 if p99_ms and not warm else 0.0
-        pending = Pending(req.request_id, model, now, flight.deadline_s, need, flight)
+        flight.deadline_s = now + restore_s
+        self._hold(flight, found[1] if found is not None else None)
+        return flight
+
+    def _budgets_s(self, model: str, deadline_ms: float | None) -> tuple[float, float]:
+        """(warm, restore) time budgets (s from arrival) for a request of ``model``: its own
+        ``deadline_ms`` for both, else each path's SLO capped by the model's default
+        deadline (:class:`FrontDoorConfig`)."""
+        if deadline_ms:
+            return deadline_ms / 1000.0, deadline_ms / 1000.0
+        default_s = self._deadline_ms.get(model, self.config.default_deadline_ms) / 1000.0
+        warm_s, restore_s = self.config.slo_s(model)
+        return min(default_s, warm_s), min(default_s, restore_s)
+
+    def _hold(self, flight: Flight, warm_pred_s: float | None) -> None:
+        """Queue ``flight`` if capacity can start it before its deadline, else 429 at once.
+        ``warm_pred_s``: the best warm replica's prediction (for the refusal's reason)."""
+        model, now = flight.model, self.clock.now()
+        queue = self.queues.get(model)
+        if queue is None:
+            queue = self.queues[model] = AdmissionQueue(
+                model, clock=self.clock, max_depth=self.config.max_queue_depth,
+                max_wait_s=self.config.max_wait_s)
+        slots, etas = self._slots(model, now)
+        ttft_s = queued_ttft_s(now, slots, len(queue),
+                               self.router.prior(model).prefill_s(flight.prompt_tokens))
+        if ttft_s is None or now + ttft_s > flight.deadline_s:
+            left_ms = (flight.deadline_s - now) * 1000.0
+            warm = ("no warm replica with a free slot" if warm_pred_s is None else
+                    f"best warm replica predicted {warm_pred_s * 1000:.0f} ms")
+            cap = ("no capacity in sight" if ttft_s is None else
+                   f"waiting for capacity predicted {ttft_s * 1000:.0f} ms")
+            retry_ms = max(1, round(((slots[0] if slots else now + 1.0) - now) * 1000))
+            self.counts["shed_429"] += 1
+            self._fail(flight, 429, f"model {model!r}: cannot start within {left_ms:.0f} ms "
+                       f"(the TTFT SLO from arrival): {warm}, {cap}, "
+                       f"{len(queue)} queued ahead", retry_after_ms=retry_ms,
+                       predicted_ttft_ms=None if ttft_s is None else ttft_s * 1000.0)
+            if not self.gate.in_flight.get(model) and not self.router.warm(model):
+                self._restore_for(model, 1)  # demand seen: capacity for the next ones
+            return
+        flight.predicted_ttft_s = now - flight.arrival_s + ttft_s
+        pending = Pending(flight.req.request_id, model, now, flight.deadline_s,
+                          flight.need_tokens, flight)
+        pending.predicted_ttft_s = flight.predicted_ttft_s
         try:
             queue.offer(pending)
         except Overloaded as err:
+            self.counts["shed_429"] += 1
             self._fail(flight, 429, err.message, retry_after_ms=err.retry_after_ms)
-            return flight
+            return
         flight.pending = pending
         self.queued_models.add(model)
         self.telemetry.queue_depth(model, len(queue))
         self._maybe_restore(model)
-        return flight
+
+    def _etas_s(self, model: str, now: float) -> list[float]:
+        """When new replicas of ``model`` are expected (restores in flight, and those that
+        could start now), soonest first (:func:`capacity_etas_s`)."""
+        p99, p50 = self.restore_times.p99_ms(model), self.restore_times.p50_ms(model)
+        startable = self.gate.room(model) if self.capacity is not None else 0
+        return capacity_etas_s(now, self.gate.started_s.get(model, []),
+                               None if p50 is None else p50 / 1000.0,
+                               None if p99 is None else p99 / 1000.0, startable)
+
+    def _slots(self, model: str, now: float) -> tuple[list[float], list[float]]:
+        """(slot times, restore ETAs) for ``model``'s queue (:func:`slot_times_s`): the
+        expected end of each request at its warm replicas (dispatch + predicted TTFT +
+        max_tokens decode steps at the replica's batch) and the new replicas' slots.
+        Cached for ``tick_s`` (a burst of arrivals shares one computation)."""
+        cached = self._slot_cache.get(model)
+        if cached is not None and now - cached[0] < self.config.tick_s:
+            return cached[1], cached[2]
+        prior = self.router.prior(model)
+        frees = []
+        for load in self.router.warm(model):
+            link = self.links.get(load.replica_id)
+            if link is None or not link.in_flight:
+                continue
+            step_s = (load.speed or prior).decode_step_s(max(1, load.active_seqs),
+                                                         load.active_ctx_tokens)
+            for f in link.in_flight.values():
+                end = f.arrival_s + (f.predicted_ttft_s or 0.0) + f.req.max_tokens * step_s
+                frees.append(end if end > now else now + step_s)
+        etas = self._etas_s(model, now)
+        mean_prompt = self._shape.get(model, (1.0, 1.0))[0]
+        slots = slot_times_s(frees, etas, self._per_replica(model),
+                             prior.prefill_s(int(mean_prompt)))
+        self._slot_cache[model] = (now, slots, etas)
+        return slots, etas
+
+    def _per_replica(self, model: str) -> int:
+        """Requests one new replica of ``model`` serves within the warm SLO: its sustainable
+        concurrency (agent/speed.py) at the model's mean prompt and max_tokens, with the
+        model's prior speed, within the largest replica's slots seen."""
+        prompt, gen = self._shape.get(model, (1.0, 1.0))
+        max_seqs = self._max_seqs.get(model, 0) or max(
+            (r.max_seqs for r in self.router.warm(model)), default=self.config.default_max_seqs)
+        return self.router.prior(model).sustainable_concurrency(
+            self.config.slo_s(model)[0], prompt, gen, max_seqs)
 
     def cancel(self, flight: Flight) -> None:
         """Forget ``flight`` (its client is gone): out of its queue, or cancelled at the
@@ -258,25 +365,32 @@ class RequestPath:
         link = self.links.get(flight.replica_id)
         if link is not None and flight.replica_rid in link.in_flight:
             link.cancel(flight.replica_rid)
-            self.router.on_complete(link.replica_id, flight.need_tokens)
+            self.router.on_complete(link.replica_id, flight.need_tokens, flight.prompt_tokens,
+                                    flight.ttft_s is not None)
             if self.queues.get(flight.model):
                 self._drain(flight.model)
 
     def refused(self, request_id: Any, model: str, code: int) -> None:
         """Count a request an entrance refused itself (400, 401) before :meth:`submit`."""
         self.counts["errors"] += 1
-        self.telemetry.event(request_id, model, "refused", code, 0.0, None, None, False)
+        self._event(request_id, model, "refused", code, 0.0, None, None, False)
 
     # --- dispatch and answers --------------------------------------------------------
 
-    def _dispatch(self, flight: Flight, replica: ReplicaLoad) -> None:
+    def _dispatch(self, flight: Flight, replica: ReplicaLoad, predicted_s: float) -> None:
+        """Send ``flight`` to ``replica`` (predicted TTFT ``predicted_s`` from now) with
+        ``deadline_ms``: the time left for its first token (contract point 3)."""
         link = self.links.get(replica.replica_id)
         if link is None or link.closed:
             link = self._connect(replica)
+        now = self.clock.now()
         flight.replica_id = replica.replica_id
-        self.router.on_dispatch(replica.replica_id, flight.need_tokens)
+        flight.predicted_ttft_s = now - flight.arrival_s + predicted_s
+        self.router.on_dispatch(replica.replica_id, flight.need_tokens, flight.prompt_tokens)
         self.counts["dispatched"] += 1
-        flight.replica_rid = link.dispatch(flight, flight.req.replica_message())
+        message = flight.req.replica_message()
+        message["deadline_ms"] = max(1.0, (flight.deadline_s - now) * 1000.0)
+        flight.replica_rid = link.dispatch(flight, message)
 
     def _connect(self, replica: ReplicaLoad) -> ReplicaLink:
         loop = asyncio.get_running_loop()
@@ -300,16 +414,23 @@ class RequestPath:
         """A message from a replica for ``flight``: hand it to the flight's sink."""
         kind = message.get("type")
         now = self.clock.now()
-        if flight.ttft_s is None:
-            flight.ttft_s = now
         if kind == "tokens":
+            if flight.ttft_s is None:
+                self._first_token(flight, now)
             flight.sink.tokens(message)
             return
         del link.in_flight[flight.replica_rid]
+        had_first = flight.ttft_s is not None
+        self.router.on_complete(link.replica_id, flight.need_tokens, flight.prompt_tokens,
+                                had_first)
+        if kind != "done" and not had_first and message.get("code") == 429:
+            self._replica_refused(link, flight, message)
+            return
+        if not had_first and kind == "done":
+            self._first_token(flight, now)
         flight.over = True
-        self.router.on_complete(link.replica_id, flight.need_tokens)
         self._settle_path(flight)
-        ttft_ms = (flight.ttft_s - flight.arrival_s) * 1000.0
+        ttft_ms = None if flight.ttft_s is None else (flight.ttft_s - flight.arrival_s) * 1000.0
         if kind == "done":
             self.counts["done"] += 1
             message["ttft_ms"] = ttft_ms
@@ -326,11 +447,48 @@ class RequestPath:
                 code = 500
             flight.sink.error(code, str(message.get("reason", "replica error")),
                               message.get("retry_after_ms"))
-        self.telemetry.event(flight.req.request_id, flight.model, flight.path, code,
-                             flight.queue_wait_ms, flight.restore_ms,
-                             ttft_ms if code == 200 else None, now > flight.deadline_s)
+        self._event(flight.req.request_id, flight.model, flight.path, code,
+                    flight.queue_wait_ms, flight.restore_ms, ttft_ms if code == 200 else None,
+                    flight.ttft_s is None or flight.ttft_s > flight.deadline_s,
+                    predicted_ttft_ms=_ms(flight.predicted_ttft_s))
         if self.queues.get(flight.model):
             self._drain(flight.model)
+
+    def _first_token(self, flight: Flight, now: float) -> None:
+        flight.ttft_s = now
+        self.router.on_first_token(flight.replica_id, flight.prompt_tokens)
+        if now > flight.deadline_s:  # a prediction was wrong: say which
+            self.counts["late_first_token"] += 1
+            log.warning("request %r for model %r: first token %.0f ms after arrival, past its "
+                        "deadline %.0f ms; predicted %.0f ms at replica %s",
+                        flight.req.request_id, flight.model, (now - flight.arrival_s) * 1000,
+                        (flight.deadline_s - flight.arrival_s) * 1000,
+                        (flight.predicted_ttft_s or 0.0) * 1000, flight.replica_id)
+
+    def _replica_refused(self, link: ReplicaLink, flight: Flight, message: dict) -> None:
+        """The replica predicted it cannot start ``flight`` in time (429, contract point 3):
+        another replica that can, else hold it if capacity can still make its deadline,
+        else 429.  Predictions for that replica carry the difference until its next report."""
+        self.counts["replica_429"] += 1
+        load = self.router.get(link.replica_id)
+        theirs = message.get("predicted_ttft_ms")
+        if load is not None and isinstance(theirs, (int, float)) and flight.predicted_ttft_s:
+            ours_s = flight.predicted_ttft_s - (flight.queue_wait_ms / 1000.0)
+            load.penalty_s = max(load.penalty_s, theirs / 1000.0 - ours_s)
+        flight.tried = (flight.tried or set()) | {link.replica_id}
+        now = self.clock.now()
+        found = self.router.choose_predicted(flight.model, flight.need_tokens,
+                                             flight.prompt_tokens, flight.tried)
+        if found is not None and now + found[1] <= flight.deadline_s:
+            self._dispatch(flight, found[0], found[1])
+            return
+        if self.capacity is not None:
+            self._hold(flight, None if found is None else found[1])
+            return
+        self.counts["shed_429"] += 1
+        retry = message.get("retry_after_ms")
+        self._fail(flight, 429, str(message.get("reason", "replica refused")),
+                   retry_after_ms=retry if type(retry) is int else None)
 
     def _settle_path(self, flight: Flight) -> None:
         """A request that arrived before the replica serving it was brought up waited for that
@@ -354,7 +512,7 @@ class RequestPath:
             link.transport.close()
 
     def _fail(self, flight: Flight, code: int, reason: str, path: str = "refused",
-              retry_after_ms: int | None = None) -> None:
+              retry_after_ms: int | None = None, predicted_ttft_ms: float | None = None) -> None:
         """Answer ``flight`` with an error (its final answer) and record it."""
         if flight.over:
             return
@@ -362,37 +520,90 @@ class RequestPath:
         flight.pending = None
         self.counts["errors"] += 1
         flight.sink.error(code, reason, retry_after_ms)
-        self.telemetry.event(flight.req.request_id, flight.model, path, code, 0.0, None, None,
-                             code == 504)
+        self._event(flight.req.request_id, flight.model, path, code, 0.0, None, None,
+                    code == 504, reason=reason, predicted_ttft_ms=predicted_ttft_ms)
+
+    def _event(self, *args: Any, **kw: Any) -> None:
+        """Telemetry's event, with the keywords it knows (``reason``, ``predicted_ttft_ms``
+        arrive with the ops branch's telemetry; older telemetry is called without them)."""
+        self.telemetry.event(*args, **{k: v for k, v in kw.items() if k in self._event_kw})
 
     # --- queues and restores ---------------------------------------------------------
 
     def _drain(self, model: str) -> None:
-        """Dispatch queued requests earliest deadline first while a replica fits."""
+        """Dispatch queued requests earliest deadline first while a replica can start the
+        head within its deadline."""
         queue = self.queues[model]
         now = self.clock.now()
         restored = self.last_restore.get(model)
         while queue:
             head = queue.peek()
             flight: Flight = head.payload
-            replica = self.router.choose(model, head.need_tokens)
-            if replica is None:
+            found = self.router.choose_predicted(model, head.need_tokens, flight.prompt_tokens,
+                                                 flight.tried or frozenset())
+            if found is None or now + found[1] > head.deadline_s:
                 break
             queue.pop_earliest()
             flight.pending = None
             flight.queue_wait_ms = (now - flight.arrival_s) * 1000.0
             if restored is not None and restored[0] >= flight.arrival_s:
                 flight.path, flight.restore_ms = restored[1], restored[2]
-            self._dispatch(flight, replica)
+            self._dispatch(flight, found[0], found[1])
+        self.telemetry.queue_depth(model, len(queue))
+
+    def _recheck(self, model: str) -> None:
+        """Refuse (429) every queued request whose prediction has gone bad: the capacity in
+        sight now (restores failed, or late) cannot start it before its deadline."""
+        queue = self.queues.get(model)
+        if not queue:
+            return
+        now = self.clock.now()
+        self._slot_cache.pop(model, None)
+        slots, etas = self._slots(model, now)
+        prior = self.router.prior(model)
+        ahead = 0
+        for p in queue.ordered():
+            flight: Flight = p.payload
+            ttft_s = queued_ttft_s(now, slots, ahead, prior.prefill_s(flight.prompt_tokens))
+            if ttft_s is not None and now + ttft_s <= p.deadline_s:
+                ahead += 1
+                continue
+            queue.cancel(p)
+            self.counts["shed_429"] += 1
+            was = (flight.predicted_ttft_s or 0.0) * 1000
+            self._fail(flight, 429, f"model {model!r}: queued with a predicted TTFT of "
+                       f"{was:.0f} ms; capacity now in sight cannot start it within its "
+                       f"deadline ({(p.deadline_s - now) * 1000:.0f} ms left)",
+                       retry_after_ms=max(1, round(((slots[0] if slots else now + 1.0) - now)
+                                                   * 1000)))
         self.telemetry.queue_depth(model, len(queue))
 
     def _maybe_restore(self, model: str) -> None:
+        """Ask for the replicas the queue needs: its length over one replica's measured
+        sustainable concurrency at the SLO (:meth:`_per_replica`), less restores in flight."""
         if self.capacity is None or self.clock.now() < self._capped_until.get(model, 0.0):
             return
-        for _ in range(self.gate.wanted(model, len(self.queues[model]))):
-            self.gate.started(model)
+        self._restore_for(model, self.gate.wanted(model, len(self.queues[model]),
+                                                  self._per_replica(model)))
+
+    def _probe_restore(self, model: str) -> None:
+        """After a node answered at its cap: ask once more (one restore, not a queue's worth)
+        if requests still wait and nothing is in flight."""
+        if self.queues.get(model) and not self.gate.in_flight.get(model):
+            self._restore_for(model, 1)
+
+    def _restore_for(self, model: str, n: int) -> None:
+        if self.capacity is None:
+            return
+        now = self.clock.now()
+        for _ in range(min(n, self.gate.room(model))):
+            self.gate.started(model, now)
             asyncio.get_running_loop().create_task(self._restore(model))
         self.telemetry.restores_in_flight(self.gate.total)
+        p99 = self.restore_times.p99_ms(model)
+        starts = self.gate.started_s.get(model)
+        if p99 is not None and starts:
+            self._recheck_at[model] = min(starts) + p99 / 1000.0
 
     async def _restore(self, model: str) -> None:
         ok = False
@@ -400,10 +611,15 @@ class RequestPath:
         try:
             result = await self.capacity.request_restore(model)
             ok = True
+            self._restore_outcome(model, True)
             now = self.clock.now()
             self.last_restore[model] = (now, result.path, result.restore_ms)
-            self._restore_measured(model, result.restore_ms or (now - started) * 1000.0)
+            if result.path != "warm_hit":  # an existing replica's answer measures nothing
+                self._restore_measured(model, result.restore_ms or (now - started) * 1000.0,
+                                       result.path)
             if result.replica is not None:
+                self._max_seqs[model] = max(self._max_seqs.get(model, 0),
+                                            result.replica.max_seqs)
                 self.upsert(result.replica)
                 if result.path != "warm_hit":
                     self.came_up[result.replica.replica_id] = (now, result.path, result.restore_ms)
@@ -414,20 +630,23 @@ class RequestPath:
         except Exception as exc:  # the requester's failure, whatever it is, ends this restore
             log.warning("restore of %s failed: %s", model, exc)
             reason = exc.message if isinstance(exc, RewarmError) else str(exc)
+            self._restore_outcome(model, False, reason)
         finally:
             self.gate.finished(model)
+            self._recheck_at.pop(model, None)
             self.telemetry.restores_in_flight(self.gate.total)
         queue = self.queues.get(model)
         if not queue:
             return
         self._drain(model)
+        self._recheck(model)
         if ok:
             if queue and result.path == "warm_hit":
                 # The node is at its replica cap and answered with a replica it already had:
                 # asking again at once would spin; queued requests go as it frees slots.
                 backoff_s = self.config.at_capacity_backoff_s
                 self._capped_until[model] = self.clock.now() + backoff_s
-                asyncio.get_running_loop().call_later(backoff_s, self._maybe_restore, model)
+                asyncio.get_running_loop().call_later(backoff_s, self._probe_restore, model)
             elif queue:
                 self._maybe_restore(model)
         elif not self.gate.in_flight.get(model) and not self.router.warm(model):
@@ -440,24 +659,47 @@ class RequestPath:
             self._fail(p.payload, 503, reason)
         self.telemetry.queue_depth(model, 0)
 
-    def _restore_measured(self, model: str, restore_ms: float) -> None:
-        self.restore_times.record(model, restore_ms)
+    def _restore_outcome(self, model: str, ok: bool, reason: str | None = None) -> None:
+        hook = getattr(self.telemetry, "restore_outcome", None)  # the ops branch's readiness
+        if hook is not None:
+            hook(model, ok, reason) if reason is not None else hook(model, ok)
+
+    def _restore_measured(self, model: str, restore_ms: float,
+                          path: str = "snapshot_restore") -> None:
+        self.restore_times.record(model, restore_ms, path)
         if model not in self.config.models:
             self._deadline_ms[model] = max(
                 self.config.default_deadline_ms,
                 self.config.deadline_per_restore_p99 * self.restore_times.p99_ms(model))
 
     def expire_queued(self) -> None:
-        """Answer queued requests past their deadline (504) or wait bound (429)."""
+        """Answer queued requests past their deadline (504: a prediction was wrong, logged
+        with it) or wait bound (429); re-check a model's queue when a restore it counts on
+        passes its p99 without arriving."""
         now = self.clock.now()
         for model in list(self.queued_models):
             queue = self.queues[model]
+            due = self._recheck_at.get(model)
+            if due is not None and now >= due:
+                del self._recheck_at[model]
+                self._recheck(model)
             for p in queue.expire():
+                flight: Flight = p.payload
                 if p.deadline_s <= now:
-                    self._fail(p.payload, 504, f"deadline passed after "
-                               f"{(now - p.arrival_s) * 1000:.0f} ms queued for model {model!r}")
+                    self.counts["expired_504"] += 1
+                    waited_ms = (now - p.arrival_s) * 1000
+                    predicted = (f"{p.predicted_ttft_s * 1000:.0f} ms"
+                                 if p.predicted_ttft_s is not None else "none")
+                    log.warning("504 for request %r of model %r: deadline %.0f ms passed while "
+                                "queued; its predicted TTFT was %s (restore p99 %s ms)",
+                                p.request_id, model, (p.deadline_s - p.arrival_s) * 1000,
+                                predicted, self.restore_times.p99_ms(model))
+                    self._fail(flight, 504, f"deadline passed after {waited_ms:.0f} ms queued "
+                               f"for model {model!r} (predicted TTFT {predicted})",
+                               predicted_ttft_ms=_ms(p.predicted_ttft_s))
                 else:
-                    self._fail(p.payload, 429, f"waited max_wait_s({queue.max_wait_s}) for "
+                    self.counts["shed_429"] += 1
+                    self._fail(flight, 429, f"waited max_wait_s({queue.max_wait_s}) for "
                                f"model {model!r}", retry_after_ms=queue.retry_after_ms())
             if not queue:
                 self.queued_models.discard(model)
@@ -488,10 +730,16 @@ class RequestPath:
         """Put a reported load in the router, raised to at least what this front door has
         dispatched to the replica and not yet seen answered (a report may predate them)."""
         link = self.links.get(load.replica_id)
-        if link is not None:
-            ours = link.in_flight.values()
-            load.active_seqs = max(load.active_seqs, len(link.in_flight))
+        if link is not None and link.in_flight:
+            ours = list(link.in_flight.values())
+            waiting = [f for f in ours if f.ttft_s is None]
+            load.active_seqs = max(load.active_seqs, len(ours))
             load.kv_used_tokens = max(load.kv_used_tokens, sum(f.need_tokens for f in ours))
+            load.waiting_seqs = max(load.waiting_seqs, len(waiting))
+            load.queued_prefill_tokens = max(load.queued_prefill_tokens,
+                                             sum(f.prompt_tokens for f in waiting))
+        if load.max_seqs > self._max_seqs.get(load.model, 0):
+            self._max_seqs[load.model] = load.max_seqs
         self.router.upsert(load)
 
     def apply_replicas(self, instances: list[ServiceInstance]) -> None:
@@ -542,3 +790,21 @@ class RequestPath:
                                             "kv_used_tokens": r.kv_used_tokens,
                                             "kv_capacity_tokens": r.kv_capacity_tokens}
                              for m in self.router.models() for r in self.router.warm(m)}}
+
+
+_SHAPE_GAIN = 0.05  # EWMA gain of the per-model mean prompt and max_tokens (~20 requests)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def _keywords(fn: Any) -> frozenset:
+    """The keyword-only parameters ``fn`` accepts."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return frozenset({"reason", "predicted_ttft_ms"})
+    return frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY)
