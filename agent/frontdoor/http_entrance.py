@@ -83,14 +83,18 @@ class CatalogStates:
 
 @dataclasses.dataclass(slots=True)
 class HttpGenerate(GenerateRequest):
-    """A GenerateRequest that may ask the replica for text with a token-id prompt."""
+    """A GenerateRequest that may ask the replica for text with a token-id prompt, and to
+    go on past the end-of-sequence token (``ignore_eos``)."""
 
     detokenize: bool = False
+    ignore_eos: bool = False
 
     def replica_message(self) -> dict:
         msg = GenerateRequest.replica_message(self)
         if self.detokenize:
             msg["detokenize"] = True
+        if self.ignore_eos:
+            msg["ignore_eos"] = True
         return msg
 
 
@@ -98,16 +102,21 @@ class HttpSink:
     """One HTTP request's answers, collected for its handler (the request path calls these
     from the event loop; the handler awaits :meth:`wait`)."""
 
-    __slots__ = ("parts", "final", "_event", "flight")
+    __slots__ = ("parts", "final", "_event", "flight", "n_tokens", "prompt_tokens")
 
     def __init__(self) -> None:
         self.parts: list[str] = []
+        self.n_tokens = 0        # tokens received so far
+        self.prompt_tokens = 0   # from the replica's first tokens message
         self.final: tuple | None = None   # ("done", message) or ("error", code, reason, ms)
         self._event = asyncio.Event()
         self.flight: Flight | None = None
 
     def tokens(self, message: dict) -> None:
         self.parts.append(message.get("text") or "")
+        self.n_tokens += len(message.get("tokens") or ())
+        if "prompt_tokens" in message:
+            self.prompt_tokens = int(message["prompt_tokens"])
         self._event.set()
 
     def done(self, message: dict) -> None:
@@ -321,7 +330,7 @@ class HttpEntrance:
                            msg.get("prompt"), msg["max_tokens"], deadline_ms, tenant,
                            msg.get("seed"), msg.get("stop"), msg.get("temperature"),
                            msg.get("top_p"), msg.get("top_k"), msg.get("messages"),
-                           detokenize=parsed.detokenize)
+                           detokenize=parsed.detokenize, ignore_eos=parsed.ignore_eos)
         sink = HttpSink()
         sink.flight = self.path.submit(req, sink)
         try:
@@ -369,9 +378,14 @@ class HttpEntrance:
             out = []
             if sink.parts:
                 parts, sink.parts = sink.parts, []
+                so_far = None
+                if parsed.continuous_usage:   # one count for the batch written together
+                    so_far = oa.usage({"prompt_tokens": sink.prompt_tokens,
+                                       "n_tokens": sink.n_tokens})
                 for piece in parts:
                     if piece or first:
-                        out.append(oa.chunk(parsed, rid, created, piece, first=first))
+                        out.append(oa.chunk(parsed, rid, created, piece, first=first,
+                                            usage_=so_far))
                         first = False
                         sent.append(piece)
             final = sink.final
@@ -396,7 +410,8 @@ class HttpEntrance:
         text = done.get("text")
         rest = text[len(streamed):] if text and text.startswith(streamed) else ""
         out = [oa.chunk(parsed, rid, created, rest, done.get("finish_reason") or "length",
-                        first=first)]
+                        first=first,
+                        usage_=oa.usage(done) if parsed.continuous_usage else None)]
         if parsed.include_usage:
             out.append(oa.chunk(parsed, rid, created, None, usage_=oa.usage(done)))
         out.append(oa.DONE_EVENT)

@@ -11,7 +11,8 @@ reference: "Completions", "Chat", "Streaming", "Error codes").  Supported: ``mod
 ``prompt`` (one string, or one list of token ids) / ``messages``, ``max_tokens`` and
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k`` (an extension, as vLLM's),
 ``seed``, ``stop`` (strings and, as an extension, token ids), ``n`` = 1, ``stream``,
-``stream_options``, ``user``.  A parameter outside these is a 400 naming it, unless it has
+``stream_options`` (``include_usage``; ``continuous_usage_stats``, vLLM's extension: usage
+on every chunk), ``ignore_eos`` (vLLM's extension), ``user``.  A parameter outside these is a 400 naming it, unless it has
 its no-op value (``null``, ``n: 1``, ``logprobs: false``, penalties 0...): never accepted
 and then silently ignored.
 """
@@ -28,7 +29,7 @@ from agent.errors import ProtocolError
 from agent.protocol import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, validate_request
 
 _COMMON = frozenset(("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                     "n", "stream", "stream_options", "user"))
+                     "n", "stream", "stream_options", "user", "ignore_eos"))
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 
@@ -54,6 +55,8 @@ class Parsed:
     stream: bool
     include_usage: bool
     detokenize: bool
+    continuous_usage: bool = False
+    ignore_eos: bool = False
 
 
 def _bad(param: str, value: Any, why: str) -> ProtocolError:
@@ -92,21 +95,32 @@ def _common(body: dict, message: dict, max_tokens_keys: tuple[str, ...]) -> None
     if stop is not None:
         message["stop"] = [stop] if type(stop) is str else stop
     options = body.get("stream_options")
-    if options is not None and (type(options) is not dict
-                                or not set(options) <= {"include_usage"}):
-        raise _bad("stream_options", options, "only {include_usage: bool} is supported")
+    if options is not None and (type(options) is not dict or not set(options) <= {
+            "include_usage", "continuous_usage_stats"}):
+        raise _bad("stream_options", options,
+                   "only include_usage and continuous_usage_stats (booleans) are supported")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:
+        if type(ignore_eos) is not bool:
+            raise _bad("ignore_eos", ignore_eos, "must be a boolean")
+        if ignore_eos:
+            message["ignore_eos"] = True
     if options is not None and not body.get("stream"):
         raise _bad("stream_options", options, "only allowed with stream: true")
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
+def _stream(body: dict) -> tuple[bool, bool, bool]:
     stream = body.get("stream") or False
     if type(stream) is not bool:
         raise _bad("stream", stream, "must be a boolean")
-    usage = (body.get("stream_options") or {}).get("include_usage") or False
-    if type(usage) is not bool:
-        raise _bad("stream_options.include_usage", usage, "must be a boolean")
-    return stream, usage
+    options = body.get("stream_options") or {}
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = options.get(key) or False
+        if type(value) is not bool:
+            raise _bad(f"stream_options.{key}", value, "must be a boolean")
+        flags.append(value)
+    return stream, flags[0], flags[1]
 
 
 def _validated(message: dict, limits: Limits) -> dict:
@@ -132,8 +146,10 @@ def parse_completion(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
         raise _bad("prompt", prompt if type(prompt) is not list else f"list of {len(prompt)}",
                    "one string or one list of token ids (batches of prompts: send one each)")
     _common(body, message, ("max_tokens",))
-    stream, usage = _stream(body)
-    return Parsed(_validated(message, limits), False, stream, usage, detokenize)
+    stream, usage, continuous = _stream(body)
+    message = _validated(message, limits)
+    return Parsed(message, False, stream, usage, detokenize, continuous,
+                  message.pop("ignore_eos", False))
 
 
 def parse_chat(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
@@ -165,8 +181,10 @@ def parse_chat(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": "generate", "id": 0,
                                "model": body.get("model"), "messages": turns}
     _common(body, message, ("max_completion_tokens", "max_tokens"))
-    stream, usage = _stream(body)
-    return Parsed(_validated(message, limits), True, stream, usage, False)
+    stream, usage, continuous = _stream(body)
+    message = _validated(message, limits)
+    return Parsed(message, True, stream, usage, False, continuous,
+                  message.pop("ignore_eos", False))
 
 
 def parse_body(raw: bytes) -> Any:
@@ -205,10 +223,11 @@ def answer(parsed: Parsed, rid: str, created: int, text: str, done: dict) -> dic
 def chunk(parsed: Parsed, rid: str, created: int, text: str | None,
           finish: str | None = None, *, first: bool = False, usage_: dict | None = None) -> bytes:
     """One SSE event: ``data: {chunk}\\n\\n``.  ``text`` None with ``usage_``: the usage chunk
-    (``choices: []``); with ``include_usage`` every other chunk carries ``usage: null``."""
+    (``choices: []``); with ``include_usage`` every other chunk carries ``usage: null``, or,
+    with ``continuous_usage_stats``, the usage so far (``usage_``)."""
     if parsed.chat:
         obj = "chat.completion.chunk"
-        if usage_ is not None:
+        if usage_ is not None and text is None:
             choices = []
         else:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -217,11 +236,11 @@ def chunk(parsed: Parsed, rid: str, created: int, text: str | None,
             choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
     else:
         obj = "text_completion"
-        choices = [] if usage_ is not None else [
+        choices = [] if usage_ is not None and text is None else [
             {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
     out: dict[str, Any] = {"id": rid, "object": obj, "created": created,
                            "model": parsed.message["model"], "choices": choices}
-    if parsed.include_usage:
+    if parsed.include_usage or parsed.continuous_usage:
         out["usage"] = usage_
     return b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
 

@@ -267,7 +267,7 @@ class Worker:
         if tokens is None and isinstance(prompt, str):
             tokens = self.tokenizer_for("prompt").encode(prompt).ids
             eos = self.loaded.config.eos_token_id
-            if eos is not None and eos >= 0:
+            if eos is not None and eos >= 0 and msg.get("ignore_eos") is not True:
                 stop_ids.add(eos)
         if text:
             self.tokenizer_for("stop")
@@ -414,6 +414,8 @@ class Worker:
             request.first_s = request.first_s or now
             request.tokens.append(event.token)
             out = {"id": request.request_id, "type": "tokens", "tokens": [event.token]}
+            if len(request.tokens) == 1:
+                out["prompt_tokens"] = request.prompt_tokens
             if request.text:
                 piece = next_text(self.tokenizer(), request)
                 request.fed += piece

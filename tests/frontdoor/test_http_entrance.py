@@ -418,3 +418,22 @@ async def _start(c, stubs):
     stream = await c.completions.create(model="m", prompt="x", max_tokens=9, stream=True)
     await task
     return stream
+
+
+def test_vllm_extensions_ignore_eos_and_continuous_usage():
+    async def main():
+        async with http_door() as (fd, e, stubs):
+            c = client(e)
+            stream = await c.chat.completions.create(
+                model="m", max_tokens=3, stream=True, messages=[{"role": "user", "content": "x"}],
+                stream_options={"include_usage": True, "continuous_usage_stats": True},
+                extra_body={"ignore_eos": True})
+            chunks = [ch async for ch in stream]
+            await c.close()
+            return chunks, stubs[0].received[-1]
+
+    chunks, sent = run(main())
+    assert sent["ignore_eos"] is True
+    counted = [ch.usage.completion_tokens for ch in chunks if ch.choices]
+    assert counted[-1] == 3 and counted == sorted(counted) and counted[0] >= 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3

@@ -107,7 +107,10 @@ class _Conn(asyncio.Protocol):
                 continue
             pieces, finish = stub.pieces(msg)
             for i, p in enumerate(pieces):
-                out.append(pack({"id": msg["id"], "type": "tokens", "tokens": [i], "text": p}))
+                tok = {"id": msg["id"], "type": "tokens", "tokens": [i], "text": p}
+                if i == 0:
+                    tok["prompt_tokens"] = 1
+                out.append(pack(tok))
             out.append(stub.done(msg, pieces, finish))
         if out:
             self.transport.write(b"".join(out))
