@@ -102,9 +102,10 @@ class HttpSink:
     """One HTTP request's answers, collected for its handler (the request path calls these
     from the event loop; the handler awaits :meth:`wait`)."""
 
-    __slots__ = ("parts", "final", "_event", "flight", "n_tokens", "prompt_tokens")
+    __slots__ = ("parts", "final", "_event", "flight", "n_tokens", "prompt_tokens", "stream")
 
-    def __init__(self) -> None:
+    def __init__(self, stream: bool = True) -> None:
+        self.stream = stream     # wake the handler per chunk (SSE), or only at the end
         self.parts: list[str] = []
         self.n_tokens = 0        # tokens received so far
         self.prompt_tokens = 0   # from the replica's first tokens message
@@ -117,7 +118,8 @@ class HttpSink:
         self.n_tokens += len(message.get("tokens") or ())
         if "prompt_tokens" in message:
             self.prompt_tokens = int(message["prompt_tokens"])
-        self._event.set()
+        if self.stream:
+            self._event.set()
 
     def done(self, message: dict) -> None:
         self.final = ("done", message)
@@ -331,7 +333,7 @@ class HttpEntrance:
                            msg.get("seed"), msg.get("stop"), msg.get("temperature"),
                            msg.get("top_p"), msg.get("top_k"), msg.get("messages"),
                            detokenize=parsed.detokenize, ignore_eos=parsed.ignore_eos)
-        sink = HttpSink()
+        sink = HttpSink(parsed.stream)
         sink.flight = self.path.submit(req, sink)
         try:
             if parsed.stream:
