@@ -30,7 +30,6 @@ its body within ``body_timeout_s`` (slow senders: 408), ``idle_timeout_s`` betwe
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
@@ -79,23 +78,6 @@ class CatalogStates:
             else:
                 out[name] = "cold"
         return out
-
-
-@dataclasses.dataclass(slots=True)
-class HttpGenerate(GenerateRequest):
-    """A GenerateRequest that may ask the replica for text with a token-id prompt, and to
-    go on past the end-of-sequence token (``ignore_eos``)."""
-
-    detokenize: bool = False
-    ignore_eos: bool = False
-
-    def replica_message(self) -> dict:
-        msg = GenerateRequest.replica_message(self)
-        if self.detokenize:
-            msg["detokenize"] = True
-        if self.ignore_eos:
-            msg["ignore_eos"] = True
-        return msg
 
 
 class HttpSink:
@@ -328,11 +310,10 @@ class HttpEntrance:
             self.path.refused(None, model, err.code)
             return error_response(err.code, err.message, getattr(err, "field", None))
         msg = parsed.message
-        req = HttpGenerate(oa.new_id(parsed.chat), msg["model"], msg.get("tokens"),
-                           msg.get("prompt"), msg["max_tokens"], deadline_ms, tenant,
-                           msg.get("seed"), msg.get("stop"), msg.get("temperature"),
-                           msg.get("top_p"), msg.get("top_k"), msg.get("messages"),
-                           detokenize=parsed.detokenize, ignore_eos=parsed.ignore_eos)
+        req = GenerateRequest(oa.new_id(parsed.chat), msg["model"], msg.get("tokens"),
+                              msg.get("prompt"), msg["max_tokens"], deadline_ms, tenant,
+                              msg.get("seed"), msg.get("stop"), msg.get("temperature"),
+                              msg.get("top_p"), msg.get("top_k"), wire=msg)
         sink = HttpSink(parsed.stream)
         sink.flight = self.path.submit(req, sink)
         try:

@@ -47,8 +47,8 @@ CHAT_ROLES = frozenset(("system", "developer", "user", "assistant"))
 @dataclass(slots=True)
 class Parsed:
     """One OpenAI request, translated: ``message`` is a validated protocol ``generate`` map
-    (``id`` 0); ``chat`` says which answer shape; ``detokenize``: a token-id prompt whose
-    answer still needs text."""
+    (``id`` 0; sent to the replica as it is); ``chat`` says which answer shape;
+    ``detokenize``: a token-id prompt whose answer still needs text (set in the map too)."""
 
     message: dict
     chat: bool
@@ -141,7 +141,7 @@ def parse_completion(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
         message["prompt"] = prompt
     elif type(prompt) is list and prompt and all(type(t) is int for t in prompt):
         message["tokens"] = prompt
-        detokenize = True
+        message["detokenize"] = detokenize = True
     else:
         raise _bad("prompt", prompt if type(prompt) is not list else f"list of {len(prompt)}",
                    "one string or one list of token ids (batches of prompts: send one each)")
@@ -149,7 +149,7 @@ def parse_completion(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
     stream, usage, continuous = _stream(body)
     message = _validated(message, limits)
     return Parsed(message, False, stream, usage, detokenize, continuous,
-                  message.pop("ignore_eos", False))
+                  message.get("ignore_eos", False))
 
 
 def parse_chat(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
@@ -184,7 +184,7 @@ def parse_chat(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
     stream, usage, continuous = _stream(body)
     message = _validated(message, limits)
     return Parsed(message, True, stream, usage, False, continuous,
-                  message.pop("ignore_eos", False))
+                  message.get("ignore_eos", False))
 
 
 def parse_body(raw: bytes) -> Any:

@@ -27,12 +27,13 @@ class ManualClock:
 
 @contextlib.asynccontextmanager
 async def http_door(*, stubs: int = 1, hold: bool = False, capacity=None, auth=None,
-                    models=None, http: dict | None = None, clock=None, **cfg):
+                    models=None, http: dict | None = None, clock=None,
+                    fail_with: int | None = None, **cfg):
     """Yields ``(fd, entrance, stubs)``; the entrance's URL is ``entrance.url``."""
     registry = LocalRegistry()
     replicas = []
     for i in range(stubs):
-        stub = await TextStub("m", f"t{i}", hold=hold).start()
+        stub = await TextStub("m", f"t{i}", hold=hold, fail_with=fail_with).start()
         registry.register(stub.instance(), 60)
         replicas.append(stub)
     config = FrontDoorConfig(models={"m": 5000.0}, **cfg)

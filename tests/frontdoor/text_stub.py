@@ -5,7 +5,8 @@ k = seed + i (seed 0 when absent), then a ``done`` with the whole ``text``, ``n_
 ``prompt_tokens`` (4 characters per token of a text prompt) and ``finish_reason``.  A stop
 string cuts the text before it (``finish_reason: stop``), as docs/protocol.md says.
 ``hold``: nothing is sent until :meth:`step` sends one token to every held request.
-``cancel`` ops are recorded in ``cancelled``.
+``cancel`` ops are recorded in ``cancelled``; ``fail_with`` answers every generate with that
+error code.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from agent.protocol import Decoder, pack
 
 class TextStub:
     def __init__(self, model: str = "m", replica_id: str = "t1", *, hold: bool = False,
-                 max_seqs: int = 64, kv_capacity_tokens: int = 1 << 20) -> None:
+                 max_seqs: int = 64, kv_capacity_tokens: int = 1 << 20,
+                 fail_with: int | None = None) -> None:
         self.model, self.replica_id, self.hold = model, replica_id, hold
+        self.fail_with = fail_with  # answer every generate with this error code
         self.max_seqs, self.kv_capacity_tokens = max_seqs, kv_capacity_tokens
         self.received: list[dict] = []
         self.cancelled: list = []
@@ -101,6 +104,10 @@ class _Conn(asyncio.Protocol):
             if msg.get("op") == "cancel":
                 stub.cancelled.append(msg["id"])
                 stub.held.pop((self, msg["id"]), None)
+                continue
+            if stub.fail_with is not None:
+                out.append(pack({"id": msg["id"], "type": "error", "code": stub.fail_with,
+                                 "reason": f"stub answers {stub.fail_with}"}))
                 continue
             if stub.hold:
                 stub.held[(self, msg["id"])] = [self, msg, 0]
