@@ -10,8 +10,9 @@ answers carry the request's ``"id"`` and ``"type"``:
 =========  ===============================================================================
 type       fields
 =========  ===============================================================================
-tokens     ``tokens: [int]`` (and ``text`` when the prompt was text)
-done       ``ttft_ms, total_ms, path, replica, n_tokens`` (and ``text``)
+tokens     ``tokens: [int]`` (and ``text`` when the prompt was text or messages)
+done       ``ttft_ms, total_ms, path, replica, n_tokens, prompt_tokens, finish_reason``
+           (and ``text``: the whole completion, up to a stop string)
 error      ``code: int, reason: str`` (and ``retry_after_ms`` with 429)
 result     ``result: map`` (stats, health, models, control-plane answers)
 =========  ===============================================================================
@@ -58,6 +59,9 @@ class Limits:
     max_new_tokens: int = 4096       # generate.max_tokens
     max_deadline_ms: int = 600_000   # generate.deadline_ms (ten minutes)
     max_name_bytes: int = 128        # model names, tokens, request ids given as text
+    max_stop: int = 16               # generate.stop entries (strings and token ids together)
+    max_stop_bytes: int = 256        # one stop string, in UTF-8 bytes
+    max_messages: int = 256          # generate.messages entries (chat)
 
 
 DEFAULT_LIMITS = Limits()
@@ -112,7 +116,10 @@ class Decoder:
         self.limits = limits
         self._unpacker = msgpack.Unpacker(
             raw=False,
-            strict_map_key=True,
+            # A key that is not a string ({1: "x"}) decodes, and validate_request refuses it
+            # as a request error (400, connection kept); only a container as a key, which
+            # Python cannot hash, remains a framing error.
+            strict_map_key=False,
             max_buffer_size=limits.max_message_bytes,
             max_str_len=limits.max_str_bytes,
             max_bin_len=limits.max_bin_bytes,
@@ -370,14 +377,20 @@ _INT = (int,)
 _NUM = (int, float)
 _ID = (int, str)
 _TOKEN_ID_MAX = (1 << 31) - 1
+MAX_SEED = (1 << 63) - 1       # torch.Generator.manual_seed takes a signed 64-bit value
+MAX_TEMPERATURE = 2.0          # OpenAI's documented range for temperature is 0..2
+DEFAULT_MAX_TOKENS = 16        # generate.max_tokens when absent (OpenAI completions' default)
 
 # op -> {field: (allowed types, required)}; "v" and "op" are always present.  bool is
 # refused where an int is due (msgpack true/false decode to bool, a subclass of int).
 OP_SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "generate": {"id": (_ID, True), "model": ((str,), True), "prompt": ((str,), False),
-                 "tokens": ((list,), False), "max_tokens": (_INT, True),
-                 "seed": (_INT + (type(None),), False), "deadline_ms": (_NUM, False),
-                 "stop": ((list,), False), "token": ((str,), False)},
+                 "tokens": ((list,), False), "messages": ((list,), False),
+                 "max_tokens": (_INT, False), "seed": (_INT + (type(None),), False),
+                 "temperature": (_NUM, False), "top_p": (_NUM, False), "top_k": (_INT, False),
+                 "deadline_ms": (_NUM, False), "stop": ((list,), False),
+                 "detokenize": ((bool,), False), "ignore_eos": ((bool,), False),
+                 "token": ((str,), False)},
     "stats": {"id": (_ID, True), "token": ((str,), False)},
     "health": {"id": (_ID, True), "token": ((str,), False)},
     "models": {"id": (_ID, True), "token": ((str,), False)},
@@ -400,13 +413,15 @@ def _bad(field: str, value: Any, limit: Any, why: str) -> ProtocolError:
 def validate_request(message: dict[str, Any], limits: Limits = DEFAULT_LIMITS,
                      schemas: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = OP_SCHEMAS,
                      ) -> dict[str, Any]:
-    """Check one decoded request against its op's schema and return it unchanged.
+    """Check one decoded request against its op's schema and return it (a generate without
+    ``max_tokens`` gets :data:`DEFAULT_MAX_TOKENS` filled in; nothing else changes).
 
     Raises :class:`ProtocolError` (400) naming the field, the value and the expected type or
-    limit for: an unknown op, an unknown field, a missing field, a value of the wrong type,
-    ``max_tokens`` outside 1..``max_new_tokens``, ``deadline_ms`` outside
-    (0, ``max_deadline_ms``], token ids outside 0..2**31-1, both or neither of ``prompt``
-    and ``tokens`` (generate), names longer than ``max_name_bytes``.
+    limit for: a map key that is not a string, an unknown op, an unknown field, a missing
+    field, a value of the wrong type, ``max_tokens`` outside 1..``max_new_tokens``,
+    ``deadline_ms`` outside (0, ``max_deadline_ms``], token ids outside 0..2**31-1, not
+    exactly one of ``prompt``, ``tokens`` and ``messages`` (generate), a sampling field out
+    of range, names longer than ``max_name_bytes``.
     """
     op = message.get("op")
     schema = schemas.get(op) if isinstance(op, str) else None
@@ -417,6 +432,8 @@ def validate_request(message: dict[str, Any], limits: Limits = DEFAULT_LIMITS,
             continue
         spec = schema.get(key)
         if spec is None:
+            if type(key) is not str:
+                raise _bad(repr(key), type(key).__name__, "str", "map keys must be strings")
             raise _bad(key, value, sorted(schema), f"unknown field for op {op!r}")
         if type(value) not in spec[0]:
             raise _bad(key, type(value).__name__, [t.__name__ for t in spec[0]],
@@ -442,23 +459,84 @@ def _check_generate(message: dict[str, Any], limits: Limits) -> None:
                      and len(model.encode()) > limits.max_name_bytes):
         raise _bad("model", len(model.encode()), limits.max_name_bytes,
                    "length in UTF-8 bytes must be 1..limit")
-    n = message["max_tokens"]
+    n = message.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     if not 1 <= n <= limits.max_new_tokens:
         raise _bad("max_tokens", n, limits.max_new_tokens, "must be within 1..limit")
-    has_prompt, has_tokens = "prompt" in message, "tokens" in message
-    if has_prompt == has_tokens:
-        raise _bad("prompt", None, "exactly one of prompt, tokens", "give prompt or tokens")
-    for key in ("tokens", "stop"):
-        ids = message.get(key)
-        if ids is not None:
-            for t in ids:
-                if type(t) is not int or not 0 <= t <= _TOKEN_ID_MAX:
-                    raise _bad(key, t, _TOKEN_ID_MAX, "token ids are ints within 0..limit")
-    if has_tokens and not message["tokens"]:
-        raise _bad("tokens", 0, ">= 1", "empty prompt")
+    given = [k for k in ("prompt", "tokens", "messages") if k in message]
+    if len(given) != 1:
+        raise _bad("prompt", given, "exactly one of prompt, tokens, messages",
+                   "give prompt, tokens or messages")
+    ids = message.get("tokens")
+    if ids is not None:
+        if not ids:
+            raise _bad("tokens", 0, ">= 1", "empty prompt")
+        for t in ids:
+            if type(t) is not int or not 0 <= t <= _TOKEN_ID_MAX:
+                raise _bad("tokens", t, _TOKEN_ID_MAX, "token ids are ints within 0..limit")
+    if "messages" in message:
+        _check_messages(message["messages"], limits)
+    if "stop" in message:
+        _check_stop(message["stop"], limits)
+    if not _SAMPLING.isdisjoint(message):
+        _check_sampling(message)
     deadline = message.get("deadline_ms")
     if deadline is not None and not 0 < deadline <= limits.max_deadline_ms:
         raise _bad("deadline_ms", deadline, limits.max_deadline_ms, "must be within (0, limit]")
+
+
+_SAMPLING = frozenset(("temperature", "top_p", "top_k", "seed"))
+
+
+def _check_sampling(message: dict[str, Any]) -> None:
+    """Ranges of the sampling fields (their types are already checked)."""
+    temperature = message.get("temperature")
+    if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
+        raise _bad("temperature", temperature, MAX_TEMPERATURE, "must be within [0, limit]")
+    top_p = message.get("top_p")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise _bad("top_p", top_p, 1, "must be within (0, limit]")
+    top_k = message.get("top_k")
+    if top_k is not None and not 0 <= top_k <= _TOKEN_ID_MAX:
+        raise _bad("top_k", top_k, _TOKEN_ID_MAX, "must be within 0..limit (0: off)")
+    seed = message.get("seed")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise _bad("seed", seed, MAX_SEED, "must be within 0..limit")
+
+
+def _check_stop(stop: list, limits: Limits) -> None:
+    """``stop``: at most ``max_stop`` entries, each a token id or a non-empty string of at
+    most ``max_stop_bytes`` UTF-8 bytes."""
+    if len(stop) > limits.max_stop:
+        raise _bad("stop", len(stop), limits.max_stop, "too many entries")
+    for t in stop:
+        if type(t) is int:
+            if not 0 <= t <= _TOKEN_ID_MAX:
+                raise _bad("stop", t, _TOKEN_ID_MAX, "token ids are ints within 0..limit")
+        elif type(t) is str:
+            if not t or len(t.encode()) > limits.max_stop_bytes:
+                raise _bad("stop", len(t.encode()), limits.max_stop_bytes,
+                           "stop strings must be 1..limit UTF-8 bytes")
+        else:
+            raise _bad("stop", type(t).__name__, "int or str", "entries are token ids or strings")
+
+
+def _check_messages(messages: list, limits: Limits) -> None:
+    """``messages`` (chat): 1..``max_messages`` maps of exactly ``role`` (a non-empty string
+    of at most ``max_name_bytes``) and ``content`` (a string)."""
+    if not 1 <= len(messages) <= limits.max_messages:
+        raise _bad("messages", len(messages), limits.max_messages, "must hold 1..limit entries")
+    for i, m in enumerate(messages):
+        if type(m) is not dict or m.keys() != {"role", "content"}:
+            shown = sorted(map(repr, m)) if type(m) is dict else type(m).__name__
+            raise _bad(f"messages[{i}]", shown, "{role: str, content: str}",
+                       "each message is a map of role and content")
+        role, content = m["role"], m["content"]
+        if type(role) is not str or not role or len(role.encode()) > limits.max_name_bytes:
+            raise _bad(f"messages[{i}].role", role, limits.max_name_bytes,
+                       "a non-empty string within limit UTF-8 bytes")
+        if type(content) is not str:
+            raise _bad(f"messages[{i}].content", type(content).__name__, "str",
+                       "content is a string")
 
 
 def unreachable(service: str, address: str, exc: OSError, hint: str = "") -> Unreachable:

@@ -66,6 +66,9 @@ def register(subparsers) -> None:
     p.add_argument("--agent-listen", type=host_port, default=None, metavar="HOST:PORT",
                    help="node agent control API (default 127.0.0.1:7733, where rewarm agent "
                         "commands look; with --demo: any free port)")
+    p.add_argument("--http-port", type=port, default=None,
+                   help="OpenAI-compatible HTTP entrance port (default $REWARM_HTTP_PORT or "
+                        "8000; 0: any free port; not served with --demo)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per replica")
     p.add_argument("--demo", action="store_true", help="run the demonstration and exit")
     p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
@@ -163,10 +166,11 @@ class Stack:
     restores_per_model: int = 2
     max_replicas: int | None = None
     agent_listen: str = "127.0.0.1:0"
+    http_port: int | None = None   # the OpenAI-compatible entrance (None: not served)
 
     def __post_init__(self) -> None:
-        self.agent = self.frontdoor = self.predictor = None
-        self.frontdoor_address = self.agent_address = ""
+        self.agent = self.frontdoor = self.predictor = self.http = None
+        self.frontdoor_address = self.agent_address = self.http_url = ""
         self.decisions: list[Any] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -252,12 +256,27 @@ class Stack:
         except OSError as exc:
             await control.close()
             raise _serve_error(exc, self.host, self.port) from exc
+        if self.http_port is not None:
+            from agent.frontdoor.http_entrance import CatalogStates, HttpConfig, start_http
+            try:
+                self.http = await start_http(
+                    self.frontdoor, HttpConfig(host=self.host, port=self.http_port),
+                    models=CatalogStates(self.agent.catalog, [self.model]))
+            except OSError as exc:
+                await self.frontdoor.stop(grace_s=0.0)
+                await control.close()
+                raise _serve_error(exc, self.host, self.http_port, "HTTP entrance") from exc
+            self.http_url = self.http.url
         self.frontdoor_address = f"{fd_host}:{fd_port}"
         ready.set()
         try:
             await self._stop_async.wait()
         finally:
-            await self.frontdoor.stop(grace_s=1.0)
+            if self.http is not None:
+                from agent.frontdoor.http_entrance import stop_http
+                await stop_http(self.frontdoor, self.http, grace_s=1.0)
+            else:
+                await self.frontdoor.stop(grace_s=1.0)
             await control.close()
 
     def start_predicting(self) -> None:
@@ -345,7 +364,8 @@ def _serve_error(exc: Exception, host: str, port: int, what: str = "front door")
     from agent.errors import ConfigError
 
     if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
-        flag = "--port" if what == "front door" else "--agent-listen"
+        flag = {"front door": "--port", "HTTP entrance": "--http-port"}.get(what,
+                                                                          "--agent-listen")
         return ConfigError(f"{what} cannot listen on {host}:{port}: address already in use "
                            f"(another rewarm up?); stop it or pass {flag} (port 0: any free port)",
                            name="port", value=port, limit="a free port")
@@ -387,11 +407,20 @@ def run_up(args: argparse.Namespace) -> int:
     stack = None
     if args.port is None:
         args.port = 0 if args.demo else DEFAULT_PORT
+    if args.http_port is None and not args.demo:
+        from agent.frontdoor.http_conn import http_port_from_env
+        try:
+            args.http_port = http_port_from_env()
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if args.agent_listen is None:
         from agent.cluster.control import DEFAULT_AGENT
         args.agent_listen = "127.0.0.1:0" if args.demo else DEFAULT_AGENT
     try:
         check_port(args.host, args.port)   # said before minutes of preparation, as is
+        if args.http_port is not None and not args.demo:
+            check_port(args.host, args.http_port, what="HTTP entrance")
         agent_host, _, agent_port = args.agent_listen.rpartition(":")
         if not agent_port.isdigit():
             raise ConfigError(f"--agent-listen {args.agent_listen!r} is not HOST:PORT",
@@ -405,10 +434,12 @@ def run_up(args: argparse.Namespace) -> int:
             from agent import demo
             return demo.run_demo(args, model_dir, release, forward_note)
         stack = Stack(state, model_dir, release, host=args.host, port=args.port,
-                      threads=args.threads, agent_listen=args.agent_listen).start()
+                      threads=args.threads, agent_listen=args.agent_listen,
+                      http_port=args.http_port).start()
         print(f"rewarm up: model {stack.model} ({forward_note}); front door listening on "
               f"{stack.frontdoor_address} (clients: rewarm generate --address "
-              f"{stack.frontdoor_address} --model {stack.model} \"...\"); node agent control "
+              f"{stack.frontdoor_address} --model {stack.model} \"...\"); OpenAI-compatible "
+              f"HTTP on {stack.http_url} (base_url {stack.http_url}/v1); node agent control "
               f"API on {stack.agent_address}; Ctrl-C stops", flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:

@@ -57,6 +57,7 @@ job "rewarm-frontdoor" {
     network {
       port "api" { static = var.api_port }
       port "metrics" {}
+      port "http" { static = 8000 } # the OpenAI-compatible HTTP entrance
     }
 
     service {
@@ -87,13 +88,28 @@ job "rewarm-frontdoor" {
       }
     }
 
+    # The OpenAI-compatible HTTP entrance; passing while the front door can serve or restore.
+    service {
+      name     = "rewarm-frontdoor-http"
+      port     = "http"
+      provider = "consul"
+
+      check {
+        type     = "http"
+        path     = "/ready"
+        interval = "5s"
+        timeout  = "2s"
+      }
+    }
+
     task "frontdoor" {
       driver = "raw_exec"
 
       config {
         command = "rewarm"
         args    = ["frontdoor", "--host", "${attr.unique.network.ip-address}",
-                   "--port", "${NOMAD_PORT_api}", "--consul", var.consul_addr,
+                   "--port", "${NOMAD_PORT_api}", "--http-port", "${NOMAD_PORT_http}",
+                   "--consul", var.consul_addr,
                    "--scaler", "nomad", "--tokens", var.tokens_file,
                    "--metrics-port", "${NOMAD_PORT_metrics}", "--drain-grace-s", "30"]
       }

@@ -103,7 +103,8 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model):
     state = tmp_path / "state"
     proc = subprocess.Popen(
         [sys.executable, "-m", "agent.cli", "up", "--model-dir", str(tiny_model), "--no-aot",
-         "--port", "0", "--agent-listen", "127.0.0.1:0", "--state-dir", str(state)], cwd=REPO,
+         "--port", "0", "--http-port", "0", "--agent-listen", "127.0.0.1:0",
+         "--state-dir", str(state)], cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     try:
@@ -118,6 +119,11 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model):
             if "front door listening on " in line:
                 address = line.split("front door listening on ", 1)[1].split()[0]
         assert address, "".join(lines)
+        url = lines[-1].split("OpenAI-compatible HTTP on ", 1)[1].split()[0]
+        assert url.startswith("http://127.0.0.1:")          # the banner names the HTTP door
+        import urllib.request
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert r.status == 200
         host, _, port = address.rpartition(":")
         client = Client(host, int(port))
         try:

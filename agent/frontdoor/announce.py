@@ -67,3 +67,27 @@ class ConsulTcpAnnouncer:
         except Exception as exc:
             raise ClusterError(f"consul: deregistering {instance_id} failed: {exc}",
                                service="consul", status=None) from exc
+
+
+FRONTDOOR_HTTP_SERVICE = "rewarm-frontdoor-http"
+
+
+class ConsulHttpAnnouncer(ConsulTcpAnnouncer):
+    """The HTTP entrance's port in Consul as ``rewarm-frontdoor-http``, with an HTTP check on
+    ``/ready`` (Consul's HTTP check: passing on 2xx, warning on 429, critical otherwise; see
+    developer.hashicorp.com/consul/docs/services/usage/checks), so a door that is shutting
+    down or can neither serve nor restore leaves the catalog's passing list."""
+
+    def announce(self, instance: ServiceInstance) -> None:
+        import consul  # py-consul
+        url = f"http://{instance.address}:{instance.port}/ready"
+        check = consul.Check.http(url, f"{self.interval_s:g}s",
+                                  deregister=f"{self.deregister_after_s:g}s")
+        try:
+            self.client.agent.service.register(
+                instance.name, service_id=instance.id, address=instance.address,
+                port=instance.port, tags=list(instance.tags), meta=dict(instance.meta),
+                check=check)
+        except Exception as exc:  # py-consul / requests errors
+            raise ClusterError(f"consul: registering {instance.id} failed: {exc}",
+                               service="consul", status=None) from exc

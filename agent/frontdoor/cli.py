@@ -36,6 +36,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-queue-depth", type=positive_int, default=1024)
     p.add_argument("--max-wait-s", type=positive_float, default=60.0)
     p.add_argument("--max-connections", type=positive_int, default=4096)
+    p.add_argument("--http-port", type=port, default=None,
+                   help="OpenAI-compatible HTTP entrance port (default $REWARM_HTTP_PORT or "
+                        "8000; 0: any free port)")
+    p.add_argument("--no-http", action="store_true", help="serve the msgpack door only")
     p.add_argument("--warm-slo-ms", type=positive_float, default=2000.0,
                    help="TTFT SLO of a warm hit, from arrival (design document p99: 2000)")
     p.add_argument("--restore-slo-ms", type=positive_float, default=4000.0,
@@ -125,6 +129,9 @@ def _serve(args) -> int:
         from agent.cluster.consul_registry import consul_client
         from agent.frontdoor.announce import ConsulTcpAnnouncer
         announcer = ConsulTcpAnnouncer(consul_client(args.consul))
+    if not args.no_http:
+        from agent.frontdoor.http_conn import http_port_from_env
+        http_port = args.http_port if args.http_port is not None else http_port_from_env()
     config = FrontDoorConfig(host=args.host, port=args.port, models=models,
                              max_queue_depth=args.max_queue_depth, max_wait_s=args.max_wait_s,
                              max_connections=args.max_connections,
@@ -140,8 +147,24 @@ def _serve(args) -> int:
             from agent.cluster.cluster_mode import watch_catalog
             catalog = watch_catalog(args.consul, _learn_models(fd, asyncio.get_running_loop()))
         host, port = await fd.start()
+        http = None
+        if not args.no_http:
+            from agent.frontdoor.http_entrance import HttpConfig, start_http
+            http_announcer = None
+            if args.consul:
+                from agent.frontdoor.announce import ConsulHttpAnnouncer
+                http_announcer = ConsulHttpAnnouncer(consul_client(args.consul))
+            try:
+                http = await start_http(fd, HttpConfig(host=args.host, port=http_port,
+                                                       max_connections=args.max_connections),
+                                        announcer=http_announcer)
+            except BaseException:
+                await fd.stop()
+                raise
         gc.freeze()  # start-up objects leave the collector's generations: shorter GC pauses
         print(f"front door listening on {host}:{port}", flush=True)
+        if http is not None:
+            print(f"OpenAI-compatible HTTP entrance on {http.url}/v1", flush=True)
         sdnotify.ready(f"listening on {host}:{port}")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -152,7 +175,11 @@ def _serve(args) -> int:
         finally:
             if catalog is not None:
                 catalog.stop()
-            await fd.stop()
+            if http is not None:
+                from agent.frontdoor.http_entrance import stop_http
+                await stop_http(fd, http)
+            else:
+                await fd.stop()
 
     try:
         import uvloop  # optional: pip install 'rewarm[fast]'

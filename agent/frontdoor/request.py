@@ -57,7 +57,12 @@ class GenerateRequest:
     def prompt_tokens(self) -> int:
         """Prompt length in tokens: exact for ``tokens``; for text ~3 characters per BPE token
         (an overestimate for English with a byte-level BPE vocabulary)."""
-        return len(self.tokens) if self.tokens is not None else len(self.prompt or "") // 3 + 1
+        if self.tokens is not None:
+            return len(self.tokens)
+        messages = self.wire.get("messages") if self.wire is not None else None
+        if messages is not None:  # chat: the template adds a few tokens per turn
+            return sum(len(m["content"]) // 3 + 8 for m in messages) + 8
+        return len(self.prompt or "") // 3 + 1
 
     def replica_message(self) -> dict:
         """The ``generate`` map sent to a replica (its ``id`` is set by the link): the

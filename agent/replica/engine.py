@@ -7,11 +7,13 @@ active sequence together (B=active, S=1).  Every call goes through the same
 either the eager :class:`Transformer` or any callable with that signature (a loaded AOT
 package, a ``torch.compile`` of the module).
 
-Sampling: ``seed=None`` is greedy (argmax); an integer seed samples from
-``softmax(logits / temperature)`` (optionally top-k) with a per-sequence ``torch.Generator``
-seeded with it, so a sequence's tokens do not depend on what else is in the batch's RNG.
-A sequence ends after ``max_tokens`` new tokens or when it samples a stop token (the stop
-token is not returned).
+Sampling is per sequence (:class:`Sampling`): greedy (argmax) when ``temperature`` is 0, or
+when neither a temperature nor a seed is given; otherwise a draw from
+``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens and then to
+the smallest set whose probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019),
+with a per-sequence ``torch.Generator`` seeded with ``seed`` (a random seed when absent), so a
+sequence's tokens do not depend on what else is in the batch.  A sequence ends after
+``max_tokens`` new tokens or when it samples a stop token (the stop token is not returned).
 
 Speed: every prefill (one prompt, its first token sampled) and every decode step (sampling
 included) is timed with the injected ``clock`` and fed to the engine's
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import secrets
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -68,13 +71,30 @@ def jit_forward(model: torch.nn.Module, **compile_kwargs) -> Forward:
     return forward
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How one sequence picks its tokens.  ``temperature`` None means the engine's default
+    (used only when ``seed`` is given: no temperature and no seed is greedy); 0 is greedy.
+    ``top_k`` 0 or None and ``top_p`` 1.0 or None leave the distribution whole."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+GREEDY = Sampling()
+
+
 @dataclasses.dataclass
 class _Seq:
     seq_id: int
     prompt: list[int]
     max_tokens: int
     stop: frozenset[int]
-    generator: torch.Generator | None
+    generator: torch.Generator | None   # None: greedy
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
     slot: int = -1
     pos: int = 0               # tokens written to the cache so far
     last: int = -1             # the token to feed next
@@ -189,10 +209,12 @@ class Engine:
 
     # --- the server-loop API ---------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_tokens: int, seed: int | None = None,
-               stop: set[int] | frozenset[int] | None = None) -> int:
+               stop: set[int] | frozenset[int] | None = None,
+               sampling: Sampling = GREEDY) -> int:
         """Queue one sequence; returns its id.  Raises ProtocolError (empty prompt, token id
-        out of [0, vocab_size), max_tokens < 1, seed outside [0, MAX_SEED]) or
-        CapacityExceeded (prompt + max_tokens longer than a slot) before anything is allocated."""
+        out of [0, vocab_size), max_tokens < 1, seed outside [0, MAX_SEED], temperature < 0,
+        top_p outside (0, 1], top_k < 0) or CapacityExceeded (prompt + max_tokens longer
+        than a slot) before anything is allocated."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ProtocolError("prompt has no tokens", field="tokens", value=0, limit=1)
@@ -206,9 +228,28 @@ class Engine:
         if seed is not None and not 0 <= int(seed) <= MAX_SEED:
             raise ProtocolError(f"seed={seed} outside [0, {MAX_SEED}]", field="seed", value=seed,
                                 limit=MAX_SEED)
+        temperature = sampling.temperature
+        if temperature is not None and not temperature >= 0:
+            raise ProtocolError(f"temperature={temperature} must be >= 0", field="temperature",
+                                value=temperature, limit=0)
+        if sampling.top_p is not None and not 0 < sampling.top_p <= 1:
+            raise ProtocolError(f"top_p={sampling.top_p} outside (0, 1]", field="top_p",
+                                value=sampling.top_p, limit=1)
+        if sampling.top_k is not None and sampling.top_k < 0:
+            raise ProtocolError(f"top_k={sampling.top_k} must be >= 0", field="top_k",
+                                value=sampling.top_k, limit=0)
         self.kv.check(len(prompt) + max_tokens)
-        gen = None if seed is None else torch.Generator().manual_seed(int(seed))
-        seq = _Seq(self._next_id, prompt, max_tokens, frozenset(stop or ()), gen)
+        greedy = temperature == 0 or (temperature is None and seed is None)
+        if greedy:
+            gen = None
+        else:
+            gen = torch.Generator().manual_seed(
+                int(seed) if seed is not None else secrets.randbits(63))
+        top_k = sampling.top_k if sampling.top_k is not None else self.top_k
+        seq = _Seq(self._next_id, prompt, max_tokens, frozenset(stop or ()), gen,
+                   temperature if temperature is not None else self.temperature,
+                   sampling.top_p if sampling.top_p is not None and sampling.top_p < 1 else None,
+                   min(top_k, self.config.vocab_size) if top_k else None)
         self._next_id += 1
         self._waiting.append(seq)
         self._publish()
@@ -343,11 +384,17 @@ class Engine:
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> int:
         if seq.generator is None:
             return int(logits.argmax())
-        scaled = logits.float() / max(self.temperature, 1e-5)
-        if self.top_k is not None:
-            kth = torch.topk(scaled, self.top_k).values[-1]
+        scaled = logits.float() / max(seq.temperature, 1e-5)
+        if seq.top_k is not None:
+            kth = torch.topk(scaled, seq.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1).cpu()
+        if seq.top_p is not None:
+            # keep the most likely tokens until their mass reaches top_p (the token that
+            # crosses it included), then renormalise by sampling from what is left
+            sorted_p, order = torch.sort(probs, descending=True)
+            drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= seq.top_p
+            probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def _emit(self, seq: _Seq, logits: torch.Tensor) -> Event:

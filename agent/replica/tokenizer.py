@@ -16,7 +16,7 @@ from typing import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from agent.errors import InvalidCheckpoint
+from agent.errors import InvalidCheckpoint, ProtocolError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -78,6 +78,70 @@ def load_tokenizer(model_dir: Path | str) -> Tokenizer:
                                 "`rewarm model import-gguf`)", path=path, field=TOKENIZER_FILE,
                                 value=None, limit=None)
     return Tokenizer.from_file(str(path))
+
+
+class ChatTemplate:
+    """A model's own chat template (Jinja2, ``chat_template`` in tokenizer_config.json, copied
+    there from the GGUF's ``tokenizer.chat_template`` at import), rendered the way
+    transformers' ``apply_chat_template`` does: a sandboxed environment with ``trim_blocks``
+    and ``lstrip_blocks``, the variables ``messages``, ``add_generation_prompt``,
+    ``bos_token`` and ``eos_token``, and ``raise_exception`` for templates that refuse input.
+    """
+
+    def __init__(self, source: str, *, bos_token: str | None = None,
+                 eos_token: str | None = None) -> None:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as exc:
+            raise InvalidCheckpoint(f"chat template does not parse: {exc}", path=None,
+                                    field="chat_template", value=str(exc),
+                                    limit="a Jinja2 template") from None
+        self.bos_token, self.eos_token = bos_token or "", eos_token or ""
+
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` ([{role, content}], as validated by the protocol),
+        ending with the assistant's turn opened.  Raises ProtocolError (400) when the template
+        refuses them (``raise_exception``) or fails on them."""
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(messages=list(messages),
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateError as exc:
+            raise ProtocolError(f"messages: the model's chat template refused them: {exc}",
+                                field="messages", value=len(messages),
+                                limit="what the chat template accepts") from None
+
+
+def _raise_template_error(message: str):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def load_chat_template(model_dir: Path | str) -> ChatTemplate | None:
+    """The chat template saved with the model in ``model_dir`` (None when the model has none).
+    Raises InvalidCheckpoint for an unreadable tokenizer_config.json or a template that does
+    not parse."""
+    path = Path(model_dir) / TOKENIZER_CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidCheckpoint(f"{path}: unreadable: {exc}", path=path,
+                                field=TOKENIZER_CONFIG_FILE, value=str(exc),
+                                limit="a JSON object") from None
+    source = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    if not isinstance(source, str) or not source:
+        return None
+    return ChatTemplate(source, bos_token=cfg.get("bos_token"), eos_token=cfg.get("eos_token"))
 
 
 def chat_prompt(user: str, system: str | None = None) -> str:

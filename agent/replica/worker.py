@@ -41,8 +41,9 @@ from typing import Any
 
 from agent.errors import (ConfigError, InvalidCheckpoint, Overloaded, ProtocolError,
                           RewarmError, Unauthorized)
-from agent.protocol import Decoder, error_message, pack, read_messages
+from agent.protocol import DEFAULT_MAX_TOKENS, Decoder, error_message, pack, read_messages
 from agent.replica.meter import ReplicaMeter
+from agent.replica.stops import StopText
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,20 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     prefix_at: int = 0        # incremental detokenization: text sent covers tokens[:read_at]
     read_at: int = 0
+    prompt_tokens: int = 0
+    stops: StopText = field(default_factory=StopText)
+    fed: str = ""             # detokenized text fed to ``stops`` so far
+    sent: str = ""            # text let out so far (the done message's ``text``)
+    owner: dict | None = None  # the connection's requests by id (left when answered)
+
+    def finished(self) -> None:
+        if self.owner is not None and self.owner.get(_key(self.request_id)) is self:
+            del self.owner[_key(self.request_id)]
+
+
+def _key(request_id: Any) -> Any:
+    """A request id as a dict key (ids are ints or strings; anything else shares None)."""
+    return request_id if type(request_id) in (int, str) else None
 
 
 class Worker:
@@ -103,6 +118,7 @@ class Worker:
         self._tokenizer = None
         self.meter = ReplicaMeter()
         self.drain_grace_s, self.draining = drain_grace_s, False
+        self._chat_template = None  # loaded on first use; False: the model has none
 
     # --- lifecycle -----------------------------------------------------------------------
     async def serve(self, listen: str, ready=None, data_listen: str | None = None) -> None:
@@ -190,7 +206,7 @@ class Worker:
             writer.write(pack(message))
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        mine: list[_Request] = []
+        mine: dict[Any, _Request] = {}  # this connection's generate requests by id
         try:
             async for message in read_messages(reader, Decoder()):
                 await self._dispatch(message, writer, mine)
@@ -199,7 +215,7 @@ class Worker:
             # The stream cannot be trusted past this point: what is still running for this
             # connection is cancelled below, and said so, before the framing error and close.
             pending = {id(r) for r, _ in self._submits}
-            for request in mine:
+            for request in mine.values():
                 if request.seq_id in self._by_seq or id(request) in pending:
                     self._send(writer, error_message(
                         request.request_id, 503, "cancelled: a framing error on this "
@@ -208,13 +224,20 @@ class Worker:
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
-            for request in mine:  # the client left: free its KV slots
-                if request.seq_id >= 0 and request.seq_id in self._by_seq:
-                    self._cancels.append(request.seq_id)
-            self._submits = [(r, m) for r, m in self._submits if r not in mine]
+            for request in mine.values():  # the client left: free its KV slots
+                self._cancel(request)
             writer.close()
 
-    async def _dispatch(self, msg: dict, writer: asyncio.StreamWriter, mine: list) -> None:
+    def _cancel(self, request: _Request) -> None:
+        """Stop ``request`` (its client left or sent ``cancel``): out of the submit list, or
+        its engine sequence cancelled (KV slot freed) on the next tick; no answer is sent."""
+        self._submits = [(r, m) for r, m in self._submits if r is not request]
+        if request.seq_id >= 0 and self._by_seq.get(request.seq_id) is request:
+            del self._by_seq[request.seq_id]
+            self._cancels.append(request.seq_id)
+            self._wake.set()
+
+    async def _dispatch(self, msg: dict, writer: asyncio.StreamWriter, mine: dict) -> None:
         op, rid = msg.get("op"), msg.get("id")
         reply = lambda result: self._send(writer, {"id": rid, "type": "result", "result": result})  # noqa: E731
         try:
@@ -227,8 +250,14 @@ class Worker:
                                                  f"drain_grace_s({self.drain_grace_s})",
                                                  retry_after_ms=1000))
             elif op == "generate":
-                mine.append(self._accept(msg, writer))
+                request = self._accept(msg, writer)
+                request.owner = mine
+                mine[_key(rid)] = request
                 self._wake.set()
+            elif op == "cancel":
+                request = mine.pop(_key(rid), None)
+                if request is not None:
+                    self._cancel(request)
             elif op == "health":
                 reply({"ok": self.state is State.SERVING, "state": self.state.value})
             elif op == "stats":
@@ -243,7 +272,8 @@ class Worker:
                 self.stop()
             else:
                 raise ProtocolError(f"unknown op {op!r}", field="op", value=op,
-                                    limit=["generate", "health", "stats", "restore", "capture", "shutdown"])
+                                    limit=["generate", "cancel", "health", "stats", "restore",
+                                           "capture", "shutdown"])
         except RewarmError as exc:
             self._send(writer, error_message(rid, exc.code, exc.message,
                                              **getattr(exc, "answer", {})))
@@ -279,35 +309,48 @@ class Worker:
             queued_prefill_tokens=sum(len(p) for p in pending))
 
     def _accept(self, msg: dict, writer) -> _Request:
+        """Check one generate (docs/protocol.md) and queue it for the next tick.  A ``prompt``
+        is tokenized here and ``messages`` rendered with the model's chat template first;
+        both stop at the model's end-of-sequence token beside the ``stop`` they name (text
+        in, text out), while a ``tokens`` request stops only at the ids it names."""
         if self.state is not State.SERVING:
             raise ProtocolError(f"replica is {self.state.value}, not serving", field="state",
                                 value=self.state.value, limit=State.SERVING.value)
-        tokens, text = msg.get("tokens"), False
-        if tokens is None and isinstance(msg.get("prompt"), str):
-            try:
-                tokenizer = self.tokenizer()
-            except InvalidCheckpoint as exc:
-                raise ProtocolError(f"prompt: model {self.loaded.identity.name!r} has no "
-                                    f"tokenizer ({exc.message}); send tokens: [int] instead",
-                                    field="prompt", value="text", limit="tokens") from exc
-            tokens, text = tokenizer.encode(msg["prompt"]).ids, True
+        tokens, prompt = msg.get("tokens"), msg.get("prompt")
+        if tokens is None and isinstance(msg.get("messages"), list):
+            prompt = self.chat_template().render(msg["messages"])
+        stop = msg.get("stop") or []
+        if not isinstance(stop, list) or not all(type(t) in (int, str) for t in stop):
+            raise ProtocolError("stop must be a list of token ids and strings", field="stop",
+                                value=stop, limit="[int | str]")
+        stop_ids = {t for t in stop if type(t) is int}
+        stop_strs = [t for t in stop if type(t) is str and t]
+        text = tokens is None or bool(stop_strs) or msg.get("detokenize") is True
+        if tokens is None and isinstance(prompt, str):
+            tokens = self.tokenizer_for("prompt").encode(prompt).ids
+            eos = self.loaded.config.eos_token_id
+            if eos is not None and eos >= 0 and msg.get("ignore_eos") is not True:
+                stop_ids.add(eos)
+        if text:
+            self.tokenizer_for("stop")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise ProtocolError("generate needs tokens: [int] or prompt: str", field="tokens",
-                                value=type(tokens).__name__, limit="list of int")
-        max_tokens, seed, stop = msg.get("max_tokens", 16), msg.get("seed"), msg.get("stop") or []
+            raise ProtocolError("generate needs tokens: [int], prompt: str or messages",
+                                field="tokens", value=type(tokens).__name__, limit="list of int")
+        max_tokens, seed = msg.get("max_tokens", DEFAULT_MAX_TOKENS), msg.get("seed")
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
             raise ProtocolError(f"max_tokens={max_tokens!r} must be an int in [1, {MAX_TOKENS_LIMIT}]",
                                 field="max_tokens", value=max_tokens, limit=MAX_TOKENS_LIMIT)
         if seed is not None and not isinstance(seed, int):
             raise ProtocolError(f"seed={seed!r} must be an int or absent", field="seed", value=seed, limit=None)
-        if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
-            raise ProtocolError("stop must be a list of token ids", field="stop", value=stop, limit=None)
-        # The engine checks the rest (token range, KV capacity) before anything is allocated.
+        sampling = _sampling(msg)
+        # The engine checks the rest (token range, KV capacity, sampling ranges) before
+        # anything is allocated.
         self.loaded.engine.kv.check(len(tokens) + max_tokens)
         self._check_deadline(msg.get("deadline_ms"), len(tokens))
-        request = _Request(msg.get("id"), writer, time.perf_counter(), text)
+        request = _Request(msg.get("id"), writer, time.perf_counter(), text,
+                           prompt_tokens=len(tokens), stops=StopText(stop_strs))
         self._submits.append((request, {"prompt": tokens, "max_tokens": max_tokens,
-                                        "seed": seed, "stop": set(stop)}))
+                                        "seed": seed, "stop": stop_ids, "sampling": sampling}))
         return request
 
     def _check_deadline(self, deadline_ms: Any, prompt_tokens: int) -> None:
@@ -333,6 +376,28 @@ class Worker:
                           "deadline_ms": deadline_ms,
                           "retry_after_ms": exc.retry_after_ms}
             raise exc
+
+    def tokenizer_for(self, field_name: str):
+        """The tokenizer, or a 400 naming ``field_name`` when the model has none."""
+        try:
+            return self.tokenizer()
+        except InvalidCheckpoint as exc:
+            raise ProtocolError(f"{field_name}: model {self.loaded.identity.name!r} has no "
+                                f"tokenizer ({exc.message}); send tokens: [int] and stop "
+                                "token ids instead", field=field_name, value="text",
+                                limit="tokens") from exc
+
+    def chat_template(self):
+        """The model's chat template (a 400 when it has none)."""
+        from agent.replica.tokenizer import load_chat_template
+
+        if self._chat_template is None:
+            self._chat_template = load_chat_template(self.loaded.tokenizer_dir or "") or False
+        if self._chat_template is False:
+            raise ProtocolError(f"messages: model {self.loaded.identity.name!r} has no chat "
+                                "template; send prompt or tokens instead", field="messages",
+                                value="messages", limit="prompt or tokens")
+        return self._chat_template
 
     def tokenizer(self):
         if self._tokenizer is None:
@@ -409,19 +474,25 @@ class Worker:
                 request.seq_id = -2  # being submitted
             started = time.perf_counter()
             failed, events = await loop.run_in_executor(self._pool, self._tick, submits, cancels)
-            self.meter.step(sum(1 for e in events if e.token >= 0),
-                            len({e.seq_id for e in events}), time.perf_counter() - started)
             for request, exc in failed:
+                request.finished()
                 self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
             for request, _ in submits:
-                if request.seq_id >= 0 and request.writer.is_closing():  # left meanwhile
+                if request.seq_id >= 0 and (request.writer.is_closing()
+                                            or request.owner is not None
+                                            and request.owner.get(_key(request.request_id))
+                                            is not request):  # left or cancelled meanwhile
                     self._cancels.append(request.seq_id)
                 elif request.seq_id >= 0:
                     self._by_seq[request.seq_id] = request
             for seq_id in cancels:
                 self._by_seq.pop(seq_id, None)
             self._deliver(events)
-            self._deliver(await loop.run_in_executor(self._pool, self.loaded.engine.decode))
+            decoded = await loop.run_in_executor(self._pool, self.loaded.engine.decode)
+            self._deliver(decoded)
+            events += decoded  # one tick for the meter: the admitted prefills and the decode step
+            self.meter.step(sum(1 for e in events if e.token >= 0),
+                            len({e.seq_id for e in events}), time.perf_counter() - started)
 
     def _deliver(self, events) -> None:
         """Send each event's token (and the ``done`` answer) to its request's connection."""
@@ -432,24 +503,73 @@ class Worker:
                 self._on_event(request, event, now)
 
     def _on_event(self, request: _Request, event, now: float) -> None:
-        """One engine event of ``request``: its token, and its ``done`` answer when it ends."""
+        """Answer one engine event: a ``tokens`` message (with the text that can be let out:
+        never past a stop string), and ``done`` when the sequence ended — at ``max_tokens``
+        (``finish_reason: length``), a stop token or a stop string (``stop``; the engine's
+        sequence is then cancelled, freeing its slot)."""
+        finish = None
         if event.token >= 0:
             request.first_s = request.first_s or now
             request.tokens.append(event.token)
             out = {"id": request.request_id, "type": "tokens", "tokens": [event.token]}
+            if len(request.tokens) == 1:
+                out["prompt_tokens"] = request.prompt_tokens
             if request.text:
-                out["text"] = next_text(self.tokenizer(), request)
+                piece = next_text(self.tokenizer(), request)
+                request.fed += piece
+                out["text"] = self._let_out(request, piece, event.done)
+                if request.stops.stopped:
+                    finish = "stop"
             self._send(request.writer, out)
-        if event.done:
-            del self._by_seq[event.seq_id]
-            done = {"id": request.request_id, "type": "done",
-                    "ttft_ms": round(((request.first_s or now) - request.started_s) * 1e3, 3),
-                    "total_ms": round((now - request.started_s) * 1e3, 3),
-                    "path": self.loaded.path, "replica": self.replica_id,
-                    "n_tokens": len(request.tokens)}
-            if request.text:
-                done["text"] = self.tokenizer().decode(request.tokens)
-            self._send(request.writer, done)
+        if event.done and finish is None:
+            finish = "stop" if event.token < 0 else "length"
+            if request.text and event.token < 0:  # a stop token: no tokens message carried
+                self._let_out(request, "", True)  # the last text; done's ``text`` does
+        if finish is None:
+            return
+        del self._by_seq[event.seq_id]
+        if not event.done:  # a stop string ended it: the engine stops too
+            self._cancels.append(event.seq_id)
+        request.finished()
+        done = {"id": request.request_id, "type": "done",
+                "ttft_ms": round(((request.first_s or now) - request.started_s) * 1e3, 3),
+                "total_ms": round((now - request.started_s) * 1e3, 3),
+                "path": self.loaded.path, "replica": self.replica_id,
+                "n_tokens": len(request.tokens), "prompt_tokens": request.prompt_tokens,
+                "finish_reason": finish}
+        if request.text:
+            done["text"] = request.sent
+        self._send(request.writer, done)
+
+    def _let_out(self, request: _Request, piece: str, last: bool) -> str:
+        """Feed ``piece`` to the request's stop strings; returns the text that may be sent.
+        On the last token, the text the window decode still held back (a last character
+        cut, a tail that might have begun a stop string) is matched and let out too."""
+        out = request.stops.feed(piece)
+        if last and not request.stops.stopped:
+            full = self.tokenizer().decode(request.tokens)
+            rest = full[len(request.fed):] if full.startswith(request.fed) else ""
+            request.fed += rest
+            out += request.stops.feed(rest)
+            out += request.stops.flush()
+        request.sent += out
+        return out
+
+
+def _sampling(msg: dict):
+    """The engine's Sampling from a generate's ``temperature``, ``top_p`` and ``top_k``
+    (ranges are the engine's to check; types here)."""
+    from agent.replica.engine import Sampling
+
+    values = {}
+    for name, kinds in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", (int,))):
+        value = msg.get(name)
+        if value is not None:
+            if type(value) not in kinds:
+                raise ProtocolError(f"{name}={value!r} must be a number", field=name,
+                                    value=value, limit=[k.__name__ for k in kinds])
+            values[name] = value
+    return Sampling(**values)
 
 
 def next_text(tokenizer, request: _Request) -> str:

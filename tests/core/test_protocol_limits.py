@@ -2,7 +2,7 @@ import msgpack
 import pytest
 
 from agent.errors import MessageTooLarge, ProtocolError
-from agent.protocol import Decoder, Limits, pack, validate_request
+from agent.protocol import DEFAULT_MAX_TOKENS, Decoder, Limits, pack, validate_request
 
 LIM = Limits(max_message_bytes=4096, max_str_bytes=100, max_bin_bytes=100, max_array_len=10,
              max_map_len=6, max_depth=3)
@@ -115,7 +115,21 @@ GOOD = {"v": 1, "op": "generate", "id": 7, "model": "m", "tokens": [1, 2], "max_
     ({"id": "x" * 129}, "id"),
     ({"id": "é" * 65}, "id"),                       # 130 bytes in 65 characters
     ({"seed": 1.5}, "seed"),
-    ({"stop": [1, "a"]}, "stop"),
+    ({"stop": [1.5]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ["x" * 257]}, "stop"),
+    ({"stop": list(range(17))}, "stop"),
+    ({"stop": [2 ** 31]}, "stop"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": 2.01}, "temperature"),
+    ({"temperature": "1"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 0.5}, "top_k"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2 ** 63}, "seed"),
+    ({"messages": []}, "prompt"),                   # with tokens too: not exactly one
 ])
 def test_request_schema_refusals_name_the_field(change, field):
     with pytest.raises(ProtocolError) as err:
@@ -157,3 +171,56 @@ def test_an_unknown_field_names_its_own_value():
     with pytest.raises(ProtocolError) as err:
         validate_request({**GOOD, "zzz": 1})
     assert (err.value.field, err.value.value) == ("zzz", 1) and "value 1," in err.value.message
+
+
+CHAT = {"v": 1, "op": "generate", "id": 8, "model": "m",
+        "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_sampling_fields_accepted_at_their_limits_and_max_tokens_defaults():
+    msg = validate_request({**GOOD, "temperature": 2.0, "top_p": 1.0, "top_k": 0,
+                            "seed": 2 ** 63 - 1, "stop": ["x" * 256, 7] + list(range(14))})
+    assert msg["temperature"] == 2.0 and len(msg["stop"]) == 16
+    assert validate_request({**GOOD, "temperature": 0, "top_p": 1e-9})["top_p"] == 1e-9
+    no_max = dict(GOOD)
+    del no_max["max_tokens"]
+    assert validate_request(no_max)["max_tokens"] == DEFAULT_MAX_TOKENS == 16
+
+
+@pytest.mark.parametrize("messages,field", [
+    ([], "messages"),
+    ([{"role": "user"}], "messages[0]"),
+    ([{"role": "user", "content": "a", "name": "x"}], "messages[0]"),
+    (["hi"], "messages[0]"),
+    ([{"role": "", "content": "a"}], "messages[0].role"),
+    ([{"role": "r" * 129, "content": "a"}], "messages[0].role"),
+    ([{"role": "user", "content": 3}], "messages[0].content"),
+    ([{"role": "user", "content": "a"}] * 257, "messages"),
+])
+def test_chat_messages_are_checked(messages, field):
+    with pytest.raises(ProtocolError) as err:
+        validate_request({**CHAT, "messages": messages})
+    assert err.value.field == field and err.value.code == 400
+    assert validate_request({**CHAT, "messages": [{"role": "user", "content": "a"}] * 256})
+
+
+def test_exactly_one_of_prompt_tokens_messages():
+    with pytest.raises(ProtocolError) as err:
+        validate_request({**CHAT, "prompt": "hi"})
+    assert err.value.field == "prompt"
+    assert validate_request(CHAT)["max_tokens"] == DEFAULT_MAX_TOKENS
+
+
+def test_a_non_string_map_key_is_a_request_error_not_a_framing_error():
+    decoder = Decoder()
+    bad = msgpack.packb({"v": 1, "op": "generate", "id": 3, 1: "x"})
+    good = pack({"op": "health", "id": 4})
+    got = decoder.feed(bad + good)          # both decode: the stream is still sound
+    assert [m["id"] for m in got] == [3, 4]
+    with pytest.raises(ProtocolError) as err:
+        validate_request(got[0])
+    assert err.value.code == 400 and "map keys must be strings" in err.value.message
+    nested = {**CHAT, "messages": [{"role": "user", "content": "a", 1: "x"}]}
+    with pytest.raises(ProtocolError) as err:
+        validate_request(decoder.feed(msgpack.packb(nested))[0])
+    assert err.value.field == "messages[0]"

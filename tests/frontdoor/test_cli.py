@@ -31,7 +31,8 @@ def stub_port():
 def test_frontdoor_process_serves_generate_and_writes_events(stub_port, tmp_path, capsys):
     events = tmp_path / "events.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "frontdoor", "--port", "0", "--model", "demo=2000",
+        [sys.executable, "-m", "agent.cli", "frontdoor", "--port", "0", "--http-port", "0",
+         "--model", "demo=2000",
          "--replica", f"demo@127.0.0.1:{stub_port}", "--events", str(events)],
         cwd=REPO, stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)})

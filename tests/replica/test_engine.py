@@ -127,3 +127,51 @@ def test_seed_limit_at_and_over(tiny_engine):
         with pytest.raises(ProtocolError) as e:
             tiny_engine.submit([1], 1, seed=bad)
         assert e.value.field == "seed" and e.value.limit == MAX_SEED
+
+
+def _run(engine, prompt, n, seed=None, **sampling):
+    from agent.replica.engine import Sampling
+
+    engine.submit(prompt, n, seed, sampling=Sampling(**sampling))
+    out = []
+    while engine.busy:
+        out += [ev.token for ev in engine.step() if ev.token >= 0]
+    return out
+
+
+def test_per_sequence_sampling_fields(tiny_engine):
+    greedy = tiny_engine.generate([PROMPTS[1]], 10)[0]
+    # temperature 0 is greedy even with a seed; top_k 1 and a tiny top_p leave only the argmax
+    assert _run(tiny_engine, PROMPTS[1], 10, seed=3, temperature=0.0) == greedy
+    assert _run(tiny_engine, PROMPTS[1], 10, seed=3, temperature=1.5, top_k=1) == greedy
+    assert _run(tiny_engine, PROMPTS[1], 10, seed=3, temperature=1.5, top_p=1e-6) == greedy
+    hot = [_run(tiny_engine, PROMPTS[0], 10, seed=s, temperature=2.0) for s in range(4)]
+    assert hot == [_run(tiny_engine, PROMPTS[0], 10, seed=s, temperature=2.0) for s in range(4)]
+    assert len({tuple(h) for h in hot}) > 1        # seed-dependent: sampled, not greedy
+    # no seed but a temperature: sampled with a random seed each time
+    assert len({tuple(_run(tiny_engine, PROMPTS[0], 10, temperature=2.0)) for _ in range(4)}) > 1
+
+
+def test_top_k_and_top_p_restrict_the_draw(tiny_engine):
+    import torch
+
+    from agent.replica.engine import Sampling
+
+    logits = torch.tensor([0.0, 3.0, 2.9, -5.0] + [-9.0] * 252)
+    tiny_engine.submit([1], 1, 0, sampling=Sampling(temperature=1.0, top_k=2))
+    seq = tiny_engine._waiting.pop()
+    assert {tiny_engine._sample(seq, logits) for _ in range(200)} == {1, 2}
+    tiny_engine.submit([1], 1, 0, sampling=Sampling(temperature=1.0, top_p=0.5))
+    seq = tiny_engine._waiting.pop()
+    assert {tiny_engine._sample(seq, logits) for _ in range(200)} == {1}  # p(1) > 0.5 alone
+
+
+@pytest.mark.parametrize("sampling,field", [
+    ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k")])
+def test_bad_sampling_is_refused_before_queueing(tiny_engine, sampling, field):
+    from agent.replica.engine import Sampling
+
+    with pytest.raises(ProtocolError) as err:
+        tiny_engine.submit([1], 2, 1, sampling=Sampling(**sampling))
+    assert err.value.field == field and not tiny_engine.busy

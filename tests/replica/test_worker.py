@@ -289,3 +289,119 @@ def test_a_data_listener_serves_generation_and_refuses_control_ops(booted, tmp_p
     assert tcp["c"][-1]["type"] == "error" and tcp["c"][-1]["code"] == 401
     assert tcp["g"][-1]["type"] == "done" and unix["s"][-1]["type"] == "result"
     assert not dest.exists()
+
+
+# --- text, chat, stop strings, sampling fields, cancel -----------------------------------
+
+CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def texted(model_dir, tmp_path_factory):
+    """The tiny model with a byte-level tokenizer (its 256 ids are the 256 bytes) and a chat
+    template, so that text, chat and stop strings can be exercised without the real model."""
+    import shutil
+
+    from tokenizers import pre_tokenizers
+
+    from agent.replica.tokenizer import build_from_gguf, save_tokenizer
+
+    d = tmp_path_factory.mktemp("t") / "tiny-text"
+    shutil.copytree(model_dir, d)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    save_tokenizer(build_from_gguf(alphabet, []), d, bos=None, eos=None, chat_template=CHATML)
+    return zygote.boot(d, max_seqs=4, max_seq_len=128)
+
+
+def _text(answers):
+    return "".join(a.get("text", "") for a in answers if a["type"] == "tokens")
+
+
+def test_text_prompt_stop_string_spanning_tokens_is_never_sent(texted):
+    base = run(Worker(texted), [{"op": "generate", "id": 1, "prompt": "hello", "max_tokens": 20}])
+    full = base[1][-1]["text"]
+    assert base[1][-1]["finish_reason"] == "length" and base[1][-1]["n_tokens"] == 20
+    assert _text(base[1]) == full and base[1][-1]["prompt_tokens"] == 5
+    stop = full[5:8]                                  # three tokens of one byte each
+    cut = full[:full.index(stop)]
+    answers = run(Worker(texted), [{"op": "generate", "id": 2, "prompt": "hello",
+                                    "max_tokens": 20, "stop": ["zzz-never", stop]}])
+    done = answers[2][-1]
+    assert done["finish_reason"] == "stop" and done["text"] == cut
+    assert _text(answers[2]) == cut                   # nothing past (or of) the stop string
+    assert done["n_tokens"] == full.index(stop) + len(stop)
+
+
+def test_stop_strings_on_a_token_prompt_give_text_too(texted):
+    ids = [104, 105]
+    base = run(Worker(texted), [{"op": "generate", "id": 1, "tokens": ids, "max_tokens": 12}])
+    assert "text" not in base[1][-1]                 # tokens in, tokens out
+    answers = run(Worker(texted), [{"op": "generate", "id": 1, "tokens": ids, "max_tokens": 12,
+                                    "stop": ["\x00never"]}])
+    assert answers[1][-1]["text"] == _text(answers[1]) and len(answers[1][-1]["text"]) > 0
+
+
+def test_chat_messages_use_the_model_template(texted):
+    msgs = [{"role": "user", "content": "hi"}]
+    answers = run(Worker(texted), [{"op": "generate", "id": "c", "messages": msgs,
+                                    "max_tokens": 4, "seed": 1, "temperature": 0.0}])
+    prompt = "<|user|>hi\n<|assistant|>"
+    same = run(Worker(texted), [{"op": "generate", "id": "p", "prompt": prompt, "max_tokens": 4}])
+    assert answers["c"][-1]["text"] == same["p"][-1]["text"]
+    assert answers["c"][-1]["prompt_tokens"] == len(prompt)
+    none = run(Worker(texted.__class__(**{**vars(texted), "tokenizer_dir": None})),
+               [{"op": "generate", "id": "n", "messages": msgs}])
+    assert none["n"][-1]["code"] == 400 and "template" in none["n"][-1]["reason"]
+
+
+def test_sampling_fields_reach_the_engine_and_max_tokens_defaults(booted):
+    msg = {"op": "generate", "tokens": [5, 6, 7], "max_tokens": 8, "seed": 9}
+    answers = run(Worker(booted), [{**msg, "id": 1, "temperature": 1.5},
+                                   {**msg, "id": 2, "temperature": 1.5},
+                                   {**msg, "id": 3, "temperature": 0.0},
+                                   {**msg, "id": 4, "temperature": 1.5, "top_k": 1},
+                                   {"op": "generate", "id": 5, "tokens": [5, 6, 7]},
+                                   {**msg, "id": 6, "top_p": 2.0}])
+    toks = {i: [t for a in answers[i][:-1] for t in a["tokens"]] for i in (1, 2, 3, 4, 5)}
+    greedy = booted.engine.generate([[5, 6, 7]], 8)[0]
+    assert toks[1] == toks[2] and toks[3] == greedy == toks[4]
+    assert len(toks[5]) == 16 and answers[5][-1]["finish_reason"] == "length"
+    assert answers[6][-1]["code"] == 400 and "top_p" in answers[6][-1]["reason"]
+
+
+def test_cancel_frees_the_slot_and_sends_nothing_more(booted):
+    async def main():
+        worker = Worker(booted)
+        ready = asyncio.get_running_loop().create_future()
+        serving = asyncio.create_task(worker.serve("127.0.0.1:0", ready.set_result))
+        host, port = (await asyncio.wait_for(ready, 10)).rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(pack({"op": "generate", "id": 7, "tokens": [1, 2], "max_tokens": 60}))
+        decoder, seen = Decoder(), []
+        while not seen:
+            seen += decoder.feed(await asyncio.wait_for(reader.read(65536), 30))
+        writer.write(pack({"op": "cancel", "id": 7}) + pack({"op": "cancel", "id": 99}))
+        for _ in range(200):                            # the next ticks cancel it
+            await asyncio.sleep(0.01)
+            if not booted.engine.busy:
+                break
+        writer.write(pack({"op": "stats", "id": "s"}))
+        while seen[-1].get("id") != "s":
+            seen += decoder.feed(await asyncio.wait_for(reader.read(65536), 30))
+        writer.write(pack({"op": "shutdown", "id": "bye"}))
+        await asyncio.wait_for(serving, 30)
+        writer.close()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1]["result"]["active_seqs"] == 0
+    assert not [m for m in seen if m.get("id") == 7 and m["type"] != "tokens"]
+    assert len([m for m in seen if m.get("id") == 7]) < 60
+
+
+def test_detokenize_gives_text_for_a_token_prompt(texted):
+    answers = run(Worker(texted), [{"op": "generate", "id": 1, "tokens": [104, 105],
+                                    "max_tokens": 6, "detokenize": True}])
+    done = answers[1][-1]
+    assert done["text"] == _text(answers[1]) and done["n_tokens"] == 6 and done["text"]

@@ -1,0 +1,493 @@
+"""The OpenAI-compatible HTTP/1.1 entrance: a thin adapter over the shared request path.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with
+``stream: true``), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` and
+``GET /ready`` (aliases ``/healthz``, ``/readyz``).  A request is authenticated with the
+msgpack door's per-tenant tokens (``Authorization: Bearer TOKEN``), translated by
+:mod:`agent.frontdoor.openai_api` into the protocol's ``generate`` (same validation, same
+limits) and submitted to :class:`~agent.frontdoor.request_path.RequestPath` with an
+:class:`HttpSink`: one admission path for both doors.
+
+Why aiohttp (bench/http_stack.py, same bare endpoint): uvicorn+httptools used 73 / 163 us of
+server CPU per JSON / 16-chunk SSE request and aiohttp 80 / 187 (uvicorn+h11 153 / 300), but
+aiohttp's C parser enforces the request-line, header-size and header-count limits itself
+(uvicorn's httptools path has no header limits), it embeds in the front door's own event
+loop through a documented API (``AppRunner`` + its ``Server`` as protocol factory), and it
+cancels a handler whose client went away (``handler_cancellation``), which is how a
+disconnect reaches :meth:`Flight.cancel`.  Why its own port rather than sniffing the first
+bytes on the msgpack port: the msgpack hot path stays untouched, each port gets the health
+check of its protocol (TCP for msgpack, HTTP ``/ready`` for this one) and its own firewall rule.
+
+Limits, checked before anything is allocated for the request (:class:`HttpConfig`): the
+request target and each header's name and value ``max_header_bytes``, at most
+``max_headers`` headers (aiohttp's parser answers 400 itself, as plain text: no request
+exists yet), body ``max_body_bytes`` (from Content-Length before reading, and while reading
+a chunked body: 413), the request's head within ``header_timeout_s`` of its first byte and
+its body within ``body_timeout_s`` (slow senders: 408), ``idle_timeout_s`` between requests,
+``write_timeout_s`` for a client that stops reading its answer, ``max_connections`` (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from agent.clock import Clock
+from agent.errors import MessageTooLarge, ProtocolError, Unauthorized
+from agent.frontdoor import openai_api as oa
+from agent.frontdoor.auth import TokenAuth
+from agent.frontdoor.http_conn import (DEFAULT_HTTP_PORT, HTTP_PORT_ENV,  # noqa: F401 (re-exported)
+                                       ConnGuard, HttpConfig, canned, http_port_from_env)
+from agent.frontdoor.request_path import Flight, GenerateRequest, RequestPath
+
+log = logging.getLogger(__name__)
+# aiohttp logs each malformed request (answered 400 by its parser) with a traceback: a
+# client could fill the log.  Those are counted by their answers, not logged.
+_PARSER_LOG = logging.getLogger(__name__ + ".parser")
+_PARSER_LOG.setLevel(logging.CRITICAL)
+MODEL_STATES = ("warm", "suspended", "snapshot", "cold")
+
+
+class ModelStates(Protocol):
+    """Where ``GET /v1/models`` learns the tiers below warm: model -> ``suspended``,
+    ``snapshot`` or ``cold`` (a catalog, a node agent's snapshot list)."""
+
+    def states(self) -> dict[str, str]: ...
+
+
+class CatalogStates:
+    """:class:`ModelStates` from a snapshot catalog (agent/snapshot/catalog.py): a model with
+    a suspended replica is ``suspended``, else one with a ready snapshot is ``snapshot``, else
+    ``cold`` (warm is the router's to say).  ``models``: the names to report."""
+
+    def __init__(self, catalog, models: list[str]) -> None:
+        self.catalog, self.models = catalog, list(models)
+
+    def states(self) -> dict[str, str]:
+        out = {}
+        for name in self.models:
+            if self.catalog.replicas(name, states=["suspended"]):
+                out[name] = "suspended"
+            elif self.catalog.snapshots(name, status="ready"):
+                out[name] = "snapshot"
+            else:
+                out[name] = "cold"
+        return out
+
+
+class HttpSink:
+    """One HTTP request's answers, collected for its handler (the request path calls these
+    from the event loop; the handler awaits :meth:`wait`)."""
+
+    __slots__ = ("parts", "final", "_event", "flight", "n_tokens", "prompt_tokens", "stream")
+
+    def __init__(self, stream: bool = True) -> None:
+        self.stream = stream     # wake the handler per chunk (SSE), or only at the end
+        self.parts: list[str] = []
+        self.n_tokens = 0        # tokens received so far
+        self.prompt_tokens = 0   # from the replica's first tokens message
+        self.final: tuple | None = None   # ("done", message) or ("error", code, reason, ms)
+        self._event = asyncio.Event()
+        self.flight: Flight | None = None
+
+    def tokens(self, message: dict) -> None:
+        self.parts.append(message.get("text") or "")
+        self.n_tokens += len(message.get("tokens") or ())
+        if "prompt_tokens" in message:
+            self.prompt_tokens = int(message["prompt_tokens"])
+        if self.stream:
+            self._event.set()
+
+    def done(self, message: dict) -> None:
+        self.final = ("done", message)
+        self._event.set()
+
+    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
+        self.final = ("error", code, reason, retry_after_ms)
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event.clear()
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   retry_after_ms: int | None = None) -> web.Response:
+    """OpenAI's error shape with ``status``; 429 and 503 carry ``Retry-After`` (whole
+    seconds, rounded up) beside ``retry_after_ms``."""
+    headers = {}
+    if retry_after_ms is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
+    return web.Response(status=status, headers=headers, content_type="application/json",
+                        text=json.dumps(oa.error_body(status, message, param, retry_after_ms)))
+
+
+class HttpEntrance:
+    """The HTTP door over ``path`` (the front door's request path) with ``auth`` (its
+    tokens).  ``models``: the catalog's view of the tiers below warm (None: a model is warm
+    or cold as far as this door can tell)."""
+
+    def __init__(self, path: RequestPath, config: HttpConfig, *, clock: Clock, auth: TokenAuth,
+                 models: ModelStates | None = None) -> None:
+        self.path, self.config, self.clock, self.auth = path, config, clock, auth
+        self.models = models
+        self.guards: dict[Any, ConnGuard] = {}
+        self.counts = {"requests": 0, "cancelled": 0, "timeouts": 0, "refused_conns": 0}
+        self._runner: web.AppRunner | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._sweeper: asyncio.Task | None = None
+        self.announcer = None             # set by start_http
+        self.instance_id = "frontdoor-http"
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> tuple[str, int]:
+        """Listen; returns the bound ``(host, port)``."""
+        cfg = self.config
+        app = web.Application(client_max_size=cfg.max_body_bytes,
+                              middlewares=[self._middleware])
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._list_models)
+        app.router.add_get("/v1/models/{model:.+}", self._get_model)
+        for route in ("/health", "/healthz"):
+            app.router.add_get(route, self._health)
+        for route in ("/ready", "/readyz"):
+            app.router.add_get(route, self._ready)
+        self._runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, handler_cancellation=True,
+            keepalive_timeout=cfg.idle_timeout_s, max_line_size=cfg.max_header_bytes,
+            max_field_size=cfg.max_header_bytes, max_headers=cfg.max_headers,
+            shutdown_timeout=1.0, logger=_PARSER_LOG, lingering_time=cfg.close_linger_s)
+        await self._runner.setup()
+        factory = self._runner.server
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: ConnGuard(self, factory()), cfg.host, cfg.port, backlog=1024,
+            reuse_address=True)
+        self._sweeper = loop.create_task(self._sweep_loop())
+        return self.address
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._server.sockets[0].getsockname()[:2]
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://{host}:{port}"
+
+    def close_listener(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def stop(self) -> None:
+        """Stop listening and close every connection (call after the front door answered
+        what was queued and in flight, so that handlers have written their answers)."""
+        self.close_listener()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        for guard in list(self.guards.values()):
+            if guard.transport is not None:
+                guard.transport.close()
+
+    # --- connections -----------------------------------------------------------------
+
+    def accept(self, guard: ConnGuard) -> bool:
+        if len(self.guards) >= self.config.max_connections:
+            self.counts["refused_conns"] += 1
+            return False
+        self.guards[guard.transport] = guard
+        return True
+
+    def forget(self, guard: ConnGuard) -> None:
+        self.guards.pop(guard.transport, None)
+
+    def sweep(self) -> None:
+        """Cut off heads slower than ``header_timeout_s`` (408) and close connections idle
+        for ``idle_timeout_s``."""
+        cfg, now = self.config, self.clock.now()
+        for guard in list(self.guards.values()):
+            if guard.busy:
+                continue
+            if guard.head_start_s is not None:
+                if now - guard.head_start_s > cfg.header_timeout_s:
+                    self.counts["timeouts"] += 1
+                    guard.transport.write(canned(408, "Request Timeout"))
+                    guard.transport.close()
+            elif now - guard.last_s > cfg.idle_timeout_s:
+                guard.transport.close()
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_s)
+            self.sweep()
+
+    # --- requests --------------------------------------------------------------------
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every answer in OpenAI's error shape; the head's timer stops when it is parsed."""
+        guard = self.guards.get(request.transport)
+        if guard is not None:
+            guard.head_start_s = None
+            guard.busy += 1
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status == 413:
+                return error_response(413, f"request body exceeds max_body_bytes"
+                                      f"({self.config.max_body_bytes})", "body")
+            return error_response(exc.status, exc.reason or "error")
+        finally:
+            if guard is not None:
+                guard.busy -= 1
+                guard.last_s = self.clock.now()
+
+    def _tenant(self, request: web.Request) -> str | None:
+        if not self.auth.enabled:
+            return None
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        return self.auth.check(token.strip() if scheme.lower() == "bearer" else None)
+
+    def _deadline_ms(self, request: web.Request) -> float | None:
+        raw = request.headers.get("x-rewarm-deadline-ms")
+        if raw is None:
+            return None
+        top = self.path.config.limits.max_deadline_ms
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= top:
+            raise ProtocolError(f"x-rewarm-deadline-ms: {raw[:40]!r} must be a number within "
+                                f"(0, {top}] ms", field="x-rewarm-deadline-ms", value=raw[:40],
+                                limit=top)
+        return value
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise MessageTooLarge(f"request body of {request.content_length} bytes exceeds "
+                                  f"max_body_bytes({limit})", field="body",
+                                  value=request.content_length, limit=limit)
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            self.counts["timeouts"] += 1
+            raise _Timeout(f"request body not complete within body_timeout_s"
+                           f"({self.config.body_timeout_s})") from None
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, oa.parse_completion)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, oa.parse_chat)
+
+    async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
+        self.counts["requests"] += 1
+        model = ""
+        try:
+            tenant = self._tenant(request)
+            deadline_ms = self._deadline_ms(request)
+            raw = await self._read_body(request)
+            body = oa.parse_body(raw)
+            if type(body) is dict and type(body.get("model")) is str:
+                model = body["model"]
+            parsed = parse(body, self.path.config.limits)
+        except _Timeout as exc:
+            return error_response(408, str(exc))
+        except (ProtocolError, Unauthorized) as err:
+            self.path.refused(None, model, err.code)
+            return error_response(err.code, err.message, getattr(err, "field", None))
+        msg = parsed.message
+        req = GenerateRequest(oa.new_id(parsed.chat), msg["model"], msg.get("tokens"),
+                              msg.get("prompt"), msg["max_tokens"], deadline_ms, tenant,
+                              msg.get("seed"), msg.get("stop"), msg.get("temperature"),
+                              msg.get("top_p"), msg.get("top_k"), wire=msg)
+        sink = HttpSink(parsed.stream)
+        sink.flight = self.path.submit(req, sink)
+        try:
+            if parsed.stream:
+                return await self._stream(request, parsed, req.request_id, sink)
+            return await self._whole(parsed, req.request_id, sink)
+        finally:
+            if sink.final is None:          # the client went away (handler cancelled)
+                self.counts["cancelled"] += 1
+                sink.flight.cancel()
+
+    @staticmethod
+    def _refusal(final: tuple) -> web.Response:
+        _, code, reason, retry_after_ms = final
+        return error_response(code, reason, None, retry_after_ms)
+
+    async def _whole(self, parsed: oa.Parsed, rid: str, sink: HttpSink) -> web.Response:
+        while sink.final is None:
+            await sink.wait()
+        if sink.final[0] == "error":
+            return self._refusal(sink.final)
+        done = sink.final[1]
+        text = done.get("text", "".join(sink.parts))
+        body = oa.answer(parsed, rid, oa.now_s(), text, done)
+        return web.Response(body=json.dumps(body).encode(), content_type="application/json",
+                            headers={"x-rewarm-path": str(done.get("path", ""))})
+
+    async def _stream(self, request: web.Request, parsed: oa.Parsed, rid: str,
+                      sink: HttpSink) -> web.StreamResponse:
+        """SSE: the status is chosen when the first token or the refusal arrives (a refusal
+        before any token is a plain error answer with its status); after that an error is
+        one ``data: {"error": ...}`` event and the stream ends: a half-written stream is
+        never retried."""
+        while sink.final is None and not sink.parts:
+            await sink.wait()
+        if sink.final is not None and sink.final[0] == "error" and not sink.parts:
+            return self._refusal(sink.final)
+        created = oa.now_s()
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "x-rewarm-path": sink.flight.path})
+        await resp.prepare(request)
+        sent, first = [], True
+        while True:
+            out = []
+            if sink.parts:
+                parts, sink.parts = sink.parts, []
+                so_far = None
+                if parsed.continuous_usage:   # one count for the batch written together
+                    so_far = oa.usage({"prompt_tokens": sink.prompt_tokens,
+                                       "n_tokens": sink.n_tokens})
+                for piece in parts:
+                    if piece or first:
+                        out.append(oa.chunk(parsed, rid, created, piece, first=first,
+                                            usage_=so_far))
+                        first = False
+                        sent.append(piece)
+            final = sink.final
+            if final is not None:
+                out += self._stream_end(parsed, rid, created, final, "".join(sent), first)
+            if out:
+                await self._write(resp, b"".join(out))
+            if final is not None:
+                break
+            await sink.wait()
+        await resp.write_eof()
+        return resp
+
+    @staticmethod
+    def _stream_end(parsed: oa.Parsed, rid: str, created: int, final: tuple, streamed: str,
+                    first: bool) -> list[bytes]:
+        if final[0] == "error":
+            _, code, reason, retry_after_ms = final
+            event = oa.error_body(code, reason, None, retry_after_ms)
+            return [b"data: " + json.dumps(event).encode() + b"\n\n"]
+        done = final[1]
+        text = done.get("text")
+        rest = text[len(streamed):] if text and text.startswith(streamed) else ""
+        out = [oa.chunk(parsed, rid, created, rest, done.get("finish_reason") or "length",
+                        first=first,
+                        usage_=oa.usage(done) if parsed.continuous_usage else None)]
+        if parsed.include_usage:
+            out.append(oa.chunk(parsed, rid, created, None, usage_=oa.usage(done)))
+        out.append(oa.DONE_EVENT)
+        return out
+
+    async def _write(self, resp: web.StreamResponse, data: bytes) -> None:
+        """Write, bounding the wait on a client that does not read (slow reader)."""
+        async with asyncio.timeout(self.config.write_timeout_s):
+            await resp.write(data)
+
+    # --- models, health, readiness ------------------------------------------------------
+
+    def _model_rows(self) -> list[dict]:
+        below = self.models.states() if self.models is not None else {}
+        names = sorted(set(self.path.known_models) | set(below))
+        rows = []
+        for name in names:
+            state = "warm" if self.path.router.warm(name) else below.get(name, "cold")
+            rows.append({"id": name, "object": "model", "created": 0, "owned_by": "rewarm",
+                         "state": state if state in MODEL_STATES else "cold"})
+        return rows
+
+    async def _list_models(self, request: web.Request) -> web.Response:
+        try:
+            self._tenant(request)
+        except Unauthorized as err:
+            return error_response(401, err.message)
+        return web.json_response({"object": "list", "data": self._model_rows()})
+
+    async def _get_model(self, request: web.Request) -> web.Response:
+        try:
+            self._tenant(request)
+        except Unauthorized as err:
+            return error_response(401, err.message)
+        name = request.match_info["model"]
+        for row in self._model_rows():
+            if row["id"] == name:
+                return web.json_response(row)
+        return error_response(404, f"unknown model {name!r}", "model")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    def readiness(self) -> tuple[bool, dict]:
+        """Ready: not shutting down, and a model is warm or capacity can be restored."""
+        path = self.path
+        warm = sum(len(path.router.warm(m)) for m in path.router.models())
+        info = {"warm_replicas": warm, "restores_in_flight": path.gate.total,
+                "can_restore": path.capacity is not None}
+        if path.stopping:
+            return False, {**info, "reason": "front door shutting down"}
+        if not warm and path.capacity is None:
+            return False, {**info, "reason": "no warm replica and no capacity requester"}
+        return True, info
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        ready, info = self.readiness()
+        return web.json_response({"status": "ready" if ready else "not ready", **info},
+                                 status=200 if ready else 503)
+
+
+class _Timeout(Exception):
+    """A request's body did not arrive within body_timeout_s (answered 408)."""
+
+
+async def start_http(frontdoor, config: HttpConfig, *, models: ModelStates | None = None,
+                     announcer=None) -> HttpEntrance:
+    """Start the HTTP entrance over a started ``frontdoor`` (agent/frontdoor/server.py) with
+    its request path, clock and tokens; with ``announcer`` (a ConsulHttpAnnouncer) its port
+    is registered as ``rewarm-frontdoor-http``.  Stop it with :func:`stop_http`."""
+    from agent.cluster.base import ServiceInstance
+    from agent.frontdoor.announce import FRONTDOOR_HTTP_SERVICE
+
+    entrance = HttpEntrance(frontdoor.path, config, clock=frontdoor.clock, auth=frontdoor.auth,
+                            models=models)
+    host, port = await entrance.start()
+    entrance.announcer = announcer
+    entrance.instance_id = f"{frontdoor.instance_id}-http"
+    if announcer is not None:
+        await asyncio.to_thread(announcer.announce, ServiceInstance(
+            FRONTDOOR_HTTP_SERVICE, entrance.instance_id, host, port, tags=["protocol=http"]))
+    return entrance
+
+
+async def stop_http(frontdoor, entrance: HttpEntrance, grace_s: float = 1.0) -> None:
+    """Stop both doors in order: the HTTP listener first (no new requests), then the front
+    door (queued requests 503 at once, running ones within ``grace_s``), then the HTTP
+    connections, once their handlers have written those answers."""
+    entrance.close_listener()
+    if getattr(entrance, "announcer", None) is not None:
+        try:
+            await asyncio.to_thread(entrance.announcer.withdraw, entrance.instance_id)
+        except Exception as exc:  # shutting down: say so, carry on
+            log.warning("withdrawing %s failed: %s", entrance.instance_id, exc)
+    await frontdoor.stop(grace_s=grace_s)
+    await entrance.stop()

@@ -1,0 +1,520 @@
+"""HTTP entrance load benchmark: the OpenAI-compatible door beside the msgpack door.
+
+Processes: stub replicas (answer with text over the protocol, after ``service_ms``), one
+front door serving both doors over them, and the load from this process.  Reported (and
+written with ``--json PATH``):
+
+- ``http_cpu_us_per_request`` / ``msgpack_cpu_us_per_request``: the front door process's
+  user+system CPU (/proc/<pid>/stat) over a run of the same requests (16 tokens, answered at
+  once by the stubs) through each door, divided by the requests answered; ``http_sse_...``
+  the same with ``stream: true``;
+- ``http_p99_added_ms`` (and p50): latency through the HTTP door minus the same percentile
+  straight to a stub replica, at half the HTTP door's capacity (``http_capacity_rps``: the
+  highest Poisson rate of a ladder rising by half at which every request is answered 200
+  with a median under 20 ms; ``http_capacity_by_cpu_rps`` = 1 / CPU per request beside it),
+  in the same run as ``msgpack_p99_added_ms`` at the same rate;
+- ``overload``: twice the stub replicas' capacity (``slots x replicas / service_ms``) offered
+  for ``--overload-s`` through the HTTP door with a deadline: answers by status, and
+  ``lost`` (no answer, or a status other than 200, 429, 504);
+- ``rss_growth_bytes_10k_connections``: the front door's VmRSS after 10,000 HTTP connections
+  were opened, used once and closed, minus its VmRSS after the first 1,000;
+- ``real_replica``: ``load_generator`` (guidellm, an LLM load generator speaking the OpenAI
+  API) against the HTTP door in front of a real SmolLM2-135M replica: TTFT p50/p99, ITL p50,
+  output tokens/s.  Skipped (null) with ``--no-real``.
+
+Targets (issue 14): HTTP CPU/request <= 2x msgpack's; p99 added <= 2 ms at half capacity on
+stubs; at 2x overload only 200/429/504 and 0 lost; RSS bounded over 10,000 connections.
+Usage: ``python bench/http_load.py --json var/bench/http_load.json`` (``--no-real`` to skip
+the real model).  Needs the bench extra (``pip install -e '.[bench]'``) for the real run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from agent.protocol import Decoder, pack  # noqa: E402
+
+MODEL = "bench"
+PROMPT = "Once upon a time there was a small model that answered quickly."
+
+
+# --- role: stub replicas ------------------------------------------------------------------
+
+class _Stub(asyncio.Protocol):
+    """Answers each generate with ``max_tokens`` text tokens and a done, ``service_s`` late."""
+
+    service_s = 0.0
+
+    def connection_made(self, transport):
+        self.t, self.d, self.loop = transport, Decoder(), asyncio.get_running_loop()
+
+    def data_received(self, data):
+        out = []
+        for m in self.d.feed(data):
+            if m.get("op") != "generate":
+                continue
+            rid, n = m["id"], m.get("max_tokens", 16)
+            toks = b"".join(pack({"id": rid, "type": "tokens", "tokens": [i], "text": " w"})
+                            for i in range(n))
+            done = pack({"id": rid, "type": "done", "ttft_ms": 0.0, "total_ms": 0.0,
+                         "path": "warm_hit", "replica": "stub", "n_tokens": n,
+                         "prompt_tokens": 12, "finish_reason": "length", "text": " w" * n})
+            if self.service_s:
+                self.loop.call_later(self.service_s, self._write, toks + done)
+            else:
+                out.append(toks + done)
+        if out:
+            self.t.write(b"".join(out))
+
+    def _write(self, data):
+        if not self.t.is_closing():
+            self.t.write(data)
+
+
+async def _stubs(count: int, service_ms: float) -> None:
+    _Stub.service_s = service_ms / 1000.0
+    loop = asyncio.get_running_loop()
+    ports = []
+    for _ in range(count):
+        server = await loop.create_server(_Stub, "127.0.0.1", 0)
+        ports.append(server.sockets[0].getsockname()[1])
+    print("READY", *ports, flush=True)
+    await asyncio.Event().wait()
+
+
+# --- role: the front door with both doors ---------------------------------------------------
+
+async def _frontdoor(replicas: list[str], max_seqs: int, deadline_ms: float,
+                     queue_depth: int) -> None:
+    from agent.cluster.base import ServiceInstance
+    from agent.cluster.local import LocalRegistry
+    from agent.frontdoor.http_entrance import HttpConfig, start_http
+    from agent.frontdoor.server import FrontDoor, FrontDoorConfig
+
+    registry = LocalRegistry()
+    model = None
+    for i, spec in enumerate(replicas):
+        model, _, address = spec.partition("@")
+        host, _, port = address.rpartition(":")
+        registry.register(ServiceInstance(
+            "rewarm-replica", f"r-{i}", host, int(port), tags=[f"model={model}"],
+            meta={"max_seqs": str(max_seqs), "active_seqs": "0",
+                  "kv_capacity_tokens": str(max_seqs * 512), "kv_used_tokens": "0"}),
+            ttl_s=float("inf"))
+    config = FrontDoorConfig(models={model: deadline_ms}, max_queue_depth=queue_depth,
+                             max_wait_s=deadline_ms / 1000.0, max_connections=20_000)
+    fd = FrontDoor(config, registry=registry)
+    _, port = await fd.start()
+    http = await start_http(fd, HttpConfig(port=0, max_connections=20_000))
+    import gc
+    gc.freeze()  # as `rewarm frontdoor` does
+    print("READY", port, http.address[1], flush=True)
+    await asyncio.Event().wait()
+
+
+def _spawn(*args: str) -> tuple[subprocess.Popen, list[str]]:
+    try:
+        import uvloop  # noqa: F401  (the front door uses it when installed)
+        use = ["--uvloop"]
+    except ImportError:
+        use = []
+    proc = subprocess.Popen([sys.executable, __file__, *args, *use], stdout=subprocess.PIPE,
+                            text=True, cwd=REPO)
+    line = proc.stdout.readline().split()
+    if not line or line[0] != "READY":
+        proc.kill()
+        raise RuntimeError(f"{args[:2]} did not start: {line}")
+    return proc, line[1:]
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+# --- load: HTTP (aiohttp's client) and msgpack (the protocol, raw) ---------------------------
+
+async def _http_load(port: int, arrivals_s: np.ndarray, *, stream: bool = False,
+                     max_tokens: int = 16, deadline_ms: float | None = None,
+                     conns: int = 64, timeout_s: float = 30.0) -> tuple[np.ndarray, np.ndarray]:
+    """Open-loop: request i is sent at ``arrivals_s[i]``; returns (latency_s, status) per
+    request (status 0: no answer within ``timeout_s``)."""
+    import aiohttp
+
+    n = len(arrivals_s)
+    lat, status = np.full(n, np.nan), np.zeros(n, dtype=np.int32)
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
+                       "stream": stream, "temperature": 0}).encode()
+    headers = {"Content-Type": "application/json"}
+    if deadline_ms:
+        headers["x-rewarm-deadline-ms"] = str(deadline_ms)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conns),
+                                     timeout=timeout) as session:
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> None:
+            delay = t0 + arrivals_s[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            start = time.perf_counter()
+            try:
+                async with session.post(url, data=body, headers=headers) as r:
+                    await r.read()
+                    status[i] = r.status
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                status[i] = 0
+                return
+            lat[i] = time.perf_counter() - start
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return lat, status
+
+
+class _MsgConn(asyncio.Protocol):
+    def __init__(self, sent, lat, status):
+        self.sent, self.lat, self.status, self.d = sent, lat, status, Decoder()
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def data_received(self, data):
+        now = time.perf_counter()
+        for m in self.d.feed(data):
+            kind, rid = m.get("type"), m.get("id")
+            if kind == "done":
+                self.lat[rid], self.status[rid] = now - self.sent[rid], 200
+            elif kind == "error" and rid is not None:
+                self.lat[rid], self.status[rid] = now - self.sent[rid], m["code"]
+
+
+async def _msgpack_load(port: int, arrivals_s: np.ndarray, *, max_tokens: int = 16,
+                        conns: int = 64, model: str = MODEL,
+                        drain_s: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
+    """The same open-loop load over the msgpack protocol (to the front door or a stub)."""
+    loop = asyncio.get_running_loop()
+    n = len(arrivals_s)
+    lat, status, sent = np.full(n, np.nan), np.zeros(n, dtype=np.int32), np.zeros(n)
+    links = [(await loop.create_connection(lambda: _MsgConn(sent, lat, status), "127.0.0.1",
+                                           port))[0] for _ in range(conns)]
+    t0 = time.perf_counter()
+    for i in range(n):
+        delay = t0 + arrivals_s[i] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent[i] = time.perf_counter()
+        links[i % conns].write(pack({"op": "generate", "id": i, "model": model,
+                                     "prompt": PROMPT, "max_tokens": max_tokens}))
+    end = time.perf_counter() + drain_s
+    while (status == 0).any() and time.perf_counter() < end:
+        await asyncio.sleep(0.01)
+    for t in links:
+        t.close()
+    return lat, status
+
+
+def _poisson(rate: float, duration_s: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = max(1, int(rate * duration_s))
+    return np.cumsum(rng.exponential(1.0 / rate, n))
+
+
+async def _connections(port: int, count: int, concurrency: int = 50) -> int:
+    """Open ``count`` connections (``concurrency`` at a time), one GET /health on each, close.
+    Returns how many were answered 200."""
+    ok = 0
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+    async def one() -> None:
+        nonlocal ok
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        data = await reader.read()
+        ok += data.startswith(b"HTTP/1.1 200")
+        writer.close()
+
+    for start in range(0, count, concurrency):
+        await asyncio.gather(*(one() for _ in range(min(concurrency, count - start))))
+    return ok
+
+
+def _ladder(http_port: int, step_s: float, start_rps: float = 50.0) -> float:
+    """The HTTP door's capacity on this machine: the highest offered rate (rising by half
+    each step) at which every request is answered 200 within ``step_s`` plus a second,
+    with the median latency under 20 ms (the door keeping up, not queueing)."""
+    rate, best = start_rps, 0.0
+    while rate < 20_000:
+        arrivals = _poisson(rate, step_s, seed=int(rate))
+        lat, status = asyncio.run(_http_load(http_port, arrivals, timeout_s=step_s + 1))
+        if not (status == 200).all() or _pct(lat, 50) > 20.0:
+            break
+        best, rate = rate, rate * 1.5
+    return best or start_rps
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    values = values[~np.isnan(values)]
+    return float(np.percentile(values, q) * 1000.0) if len(values) else float("nan")
+
+
+# --- the real replica through guidellm ------------------------------------------------------
+
+def _guidellm(http_port: int, model: str, tokenizer_dir: Path, out_dir: Path, *,
+              rate: float, requests: int, prompt_tokens: int, output_tokens: int) -> dict:
+    """guidellm (an LLM load generator speaking OpenAI's API, with TTFT/ITL accounting) at a
+    constant ``rate`` for ``requests`` streamed completions; returns its JSON report."""
+    exe = Path(sys.executable).with_name("guidellm")
+    out = out_dir / "guidellm.json"
+    out.unlink(missing_ok=True)
+    cmd = [str(exe), "run",
+           "--backend", f"kind=openai_http,target=http://127.0.0.1:{http_port},model={model}",
+           "--profile", f"kind=constant,rate={rate:g}",
+           "--constraint", f"kind=max_requests,count={requests}",
+           "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},"
+                     f"output_tokens={output_tokens}",
+           "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",
+           "--output", f"kind=json,path={out}",
+           "--disable-console-interactive"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"guidellm failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def _real_replica(args, out: dict) -> dict | None:
+    """A real SmolLM2 replica (``rewarm replica``) behind its own front door, driven by
+    guidellm through the HTTP door; also the HTTP door's CPU per request there."""
+    from agent.replica.smollm2 import ensure_smollm2
+
+    model_dir = ensure_smollm2(REPO / "var" / "models" / "smollm2-135m")
+    replica = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "replica", "--model-dir", str(model_dir),
+         "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        ready = json.loads(replica.stdout.readline())
+        name = "smollm2-135m"
+        # the deadline is the warm-hit SLO's order of magnitude on a CPU replica: a minute
+        fd, (_, http_port) = _spawn("--role", "frontdoor", "--replica",
+                                    f"{name}@{ready['ready']}", "--max-seqs", "8",
+                                    "--deadline-ms", "60000")
+        try:
+            cpu0 = _cpu_s(fd.pid)
+            report = _guidellm(int(http_port), name, model_dir, REPO / "var" / "bench",
+                               rate=args.real_rate, requests=args.real_requests,
+                               prompt_tokens=64, output_tokens=32)
+            cpu = _cpu_s(fd.pid) - cpu0
+        finally:
+            fd.kill()
+            fd.wait()
+    finally:
+        replica.terminate()
+        replica.wait(30)
+    return _guidellm_summary(report, cpu, args.real_requests)
+
+
+def _guidellm_summary(report: dict, cpu_s: float, requests: int) -> dict:
+    """TTFT, ITL and throughput out of guidellm's JSON report (its first benchmark)."""
+    bench = report["benchmarks"][0]
+    metrics = bench["metrics"]
+
+    def stat(name: str, key: str) -> float:
+        dist = metrics[name]["successful"]
+        if key in ("p50", "p99"):
+            return float(dist["percentiles"][key])
+        return float(dist[key])
+
+    return {"ttft_ms_p50": stat("time_to_first_token_ms", "p50"),
+            "ttft_ms_p99": stat("time_to_first_token_ms", "p99"),
+            "itl_ms_p50": stat("inter_token_latency_ms", "p50"),
+            "tokens_per_s": stat("output_tokens_per_second", "mean"),
+            "requests": requests,
+            "answered_200": int(metrics["request_totals"]["successful"]),
+            # the whole run's front-door CPU, idle loops included (minutes at a few rps)
+            "frontdoor_cpu_s": round(cpu_s, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--cpu-requests", type=int, default=3000)
+    ap.add_argument("--cpu-rate", type=float, default=400.0, help="offered rate of the CPU runs")
+    ap.add_argument("--latency-s", type=float, default=6.0)
+    ap.add_argument("--ladder-s", type=float, default=2.0, help="seconds per capacity step")
+    ap.add_argument("--overload-s", type=float, default=4.0)
+    ap.add_argument("--connections", type=int, default=10_000)
+    ap.add_argument("--no-real", action="store_true", help="skip the real-replica run")
+    ap.add_argument("--real-rate", type=float, default=0.5)
+    ap.add_argument("--real-requests", type=int, default=20)
+    ap.add_argument("--only-real", action="store_true", help="skip the stub runs")
+    ap.add_argument("--role", choices=["stubs", "frontdoor"], help=argparse.SUPPRESS)
+    ap.add_argument("--count", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--service-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--replica", action="append", default=[], help=argparse.SUPPRESS)
+    ap.add_argument("--max-seqs", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline-ms", type=float, default=2000.0, help=argparse.SUPPRESS)
+    ap.add_argument("--queue-depth", type=int, default=4096, help=argparse.SUPPRESS)
+    ap.add_argument("--uvloop", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role:
+        if args.uvloop:
+            import uvloop
+            uvloop.install()
+        if args.role == "stubs":
+            asyncio.run(_stubs(args.count, args.service_ms))
+        else:
+            asyncio.run(_frontdoor(args.replica, args.max_seqs, args.deadline_ms,
+                                   args.queue_depth))
+        return
+    out = {"load_generator": _load_generator()} if args.only_real else run_stubs(args)
+    out["real_replica"] = None if args.no_real else _real_replica(args, out)
+    out["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    _print(out)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+def run_stubs(args) -> dict:
+    """CPU per request (both doors), p99 added at half capacity, 10k connections (instant
+    stubs); then overload against slow stubs."""
+    out: dict = {"load_generator": _load_generator()}
+    stubs, ports = _spawn("--role", "stubs", "--count", "2")
+    fd, (msg_port, http_port) = _spawn("--role", "frontdoor",
+                                       *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports])
+    try:
+        msg_port, http_port = int(msg_port), int(http_port)
+        arrivals = _poisson(args.cpu_rate, args.cpu_requests / args.cpu_rate, seed=1)
+        asyncio.run(_http_load(http_port, arrivals[:300]))          # warm up both doors
+        asyncio.run(_msgpack_load(msg_port, arrivals[:300]))
+        for name, run in (("http", lambda: _http_load(http_port, arrivals)),
+                          ("http_sse", lambda: _http_load(http_port, arrivals, stream=True)),
+                          ("msgpack", lambda: _msgpack_load(msg_port, arrivals))):
+            cpu0 = _cpu_s(fd.pid)
+            _, status = asyncio.run(run())
+            cpu = _cpu_s(fd.pid) - cpu0
+            ok = int((status == 200).sum())
+            out[f"{name}_cpu_us_per_request"] = round(cpu / max(ok, 1) * 1e6, 1)
+            out[f"{name}_cpu_run_ok"] = ok
+        capacity = _ladder(http_port, args.ladder_s)
+        half = capacity / 2
+        out["http_capacity_rps"] = round(capacity)
+        out["http_capacity_by_cpu_rps"] = round(1e6 / out["http_cpu_us_per_request"])
+        lat_arrivals = _poisson(half, args.latency_s, seed=2)
+        direct, _ = asyncio.run(_msgpack_load(int(ports[0]), lat_arrivals))
+        via_http, _ = asyncio.run(_http_load(http_port, lat_arrivals))
+        via_msg, _ = asyncio.run(_msgpack_load(msg_port, lat_arrivals))
+        out["half_capacity_rps"] = round(half)
+        for q in (50, 99):
+            out[f"http_p{q}_added_ms"] = round(_pct(via_http, q) - _pct(direct, q), 3)
+            out[f"msgpack_p{q}_added_ms"] = round(_pct(via_msg, q) - _pct(direct, q), 3)
+        out["direct_p99_ms"] = round(_pct(direct, 99), 3)
+        rss0 = None
+        asyncio.run(_connections(http_port, 1000))
+        rss0 = _rss_bytes(fd.pid)
+        answered = asyncio.run(_connections(http_port, args.connections))
+        out["rss_growth_bytes_10k_connections"] = _rss_bytes(fd.pid) - rss0
+        out["connections_answered"] = answered
+    finally:
+        fd.kill()
+        stubs.kill()
+        fd.wait()
+        stubs.wait()
+    out["overload"] = _overload(args)
+    return out
+
+
+def _overload(args) -> dict:
+    """Twice the stubs' capacity (2 replicas x 4 slots / 20 ms = 400 rps) for overload_s."""
+    replicas, slots, service_ms, deadline_ms = 2, 4, 20.0, 500.0
+    capacity = replicas * slots / (service_ms / 1000.0)
+    stubs, ports = _spawn("--role", "stubs", "--count", str(replicas),
+                          "--service-ms", str(service_ms))
+    fd, (_, http_port) = _spawn("--role", "frontdoor", "--max-seqs", str(slots),
+                                "--deadline-ms", str(deadline_ms), "--queue-depth", "256",
+                                *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports])
+    try:
+        arrivals = _poisson(2 * capacity, args.overload_s, seed=3)
+        _, status = asyncio.run(_http_load(int(http_port), arrivals, conns=512,
+                                           deadline_ms=deadline_ms, timeout_s=30.0))
+    finally:
+        fd.kill()
+        stubs.kill()
+        fd.wait()
+        stubs.wait()
+    counted = {code: int((status == code).sum()) for code in (200, 429, 504)}
+    return {"offered": len(arrivals), "offered_rps": round(2 * capacity),
+            "capacity_rps": round(capacity), "ok": counted[200], "shed_429": counted[429],
+            "expired_504": counted[504], "lost": len(arrivals) - sum(counted.values())}
+
+
+def _load_generator() -> str:
+    return ("guidellm " + _guidellm_version() + " (real replica); open-loop aiohttp/msgpack "
+            "clients in bench/http_load.py (stubs)")
+
+
+def _guidellm_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("guidellm")
+    except Exception:
+        return "(not installed)"
+
+
+def _print(out: dict) -> None:
+    if "http_cpu_us_per_request" not in out:   # --only-real
+        out = {**out, **{k: float("nan") for k in (
+            "http_cpu_us_per_request", "http_sse_cpu_us_per_request",
+            "msgpack_cpu_us_per_request", "http_p50_added_ms", "http_p99_added_ms",
+            "msgpack_p50_added_ms", "msgpack_p99_added_ms", "half_capacity_rps",
+            "rss_growth_bytes_10k_connections")},
+               "overload": {"offered_rps": 0, "ok": 0, "shed_429": 0, "expired_504": 0,
+                            "lost": 0}}
+    rows = [("HTTP CPU per request (us)", out["http_cpu_us_per_request"]),
+            ("HTTP SSE CPU per request (us)", out["http_sse_cpu_us_per_request"]),
+            ("msgpack CPU per request (us)", out["msgpack_cpu_us_per_request"]),
+            ("HTTP / msgpack CPU", round(out["http_cpu_us_per_request"]
+                                         / out["msgpack_cpu_us_per_request"], 2)),
+            (f"HTTP p50 / p99 added at {out['half_capacity_rps']} rps (ms)",
+             f"{out['http_p50_added_ms']} / {out['http_p99_added_ms']}"),
+            ("msgpack p50 / p99 added, same load (ms)",
+             f"{out['msgpack_p50_added_ms']} / {out['msgpack_p99_added_ms']}"),
+            ("RSS growth over 10k connections (bytes)", out["rss_growth_bytes_10k_connections"])]
+    o = out["overload"]
+    rows.append((f"overload {o['offered_rps']} rps: ok / 429 / 504 / lost",
+                 f"{o['ok']} / {o['shed_429']} / {o['expired_504']} / {o['lost']}"))
+    real = out.get("real_replica")
+    if real:
+        rows += [("real replica TTFT p50 / p99 (ms)",
+                  f"{real['ttft_ms_p50']:.1f} / {real['ttft_ms_p99']:.1f}"),
+                 ("real replica ITL p50 (ms)", f"{real['itl_ms_p50']:.1f}"),
+                 ("real replica output tokens/s", f"{real['tokens_per_s']:.1f}")]
+    width = max(len(r[0]) for r in rows)
+    print(f"load generator: {out['load_generator']}")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    print(f"load average {out['loadavg_1m']}")
+
+
+if __name__ == "__main__":
+    main()
