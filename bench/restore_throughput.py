@@ -291,7 +291,9 @@ def _summary(runs: list[dict], nbytes: int) -> dict:
     g = sorted(nbytes / r["seconds"] / 1e9 for r in ok)
     out = {"gbps": statistics.median(g), "min_gbps": g[0], "max_gbps": g[-1], "runs": len(ok)}
     if "rss_peak_bytes" in ok[0]:
-        out["peak_rss_delta_bytes"] = max(r["rss_peak_bytes"] - r["rss_baseline_bytes"] for r in ok)
+        worst = max(ok, key=lambda r: r["rss_peak_bytes"] - r["rss_baseline_bytes"])
+        out["peak_rss_delta_bytes"] = worst["rss_peak_bytes"] - worst["rss_baseline_bytes"]
+        out["rss_baseline_bytes"], out["rss_peak_bytes"] = worst["rss_baseline_bytes"], worst["rss_peak_bytes"]
         out["resident_before"] = max(r["resident_before"] for r in ok) if ok[0]["resident_before"] is not None else None
         out["mode"] = ok[0]["mode"]
     return out
@@ -392,9 +394,9 @@ def measure(root: Path, size_bytes: int, repeat: int, rounds: int, peers: bool) 
                                 ("safetensors_warm_gbps", "safetensors_mmap", "warm"),
                                 ("torch_load_warm_gbps", "torch_load_mmap", "warm")):
             res[key] = f.get(f"{name}/{mode}", {}).get("gbps") or 0.0
-    fresh_rss = f["rewarm_fresh/cold"].get("peak_rss_delta_bytes", 0)
-    res["baseline_rss_bytes"] = 0
-    res["peak_rss_bytes"] = fresh_rss
+    fresh = f["rewarm_fresh/cold"]        # RSS: the fresh-process restore, cold, its worst round
+    fresh_rss = fresh.get("peak_rss_delta_bytes", 0)
+    res["baseline_rss_bytes"], res["peak_rss_bytes"] = fresh.get("rss_baseline_bytes", 0), fresh.get("rss_peak_bytes", 0)
     res["fresh_peak_rss_delta_bytes"] = fresh_rss
     fv, fnv = f["rewarm_fresh/cold"]["gbps"], f["rewarm_fresh_noverify/cold"]["gbps"]
     res["fresh_verify_overhead_pct"] = 100 * (1 - fv / fnv) if fv and fnv else None
