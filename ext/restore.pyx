@@ -9,9 +9,18 @@ hashes the bytes it just read with XXH3-64 (xxhash.h, header-only) while they ar
 cache, and compares with the manifest's value.  Nothing is copied twice: the tensors handed to
 callers are views into the same buffer.
 
+``read_chunks(..., populate_ahead=True)`` adds one thread that faults the destination in
+(MADV_POPULATE_WRITE) ahead of the readers, for a buffer never touched before (a fresh
+process's copy path).
+
+``hash_ranges`` hashes ranges of memory that is already mapped, faulting each piece in with a
+madvise just before hashing it: the fresh-process restore maps the data file, locks it with
+``lock_memory(onfault=True)`` (mlock2 MLOCK_ONFAULT) and verifies it this way, so the kernel
+reads a cold file straight into the pages the tensors then use.
+
 Other helpers: ``xxh3_64(buffer)`` (the writer's and stager's hash), ``resident_fraction(path)``
 (mincore: the share of a file's pages in the page cache, so the benchmark can say whether
-dropping the cache took effect).
+dropping the cache took effect), ``populate(buffer)`` (fault a buffer in, GIL released).
 """
 
 from libc.stdint cimport uint64_t, int64_t, uint8_t, uintptr_t
