@@ -468,10 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         width = max(len(r[0]) for r in rows)
         print(f"\n### {gib:g} GiB ({res['bytes']} bytes)")
         print("\n".join(f"| {a:<{width}} | {b} |" for a, b in rows), flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    # one size: the flat dict (the keys as before); several: {"sizes": {"1": {...}, "4": {...}}}
-    out = next(iter(results.values())) if len(results) == 1 else {"sizes": results}
-    args.json.write_text(json.dumps(out, indent=2))
+        # written after each size, so a long run that is stopped keeps what it measured.
+        # One size: the flat dict (the keys as before); several: {"sizes": {"1": {...}, "4": {...}}}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        out = res if len(args.size_gib) == 1 else {"sizes": results}
+        args.json.write_text(json.dumps(out, indent=2))
     return 0
 
 
