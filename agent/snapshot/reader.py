@@ -95,7 +95,10 @@ class HostBuffer:
         mlock2(MLOCK_ONFAULT) (pages are locked as they are faulted in); None when the lock is
         refused (RLIMIT_MEMLOCK) or the kernel lacks it.  ``nbytes`` must not pass the file's
         end (callers check the size): pages past it would raise SIGBUS."""
-        memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:       # e.g. a filesystem without mmap: the copy path reads it instead
+            return None
         try:
             _restore.lock_memory(memory, onfault=True)
         except OSError:

@@ -159,3 +159,16 @@ def test_populate_and_file_map_faults(tmp_path):
         fm.close()
     finally:
         os.close(fd)
+
+
+def test_unmappable_file_falls_back_to_the_copy(make_snapshot, tensors, monkeypatch):
+    path, _ = make_snapshot()
+    real = mmap.mmap
+
+    def no_file_maps(fd, *a, **kw):
+        if fd != -1:
+            raise OSError(19, "No such device")
+        return real(fd, *a, **kw)
+    monkeypatch.setattr(reader.mmap, "mmap", no_file_maps)
+    r = restore_snapshot(path)
+    assert r.stats.mode == "copy" and torch.equal(r.tensors["norm"], tensors["norm"])
