@@ -473,7 +473,33 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         out = res if len(args.size_gib) == 1 else {"sizes": results}
         args.json.write_text(json.dumps(out, indent=2))
+    print("\n" + readme_table(results))
     return 0
+
+
+PATH_OF = {"rewarm_fresh": "fresh process (locked map)", "rewarm_fresh_copy": "fresh process (copy)",
+           "rewarm_fresh_noverify": "fresh process (locked map)", "rewarm_zygote": "zygote (prefaulted buffer)"}
+
+
+def readme_table(results: dict) -> str:
+    """The README's peer table: every loader, cold and warm at each size (median, fresh processes)."""
+    from restore_peers import LOADERS
+    sizes = list(results)
+    head = " / ".join(f"{s} GiB" for s in sizes)
+    lines = [f"| loader | path | verified | cold GB/s {head} | warm GB/s {head} |", "|---|---|---|---|---|"]
+    first = results[sizes[0]]["fresh_process"]
+    for name in [k.split("/")[0] for k in first if k.endswith("/cold")]:
+        cells = []
+        for mode in ("cold", "warm"):
+            vals = [results[s]["fresh_process"].get(f"{name}/{mode}", {}).get("gbps") for s in sizes]
+            cells.append(" / ".join("-" if v is None else f"{v:.2f}" for v in vals))
+        lines.append(f"| {name} | {PATH_OF.get(name, 'fresh process')} | {LOADERS[name][3] or 'no'} | {cells[0]} | {cells[1]} |")
+    for what, key in (("O_DIRECT limit", "odirect_limit_gbps"), ("memcpy", "memcpy_gbps"),
+                      ("first touch (1 thread, 4 KiB)", "first_touch_gbps")):
+        lines.append(f"| {what} | | | {' / '.join(f'{results[s][key]:.2f}' for s in sizes)} | |")
+    loads = [x for s in sizes for x in results[s]["load_average"]]
+    lines.append(f"\nload average during the rounds: {min(loads):.1f}-{max(loads):.1f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
