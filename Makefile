@@ -39,8 +39,20 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rewarm up --demo --state-dir $(VAR)/demo
 
-bench: $(STAMP)
-	$(BIN)/python bench/restore_throughput.py --size-gib 1 --json $(VAR)/bench/restore_throughput.json
+# The restore benchmark with its peers, both sizes: one table per size, one JSON.  The peers
+# declare torch as a dependency, so they go in with --no-deps (their other dependencies are
+# the `bench` extra) and the pinned torch is checked afterwards.
+PEERS := runai-model-streamer==0.17.1 fastsafetensors==0.5.0 tensorizer==2.12.1
+BENCH_STAMP := $(VENV)/.rewarm-bench-installed
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/pip install -q --no-deps $(PEERS)
+	$(BIN)/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), f'torch replaced: {v}'"
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python bench/restore_throughput.py --size-gib 1 4 --peers --json $(VAR)/bench/restore_throughput.json
 
 clean:
 	rm -rf $(VENV) build $(VAR) agent/*.so ext/*.c

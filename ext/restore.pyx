@@ -9,12 +9,21 @@ hashes the bytes it just read with XXH3-64 (xxhash.h, header-only) while they ar
 cache, and compares with the manifest's value.  Nothing is copied twice: the tensors handed to
 callers are views into the same buffer.
 
+``read_chunks(..., populate_ahead=True)`` adds one thread that faults the destination in
+(MADV_POPULATE_WRITE) ahead of the readers, for a buffer never touched before (a fresh
+process's copy path).
+
+``hash_ranges`` hashes ranges of memory that is already mapped, faulting each piece in with a
+madvise just before hashing it: the fresh-process restore maps the data file, locks it with
+``lock_memory(onfault=True)`` (mlock2 MLOCK_ONFAULT) and verifies it this way, so the kernel
+reads a cold file straight into the pages the tensors then use.
+
 Other helpers: ``xxh3_64(buffer)`` (the writer's and stager's hash), ``resident_fraction(path)``
 (mincore: the share of a file's pages in the page cache, so the benchmark can say whether
-dropping the cache took effect).
+dropping the cache took effect), ``populate(buffer)`` (fault a buffer in, GIL released).
 """
 
-from libc.stdint cimport uint64_t, int64_t, uint8_t
+from libc.stdint cimport uint64_t, int64_t, uint8_t, uintptr_t
 from libc.stdlib cimport malloc, free, calloc
 from libc.errno cimport errno, EINTR, EINVAL
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
@@ -27,6 +36,24 @@ import os
 
 cdef extern from "<sys/mman.h>" nogil:
     int mincore(void *addr, size_t length, unsigned char *vec)
+    int madvise(void *addr, size_t length, int advice)
+    int mlock(const void *addr, size_t length)
+    int mlock2(const void *addr, size_t length, unsigned int flags)
+    int MLOCK_ONFAULT
+    int munlock(const void *addr, size_t length)
+
+cdef extern from *:
+    """
+    #include <sys/mman.h>
+    #ifndef MADV_POPULATE_READ
+    #define MADV_POPULATE_READ 22      /* Linux 5.14 */
+    #endif
+    #ifndef MADV_POPULATE_WRITE
+    #define MADV_POPULATE_WRITE 23
+    #endif
+    """
+    int MADV_POPULATE_READ
+    int MADV_POPULATE_WRITE
 
 cdef extern from "<unistd.h>" nogil:
     int _SC_PAGESIZE
@@ -58,8 +85,12 @@ cdef extern from *:
     static inline long long rw_next(long long *counter) {
         return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
     }
+    static inline long long rw_load(long long *counter) {
+        return __atomic_load_n(counter, __ATOMIC_RELAXED);
+    }
     """
     long long rw_next(long long *counter) nogil
+    long long rw_load(long long *counter) nogil
 
 
 # One chunk's job; the outputs are filled by the thread that read it.
@@ -83,6 +114,16 @@ cdef struct Shared:
     uint8_t *base
     int verify
     int64_t piece          # read (and hash) unit, bytes; the hash runs while the piece is in cache
+    int64_t populated      # bytes the populate-ahead thread faulted in (MADV_POPULATE_WRITE)
+    int populate_err       # errno of its first failed madvise (it then stops), 0 if none
+    int advice             # what the populate-ahead thread asks: MADV_POPULATE_WRITE or _READ
+    int fault              # hash_ranges: madvise each piece with this before hashing it (0: none)
+    int fault_err          # errno of a failed per-piece madvise, 0 if none
+
+
+# Populate-ahead step: one madvise(MADV_POPULATE_WRITE) call faults in this many bytes, then
+# the thread looks again at which chunk the readers have reached.
+DEF POPULATE_STEP = 2 << 20
 
 
 cdef int read_full(int fd, uint8_t *dst, int64_t length, int64_t offset, int64_t piece,
@@ -147,16 +188,89 @@ cdef void *worker(void *arg) noexcept nogil:
     return NULL
 
 
+cdef int populate_range(uint8_t *start, int64_t length, int advice, int64_t *done) noexcept nogil:
+    """madvise(advice) over [start, start + length) rounded out to pages, POPULATE_STEP at a time.
+    Returns 0 or errno (EINVAL: the kernel predates MADV_POPULATE_*)."""
+    cdef size_t page = <size_t>sysconf(_SC_PAGESIZE)
+    cdef uintptr_t lo = (<uintptr_t>start) & ~(<uintptr_t>page - 1)
+    cdef uintptr_t hi = (<uintptr_t>start + <uintptr_t>length + page - 1) & ~(<uintptr_t>page - 1)
+    cdef uintptr_t step
+    while lo < hi:
+        step = POPULATE_STEP if hi - lo > POPULATE_STEP else hi - lo
+        if madvise(<void *>lo, step, advice) != 0:
+            if errno == EINTR:
+                continue
+            return errno
+        lo += step
+        done[0] += <int64_t>step
+    return 0
+
+
+cdef void *populator(void *arg) noexcept nogil:
+    """Fault in the destination of the chunks the readers have not reached yet, in job order.
+
+    MADV_POPULATE_WRITE allocates (and zeroes) the pages without changing what is already
+    there, so racing a reader that has started on the same chunk is harmless: whichever comes
+    first faults the page in.  Chunks the readers already took are skipped (they fault their
+    own pages), so the thread's work is never behind them."""
+    cdef Shared *sh = <Shared *>arg
+    cdef long long i = 0, taken
+    cdef Job *job
+    cdef int rc
+    while i < sh.njobs:
+        taken = rw_load(&sh.next)
+        if taken > i:
+            i = taken
+            if i >= sh.njobs:
+                break
+        job = &sh.jobs[i]
+        rc = populate_range(sh.base + job.buf_offset, job.length, sh.advice, &sh.populated)
+        if rc != 0:
+            sh.populate_err = rc
+            break
+        i += 1
+    return NULL
+
+
+def populate(object buffer, bint write=True, long long offset=0, long long length=-1):
+    """Fault in ``buffer[offset:offset + length]`` (all of it by default) with the GIL released:
+    madvise(MADV_POPULATE_WRITE) (allocate and zero anonymous pages; page-cache pages made
+    writable, copy-on-write broken for private maps) or, with ``write=False``,
+    MADV_POPULATE_READ (map page-cache pages, read them from disk if needed, no copy).
+    Returns the bytes covered.  Raises OSError (EINVAL: kernel older than 5.14) or ValueError."""
+    cdef Py_buffer view
+    cdef int rc
+    cdef int64_t done = 0
+    PyObject_GetBuffer(buffer, &view, PyBUF_SIMPLE)
+    try:
+        if length < 0:
+            length = view.len - offset
+        if offset < 0 or offset + length > view.len:
+            raise ValueError(f"range [{offset}, {offset + length}) outside buffer of {view.len} bytes")
+        with nogil:
+            rc = populate_range(<uint8_t *>view.buf + offset, length,
+                                MADV_POPULATE_WRITE if write else MADV_POPULATE_READ, &done)
+        if rc != 0:
+            raise OSError(rc, f"madvise(MADV_POPULATE_{'WRITE' if write else 'READ'}): {os.strerror(rc)}")
+        return done
+    finally:
+        PyBuffer_Release(&view)
+
+
 def read_chunks(object buffer, list jobs, int threads=2, bint verify=True,
-                long long piece_bytes=1 << 20):
+                long long piece_bytes=1 << 20, bint populate_ahead=False):
     """Read chunks in parallel into ``buffer`` (writable, page-aligned for O_DIRECT).
 
     jobs: list of tuples ``(fd_direct, fd_buffered, file_offset, length, buf_offset,
     expected_xxh3)``; fd_direct is -1 where no O_DIRECT descriptor could be opened.
     Returns a list of tuples ``(err, short_read, used_direct, actual_xxh3)``, one per job, in
     order (actual is 0 when not verifying).  ``piece_bytes``: each pread's size (a multiple of
-    4096 for O_DIRECT); each piece is hashed right after it lands, while still in cache.  Raises ValueError when a job falls outside the
-    buffer; read errors are reported per job, not raised, so the caller can name the chunk.
+    4096 for O_DIRECT); each piece is hashed right after it lands, while still in cache.
+    ``populate_ahead``: one more thread faults in the destination pages of the chunks not yet
+    taken (see ``populator``), so a buffer that was never touched does not make each read wait
+    for its own page faults.  Raises ValueError when a job falls outside the buffer; read
+    errors are reported per job, not raised, so the caller can name the chunk.
+    ``last_populated()`` afterwards gives (bytes populated ahead, errno of a failed madvise).
     """
     cdef Py_buffer view
     cdef Shared sh
@@ -164,7 +278,9 @@ def read_chunks(object buffer, list jobs, int threads=2, bint verify=True,
     cdef long long i
     cdef int t, nthreads
     cdef pthread_t *tids
-    cdef int started = 0
+    cdef pthread_t ptid
+    cdef int started = 0, pstarted = 0
+    global _last_populated, _last_populate_err
     if threads < 1:
         raise ValueError(f"threads={threads} must be at least 1")
     if piece_bytes < 4096 or piece_bytes % 4096:
@@ -192,8 +308,13 @@ def read_chunks(object buffer, list jobs, int threads=2, bint verify=True,
         sh.base = <uint8_t *>view.buf
         sh.verify = verify
         sh.piece = piece_bytes
+        sh.populated = 0
+        sh.populate_err = 0
+        sh.advice = MADV_POPULATE_WRITE
         nthreads = threads if threads < n else (<int>n if n > 0 else 1)
         with nogil:
+            if populate_ahead and n > 0:
+                pstarted = pthread_create(&ptid, NULL, populator, &sh) == 0
             for t in range(nthreads):
                 if pthread_create(&tids[t], NULL, worker, &sh) != 0:
                     break
@@ -202,12 +323,153 @@ def read_chunks(object buffer, list jobs, int threads=2, bint verify=True,
                 worker(&sh)  # no thread could start: do the work on this one
             for t in range(started):
                 pthread_join(tids[t], NULL)
+            if pstarted:
+                pthread_join(ptid, NULL)
+        _last_populated, _last_populate_err = sh.populated, sh.populate_err
         return [(sh.jobs[i].err, sh.jobs[i].short_read, sh.jobs[i].used_direct,
                  sh.jobs[i].actual) for i in range(n)]
     finally:
         free(sh.jobs)
         free(tids)
         PyBuffer_Release(&view)
+
+
+cdef void *hasher(void *arg) noexcept nogil:
+    """Hash jobs in place (``base + buf_offset``, ``length`` bytes): no read, the bytes are
+    already mapped.  With ``sh.fault`` set, each piece is first faulted in with that madvise
+    (MADV_POPULATE_WRITE on a private file map: the kernel copies the page-cache page into a
+    private anonymous page, reading it from disk first if needed) and hashed right after,
+    while it is in cache; the hash then covers the private copy, the bytes the caller keeps."""
+    cdef Shared *sh = <Shared *>arg
+    cdef long long i
+    cdef Job *job
+    cdef XXH3_state_t *state = XXH3_createState()
+    cdef int64_t done, step, ignored
+    cdef int rc
+    if state == NULL:
+        return NULL
+    while True:
+        i = rw_next(&sh.next)
+        if i >= sh.njobs:
+            break
+        job = &sh.jobs[i]
+        XXH3_64bits_reset(state)
+        done = 0
+        while done < job.length:
+            step = sh.piece if job.length - done > sh.piece else job.length - done
+            if sh.fault:
+                rc = populate_range(sh.base + job.buf_offset + done, step, sh.fault, &ignored)
+                if rc != 0:
+                    job.err = rc
+                    sh.fault_err = rc
+                    break
+            if sh.verify:
+                rw_update(state, sh.base + job.buf_offset + done, <size_t>step)
+            done += step
+        job.actual = XXH3_64bits_digest(state) if sh.verify else 0
+    XXH3_freeState(state)
+    return NULL
+
+
+_ADVICE = {"none": 0, "read": MADV_POPULATE_READ, "write": MADV_POPULATE_WRITE, "willneed": 3}
+
+
+def hash_ranges(object buffer, list ranges, int threads=2, str ahead="none", str fault="none",
+                long long piece_bytes=256 << 10, bint verify=True):
+    """XXH3-64 of each ``(offset, length)`` range of ``buffer``, ``threads`` POSIX threads with
+    the GIL released; returns ``(hashes, errnos)``, lists in range order (errno 0: hashed).
+
+    ``fault``: "write" faults each piece in with MADV_POPULATE_WRITE just before hashing it (on
+    a private file map this makes the private copy the hash then covers), "read" with
+    MADV_POPULATE_READ, "none" lets the hash's loads fault.  ``ahead``: a further thread asks
+    the kernel for the ranges not yet taken: "willneed" (MADV_WILLNEED: start the disk reads,
+    do not wait), "read"/"write" (populate them), "none".  Raises ValueError when a range falls
+    outside the buffer.  A page that cannot be read with ``fault="none"`` raises SIGBUS (a file
+    truncated under its map): callers check sizes first or fault with madvise, which reports
+    EFAULT per range instead.  ``verify=False``: fault the pieces in only (hashes are 0)."""
+    cdef Py_buffer view
+    cdef Shared sh
+    cdef long long n = len(ranges)
+    cdef long long i
+    cdef int t, nthreads, started = 0, pstarted = 0
+    cdef pthread_t *tids
+    cdef pthread_t ptid
+    if threads < 1:
+        raise ValueError(f"threads={threads} must be at least 1")
+    if ahead not in _ADVICE or fault not in _ADVICE or fault == "willneed":
+        raise ValueError(f"ahead={ahead!r} / fault={fault!r}: choose from {sorted(_ADVICE)}")
+    if piece_bytes < 4096 or piece_bytes % 4096:
+        raise ValueError(f"piece_bytes={piece_bytes} must be a positive multiple of 4096")
+    PyObject_GetBuffer(buffer, &view, PyBUF_SIMPLE)
+    sh.jobs = <Job *>calloc(n if n > 0 else 1, sizeof(Job))
+    tids = <pthread_t *>calloc(threads, sizeof(pthread_t))
+    if sh.jobs == NULL or tids == NULL:
+        free(sh.jobs); free(tids); PyBuffer_Release(&view)
+        raise MemoryError(f"job table for {n} ranges")
+    try:
+        for i in range(n):
+            off, length = ranges[i]
+            if off < 0 or length < 0 or off + length > view.len:
+                raise ValueError(f"range {i}: [{off}, {off + length}) outside buffer of {view.len} bytes")
+            sh.jobs[i].buf_offset = off
+            sh.jobs[i].length = length
+        sh.njobs, sh.next, sh.base, sh.piece = n, 0, <uint8_t *>view.buf, piece_bytes
+        sh.populated, sh.populate_err, sh.advice = 0, 0, _ADVICE[ahead]
+        sh.fault, sh.fault_err, sh.verify = _ADVICE[fault], 0, verify
+        nthreads = threads if threads < n else (<int>n if n > 0 else 1)
+        with nogil:
+            if sh.advice and n > 0:
+                pstarted = pthread_create(&ptid, NULL, populator, &sh) == 0
+            for t in range(nthreads):
+                if pthread_create(&tids[t], NULL, hasher, &sh) != 0:
+                    break
+                started += 1
+            if started == 0:
+                hasher(&sh)
+            for t in range(started):
+                pthread_join(tids[t], NULL)
+            if pstarted:
+                pthread_join(ptid, NULL)
+        return [sh.jobs[i].actual for i in range(n)], [sh.jobs[i].err for i in range(n)]
+    finally:
+        free(sh.jobs)
+        free(tids)
+        PyBuffer_Release(&view)
+
+
+def lock_memory(object buffer, bint lock=True, bint onfault=False):
+    """mlock(2) (or munlock) all of ``buffer``: its pages stay resident, so the pages of a file
+    map cannot be evicted and then read again from disk after they were verified.
+    ``onfault``: mlock2(MLOCK_ONFAULT), which locks each page when it is first faulted in
+    instead of faulting them all now; on a writable private file map plain mlock would break
+    copy-on-write and copy every page, while with ``onfault`` read faults (MADV_POPULATE_READ)
+    lock the page-cache pages themselves.  Raises OSError (ENOMEM or EAGAIN over
+    RLIMIT_MEMLOCK without CAP_IPC_LOCK, EINVAL where MLOCK_ONFAULT is unknown)."""
+    cdef Py_buffer view
+    cdef int rc
+    PyObject_GetBuffer(buffer, &view, PyBUF_SIMPLE)
+    try:
+        with nogil:
+            if not lock:
+                rc = munlock(view.buf, <size_t>view.len)
+            elif onfault:
+                rc = mlock2(view.buf, <size_t>view.len, MLOCK_ONFAULT)
+            else:
+                rc = mlock(view.buf, <size_t>view.len)
+        if rc != 0:
+            err = errno
+            raise OSError(err, f"{'mlock' if lock else 'munlock'} of {view.len} bytes: {os.strerror(err)}")
+    finally:
+        PyBuffer_Release(&view)
+
+
+_last_populated = 0
+_last_populate_err = 0
+
+
+def last_populated():
+    """(bytes the last read_chunks call populated ahead, errno of its failed madvise or 0)."""
+    return _last_populated, _last_populate_err
 
 
 rw_pick_update()

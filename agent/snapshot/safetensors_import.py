@@ -3,7 +3,8 @@
 A safetensors file is ``u64 little-endian N`` + ``N`` bytes of JSON header + the data section.
 Every header is validated before any tensor is allocated: N within the file and under
 MAX_HEADER_BYTES; a JSON object without duplicate keys; each tensor a known dtype, a shape of
-non-negative integers and ``data_offsets`` whose length equals product(shape) × itemsize; the
+non-negative integers, each at most MAX_DIM and their product (zeros counted as 1) at most
+MAX_ELEMENTS, and ``data_offsets`` whose length equals product(shape) × itemsize; the
 ranges, sorted, tile the data section exactly (inside it, no overlap, no hole).
 """
 
@@ -24,6 +25,13 @@ from agent.snapshot.format import GoldenCheck, Manifest, ModelIdentity
 MAX_HEADER_BYTES = 100 << 20      # the safetensors library's own cap
 MAX_CONFIG_BYTES = 16 << 20
 MAX_NDIM = 16
+# Every dimension, and the product of the dimensions with zero-length ones counted as 1 (the
+# largest stride, so also the element count), must fit the snapshot manifest's integer range
+# [0, 2^62] (format._int): below 2^63, so torch's int64 sizes and strides never overflow, and
+# every header accepted here can be written as a manifest.  A shape [0, 2^70] has no bytes but
+# would crash the import in torch (TypeError: Overflow when unpacking long long).
+MAX_DIM = 1 << 62
+MAX_ELEMENTS = 1 << 62
 
 # safetensors dtype name -> torch dtype (names from the safetensors format specification)
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -95,6 +103,11 @@ def read_safetensors_header(path: Path | str) -> dict:
             raise _bad(path, name, dtype, sorted(ST_DTYPES), "unknown dtype")
         if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_int(s) and s >= 0 for s in shape):
             raise _bad(path, name, shape, f"at most {MAX_NDIM} non-negative integers", "bad shape")
+        if any(s > MAX_DIM for s in shape):
+            raise _bad(path, name, max(shape), MAX_DIM, f"shape {str(shape)[:80]}: a dimension over the cap")
+        if math.prod(max(s, 1) for s in shape) > MAX_ELEMENTS:
+            raise _bad(path, name, math.prod(max(s, 1) for s in shape), MAX_ELEMENTS,
+                       f"shape {str(shape)[:80]}: product of the dimensions (zeros counted as 1) over the cap")
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
                 and 0 <= offs[0] <= offs[1]):
             raise _bad(path, name, offs, "[begin, end] with 0 <= begin <= end", "bad data_offsets")

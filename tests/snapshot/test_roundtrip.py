@@ -135,12 +135,12 @@ def test_direct_modes_and_page_cache_choice(make_snapshot, tensors):
     assert buffered.stats.direct_chunks == 0 and not buffered.stats.odirect and buffered.stats.threads == 1
     data.read_bytes()                                       # now in the page cache
     assert page_cache_share(path, manifest) == 1.0
-    auto = restore_snapshot(path)                           # cached: a copy from memory
+    auto = restore_snapshot(path, copy=True)                # cached: a copy from memory
     assert auto.stats.direct_chunks == 0 and torch.equal(auto.tensors["embed"], tensors["embed"])
     fd = os.open(data, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-    cold = restore_snapshot(path)
-    assert cold.stats.threads == DIRECT_IO_DEPTH
+    cold = restore_snapshot(path, copy=True)
+    assert cold.stats.threads == DIRECT_IO_DEPTH and cold.stats.mode == "copy"
     assert cold.stats.odirect == _odirect_allowed(data)    # O_DIRECT wherever the filesystem allows
     assert cold.stats.direct_chunks == (len(manifest.chunks) if cold.stats.odirect else 0)

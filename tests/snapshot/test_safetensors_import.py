@@ -149,3 +149,51 @@ def test_ndim_limit_at_and_over(tmp_path):
     assert st.read_safetensors_header(p)["tensors"]["a"]["shape"] == [1] * st.MAX_NDIM
     _raw(p, {"a": {"dtype": "U8", "shape": [1] * (st.MAX_NDIM + 1), "data_offsets": [0, 1]}}, b"\0")
     assert _err(p).field == "a"
+
+
+def _hf_with(tmp_path, shape: list[int]):
+    """An HF dir whose one safetensors file holds an empty BF16 tensor "z" of ``shape`` (no bytes)
+    beside a real one, so the import goes all the way to the snapshot."""
+    hf = tmp_path / "hf"
+    hf.mkdir(exist_ok=True)
+    (hf / "config.json").write_text("{}")
+    _raw(hf / "model.safetensors", {"z": {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]},
+                                    "w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}, b"\1\2")
+    return hf
+
+
+def test_empty_tensor_with_a_2_70_dimension_refused_naming_it(tmp_path):
+    hf = _hf_with(tmp_path, [0, 2**70])
+    with pytest.raises(InvalidCheckpoint) as err:
+        st.import_hf(hf, tmp_path / "s")
+    assert err.value.field == "z" and err.value.value == 2**70 and err.value.limit == st.MAX_DIM
+    assert "'z'" in str(err.value) or "z:" in str(err.value)
+    assert not (tmp_path / "s").exists()
+
+
+def test_dimension_cap_at_and_over(tmp_path):
+    assert st.MAX_DIM == 1 << 62
+    m = st.import_hf(_hf_with(tmp_path, [0, st.MAX_DIM]), tmp_path / "at")   # at the cap: imports
+    r = restore_snapshot(tmp_path / "at")
+    assert r.tensors["z"].shape == (0, st.MAX_DIM) and r.tensors["z"].dtype == torch.bfloat16
+    assert torch.equal(r.tensors["w"], torch.tensor([1, 2], dtype=torch.uint8)) and m.total_bytes >= 2
+    p = tmp_path / "hf" / "model.safetensors"
+    for shape in ([0, st.MAX_DIM + 1], [st.MAX_DIM + 1, 0], [0, 2**63], [0, 2**63 - 1]):
+        _raw(p, {"z": {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}})
+        e = _err(p)
+        assert e.field == "z" and e.value == max(shape) and e.limit == st.MAX_DIM and "dimension" in str(e)
+
+
+def test_element_cap_at_and_over(tmp_path):
+    # each dimension well under MAX_DIM; the product (zeros counted as 1) is what is capped
+    assert st.MAX_ELEMENTS == 1 << 62
+    m = st.import_hf(_hf_with(tmp_path, [0, 1 << 31, 1 << 31]), tmp_path / "at")
+    assert restore_snapshot(tmp_path / "at").tensors["z"].shape == (0, 1 << 31, 1 << 31) and m.tensors
+    p = tmp_path / "hf" / "model.safetensors"
+    for shape, product in (([0, 1 << 40, 0, 1 << 40], 1 << 80), ([0, 1 << 31, (1 << 31) + 1], (1 << 62) + (1 << 31))):
+        _raw(p, {"z": {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}})
+        e = _err(p)
+        assert e.field == "z" and e.value == product and e.limit == st.MAX_ELEMENTS and "product" in str(e)
+    with pytest.raises(InvalidCheckpoint) as err:
+        st.import_hf(tmp_path / "hf", tmp_path / "over")
+    assert err.value.field == "z" and not (tmp_path / "over").exists()
