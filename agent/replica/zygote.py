@@ -58,6 +58,7 @@ class Loaded:
     package_digest: str | None = None
     package_dir: str | None = None
     tokenizer_dir: str | None = None
+    package_ranges: dict[str, list[int]] | None = None   # compiled [lo, hi] of batch, seq, cache_batch
     phases_s: dict[str, float] = field(default_factory=dict)
     keepalive: Any = None  # the restore buffer the weights are views of
 
@@ -118,11 +119,12 @@ def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
     weights = load_hf_weights(model_dir, config)
     phases["weights_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    forward, digest, package_dir, path = None, None, None, "eager"
+    forward, digest, package_dir, path, ranges = None, None, None, "eager", None
     if release is not None:
         packaged = aot.load_package(release, weights)
         max_seqs, max_seq_len = packaged.manifest["max_seqs"], packaged.manifest["max_seq_len"]
         forward, digest, package_dir, path = packaged, packaged.digest, str(packaged.path), "aot"
+        ranges = {k: list(v) for k, v in packaged.ranges.items()}
     else:
         # A KV slot longer than the model's context would be refused when the snapshot is
         # restored (the restore checks engine sizes against the config): cap it here.
@@ -139,7 +141,7 @@ def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
     golden = _record(engine, golden_prompts(config, Path(model_dir)))
     phases["golden_s"] = time.perf_counter() - t
     return Loaded(config, weights, engine, source_identity(Path(model_dir)), golden, path,
-                  digest, package_dir, str(Path(model_dir).resolve()), phases)
+                  digest, package_dir, str(Path(model_dir).resolve()), ranges, phases)
 
 
 def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify: bool = True,
@@ -166,14 +168,17 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     config = LlamaConfig.from_dict(extra["model_config"], path=snapshot)
     engine_cfg = check_engine_config(extra["engine"], config, snapshot)
     t = time.perf_counter()
-    forward, digest, package_dir = None, None, None
+    forward, digest, package_dir, ranges = None, None, None, None
     ref = extra.get("aot_package")
     if ref:
         where = Path(release) if release is not None else Path(ref["dir"])
         try:
             forward = aot.load_package(where, restored.tensors, expect_digest=ref["digest"])
+            check_package_fits(forward, engine_cfg, ref.get("ranges"), snapshot)
             digest, package_dir = ref["digest"], str(forward.path)
+            ranges = {k: list(v) for k, v in forward.ranges.items()}
         except (FileNotFoundError, TargetMismatch) as exc:
+            forward = None
             log.warning("%s: AOT package %s not usable here (%s); serving eager", snapshot,
                         ref["digest"], exc)
     engine = Engine(config, None if forward is not None else restored.tensors,
@@ -185,7 +190,27 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     verify_golden(engine, golden)
     phases["golden_s"] = time.perf_counter() - t
     return Loaded(config, restored.tensors, engine, restored.manifest.model, golden, path, digest,
-                  package_dir, extra.get("tokenizer_dir"), phases, keepalive=restored.buffer)
+                  package_dir, extra.get("tokenizer_dir"), ranges, phases, keepalive=restored.buffer)
+
+
+def check_package_fits(forward: "aot.PackagedForward", engine: dict[str, int],
+                       recorded: Any, where: Any) -> None:
+    """The engine a snapshot describes must be one the package was compiled for: ``max_seqs``
+    slots within the batch and cache-batch ranges, slots of exactly the package's T positions,
+    and the snapshot's recorded ranges (when it has them) those of the package.  Raises
+    TargetMismatch (the restore then serves eager, still golden-checked) naming both."""
+    from agent.errors import TargetMismatch
+
+    ranges, spec = forward.ranges, forward.spec
+    fits = (ranges["batch"][0] <= 1 and engine["max_seqs"] <= ranges["batch"][1]
+            and ranges["cache_batch"][0] <= engine["max_seqs"] <= ranges["cache_batch"][1]
+            and engine["max_seq_len"] == spec.max_seq_len)
+    if recorded is not None and {k: tuple(v) for k, v in dict(recorded).items()} != ranges:
+        fits = False
+    if not fits:
+        raise TargetMismatch(f"{where}: engine {engine} (ranges {recorded}) does not fit package "
+                             f"{forward.path} (ranges {ranges}, T={spec.max_seq_len})",
+                             built=ranges, here=engine)
 
 
 REPLICA_EXTRA_KEYS = ("model_config", "engine")
@@ -196,7 +221,8 @@ def check_replica_manifest(manifest: Manifest, where: Any) -> dict[str, Any]:
     """Check that ``manifest`` is a captured replica snapshot and return its ``extra``.
 
     A captured snapshot carries ``model_config``, ``engine`` and a golden check; its
-    ``aot_package`` is absent/None or ``{"digest": str, "dir": str}``; its ``tokenizer_dir`` is
+    ``aot_package`` is absent/None or ``{"digest": str, "dir": str, "ranges": ...}`` (the
+    package's compiled ranges, :func:`agent.replica.aot_inputs.parse_ranges`); its ``tokenizer_dir`` is
     absent/None or a string.  A weights-only snapshot (``rewarm import``: HF-layout tensors,
     ``extra`` = ``config`` + ``source_files``, no golden check) is not one: nothing proves its
     tokens right, so it must not serve.  Raises SnapshotIncompatible naming the snapshot, the
@@ -224,7 +250,14 @@ def check_replica_manifest(manifest: Manifest, where: Any) -> dict[str, Any]:
     ref = extra.get("aot_package")
     if ref is not None and not (isinstance(ref, dict) and isinstance(ref.get("digest"), str)
                                 and isinstance(ref.get("dir"), str)):
-        bad["aot_package"] = (ref, "None or {digest: str, dir: str}")
+        bad["aot_package"] = (ref, "None or {digest: str, dir: str, ranges: {...}}")
+    elif isinstance(ref, dict) and ref.get("ranges") is not None:
+        from agent.replica.aot_inputs import parse_ranges
+
+        try:
+            parse_ranges(ref["ranges"], where)
+        except ValueError:
+            bad["aot_package.ranges"] = (ref["ranges"], "{batch|seq|cache_batch: [lo, hi]}")
     tok = extra.get("tokenizer_dir")
     if tok is not None and not isinstance(tok, str):
         bad["tokenizer_dir"] = (tok, "None or str")
@@ -260,7 +293,8 @@ def capture(loaded: Loaded, dest: Path) -> Manifest:
     extra = {"model_config": loaded.config.to_dict(),
              "engine": {"max_seqs": loaded.engine.kv.max_seqs,
                         "max_seq_len": loaded.engine.kv.max_seq_len},
-             "aot_package": ({"digest": loaded.package_digest, "dir": loaded.package_dir}
+             "aot_package": ({"digest": loaded.package_digest, "dir": loaded.package_dir,
+                              "ranges": loaded.package_ranges}
                              if loaded.package_digest else None),
              "tokenizer_dir": loaded.tokenizer_dir}
     return write_snapshot(dest, loaded.weights, model=loaded.identity, golden=loaded.golden,
