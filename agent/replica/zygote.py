@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,15 +64,85 @@ class Loaded:
     keepalive: Any = None  # the restore buffer the weights are views of
 
 
+@dataclass
+class Warmed:
+    """A zygote's engine made ahead of need for one snapshot (:func:`warm_zygote`)."""
+
+    snapshot: str
+    layout: tuple         # :func:`_layout` of the manifest it was warmed for
+    engine: Engine
+    forward: Any          # the PackagedForward, or None (eager)
+    seconds: float
+
+
+_WARMED: "weakref.WeakKeyDictionary[Any, Warmed]" = weakref.WeakKeyDictionary()
+
+
+def _layout(manifest: Manifest) -> tuple:
+    """What must agree for a warmed engine to serve a restore: every tensor's place in the
+    buffer, the package digest, the engine sizes and the model configuration."""
+    extra = manifest.extra if isinstance(manifest.extra, dict) else {}
+    ref = extra.get("aot_package") or {}
+    return (manifest.total_bytes,
+            tuple((t.name, t.offset, t.nbytes, t.dtype, tuple(t.shape)) for t in manifest.tensors),
+            ref.get("digest"), repr(extra.get("engine")), repr(extra.get("model_config")))
+
+
 def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-                   *, prefault: bool = True):
+                   *, prefault: bool = True, warm: Path | None = None):
     """Do the zygote's work ahead of need: set torch's intra-op threads (all cores when None)
     and allocate (and touch, with ``prefault``) a page-aligned restore buffer of
-    ``buffer_bytes``.  Returns the HostBuffer."""
+    ``buffer_bytes``; with ``warm`` (a snapshot the zygote will likely restore), also
+    :func:`warm_zygote`.  Returns the HostBuffer."""
     from agent.snapshot.reader import HostBuffer
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    return HostBuffer.allocate(buffer_bytes, prefault=prefault)
+    buffer = HostBuffer.allocate(buffer_bytes, prefault=prefault)
+    if warm is not None:
+        warm_zygote(buffer, Path(warm))
+    return buffer
+
+
+def warm_zygote(buffer, snapshot: Path) -> Warmed | None:
+    """Pay, before the clock, the first-call costs a restore of ``snapshot`` into ``buffer``
+    would otherwise pay inside its golden check: the AOT package loaded and bound to views of
+    ``buffer`` at the snapshot's tensor offsets (the very memory the restore fills), the
+    engine and KV cache built, and the golden check's exact calls run once (the lockstep
+    prefill at its prompts' length and every decode step) on whatever the buffer holds.
+    Nothing is verified here and nothing from it is trusted: :func:`restore` still reads and
+    checksums every byte into the buffer and replays the golden check on the real weights, and
+    reuses this engine only for the same manifest (digest) in the same buffer.  Reads the
+    manifest only.  Returns None (logged) when the snapshot cannot be warmed for (unreadable
+    manifest, too large for the buffer, package unusable here): the restore then does it all."""
+    from agent.errors import RewarmError
+    from agent.snapshot.reader import read_manifest, tensor_views
+
+    t = time.perf_counter()
+    try:
+        manifest = read_manifest(snapshot)
+        extra = check_replica_manifest(manifest, snapshot)
+        config = LlamaConfig.from_dict(extra["model_config"], path=snapshot)
+        engine_cfg = check_engine_config(extra["engine"], config, snapshot)
+        if manifest.total_bytes > buffer.capacity_bytes:
+            raise ValueError(f"{manifest.total_bytes} bytes do not fit the {buffer.capacity_bytes}-byte buffer")
+        views = tensor_views(manifest, buffer.as_tensor(manifest.total_bytes))
+        forward = None
+        ref = extra.get("aot_package")
+        if ref:
+            forward = aot.load_package(Path(ref["dir"]), views, expect_digest=ref["digest"])
+            check_package_fits(forward, engine_cfg, ref.get("ranges"), snapshot)
+        engine = Engine(config, None if forward is not None else views,
+                        max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
+                        forward=forward)
+        golden = manifest.golden
+        engine.generate_lockstep([list(p) for p in golden.prompts], golden.max_tokens, seed=golden.seed)
+    except (RewarmError, OSError, ValueError) as exc:
+        log.warning("zygote: cannot warm for %s (%s); the restore will do it all", snapshot, exc)
+        return None
+    warmed = Warmed(str(snapshot), _layout(manifest), engine, forward, time.perf_counter() - t)
+    _WARMED[buffer] = warmed
+    log.info("zygote warmed for %s in %.2f s", snapshot, warmed.seconds)
+    return warmed
 
 
 def source_identity(model_dir: Path) -> ModelIdentity:
@@ -170,7 +241,16 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     t = time.perf_counter()
     forward, digest, package_dir, ranges = None, None, None, None
     ref = extra.get("aot_package")
-    if ref:
+    warmed = _WARMED.pop(buffer, None) if buffer is not None else None
+    if warmed is not None and (warmed.layout != _layout(restored.manifest)
+                               or (release is not None and warmed.forward is not None)):
+        warmed = None     # warmed for another snapshot (or told to look elsewhere): start over
+    if warmed is not None:
+        forward = warmed.forward
+        if forward is not None:
+            digest, package_dir = ref["digest"], str(forward.path)
+            ranges = {k: list(v) for k, v in forward.ranges.items()}
+    elif ref:
         where = Path(release) if release is not None else Path(ref["dir"])
         try:
             forward = aot.load_package(where, restored.tensors, expect_digest=ref["digest"])
@@ -181,9 +261,12 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
             forward = None
             log.warning("%s: AOT package %s not usable here (%s); serving eager", snapshot,
                         ref["digest"], exc)
-    engine = Engine(config, None if forward is not None else restored.tensors,
-                    max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
-                    forward=forward)
+    if warmed is not None:   # bound to views of this buffer, which now holds the real weights
+        engine = warmed.engine
+    else:
+        engine = Engine(config, None if forward is not None else restored.tensors,
+                        max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
+                        forward=forward)
     phases["package_s"] = time.perf_counter() - t
     t = time.perf_counter()
     golden = restored.manifest.golden
