@@ -104,7 +104,7 @@ def _replica(args: argparse.Namespace) -> int:
     return run_replica(args.listen, model_dir=args.model_dir, snapshot=args.snapshot,
                        zygote_mode=args.zygote, release=args.release, compile=args.compile,
                        buffer_bytes=args.buffer_mib << 20, threads=args.threads,
-                       replica_id=args.replica_id, tcp_control=args.tcp_control)
+                       replica_id=args.replica_id, tcp_control=args.tcp_control, warm=args.warm)
 
 
 def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
@@ -127,6 +127,10 @@ def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--release", help="release directory of AOT packages (rewarm build --out)")
     p.add_argument("--compile", action="store_true", help="with --model-dir: torch.compile just in time")
     p.add_argument("--buffer-mib", type=positive_int, default=1024, help="zygote restore buffer size")
+    p.add_argument("--warm", default=None, metavar="SNAPSHOT",
+                   help="with --zygote: the snapshot it will likely restore; its package is bound "
+                        "to the buffer and its golden calls run once before the zygote is ready, "
+                        "so a restore of it pays no first-call costs (any snapshot still restores)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (all cores)")
     p.add_argument("--replica-id", default=None)
     p.add_argument("--tcp-control", action="store_true",

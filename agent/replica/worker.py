@@ -381,12 +381,13 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
                 zygote_mode: bool = False, release: str | None = None, compile: bool = False,
                 buffer_bytes: int | None = None, threads: int | None = None,
                 replica_id: str | None = None, started_unix: float | None = None,
-                tcp_control: bool = False) -> int:
+                tcp_control: bool = False, warm: str | None = None) -> int:
     """The body of ``rewarm replica``: load one way, print the ready line, serve until stopped.
 
     Exactly one of ``model_dir`` (full boot; ``release`` binds its AOT package, ``compile``
     uses torch.compile), ``snapshot`` (restore into a fresh process) or ``zygote_mode`` (wait
-    for a ``restore`` op; ``buffer_bytes`` sizes the restore buffer).  On a TCP ``listen``
+    for a ``restore`` op; ``buffer_bytes`` sizes the restore buffer, ``warm`` names the snapshot
+    it will likely restore, whose first-call costs it pays before it is ready).  On a TCP ``listen``
     the control ops (:data:`CONTROL_OPS`) are refused unless ``tcp_control``.  Raises
     ConfigError when not exactly one is given.
     """
@@ -407,7 +408,8 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
     torch.set_num_threads(threads or os.cpu_count() or 1)
     loaded, buffer = None, None
     if zygote_mode:
-        buffer = zygote.prepare_zygote(threads, buffer_bytes or zygote.DEFAULT_BUFFER_BYTES)
+        buffer = zygote.prepare_zygote(threads, buffer_bytes or zygote.DEFAULT_BUFFER_BYTES,
+                                       warm=Path(warm) if warm else None)
     elif snapshot:
         loaded = zygote.restore(Path(snapshot), release=Path(release) if release else None)
     else:
