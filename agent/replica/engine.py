@@ -235,6 +235,13 @@ class Engine:
         return events
 
     def _prefill(self, seq: _Seq) -> torch.Tensor:
+        try:
+            return self._prefill_chunks(seq)
+        except BaseException:   # e.g. a forward that refused the call: the slot is not leaked
+            self.kv.free(seq.slot)
+            raise
+
+    def _prefill_chunks(self, seq: _Seq) -> torch.Tensor:
         idx = torch.tensor([seq.slot], dtype=torch.int64, device=self.device)
         logits = None
         for start in range(0, len(seq.prompt), self.prefill_chunk):
