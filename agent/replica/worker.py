@@ -319,7 +319,20 @@ class Worker:
             cancels, self._cancels = self._cancels, []
             for request, _ in submits:
                 request.seq_id = -2  # being submitted
-            failed, events = await loop.run_in_executor(self._pool, self._tick, submits, cancels)
+            try:
+                failed, events = await loop.run_in_executor(self._pool, self._tick, submits, cancels)
+            except RewarmError as exc:
+                # A forward refused its inputs (e.g. PackageInputError: nothing ran).  Fail what
+                # the engine holds, answer each request, and keep serving the next ones.
+                log.error("engine step failed; failing the requests in it: %s", exc)
+                held = list(self._by_seq.values()) + [r for r, _ in submits]
+                ids = [r.seq_id for r in held if r.seq_id >= 0]
+                self._by_seq.clear()
+                engine = self.loaded.engine
+                await loop.run_in_executor(self._pool, lambda: [engine.cancel(i) for i in ids])
+                for request in {id(r): r for r in held}.values():
+                    self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
+                continue
             for request, exc in failed:
                 self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
             for request, _ in submits:
