@@ -17,7 +17,8 @@ reported, broken into phases:
 Rungs: ``naive_s`` (safetensors + torch.compile, empty Inductor/Triton/CUDA caches),
 ``jit_cached_s`` (the same with caches warmed by an untimed run; agent/replica/compile_cache.py),
 ``aot_s`` (AOT package + safetensors), ``restore_s`` (snapshot restored into a fresh process),
-``zygote_restore_s`` (snapshot restored into a waiting zygote), ``eager_s`` (a replica process
+``zygote_restore_s`` (snapshot restored into a waiting zygote that was told which snapshot
+it will restore, ``--warm``), ``zygote_unwarmed_s`` (the same zygote not told), ``eager_s`` (a replica process
 booting eagerly from safetensors, no compile), ``streamed_first_boot_s`` (the very first boot
 of agent/replica/firstboot.py in a fresh process: weights stream group by group while the first
 request's prefill runs through each layer as it lands) and ``transformers_eager_s`` (what a
@@ -230,11 +231,14 @@ def trial_transformers(model: Path, env: dict[str, str]) -> dict:
             "peak_rss_bytes": rss, "transformers": r["transformers"]}
 
 
-def trial_zygote(work: Path, snapshot: Path, buffer_mib: int, env: dict[str, str]) -> dict:
-    """Start a zygote (untimed, as ahead of need), then time restore op -> first token."""
+def trial_zygote(work: Path, snapshot: Path, buffer_mib: int, env: dict[str, str],
+                 warm: bool = True) -> dict:
+    """Start a zygote (untimed, as ahead of need; ``warm``: told which snapshot it will restore,
+    so it pays the package's first-call costs then), then time restore op -> first token."""
     sock = Path(tempfile.mkdtemp(dir=work)) / "z.sock"
     address = f"unix:{sock}"
-    proc = subprocess.Popen(replica_cmd(address, "--zygote", "--buffer-mib", str(buffer_mib)),
+    mode = ["--zygote", "--buffer-mib", str(buffer_mib)] + (["--warm", str(snapshot)] if warm else [])
+    proc = subprocess.Popen(replica_cmd(address, *mode),
                             cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
         json.loads(proc.stdout.readline())
@@ -268,11 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default=str(REPO / "var" / "bench" / "cold_start"))
     parser.add_argument("--rungs",
                         default="transformers_eager,streamed,eager,naive,jit_cached,aot,restore,"
-                                "zygote_restore")
+                                "zygote_unwarmed,zygote_restore")
+    parser.add_argument("--release", default=None,
+                        help="reuse this release (rewarm build --out) instead of building one")
     args = parser.parse_args(argv)
     rungs = args.rungs.split(",")
     known = ("transformers_eager", "streamed", "eager", "naive", "jit_cached", "aot", "restore",
-             "zygote_restore")
+             "zygote_unwarmed", "zygote_restore")
     if set(rungs) - set(known):
         parser.error(f"unknown rung(s) {sorted(set(rungs) - set(known))}; known: {', '.join(known)}")
 
@@ -295,11 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     # Build once (not a cold start): the AOT release and a captured snapshot of an AOT boot.
     build_env = dict(base_env)
     apply_cache_env(work / "build-cache", environ=build_env)
-    release = work / "release"
+    release = Path(args.release) if args.release else work / "release"
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "agent.cli", "build", str(model), "--out", str(release)],
-                   cwd=REPO, env=build_env, check=True, stdout=subprocess.DEVNULL)
-    out["aot_build_s"] = round(time.perf_counter() - t, 1)
+    if not args.release:
+        subprocess.run([sys.executable, "-m", "agent.cli", "build", str(model), "--out", str(release)],
+                       cwd=REPO, env=build_env, check=True, stdout=subprocess.DEVNULL)
+    out["aot_build_s"] = round(time.perf_counter() - t, 1) if not args.release else None
     snapshot = work / "snapshot"
     sock = work / "capture.sock"
     proc = subprocess.Popen(replica_cmd(f"unix:{sock}", "--model-dir", str(model), "--release", str(release)),
@@ -334,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                 trials.append(trial_process(work, ["--snapshot", str(snapshot)], base_env))
             elif rung == "zygote_restore":
                 trials.append(trial_zygote(work, snapshot, buffer_mib, base_env))
+            elif rung == "zygote_unwarmed":
+                trials.append(trial_zygote(work, snapshot, buffer_mib, base_env, warm=False))
             print(f"{rung} trial {i}: {trials[-1]['total_s']:.2f} s", file=sys.stderr, flush=True)
         results[rung] = trials
         key = "streamed_first_boot_s" if rung == "streamed" else f"{rung}_s"
@@ -347,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     token_sets = {json.dumps(t["tokens"]) for ts in results.values() for t in ts}
     out["golden_match"] = len(token_sets) == 1
     out["tokens"] = json.loads(next(iter(token_sets))) if len(token_sets) == 1 else sorted(token_sets)
-    restored = [t["peak_rss_bytes"] for r in ("restore", "zygote_restore") for t in results.get(r, [])]
+    restored = [t["peak_rss_bytes"] for r in ("restore", "zygote_unwarmed", "zygote_restore")
+                for t in results.get(r, [])]
     if restored:
         out["restored_peak_rss_bytes"] = max(restored)
         out["rss_limit_bytes"] = int(model_bytes * 1.1 + (700 << 20))
@@ -379,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 RUNG_KEYS = ("transformers_eager_s", "naive_s", "jit_cached_s", "aot_s", "eager_s",
-             "streamed_first_boot_s", "restore_s", "zygote_restore_s")
+             "streamed_first_boot_s", "restore_s", "zygote_unwarmed_s", "zygote_restore_s")
 
 
 def print_table(out: dict) -> None:
