@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.rewarm-installed
 # Deterministic, small: the demo's and tests' working data lives here (ignored by git).
 VAR    := var
 
-.PHONY: test test-fast demo bench install clean sysdeps
+.PHONY: test test-fast demo bench bench-ladder install clean sysdeps
 
 install: $(STAMP)
 
@@ -53,6 +53,19 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python bench/restore_throughput.py --size-gib 1 4 --peers --json $(VAR)/bench/restore_throughput.json
+
+# The cold-start ladder with the transformers rung.  transformers declares no torch, but its
+# own dependencies would move huggingface-hub/tokenizers: --no-deps (those it imports are
+# already installed with tokenizers), then the pinned torch is checked.
+LADDER_STAMP := $(VENV)/.rewarm-ladder-installed
+
+$(LADDER_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps 'transformers>=4.56,<6'
+	$(BIN)/python -c "import torch, transformers; v = torch.__version__; assert v.startswith('2.13.0'), f'torch replaced: {v}'"
+	touch $@
+
+bench-ladder: $(LADDER_STAMP)
+	$(BIN)/python bench/cold_start.py --trials 3 --rungs transformers_eager,eager,aot,restore,zygote_restore --json $(VAR)/bench/cold_start.json
 
 clean:
 	rm -rf $(VENV) build $(VAR) agent/*.so ext/*.c

@@ -88,6 +88,23 @@ class TargetMismatch(RewarmError, RuntimeError):
     """An AOT package was built for another CPU or GPU target. Attributes: ``built``, ``here``."""
 
 
+class PackageInputError(RewarmError, ValueError):
+    """A call of an AOT package with inputs it was not compiled for: a rank, a dynamic size
+    outside its recorded range, a fixed size, a dtype, a device or an index outside the cache.
+    Refused before the compiled code runs, so nothing was read or written.
+
+    Attributes: ``package``, ``argument`` (e.g. ``k_caches[3]``), ``field`` (``rank``,
+    ``batch``, ``dtype``...), ``value``, ``limit``.
+    """
+
+
+class PackageCheckFailed(RewarmError, RuntimeError):
+    """A freshly built AOT package refused a shape inside its recorded ranges, or disagreed
+    with eager there; the build leaves no package.  Attributes: ``package``, ``sizes``
+    (``{batch, seq, cache_batch}``), ``field``, ``value``, ``limit``.
+    """
+
+
 class CapacityExceeded(RewarmError, MemoryError):
     """A request cannot fit in the KV cache. Attributes: ``need_tokens``, ``limit_tokens``."""
 

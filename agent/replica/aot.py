@@ -8,7 +8,19 @@ Layout of a release::
 
     RELEASE_DIR/<target>/model.pt2      the AOTInductor package: generated code, no weights
     RELEASE_DIR/<target>/package.json   target, sha256 digest of model.pt2, config, sizes,
-                                        and the name, shape and dtype of every weight it binds
+                                        the name, shape and dtype of every weight it binds,
+                                        the compiled ranges and KV layout of its inputs, and
+                                        the build's check at their edges
+
+Every dynamic size's range starts at 1: the engine prefills with B=1 and decodes with S=1.
+torch.export assumes a backed size is never 0 or 1 unless told otherwise, and Inductor then
+compiles (and, with ``AOTI_RUNTIME_CHECK_INPUTS=1``, enforces) ``>= 2``; so the export runs
+with ``backed_size_oblivious`` and the model avoids the ops whose stride reasoning would guard
+``!= 1`` (agent/replica/model.py, ``attend``).  The export is refused when a range comes out
+narrower than asked, and the compiled package is run at the edges of its ranges against eager
+with input checks on before it is published (agent/replica/aot_check.py).  The ranges are
+recorded in ``package.json`` and inside the package (its AOTInductor metadata, covered by the
+digest); :class:`PackagedForward` checks every call against them (agent/replica/aot_inputs.py).
 
 Weights stay outside the package (``aot_inductor.package_constants_in_so=False``) and are bound
 at load with ``load_constants(..., user_managed=True)``: the compiled code reads the caller's
@@ -21,6 +33,7 @@ before any of its code is loaded (AVX-512 code on a CPU without it dies with SIG
 from __future__ import annotations
 
 import hashlib
+import contextlib
 import json
 import logging
 import re
@@ -31,7 +44,8 @@ from typing import Any, Mapping
 
 import torch
 
-from agent.errors import ConfigError, InvalidCheckpoint, TargetMismatch
+from agent.errors import ConfigError, InvalidCheckpoint, PackageCheckFailed, TargetMismatch
+from agent.replica.aot_inputs import DIMS, InputSpec, parse_ranges
 from agent.replica.config import LlamaConfig
 from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS  # noqa: F401 (re-exported)
 from agent.replica.targets import current_target
@@ -40,7 +54,9 @@ log = logging.getLogger(__name__)
 
 PACKAGE_NAME = "model.pt2"
 MANIFEST_NAME = "package.json"
-PACKAGE_FORMAT = 1
+PACKAGE_FORMAT = 2
+"""2: ranges and kv recorded, checked at build (1 lacked them and refused B=1 and S=1)."""
+RANGES_METADATA = "rewarm.ranges"
 MAX_MANIFEST_BYTES = 16 << 20
 
 
@@ -58,15 +74,21 @@ def file_digest(path: Path, chunk_bytes: int = 8 << 20) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def size_ranges(max_seqs: int, max_seq_len: int) -> dict[str, tuple[int, int]]:
+    """The compiled range of each dynamic size: batch and cache batch in [1, max(2, max_seqs)],
+    seq in [1, max_seq_len] (an upper bound of 1 would make export treat the size as static,
+    hence max_seq_len >= 2 at build)."""
+    return {"batch": (1, max(2, max_seqs)), "seq": (1, max_seq_len),
+            "cache_batch": (1, max(2, max_seqs))}
+
+
 def example_inputs(config: LlamaConfig, max_seqs: int, max_seq_len: int,
                    device: str = "cpu") -> tuple[Any, ...]:
-    """Tracing inputs: B=2 active sequences of S=3 tokens in a cache of C=max(2, max_seqs) slots.
-
-    Sizes 0 and 1 are avoided because torch.export specialises them.
-    """
+    """Tracing inputs: B=2 active sequences of S=2 tokens in a cache of C=max(2, max_seqs)
+    slots of max_seq_len positions (example sizes of 1 would be specialised)."""
     from agent.replica.model import new_kv_caches
 
-    b, s = 2, 3
+    b, s = 2, 2
     tokens = torch.zeros(b, s, dtype=torch.int64, device=device)
     input_pos = torch.arange(s, device=device).repeat(b, 1)
     cache_batch_idx = torch.arange(b, device=device)
@@ -75,16 +97,44 @@ def example_inputs(config: LlamaConfig, max_seqs: int, max_seq_len: int,
 
 
 def dynamic_shapes(config: LlamaConfig, max_seqs: int, max_seq_len: int) -> tuple[Any, ...]:
-    """The three independent dynamic sizes: B (batch) ≤ max_seqs, S (seq) ≤ max_seq_len, and
-    C (cache_batch) ≤ max(2, max_seqs); T, Hkv and D stay fixed."""
+    """The three independent dynamic sizes of :func:`size_ranges`: B (dim 0 of tokens,
+    input_pos, cache_batch_idx), S (dim 1 of tokens, input_pos), C (dim 0 of every cache);
+    T, Hkv and D stay fixed."""
     from torch.export import Dim
 
-    batch = Dim("batch", min=1, max=max(2, max_seqs))
-    seq = Dim("seq", min=1, max=max_seq_len)
-    cache = Dim("cache_batch", min=1, max=max(2, max_seqs))
+    ranges = size_ranges(max_seqs, max_seq_len)
+    batch, seq, cache = (Dim(name, min=ranges[name][0], max=ranges[name][1]) for name in DIMS)
     layers = config.num_hidden_layers
     return ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch},
             [{0: cache}] * layers, [{0: cache}] * layers)
+
+
+def _size_oblivious():
+    """torch.export without its 0/1 specialisation (``backed_size_oblivious``), where this torch
+    has it; where it does not, the range check after export says what was narrowed."""
+    config = getattr(torch.fx.experimental, "_config", None)
+    if config is None or not hasattr(config, "backed_size_oblivious"):
+        log.warning("torch %s has no backed_size_oblivious; export may narrow ranges",
+                    torch.__version__)
+        return contextlib.nullcontext()
+    return config.patch(backed_size_oblivious=True)
+
+
+def exported_ranges(exported, config: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """The range export gave each dynamic size, read from the traced inputs' symbols
+    (tokens: B, S; the first cache: C); a size export made static reads as (n, n)."""
+    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
+    user = placeholders[-(3 + 2 * config.num_hidden_layers):]  # after the lifted weights
+    tokens, cache = user[0].meta["val"], user[3].meta["val"]
+    out = {}
+    for name, size in (("batch", tokens.shape[0]), ("seq", tokens.shape[1]),
+                       ("cache_batch", cache.shape[0])):
+        if isinstance(size, int):
+            out[name] = (size, size)
+            continue
+        vr = exported.range_constraints[size.node.expr]
+        out[name] = (int(vr.lower), int(vr.upper))
+    return out
 
 
 def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor], out_dir: Path, *,
@@ -92,14 +142,17 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
                        device: str = "cpu", target: str | None = None) -> Path:
     """Export and compile ``config``'s forward; write ``out_dir/<target>/``; return that directory.
 
-    ``weights`` (runtime layout) only give the traced shapes; they are not stored.  Raises
-    ConfigError when ``max_seq_len`` exceeds ``config.max_position_embeddings`` or ``max_seqs``
-    is below 1.  Takes minutes for a 30-layer model on two CPU cores (C++ compile).
+    ``weights`` (runtime layout) give the traced shapes and the build check's weights; they
+    are not stored.  Raises ConfigError when ``max_seq_len`` is outside [2,
+    ``config.max_position_embeddings``] or ``max_seqs`` is below 1, PackageCheckFailed when
+    export narrows a range or the compiled package fails :func:`aot_check.check_package` (no
+    package is left then).  Takes minutes for a 30-layer model on two CPU cores (C++ compile).
     """
+    from agent.replica import aot_check
     from agent.replica.model import Transformer
 
-    if not 1 <= max_seq_len <= config.max_position_embeddings:
-        raise ConfigError(f"max_seq_len={max_seq_len} must be in [1, max_position_embeddings="
+    if not 2 <= max_seq_len <= config.max_position_embeddings:
+        raise ConfigError(f"max_seq_len={max_seq_len} must be in [2, max_position_embeddings="
                           f"{config.max_position_embeddings}]", name="max_seq_len",
                           value=max_seq_len, limit=config.max_position_embeddings)
     if max_seqs < 1:
@@ -110,44 +163,65 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
     from agent.progress import bar
 
     model = Transformer.from_weights(config, {k: v.to(device) for k, v in weights.items()})
+    ranges = size_ranges(max_seqs, max_seq_len)
     started = time.perf_counter()
     # Two steps of very different length (export seconds, AOTInductor compile minutes): the
     # bar names the running step and its elapsed time, there is no finer progress to show.
     shown = bar(2, f"build {target}", unit="step")
     shown.set_postfix_str("torch.export")
-    with torch.no_grad():
-        exported = torch.export.export(
-            model, example_inputs(config, max_seqs, max_seq_len, device),
-            dynamic_shapes=dynamic_shapes(config, max_seqs, max_seq_len))
-    export_s = time.perf_counter() - started
-    shown.update(1)
-    shown.set_postfix_str("AOTInductor compile")
-    package = dest / PACKAGE_NAME
-    partial = dest / ("partial-" + PACKAGE_NAME)
     try:
-        torch._inductor.aoti_compile_and_package(
-            exported, package_path=str(partial),
-            inductor_configs={"aot_inductor.package_constants_in_so": False,
-                              "aot_inductor.metadata": {"rewarm.target": target},
-                              # GPU kernels are autotuned here, at build time, never at boot.
-                              "max_autotune": device.startswith("cuda")})
+        with torch.no_grad(), _size_oblivious():
+            exported = torch.export.export(
+                model, example_inputs(config, max_seqs, max_seq_len, device),
+                dynamic_shapes=dynamic_shapes(config, max_seqs, max_seq_len))
+            got = exported_ranges(exported, config)
+            if got != ranges:
+                raise PackageCheckFailed(f"{dest}: export narrowed the dynamic sizes to {got}, "
+                                         f"asked for {ranges}", package=dest, sizes=None,
+                                         field="ranges", value=got, limit=ranges)
+            export_s = time.perf_counter() - started
+            shown.update(1)
+            shown.set_postfix_str("AOTInductor compile")
+            package = dest / PACKAGE_NAME
+            partial = dest / ("partial-" + PACKAGE_NAME)
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(partial),
+                inductor_configs={"aot_inductor.package_constants_in_so": False,
+                                  "aot_inductor.metadata": {"rewarm.target": target,
+                                                            RANGES_METADATA: json.dumps(ranges)},
+                                  # GPU kernels are autotuned here, at build time, never at boot.
+                                  "max_autotune": device.startswith("cuda")})
+            shown.update(1)
     finally:
-        shown.update(1)
         shown.close()
-    partial.replace(package)
     compile_s = time.perf_counter() - started - export_s
+    t = time.perf_counter()
+    try:
+        checked = aot_check.check_package(partial, model, model.state_dict(), ranges, max_seq_len,
+                                          device=device)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    check_s = time.perf_counter() - t
+    partial.replace(package)
     constants = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                  for name, t in model.state_dict().items()}
     manifest = {
         "format": PACKAGE_FORMAT, "target": target, "device": device,
         "torch": torch.__version__, "digest": file_digest(package),
         "max_seqs": max_seqs, "max_seq_len": max_seq_len,
+        "ranges": {k: list(v) for k, v in ranges.items()},
+        "kv": {"layers": config.num_hidden_layers, "max_seq_len": max_seq_len,
+               "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+               "dtype": config.dtype},
+        "checked": {"env": f"{aot_check.CHECK_ENV}=1", "runs": checked},
         "config": config.to_dict(), "constants": constants,
         "export_s": round(export_s, 3), "compile_s": round(compile_s, 3),
+        "check_s": round(check_s, 3),
     }
     (dest / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    log.info("built %s for %s in %.1f s (export %.1f s)", package, target,
-             export_s + compile_s, export_s)
+    log.info("built %s for %s in %.1f s (export %.1f s, check %.1f s)", package, target,
+             export_s + compile_s + check_s, export_s, check_s)
     return dest
 
 
@@ -182,27 +256,35 @@ def read_package_manifest(package_dir: Path) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidCheckpoint(f"{path}: not valid JSON ({exc})", path=path, field=MANIFEST_NAME,
                                 value=None, limit=None) from None
-    for key in ("format", "target", "digest", "constants", "max_seqs", "max_seq_len", "config"):
-        if not isinstance(manifest, dict) or key not in manifest:
-            raise InvalidCheckpoint(f"{path}: missing {key!r}", path=path, field=key,
-                                    value=None, limit=None)
+    if not isinstance(manifest, dict) or "format" not in manifest:
+        raise InvalidCheckpoint(f"{path}: missing 'format'", path=path, field="format",
+                                value=None, limit=PACKAGE_FORMAT)
     if manifest["format"] != PACKAGE_FORMAT:
-        raise InvalidCheckpoint(f"{path}: format {manifest['format']!r} is not {PACKAGE_FORMAT}",
+        raise InvalidCheckpoint(f"{path}: format {manifest['format']!r} is not {PACKAGE_FORMAT} "
+                                "(built by an older rewarm: run `rewarm build` again)",
                                 path=path, field="format", value=manifest["format"],
                                 limit=PACKAGE_FORMAT)
+    for key in ("target", "digest", "constants", "max_seqs", "max_seq_len", "config", "ranges", "kv"):
+        if key not in manifest:
+            raise InvalidCheckpoint(f"{path}: missing {key!r}", path=path, field=key,
+                                    value=None, limit=None)
+    parse_ranges(manifest["ranges"], path)
     return manifest
 
 
 def find_package(release_dir: Path, device: str = "cpu") -> Path:
     """The package directory for this machine in a release (or ``release_dir`` itself when it is
-    one).  Raises TargetMismatch naming the targets built and this one when none matches, and
+    one).  Raises TargetMismatch naming the targets built and this one when none matches,
+    InvalidCheckpoint when its manifest is malformed or of another format (an old build), and
     FileNotFoundError when the release holds no package at all."""
     release_dir = Path(release_dir)
     if (release_dir / MANIFEST_NAME).exists():
+        read_package_manifest(release_dir)
         return release_dir
     here = current_target(device)
     candidate = release_dir / target_dirname(here)
     if (candidate / MANIFEST_NAME).exists():
+        read_package_manifest(candidate)
         return candidate
     built = sorted(read_package_manifest(p.parent)["target"]
                    for p in release_dir.glob(f"*/{MANIFEST_NAME}"))
@@ -217,7 +299,10 @@ class PackagedForward:
     """A loaded package with its weights bound: call it like ``Transformer.forward``.
 
     ``forward(tokens [B,S] int64, input_pos [B,S] int64, cache_batch_idx [B] int64, k_caches,
-    v_caches) -> logits [B,S,V] float32``; the caches are written in place.
+    v_caches) -> logits [B,S,V] float32``; the caches are written in place.  Every call is
+    checked first against what the package was compiled for (``spec``: ranks, each dynamic size
+    against its recorded range, fixed sizes, dtypes, device, index values); a wrong one raises
+    PackageInputError and runs nothing, so the package serves the next call as before.
     Holds ``weights`` so the bound tensors outlive the compiled model (user-managed constants).
     """
 
@@ -225,6 +310,7 @@ class PackagedForward:
     manifest: dict[str, Any]
     weights: Mapping[str, torch.Tensor] = field(repr=False)
     model: Any = field(repr=False)
+    spec: InputSpec = field(repr=False)
 
     @property
     def digest(self) -> str:
@@ -234,7 +320,12 @@ class PackagedForward:
     def target(self) -> str:
         return self.manifest["target"]
 
+    @property
+    def ranges(self) -> dict[str, tuple[int, int]]:
+        return dict(self.spec.ranges)
+
     def __call__(self, tokens, input_pos, cache_batch_idx, k_caches, v_caches) -> torch.Tensor:
+        self.spec.check(tokens, input_pos, cache_batch_idx, k_caches, v_caches)
         # The exported signature flattens to [tokens, input_pos, cache_batch_idx, *k, *v] and
         # returns [logits]; boxed_run takes ownership of the list it is given.
         return self.model.boxed_run([tokens, input_pos, cache_batch_idx, *k_caches, *v_caches])[0]
@@ -248,10 +339,12 @@ def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str
     tensors are used in place (no copy) and must stay alive as long as the result.
     Raises TargetMismatch (built for another target; checked before any code is loaded),
     InvalidCheckpoint (digest differs from the manifest or ``expect_digest``; a weight missing or
-    of another shape or dtype, naming the tensor and both values).
+    of another shape or dtype, naming the tensor and both values; the manifest's ranges differ
+    from those compiled into the package).
     """
     package_dir = find_package(Path(path), device)
     manifest = read_package_manifest(package_dir)
+    spec = InputSpec.from_manifest(manifest, device, package_dir)
     here = current_target(device)
     if manifest["target"] != here:
         raise TargetMismatch(f"{package_dir}: package built for {manifest['target']!r}; this "
@@ -263,24 +356,34 @@ def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str
             raise InvalidCheckpoint(f"{package}: digest {digest} is not the expected {expected}",
                                     path=package, field="digest", value=digest, limit=expected)
     bound: dict[str, torch.Tensor] = {}
-    for name, spec in manifest["constants"].items():
+    for name, want in manifest["constants"].items():
         tensor = weights.get(name)
         if tensor is None:
             raise InvalidCheckpoint(f"weight {name!r} needed by {package} is missing", path=package,
-                                    field=name, value=None, limit=spec["shape"])
-        if list(tensor.shape) != spec["shape"] or str(tensor.dtype).removeprefix("torch.") != spec["dtype"]:
+                                    field=name, value=None, limit=want["shape"])
+        if list(tensor.shape) != want["shape"] or str(tensor.dtype).removeprefix("torch.") != want["dtype"]:
             raise InvalidCheckpoint(
                 f"weight {name!r}: {tuple(tensor.shape)} {tensor.dtype} does not match the package's "
-                f"{tuple(spec['shape'])} {spec['dtype']}", path=package, field=name,
-                value=(tuple(tensor.shape), str(tensor.dtype)), limit=(tuple(spec["shape"]), spec["dtype"]))
+                f"{tuple(want['shape'])} {want['dtype']}", path=package, field=name,
+                value=(tuple(tensor.shape), str(tensor.dtype)), limit=(tuple(want["shape"]), want["dtype"]))
         bound[name] = tensor if tensor.is_contiguous() else tensor.contiguous()
     # The C++ loader directly: torch._inductor.aoti_load_package would first import the whole
     # of Inductor (seconds of Python imports at every boot) only to wrap this same object.
     model = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+    compiled = model.get_metadata().get(RANGES_METADATA)
+    try:
+        same = compiled is not None and parse_ranges(json.loads(compiled), package) == spec.ranges
+    except (json.JSONDecodeError, InvalidCheckpoint):
+        same = False
+    if not same:
+        raise InvalidCheckpoint(f"{package}: compiled ranges {compiled} are not the manifest's "
+                                f"{manifest['ranges']}", path=package, field="ranges",
+                                value=compiled, limit=manifest["ranges"])
     unknown = set(model.get_constant_fqns()) - set(bound)
     if unknown:
         raise InvalidCheckpoint(f"{package}: constants {sorted(unknown)[:3]} not in its manifest",
                                 path=package, field=sorted(unknown)[0], value=None, limit=None)
     # (map, use_inactive, check_full_update, user_managed, allow_h2d_copy)
     model.load_constants(bound, False, True, True, False)
-    return PackagedForward(path=package_dir, manifest=manifest, weights=bound, model=model)
+    return PackagedForward(path=package_dir, manifest=manifest, weights=bound, model=model,
+                           spec=spec)

@@ -106,7 +106,7 @@ def _replica(args: argparse.Namespace) -> int:
                        buffer_bytes=args.buffer_mib << 20, threads=args.threads,
                        replica_id=args.replica_id, tcp_control=args.tcp_control,
                        data_listen=args.data_listen,
-                       drain_grace_s=args.drain_grace_s, metrics_listen=args.metrics_listen)
+                       drain_grace_s=args.drain_grace_s, metrics_listen=args.metrics_listen, warm=args.warm)
 
 
 def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
@@ -129,6 +129,10 @@ def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--release", help="release directory of AOT packages (rewarm build --out)")
     p.add_argument("--compile", action="store_true", help="with --model-dir: torch.compile just in time")
     p.add_argument("--buffer-mib", type=positive_int, default=1024, help="zygote restore buffer size")
+    p.add_argument("--warm", default=None, metavar="SNAPSHOT",
+                   help="with --zygote: the snapshot it will likely restore; its package is bound "
+                        "to the buffer and its golden calls run once before the zygote is ready, "
+                        "so a restore of it pays no first-call costs (any snapshot still restores)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (all cores)")
     p.add_argument("--replica-id", default=None)
     p.add_argument("--data-listen", type=listen_address, default=None, metavar="HOST:PORT",

@@ -371,6 +371,13 @@ class Engine:
         return events
 
     def _prefill(self, seq: _Seq) -> torch.Tensor:
+        try:
+            return self._prefill_chunks(seq)
+        except BaseException:   # e.g. a forward that refused the call: the slot is not leaked
+            self.kv.free(seq.slot)
+            raise
+
+    def _prefill_chunks(self, seq: _Seq) -> torch.Tensor:
         idx = torch.tensor([seq.slot], dtype=torch.int64, device=self.device)
         logits = None
         for start in range(0, len(seq.prompt), self.prefill_chunk):
@@ -438,4 +445,60 @@ class Engine:
         out: list[list[int]] = [[] for _ in prompts]
         for i, token in self.generate_stream(prompts, max_tokens, seed, stop):
             out[i].append(token)
+        return out
+
+    def generate_lockstep(self, prompts: list[list[int]], max_tokens: int,
+                          seed: int | None = None) -> list[list[int]]:
+        """Exactly ``max_tokens`` tokens for each prompt (no stop tokens), the prompts run
+        together: one prefill call for a group (B = prompts in it, S = its longest prompt;
+        shorter prompts are padded at the end and read at their own last position), then one
+        decode call per further token (B = the group, S = 1).  Sampling as :meth:`generate`
+        (prompt ``i`` with seed ``seed + i``).  Groups hold at most ``max_seqs`` prompts, so a
+        whole golden check (agent/replica/golden.py) costs ``max_tokens`` forward calls per
+        group, whatever the number of prompts.
+
+        Padding is safe: the padded rows a sequence writes into its slot lie beyond its prompt,
+        the causal mask hides them, and its own decode overwrites each one before reading it.
+        Needs an idle engine (ProtocolError otherwise); raises as :meth:`submit` for a prompt.
+        """
+        if self.busy:
+            raise ProtocolError("generate_lockstep needs an idle engine", field="active_seqs",
+                                value=len(self._active) + len(self._waiting), limit=0)
+        prompts = [[int(t) for t in p] for p in prompts]
+        for i, p in enumerate(prompts):   # every prompt checked before any runs
+            self.submit(p, max_tokens, None if seed is None else seed + i)
+        seqs, self._waiting = list(self._waiting), collections.deque()
+        out: list[list[int]] = []
+        dev, size = self.device, self.kv.max_seqs
+        try:
+            with torch.inference_mode():
+                for start in range(0, len(seqs), size):
+                    group = seqs[start:start + size]
+                    for seq in group:
+                        seq.slot = self.kv.allocate(len(seq.prompt) + seq.max_tokens)
+                    width = max(len(s.prompt) for s in group)
+                    tokens = torch.tensor([s.prompt + [0] * (width - len(s.prompt)) for s in group],
+                                          dtype=torch.int64, device=dev)
+                    pos = torch.arange(width, device=dev).repeat(len(group), 1)
+                    idx = torch.tensor([s.slot for s in group], dtype=torch.int64, device=dev)
+                    last = torch.tensor([len(s.prompt) - 1 for s in group], device=dev)
+                    logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)
+                    logits = logits[torch.arange(len(group), device=dev), last]      # [B, V]
+                    got = [[] for _ in group]
+                    for step in range(max_tokens):
+                        if step:
+                            tokens = torch.tensor([[g[-1]] for g in got], dtype=torch.int64, device=dev)
+                            pos = torch.tensor([[len(s.prompt) + step - 1] for s in group],
+                                               dtype=torch.int64, device=dev)
+                            logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)[:, -1]
+                        for row, seq in enumerate(group):
+                            got[row].append(self._sample(seq, logits[row]))
+                    for seq in group:
+                        self.kv.free(seq.slot)
+                        seq.slot = -1
+                    out += got
+        finally:
+            for seq in seqs:
+                if seq.slot >= 0:
+                    self.kv.free(seq.slot)
         return out

@@ -4,6 +4,12 @@ At first boot :func:`record_golden` runs fixed prompts with a fixed seed and kee
 the snapshot stores them (``Manifest.golden``).  Before a restored replica may serve,
 :func:`verify_golden` runs the same prompts and raises :class:`~agent.errors.GoldenMismatch`
 at the first differing token (fail closed: a replica that does not match never serves).
+
+Both run the prompts in lockstep (``Engine.generate_lockstep``): one batched prefill of every
+prompt, then one batched decode call per token, so a check of P prompts x N tokens costs N
+forward calls, not P prefills plus N - 1 decodes.  Recording and verifying take the same path,
+so the same kernels at the same shapes produce the tokens both times; every token of every
+prompt is still sampled by the model and compared.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ GOLDEN_TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a ti
 
 
 class Generates(Protocol):
-    """What the check needs from an engine (agent.replica.engine.Engine satisfies it)."""
+    """What the check needs from an engine (agent.replica.engine.Engine satisfies it):
+    exactly ``max_tokens`` sampled tokens per prompt, prompt ``i`` seeded with ``seed + i``."""
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, seed: int | None = None,
-                 stop: set[int] | None = None) -> list[list[int]]: ...
+    def generate_lockstep(self, prompts: list[list[int]], max_tokens: int,
+                          seed: int | None = None) -> list[list[int]]: ...
 
 
 def record_golden(engine: Generates, prompts: Sequence[Sequence[int]], seed: int = DEFAULT_SEED,
@@ -31,14 +38,15 @@ def record_golden(engine: Generates, prompts: Sequence[Sequence[int]], seed: int
     """Run ``prompts`` (token ids) sampled with ``seed`` and keep exactly ``max_tokens`` each
     (no stop tokens, so the length is fixed)."""
     prompts = [list(map(int, p)) for p in prompts]
-    expected = engine.generate(prompts, max_tokens, seed=seed)
+    expected = engine.generate_lockstep(prompts, max_tokens, seed=seed)
     return GoldenCheck(prompts=prompts, seed=seed, max_tokens=max_tokens, expected=expected)
 
 
 def verify_golden(engine: Generates, golden: GoldenCheck) -> None:
     """Raise GoldenMismatch (``prompt_index``, ``position``, ``expected``, ``actual``) at the
     first token that differs from ``golden.expected``; return None when all match."""
-    actual = engine.generate([list(p) for p in golden.prompts], golden.max_tokens, seed=golden.seed)
+    actual = engine.generate_lockstep([list(p) for p in golden.prompts], golden.max_tokens,
+                                      seed=golden.seed)
     for i, (want, got) in enumerate(zip(golden.expected, actual)):
         if want == got:
             continue

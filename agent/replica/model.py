@@ -144,6 +144,35 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           mask: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads (GQA), softmax in float32.
+
+    q [B, S, H, D]; keys/values [B, T, Hkv, D] (H a multiple of Hkv; query head h reads KV head
+    h // (H / Hkv), the ``repeat_interleave`` convention of Hugging Face Llama); mask
+    [B, 1, S, T] bool (True: visible).  Returns [B, S, H * D] in q's dtype.
+
+    Written with bmm rather than ``F.scaled_dot_product_attention``, and every transpose
+    materialised with ``clone(memory_format=torch.contiguous_format)`` before it is viewed:
+    Inductor's SDPA layout constraint and views of strided tensors compare sizes symbolically,
+    which guards B != 1 and S != 1 and makes an AOT package refuse the engine's own B=1 prefill
+    and S=1 decode (agent/replica/aot.py).  The query heads of one KV head are stacked along
+    the rows ([B, Hkv, rep * S, D]), so no key or value is repeated.
+    """
+    bsz, seqlen, n_heads, head_dim = q.shape
+    n_kv, t = keys.shape[2], keys.shape[1]
+    rep = n_heads // n_kv
+    dense = torch.contiguous_format
+    qg = q.permute(0, 2, 1, 3).clone(memory_format=dense).view(bsz * n_kv, rep * seqlen, head_dim)
+    kg = keys.permute(0, 2, 1, 3).clone(memory_format=dense).view(bsz * n_kv, t, head_dim)
+    vg = values.permute(0, 2, 1, 3).clone(memory_format=dense).view(bsz * n_kv, t, head_dim)
+    scores = torch.bmm(qg, kg.transpose(1, 2)).float() * (head_dim ** -0.5)  # [B*Hkv, rep*S, T]
+    scores = scores.view(bsz, n_kv, rep, seqlen, t).masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(bsz * n_kv, rep * seqlen, t)
+    out = torch.bmm(probs, vg).view(bsz, n_heads, seqlen, head_dim)          # [B, H, S, D]
+    return out.permute(0, 2, 1, 3).clone(memory_format=dense).view(bsz, seqlen, n_heads * head_dim)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -156,22 +185,19 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, input_pos, cache_batch_idx, k_cache, v_cache, mask):
         # x [B, S, hidden]; k_cache/v_cache [C, T, Hkv, D]; mask [B, 1, S, T] bool
         bsz, seqlen = x.shape[0], x.shape[1]
-        q, k, v = self.wqkv(x).split([self.n_q, self.n_kv, self.n_kv], dim=-1)
-        q = rope(q.view(bsz, seqlen, self.n_heads, self.head_dim), cos, sin)
-        k = rope(k.view(bsz, seqlen, self.n_kv_heads, self.head_dim), cos, sin)
-        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        # View the fused projection as heads first, then split: a view of a contiguous tensor
+        # needs no stride reasoning, where viewing a split (a strided slice) makes Inductor
+        # guard each dynamic size != 1 (see attend).
+        qkv = self.wqkv(x).view(bsz, seqlen, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)                        # [B, S, H|Hkv, D]
         # Write the new rows into the caller's cache: slot cache_batch_idx[b], position input_pos[b, s].
         slot = cache_batch_idx.unsqueeze(1).expand(bsz, seqlen)           # [B, S]
         k_cache.index_put_((slot, input_pos), k.to(k_cache.dtype))
         v_cache.index_put_((slot, input_pos), v.to(v_cache.dtype))
         keys = k_cache.index_select(0, cache_batch_idx)                    # [B, T, Hkv, D]
         values = v_cache.index_select(0, cache_batch_idx)
-        rep = self.n_heads // self.n_kv_heads                              # GQA: share KV heads
-        keys = keys.repeat_interleave(rep, dim=2).transpose(1, 2)          # [B, H, T, D]
-        values = values.repeat_interleave(rep, dim=2).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype),
-                                             values.to(q.dtype), attn_mask=mask)  # [B, H, S, D]
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, self.n_q))
+        return self.wo(attend(q, keys.to(q.dtype), values.to(q.dtype), mask))
 
 
 class FeedForward(nn.Module):

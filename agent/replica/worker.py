@@ -461,6 +461,21 @@ class Worker:
                 failed.append((request, exc))
         return failed, (engine.admit() if engine.busy else [])
 
+    async def _fail_held(self, exc: RewarmError, submitting: list[_Request]) -> None:
+        """An engine step raised a typed error (a forward refusing its inputs, e.g.
+        PackageInputError: nothing ran).  Fail what the engine holds and ``submitting``,
+        answer each request with the error, and keep serving the next ones."""
+        log.error("engine step failed; failing the requests in it: %s", exc)
+        held = list(self._by_seq.values()) + submitting
+        ids = [r.seq_id for r in held if r.seq_id >= 0]
+        self._by_seq.clear()
+        engine = self.loaded.engine
+        await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: [engine.cancel(i) for i in ids])
+        for request in {id(r): r for r in held}.values():
+            request.finished()
+            self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
+
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -473,7 +488,11 @@ class Worker:
             for request, _ in submits:
                 request.seq_id = -2  # being submitted
             started = time.perf_counter()
-            failed, events = await loop.run_in_executor(self._pool, self._tick, submits, cancels)
+            try:
+                failed, events = await loop.run_in_executor(self._pool, self._tick, submits, cancels)
+            except RewarmError as exc:
+                await self._fail_held(exc, [r for r, _ in submits])
+                continue
             for request, exc in failed:
                 request.finished()
                 self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
@@ -488,7 +507,11 @@ class Worker:
             for seq_id in cancels:
                 self._by_seq.pop(seq_id, None)
             self._deliver(events)
-            decoded = await loop.run_in_executor(self._pool, self.loaded.engine.decode)
+            try:
+                decoded = await loop.run_in_executor(self._pool, self.loaded.engine.decode)
+            except RewarmError as exc:
+                await self._fail_held(exc, [])
+                continue
             self._deliver(decoded)
             events += decoded  # one tick for the meter: the admitted prefills and the decode step
             self.meter.step(sum(1 for e in events if e.token >= 0),
@@ -608,12 +631,14 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
                 buffer_bytes: int | None = None, threads: int | None = None,
                 replica_id: str | None = None, started_unix: float | None = None,
                 tcp_control: bool = False, data_listen: str | None = None,
-                drain_grace_s: float = 30.0, metrics_listen: str | None = None) -> int:
+                drain_grace_s: float = 30.0, metrics_listen: str | None = None,
+                warm: str | None = None) -> int:
     """The body of ``rewarm replica``: load one way, print the ready line, serve until stopped.
 
     Exactly one of ``model_dir`` (full boot; ``release`` binds its AOT package, ``compile``
     uses torch.compile), ``snapshot`` (restore into a fresh process) or ``zygote_mode`` (wait
-    for a ``restore`` op; ``buffer_bytes`` sizes the restore buffer).  On a TCP ``listen``
+    for a ``restore`` op; ``buffer_bytes`` sizes the restore buffer, ``warm`` names the snapshot
+    it will likely restore, whose first-call costs it pays before it is ready).  On a TCP ``listen``
     the control ops (:data:`CONTROL_OPS`) are refused unless ``tcp_control``.  Raises
     ConfigError when not exactly one is given.  SIGTERM drains for ``drain_grace_s``;
     ``metrics_listen`` (HOST:PORT) serves /metrics, /healthz, /readyz (agent/health.py).
@@ -635,7 +660,8 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
     torch.set_num_threads(threads or os.cpu_count() or 1)
     loaded, buffer = None, None
     if zygote_mode:
-        buffer = zygote.prepare_zygote(threads, buffer_bytes or zygote.DEFAULT_BUFFER_BYTES)
+        buffer = zygote.prepare_zygote(threads, buffer_bytes or zygote.DEFAULT_BUFFER_BYTES,
+                                       warm=Path(warm) if warm else None)
     elif snapshot:
         loaded = zygote.restore(Path(snapshot), release=Path(release) if release else None)
     else:

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,19 +65,90 @@ class Loaded:
     package_digest: str | None = None
     package_dir: str | None = None
     tokenizer_dir: str | None = None
+    package_ranges: dict[str, list[int]] | None = None   # compiled [lo, hi] of batch, seq, cache_batch
     phases_s: dict[str, float] = field(default_factory=dict)
     keepalive: Any = None  # the restore buffer the weights are views of
 
 
+@dataclass
+class Warmed:
+    """A zygote's engine made ahead of need for one snapshot (:func:`warm_zygote`)."""
+
+    snapshot: str
+    layout: tuple         # :func:`_layout` of the manifest it was warmed for
+    engine: Engine
+    forward: Any          # the PackagedForward, or None (eager)
+    seconds: float
+
+
+_WARMED: "weakref.WeakKeyDictionary[Any, Warmed]" = weakref.WeakKeyDictionary()
+
+
+def _layout(manifest: Manifest) -> tuple:
+    """What must agree for a warmed engine to serve a restore: every tensor's place in the
+    buffer, the package digest, the engine sizes and the model configuration."""
+    extra = manifest.extra if isinstance(manifest.extra, dict) else {}
+    ref = extra.get("aot_package") or {}
+    return (manifest.total_bytes,
+            tuple((t.name, t.offset, t.nbytes, t.dtype, tuple(t.shape)) for t in manifest.tensors),
+            ref.get("digest"), repr(extra.get("engine")), repr(extra.get("model_config")))
+
+
 def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-                   *, prefault: bool = True):
+                   *, prefault: bool = True, warm: Path | None = None):
     """Do the zygote's work ahead of need: set torch's intra-op threads (all cores when None)
     and allocate (and touch, with ``prefault``) a page-aligned restore buffer of
-    ``buffer_bytes``.  Returns the HostBuffer."""
+    ``buffer_bytes``; with ``warm`` (a snapshot the zygote will likely restore), also
+    :func:`warm_zygote`.  Returns the HostBuffer."""
     from agent.snapshot.reader import HostBuffer
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    return HostBuffer.allocate(buffer_bytes, prefault=prefault)
+    buffer = HostBuffer.allocate(buffer_bytes, prefault=prefault)
+    if warm is not None:
+        warm_zygote(buffer, Path(warm))
+    return buffer
+
+
+def warm_zygote(buffer, snapshot: Path) -> Warmed | None:
+    """Pay, before the clock, the first-call costs a restore of ``snapshot`` into ``buffer``
+    would otherwise pay inside its golden check: the AOT package loaded and bound to views of
+    ``buffer`` at the snapshot's tensor offsets (the very memory the restore fills), the
+    engine and KV cache built, and the golden check's exact calls run once (the lockstep
+    prefill at its prompts' length and every decode step) on whatever the buffer holds.
+    Nothing is verified here and nothing from it is trusted: :func:`restore` still reads and
+    checksums every byte into the buffer and replays the golden check on the real weights, and
+    reuses this engine only for the same manifest (digest) in the same buffer.  Reads the
+    manifest only.  Returns None (logged) when the snapshot cannot be warmed for (unreadable
+    manifest, too large for the buffer, package unusable here): the restore then does it all."""
+    from agent.errors import RewarmError
+    from agent.snapshot.reader import read_manifest, tensor_views
+
+    t = time.perf_counter()
+    try:
+        manifest = read_manifest(snapshot)
+        extra = check_replica_manifest(manifest, snapshot)
+        config = LlamaConfig.from_dict(extra["model_config"], path=snapshot)
+        engine_cfg = check_engine_config(extra["engine"], config, snapshot)
+        if manifest.total_bytes > buffer.capacity_bytes:
+            raise ValueError(f"{manifest.total_bytes} bytes do not fit the {buffer.capacity_bytes}-byte buffer")
+        views = tensor_views(manifest, buffer.as_tensor(manifest.total_bytes))
+        forward = None
+        ref = extra.get("aot_package")
+        if ref:
+            forward = aot.load_package(Path(ref["dir"]), views, expect_digest=ref["digest"])
+            check_package_fits(forward, engine_cfg, ref.get("ranges"), snapshot)
+        engine = Engine(config, None if forward is not None else views,
+                        max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
+                        forward=forward)
+        golden = manifest.golden
+        engine.generate_lockstep([list(p) for p in golden.prompts], golden.max_tokens, seed=golden.seed)
+    except (RewarmError, OSError, ValueError) as exc:
+        log.warning("zygote: cannot warm for %s (%s); the restore will do it all", snapshot, exc)
+        return None
+    warmed = Warmed(str(snapshot), _layout(manifest), engine, forward, time.perf_counter() - t)
+    _WARMED[buffer] = warmed
+    log.info("zygote warmed for %s in %.2f s", snapshot, warmed.seconds)
+    return warmed
 
 
 def source_identity(model_dir: Path) -> ModelIdentity:
@@ -124,11 +196,12 @@ def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
     weights = load_hf_weights(model_dir, config)
     phases["weights_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    forward, digest, package_dir, path = None, None, None, "eager"
+    forward, digest, package_dir, path, ranges = None, None, None, "eager", None
     if release is not None:
         packaged = aot.load_package(release, weights)
         max_seqs, max_seq_len = packaged.manifest["max_seqs"], packaged.manifest["max_seq_len"]
         forward, digest, package_dir, path = packaged, packaged.digest, str(packaged.path), "aot"
+        ranges = {k: list(v) for k, v in packaged.ranges.items()}
     else:
         # A KV slot longer than the model's context would be refused when the snapshot is
         # restored (the restore checks engine sizes against the config): cap it here.
@@ -148,7 +221,7 @@ def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
     boot_profile(engine)
     phases["profile_s"] = time.perf_counter() - t
     return Loaded(config, weights, engine, source_identity(Path(model_dir)), golden, path,
-                  digest, package_dir, str(Path(model_dir).resolve()), phases)
+                  digest, package_dir, str(Path(model_dir).resolve()), ranges, phases)
 
 
 def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify: bool = True,
@@ -175,23 +248,40 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     config = LlamaConfig.from_dict(extra["model_config"], path=snapshot)
     engine_cfg = check_engine_config(extra["engine"], config, snapshot)
     t = time.perf_counter()
-    forward, digest, package_dir = None, None, None
+    forward, digest, package_dir, ranges = None, None, None, None
     ref = extra.get("aot_package")
-    if ref:
+    warmed = _WARMED.pop(buffer, None) if buffer is not None else None
+    if warmed is not None and (warmed.layout != _layout(restored.manifest)
+                               or (release is not None and warmed.forward is not None)):
+        warmed = None     # warmed for another snapshot (or told to look elsewhere): start over
+    if warmed is not None:
+        forward = warmed.forward
+        if forward is not None:
+            digest, package_dir = ref["digest"], str(forward.path)
+            ranges = {k: list(v) for k, v in forward.ranges.items()}
+    elif ref:
         where = Path(release) if release is not None else Path(ref["dir"])
         try:
             forward = aot.load_package(where, restored.tensors, expect_digest=ref["digest"])
+            check_package_fits(forward, engine_cfg, ref.get("ranges"), snapshot)
             digest, package_dir = ref["digest"], str(forward.path)
+            ranges = {k: list(v) for k, v in forward.ranges.items()}
         except (FileNotFoundError, TargetMismatch) as exc:
+            forward = None
             log.warning("%s: AOT package %s not usable here (%s); serving eager", snapshot,
                         ref["digest"], exc)
     # The speed recorded at capture is a measured prior (same pinned hardware class); an
     # unreadable one only costs the short profile below, never the restore.
     recorded = SpeedProfile.from_meta(extra.get("speed_profile") or {})
-    engine = Engine(config, None if forward is not None else restored.tensors,
-                    max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
-                    forward=forward,
-                    meter=SpeedMeter(recorded, measured_prior=True) if recorded else None)
+    meter = SpeedMeter(recorded, measured_prior=True) if recorded else None
+    if warmed is not None:   # bound to views of this buffer, which now holds the real weights
+        engine = warmed.engine
+        if meter is not None:
+            engine.meter = meter
+    else:
+        engine = Engine(config, None if forward is not None else restored.tensors,
+                        max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
+                        forward=forward, meter=meter)
     phases["package_s"] = time.perf_counter() - t
     t = time.perf_counter()
     golden = restored.manifest.golden
@@ -202,7 +292,27 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
         boot_profile(engine)
         phases["profile_s"] = time.perf_counter() - t
     return Loaded(config, restored.tensors, engine, restored.manifest.model, golden, path, digest,
-                  package_dir, extra.get("tokenizer_dir"), phases, keepalive=restored.buffer)
+                  package_dir, extra.get("tokenizer_dir"), ranges, phases, keepalive=restored.buffer)
+
+
+def check_package_fits(forward: "aot.PackagedForward", engine: dict[str, int],
+                       recorded: Any, where: Any) -> None:
+    """The engine a snapshot describes must be one the package was compiled for: ``max_seqs``
+    slots within the batch and cache-batch ranges, slots of exactly the package's T positions,
+    and the snapshot's recorded ranges (when it has them) those of the package.  Raises
+    TargetMismatch (the restore then serves eager, still golden-checked) naming both."""
+    from agent.errors import TargetMismatch
+
+    ranges, spec = forward.ranges, forward.spec
+    fits = (ranges["batch"][0] <= 1 and engine["max_seqs"] <= ranges["batch"][1]
+            and ranges["cache_batch"][0] <= engine["max_seqs"] <= ranges["cache_batch"][1]
+            and engine["max_seq_len"] == spec.max_seq_len)
+    if recorded is not None and {k: tuple(v) for k, v in dict(recorded).items()} != ranges:
+        fits = False
+    if not fits:
+        raise TargetMismatch(f"{where}: engine {engine} (ranges {recorded}) does not fit package "
+                             f"{forward.path} (ranges {ranges}, T={spec.max_seq_len})",
+                             built=ranges, here=engine)
 
 
 REPLICA_EXTRA_KEYS = ("model_config", "engine")
@@ -213,7 +323,8 @@ def check_replica_manifest(manifest: Manifest, where: Any) -> dict[str, Any]:
     """Check that ``manifest`` is a captured replica snapshot and return its ``extra``.
 
     A captured snapshot carries ``model_config``, ``engine`` and a golden check; its
-    ``aot_package`` is absent/None or ``{"digest": str, "dir": str}``; its ``tokenizer_dir`` is
+    ``aot_package`` is absent/None or ``{"digest": str, "dir": str, "ranges": ...}`` (the
+    package's compiled ranges, :func:`agent.replica.aot_inputs.parse_ranges`); its ``tokenizer_dir`` is
     absent/None or a string.  A weights-only snapshot (``rewarm import``: HF-layout tensors,
     ``extra`` = ``config`` + ``source_files``, no golden check) is not one: nothing proves its
     tokens right, so it must not serve.  Raises SnapshotIncompatible naming the snapshot, the
@@ -241,7 +352,14 @@ def check_replica_manifest(manifest: Manifest, where: Any) -> dict[str, Any]:
     ref = extra.get("aot_package")
     if ref is not None and not (isinstance(ref, dict) and isinstance(ref.get("digest"), str)
                                 and isinstance(ref.get("dir"), str)):
-        bad["aot_package"] = (ref, "None or {digest: str, dir: str}")
+        bad["aot_package"] = (ref, "None or {digest: str, dir: str, ranges: {...}}")
+    elif isinstance(ref, dict) and ref.get("ranges") is not None:
+        from agent.replica.aot_inputs import parse_ranges
+
+        try:
+            parse_ranges(ref["ranges"], where)
+        except ValueError:
+            bad["aot_package.ranges"] = (ref["ranges"], "{batch|seq|cache_batch: [lo, hi]}")
     tok = extra.get("tokenizer_dir")
     if tok is not None and not isinstance(tok, str):
         bad["tokenizer_dir"] = (tok, "None or str")
@@ -277,7 +395,8 @@ def capture(loaded: Loaded, dest: Path) -> Manifest:
     extra = {"model_config": loaded.config.to_dict(),
              "engine": {"max_seqs": loaded.engine.kv.max_seqs,
                         "max_seq_len": loaded.engine.kv.max_seq_len},
-             "aot_package": ({"digest": loaded.package_digest, "dir": loaded.package_dir}
+             "aot_package": ({"digest": loaded.package_digest, "dir": loaded.package_dir,
+                              "ranges": loaded.package_ranges}
                              if loaded.package_digest else None),
              "tokenizer_dir": loaded.tokenizer_dir}
     if loaded.engine.meter.measured:

@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from agent.errors import ConfigError, InvalidCheckpoint, TargetMismatch
-from agent.replica import aot
+from agent.errors import ConfigError, InvalidCheckpoint, PackageCheckFailed, PackageInputError, TargetMismatch
+from agent.replica import aot, aot_check
 from agent.replica.config import LlamaConfig
 from agent.replica.model import Transformer, new_kv_caches
 from agent.replica.targets import current_target
@@ -122,8 +122,20 @@ def test_empty_release_and_bad_manifests(tmp_path):
     with pytest.raises(InvalidCheckpoint, match="JSON"):
         aot.read_package_manifest(tmp_path)
     (tmp_path / aot.MANIFEST_NAME).write_text(json.dumps({"format": 1}))
+    with pytest.raises(InvalidCheckpoint, match="format 1 is not 2.*rewarm build") as err:
+        aot.read_package_manifest(tmp_path)  # an old build, without ranges: rebuilt, never used
+    assert err.value.value == 1 and err.value.limit == aot.PACKAGE_FORMAT
+    (tmp_path / aot.MANIFEST_NAME).write_text(json.dumps({"format": aot.PACKAGE_FORMAT}))
     with pytest.raises(InvalidCheckpoint, match="target"):
         aot.read_package_manifest(tmp_path)
+    good = {"format": 2, "target": "t", "digest": "d", "constants": {}, "max_seqs": 4,
+            "max_seq_len": 32, "config": {}, "kv": {}}
+    for ranges in ({"batch": [1, 4], "seq": [1, 32]}, {"batch": [0, 4], "seq": [1, 32], "cache_batch": [1, 4]},
+                   {"batch": [1, 4], "seq": [5, 2], "cache_batch": [1, 4]},
+                   {"batch": [1, 4], "seq": [1, True], "cache_batch": [1, 4]}):
+        (tmp_path / aot.MANIFEST_NAME).write_text(json.dumps({**good, "ranges": ranges}))
+        with pytest.raises(InvalidCheckpoint, match="range"):
+            aot.read_package_manifest(tmp_path)
     (tmp_path / aot.MANIFEST_NAME).write_bytes(b" " * (aot.MAX_MANIFEST_BYTES + 1))
     with pytest.raises(InvalidCheckpoint) as err:
         aot.read_package_manifest(tmp_path)
@@ -134,5 +146,134 @@ def test_sizes_out_of_range_are_refused_before_compiling(tmp_path):
     with pytest.raises(ConfigError) as err:
         aot.build_from_weights(tiny_config(), tiny_weights(), tmp_path, max_seq_len=65)
     assert err.value.limit == 64
+    with pytest.raises(ConfigError):   # a seq range of [1, 1] would be exported as static
+        aot.build_from_weights(tiny_config(), tiny_weights(), tmp_path, max_seq_len=1)
     with pytest.raises(ConfigError):
         aot.build_from_weights(tiny_config(), tiny_weights(), tmp_path, max_seqs=0)
+
+
+# --- the compiled ranges: every shape the engine uses, checked at build and at every call ------
+
+@pytest.mark.slow
+def test_ranges_start_at_one_and_the_build_checked_their_edges(release):
+    package_dir = aot.find_package(release)
+    manifest = aot.read_package_manifest(package_dir)
+    assert manifest["ranges"] == {"batch": [1, MAX_SEQS], "seq": [1, MAX_SEQ_LEN],
+                                  "cache_batch": [1, MAX_SEQS]}
+    cfg = tiny_config()
+    assert manifest["kv"] == {"layers": 2, "max_seq_len": MAX_SEQ_LEN, "kv_heads": 2,
+                              "head_dim": cfg.head_dim, "dtype": "float32"}
+    runs = manifest["checked"]["runs"]
+    assert manifest["checked"]["env"] == "AOTI_RUNTIME_CHECK_INPUTS=1"
+    assert [(r["batch"], r["seq"], r["cache_batch"]) for r in runs] == [
+        (1, 1, 1), (1, MAX_SEQ_LEN, 1), (MAX_SEQS, 1, MAX_SEQS)]
+    assert all(0 <= r["error"] <= r["limit"] and r["eager_error"] >= 0 for r in runs)
+    # The same ranges are compiled into the package itself (covered by its digest).
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(package_dir / aot.PACKAGE_NAME), "model",
+                                                   False, 1, -1)
+    assert json.loads(loader.get_metadata()[aot.RANGES_METADATA]) == manifest["ranges"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("B,S,C", [(1, 1, 1), (1, MAX_SEQ_LEN, 1), (MAX_SEQS, 1, MAX_SEQS)])
+def test_every_edge_runs_with_aoti_input_checks_on(release, B, S, C):
+    with aot_check.input_checks_on():   # read at a loaded package's first call: load inside
+        packaged = aot.load_package(release, tiny_weights())
+        got, _, _ = run(packaged, None, B, S, C)
+    want, _, _ = run(Transformer.from_weights(tiny_config(), tiny_weights()), None, B, S, C)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def _call_args(B=2, S=3, C=MAX_SEQS, dtype=torch.float32):
+    cfg = tiny_config()
+    tokens = torch.randint(0, cfg.vocab_size, (B, S))
+    k, v = new_kv_caches(cfg, C, MAX_SEQ_LEN)
+    k, v = [c.to(dtype) for c in k], [c.to(dtype) for c in v]
+    return [tokens, torch.arange(S).repeat(B, 1), torch.arange(B), k, v]
+
+
+@pytest.mark.slow
+def test_wrong_calls_are_refused_before_running_and_the_package_stays_usable(release):
+    packaged = aot.load_package(release, tiny_weights())
+    eager = Transformer.from_weights(tiny_config(), tiny_weights())
+
+    def wrong(field, mutate, value, limit=None):
+        args = _call_args()
+        mutate(args)
+        with pytest.raises(PackageInputError) as err:
+            packaged(*args)
+        assert err.value.field == field and err.value.value == value, str(err.value)
+        if limit is not None:
+            assert err.value.limit == limit
+        assert str(value) in str(err.value)
+        # Nothing ran: the next, correct call gives eager's logits.
+        assert torch.allclose(run(packaged, None, 2, 3, 4)[0], run(eager, None, 2, 3, 4)[0], atol=1e-5)
+
+    # The batch of 5 on a package built for 4, and one position too many.
+    wrong("batch", lambda a: a.__setitem__(slice(0, 3), _call_args(B=5, C=5)[:3]), 5, [1, MAX_SEQS])
+    wrong("seq", lambda a: a.__setitem__(slice(0, 3), _call_args(S=MAX_SEQ_LEN + 1)[:3]),
+          MAX_SEQ_LEN + 1, [1, MAX_SEQ_LEN])
+    wrong("cache_batch", lambda a: a.__setitem__(slice(3, 5), _call_args(C=MAX_SEQS + 1)[3:]),
+          MAX_SEQS + 1, [1, MAX_SEQS])
+    # Rank, dtype (a float16 KV cache would be read and written as float32), device.
+    wrong("rank", lambda a: a.__setitem__(0, a[0].flatten()), 1, 2)
+    wrong("dtype", lambda a: a.__setitem__(slice(3, 5), _call_args(dtype=torch.float16)[3:]),
+          "torch.float16", "torch.float32")
+    wrong("dtype", lambda a: a.__setitem__(1, a[1].to(torch.int32)), "torch.int32", "torch.int64")
+    wrong("device", lambda a: a.__setitem__(0, a[0].to("meta")), "meta", "cpu")
+    wrong("device", lambda a: a[4].__setitem__(1, a[4][1].to("meta")), "meta", "cpu")
+    # Fixed sizes, layout, the number of layers, shapes that disagree.
+    wrong("shape", lambda a: a[3].__setitem__(1, torch.zeros(MAX_SEQS, MAX_SEQ_LEN, 2, 4)),
+          (MAX_SEQS, MAX_SEQ_LEN, 2, 4), (MAX_SEQS, MAX_SEQ_LEN, 2, tiny_config().head_dim))
+    wrong("length", lambda a: a.__setitem__(3, a[3][:1]), 1, 2)
+    wrong("shape", lambda a: a.__setitem__(1, a[1][:, :2].contiguous()), (2, 2), (2, 3))
+    # Index values that would address memory outside the caches.
+    wrong("value", lambda a: a.__setitem__(2, torch.tensor([0, MAX_SEQS])), MAX_SEQS, [0, MAX_SEQS - 1])
+    wrong("value", lambda a: a.__setitem__(2, torch.tensor([-1, 0])), -1, [0, MAX_SEQS - 1])
+    wrong("value", lambda a: a[1].__setitem__((1, 2), MAX_SEQ_LEN), MAX_SEQ_LEN, [0, MAX_SEQ_LEN - 1])
+
+
+@pytest.mark.slow
+def test_non_contiguous_cache_is_refused(release):
+    packaged = aot.load_package(release, tiny_weights())
+    args = _call_args()
+    args[3][0] = args[3][0].transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(PackageInputError) as err:
+        packaged(*args)
+    assert err.value.field == "strides" and err.value.argument == "k_caches[0]"
+
+
+@pytest.mark.slow
+def test_manifest_ranges_wider_than_compiled_are_refused(release, tmp_path):
+    fake = tmp_path / "pkg"
+    shutil.copytree(aot.find_package(release), fake)
+    manifest = json.loads((fake / aot.MANIFEST_NAME).read_text())
+    manifest["ranges"]["batch"] = [1, 64]
+    (fake / aot.MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(InvalidCheckpoint) as err:
+        aot.load_package(fake, tiny_weights())
+    assert err.value.field == "ranges"
+
+
+@pytest.mark.slow
+def test_build_check_fails_when_the_package_disagrees_with_eager(release):
+    package = aot.find_package(release) / aot.PACKAGE_NAME
+    ranges = {"batch": (1, MAX_SEQS), "seq": (1, MAX_SEQ_LEN), "cache_batch": (1, MAX_SEQS)}
+    other = Transformer.from_weights(tiny_config(), tiny_weights(seed=3))
+    with pytest.raises(PackageCheckFailed) as err:   # the package bound to other weights than eager's
+        aot_check.check_package(package, other, tiny_weights(), ranges, MAX_SEQ_LEN)
+    assert err.value.field == "logits" and err.value.sizes == {"batch": 1, "seq": 1, "cache_batch": 1}
+    assert err.value.value > err.value.limit
+    wider = {**ranges, "seq": (1, MAX_SEQ_LEN + 8)}
+    with pytest.raises(PackageCheckFailed) as err:    # a range the package was not compiled for
+        aot_check.check_package(package, Transformer.from_weights(tiny_config(), tiny_weights()),
+                                tiny_weights(), wider, MAX_SEQ_LEN + 8)
+    assert err.value.field == "shape"
+
+
+def test_corner_sizes_cover_each_range_edge():
+    ranges = {"batch": (1, 8), "seq": (1, 512), "cache_batch": (1, 8)}
+    corners = aot_check.corner_sizes(ranges)
+    for name, (lo, hi) in ranges.items():
+        assert {c[name] for c in corners} == {lo, hi}
+    assert all(c["batch"] <= c["cache_batch"] for c in corners)

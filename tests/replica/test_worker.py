@@ -405,3 +405,30 @@ def test_detokenize_gives_text_for_a_token_prompt(texted):
                                     "max_tokens": 6, "detokenize": True}])
     done = answers[1][-1]
     assert done["text"] == _text(answers[1]) and done["n_tokens"] == 6 and done["text"]
+
+
+def test_a_refused_forward_fails_its_requests_and_the_replica_serves_the_next(booted):
+    """A forward that refuses a call (an AOT package's PackageInputError: nothing ran) answers
+    the requests in that step with the error; the slots are freed and later requests work."""
+    from agent.errors import PackageInputError
+
+    engine = booted.engine
+    inner = engine.forward
+
+    def narrow(tokens, *rest):   # as a package compiled for S <= 4 would
+        if tokens.shape[1] > 4:
+            raise PackageInputError(f"tokens seq {tokens.shape[1]} is outside [1, 4]", package="p",
+                                    argument="tokens", field="seq", value=tokens.shape[1], limit=[1, 4])
+        return inner(tokens, *rest)
+
+    engine.forward = narrow
+    try:
+        worker = Worker(dataclasses.replace(booted, engine=engine))
+        first = run(worker, [{"op": "generate", "id": 1, "tokens": list(range(1, 9)), "max_tokens": 3}])
+        assert first[1][-1]["type"] == "error" and "outside [1, 4]" in first[1][-1]["reason"]
+        assert engine.kv.active == 0 and not engine.busy          # nothing leaked
+        worker = Worker(dataclasses.replace(booted, engine=engine))
+        second = run(worker, [{"op": "generate", "id": 2, "tokens": [1, 2, 3], "max_tokens": 3}])
+        assert second[2][-1]["type"] == "done" and second[2][-1]["n_tokens"] == 3
+    finally:
+        engine.forward = inner

@@ -1,0 +1,72 @@
+"""A zygote warmed for a snapshot: first-call costs paid ahead of need, nothing trusted from it."""
+
+import pytest
+
+from agent.errors import GoldenMismatch
+from agent.replica import zygote
+from agent.replica.synthetic import make_synthetic
+
+
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory):
+    root = tmp_path_factory.mktemp("warm")
+    out = {}
+    for seed in (1, 2):
+        model_dir = make_synthetic(root / f"m{seed}", "tiny", seed=seed)
+        booted = zygote.boot(model_dir, max_seqs=seed + 1, max_seq_len=32)  # other engines
+        zygote.capture(booted, root / f"snap{seed}")
+        out[seed] = (root / f"snap{seed}", booted)
+    return out
+
+
+def test_a_warmed_zygote_restores_into_the_engine_it_made_and_still_checks(snapshots):
+    snap, booted = snapshots[1]
+    buffer = zygote.prepare_zygote(1, 1 << 20, prefault=False, warm=snap)
+    warmed = zygote._WARMED[buffer]
+    # Warmed on the zeroed buffer: the engine's weights are views of it, not the model's yet.
+    assert float(warmed.engine.model.norm.weight.abs().sum()) == 0.0
+    restored = zygote.restore(snap, buffer=buffer, path="zygote_restore")
+    assert restored.engine is warmed.engine            # no second engine, no second warm-up
+    assert buffer not in zygote._WARMED                 # used once
+    assert restored.golden == booted.golden             # replayed on the restored weights
+    prompt = [3, 1, 4, 1, 5]
+    assert restored.engine.generate([prompt], 6, seed=9) == booted.engine.generate([prompt], 6, seed=9)
+
+
+def test_warmed_for_another_snapshot_layout_is_not_reused(snapshots):
+    (snap1, _), (snap2, booted2) = snapshots[1], snapshots[2]
+    buffer = zygote.prepare_zygote(1, 1 << 20, prefault=False, warm=snap1)
+    warmed = zygote._WARMED[buffer]
+    restored = zygote.restore(snap2, buffer=buffer)
+    assert restored.engine is not warmed.engine and restored.golden == booted2.golden
+
+
+def test_a_snapshot_that_cannot_be_warmed_leaves_a_plain_zygote(snapshots, tmp_path):
+    snap, booted = snapshots[1]
+    buffer = zygote.prepare_zygote(1, 1 << 20, prefault=False, warm=tmp_path / "missing")
+    assert buffer not in zygote._WARMED
+    small = zygote.prepare_zygote(1, 4096, prefault=False, warm=snap)   # does not fit
+    assert small not in zygote._WARMED
+    assert zygote.restore(snap, buffer=buffer).golden == booted.golden
+
+
+def test_the_golden_check_still_guards_a_warmed_restore(snapshots, tmp_path):
+    import shutil
+
+    snap, _ = snapshots[1]
+    bad = tmp_path / "bad"
+    shutil.copytree(snap, bad)
+    import dataclasses
+
+    from agent.snapshot.format import MANIFEST_NAME
+    from agent.snapshot.manifest import encode_manifest, read_manifest
+
+    manifest = read_manifest(bad)   # unsigned: a recomputed digest is accepted, the tokens are not
+    expected = [list(e) for e in manifest.golden.expected]
+    expected[0][0] = (expected[0][0] + 1) % 256
+    golden = dataclasses.replace(manifest.golden, expected=expected)
+    (bad / MANIFEST_NAME).write_bytes(encode_manifest(dataclasses.replace(manifest, golden=golden)))
+    buffer = zygote.prepare_zygote(1, 1 << 20, prefault=False, warm=bad)
+    assert buffer in zygote._WARMED
+    with pytest.raises(GoldenMismatch):
+        zygote.restore(bad, buffer=buffer)
