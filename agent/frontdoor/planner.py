@@ -98,7 +98,19 @@ class QueuePlanner:
         (admission; see :meth:`_hold`).  Also returns the earliest slot's time."""
         slots, first = self._slots(model, now)
         prior = self.router.prior(model)
-        heap = slots[ahead:]          # a suffix of a sorted list: still a heap
+        if ahead < len(slots):
+            heap = slots[ahead:]      # a suffix of a sorted list: still a heap
+        elif slots:
+            # deeper than one slot each: the slots are reused in rounds, each round one
+            # request's decode (the model's mean max_tokens, at the slot's step) later
+            rounds, start = divmod(ahead, len(slots))
+            gen = self._shape.get(model, (1.0, 1.0))[1] + 1.0
+            heap = [(t + rounds * gen * step, seen, step) for t, seen, step in slots[start:]]
+            heap += [(t + (rounds + 1) * gen * step, seen, step)
+                     for t, seen, step in slots[:start]]
+            heapq.heapify(heap)
+        else:
+            heap = []
         out: list[float | None] = []
         last = len(flights) - 1
         for k, flight in enumerate(flights):
