@@ -32,7 +32,6 @@ links.  The registry is read off the request path (a watcher thread) into the ro
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from typing import Any
 
@@ -85,7 +84,6 @@ class RequestPath(QueuePlanner, Restores):
         self._per_replica_cache: dict[str, tuple[float, int]] = {}
         self._first_seen: dict[str, float] = {}    # replica id -> when it entered the view
         self._budgets: dict[str, tuple[float, float]] = {}  # model -> (warm, restore) s
-        self._event_kw = _keywords(telemetry.event)
         self._late_log = RateLimitedLog(log, "first tokens past their deadline", clock=clock,
                                         interval_s=config.accept_log_interval_s)
         self._expired_log = RateLimitedLog(log, "504s (deadline passed while queued)",
@@ -237,7 +235,7 @@ class RequestPath(QueuePlanner, Restores):
     def refused(self, request_id: Any, model: str, code: int) -> None:
         """Count a request an entrance refused itself (400, 401) before :meth:`submit`."""
         self.counts["errors"] += 1
-        self._event(request_id, model, "refused", code, 0.0, None, None, False)
+        self.telemetry.event(request_id, model, "refused", code, 0.0, None, None, False)
 
     # --- dispatch and answers --------------------------------------------------------
 
@@ -318,10 +316,10 @@ class RequestPath(QueuePlanner, Restores):
                 code = 500
             flight.sink.error(code, str(message.get("reason", "replica error")),
                               message.get("retry_after_ms"))
-        self._event(flight.req.request_id, flight.model, flight.path, code,
-                    flight.queue_wait_ms, flight.restore_ms, ttft_ms if code == 200 else None,
-                    flight.ttft_s is None or flight.ttft_s > flight.deadline_s,
-                    predicted_ttft_ms=_ms(flight.predicted_ttft_s))
+        self.telemetry.event(flight.req.request_id, flight.model, flight.path, code,
+                             flight.queue_wait_ms, flight.restore_ms, ttft_ms if code == 200 else None,
+                             flight.ttft_s is None or flight.ttft_s > flight.deadline_s,
+                             predicted_ttft_ms=_ms(flight.predicted_ttft_s))
         if self.queues.get(flight.model):
             self._drain(flight.model)
 
@@ -400,19 +398,8 @@ class RequestPath(QueuePlanner, Restores):
         flight.pending = None
         self.counts["errors"] += 1
         flight.sink.error(code, reason, retry_after_ms)
-        self._event(flight.req.request_id, flight.model, path, code, 0.0, None, None,
-                    code == 504, reason=reason, predicted_ttft_ms=predicted_ttft_ms)
-
-    def _event(self, *args: Any, **kw: Any) -> None:
-        """Telemetry's event, with the keywords it knows (``reason``, ``predicted_ttft_ms``
-        arrive with the ops branch's telemetry; older telemetry is called without them)."""
-        known = self._event_kw
-        if known is _ALL_EVENT_KW:
-            self.telemetry.event(*args, **kw)
-        elif not known:
-            self.telemetry.event(*args)
-        else:
-            self.telemetry.event(*args, **{k: v for k, v in kw.items() if k in known})
+        self.telemetry.event(flight.req.request_id, flight.model, path, code, 0.0, None, None,
+                             code == 504, reason=reason, predicted_ttft_ms=predicted_ttft_ms)
 
     # --- queues and restores ---------------------------------------------------------
 
@@ -617,18 +604,3 @@ _SHAPE_GAIN = 0.05  # EWMA gain of the per-model mean prompt and max_tokens (~20
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000.0
-
-
-def _keywords(fn: Any) -> frozenset:
-    """The keyword-only parameters ``fn`` accepts."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return frozenset()
-    names = frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY)
-    if any(p.kind is p.VAR_KEYWORD for p in params) or _ALL_EVENT_KW <= names:
-        return _ALL_EVENT_KW
-    return names
-
-
-_ALL_EVENT_KW = frozenset({"reason", "predicted_ttft_ms"})

@@ -52,7 +52,7 @@ class Restores:
         try:
             result = await self.capacity.request_restore(model)
             ok = True
-            self._restore_outcome(model, True)
+            self.telemetry.restore_outcome(model, True)
             now = self.clock.now()
             self.last_restore[model] = (now, result.path, result.restore_ms)
             if result.path != "warm_hit":  # an existing replica's answer measures nothing
@@ -71,7 +71,7 @@ class Restores:
         except Exception as exc:  # the requester's failure, whatever it is, ends this restore
             log.warning("restore of %s failed: %s", model, exc)
             reason = exc.message if isinstance(exc, RewarmError) else str(exc)
-            self._restore_outcome(model, False, reason)
+            self.telemetry.restore_outcome(model, False, reason)
         finally:
             self.gate.finished(model)
             self._slot_cache.pop(model, None)
@@ -99,11 +99,6 @@ class Restores:
         for p in self.queues[model].drain():
             self._fail(p.payload, 503, reason)
         self.telemetry.queue_depth(model, 0)
-
-    def _restore_outcome(self, model: str, ok: bool, reason: str | None = None) -> None:
-        hook = getattr(self.telemetry, "restore_outcome", None)  # the ops branch's readiness
-        if hook is not None:
-            hook(model, ok, reason) if reason is not None else hook(model, ok)
 
     def _restore_measured(self, model: str, restore_ms: float,
                           path: str = "snapshot_restore") -> None:
