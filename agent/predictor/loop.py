@@ -146,6 +146,13 @@ class ModelPolicy:
                                 quantile_window=window)
 
 
+def release_after_s(plan: KeepAlivePlan, policy: ModelPolicy) -> float:
+    """Idle seconds after which a replica is released: the breakeven keep-alive
+    (keepalive.py), but never less than the restore p99 (a replica released for a shorter
+    gap costs more GPU time restoring than the gap saves)."""
+    return max(plan.warm_s, policy.restore_p99_s)
+
+
 def check_lead_time(model: str, lead_time_s: float, restore_p99_s: float,
                     decision_latency_s: float) -> None:
     """Refuse a lead time that does not exceed restore p99 + decision latency (ConfigError)."""
@@ -199,6 +206,7 @@ class _State:
     last_arrival_s: float | None = None
     target: int | None = None
     acting: bool = False
+    acting_since_s: float | None = None
     low_since_s: float | None = None
 
 
@@ -343,11 +351,16 @@ class Predictor:
             desired = target_replicas(demand, p.occupancy_s, st.seqs, p.utilisation,
                                       p.min_replicas, p.max_replicas)
         plan = plan_keepalive(st.longrun.forecast(0), p.costs)
-        idle_s = math.inf if st.last_arrival_s is None else now - st.last_arrival_s
         if act and not st.acting:   # first tick as the actor: learn what is running
             st.target = self._scaler.target(p.model)
             st.low_since_s = None
+            st.acting_since_s = now
         st.acting = act
+        # idle since the last request, or since this predictor began acting if it saw none
+        seen = [t for t in (st.last_arrival_s, st.acting_since_s) if t is not None]
+        idle_s = now - max(seen) if seen else math.inf
+        if idle_s >= release_after_s(plan, p):
+            desired = p.min_replicas   # an idle model is released whatever the forecast recalls
         previous = st.target if st.target is not None else 0
         action, reason = self._decide(st, now, desired, plan, idle_s, act)
         decision = Decision(p.model, now, actual, forecast, level, desired, previous,
@@ -378,13 +391,23 @@ class Predictor:
         if st.low_since_s is None:
             st.low_since_s = now
         low_for = now - st.low_since_s
+        keepalive_s = release_after_s(plan, p)
+        if desired == p.min_replicas and idle_s >= keepalive_s:
+            # idle: no request for the keep-alive time, which is itself the hold (no cooldown)
+            if not self._durable(p.model):
+                return "hold", "snapshot not durable"
+            action = self._apply(st, desired, "scale_down",
+                                 f"idle for {idle_s:.1f}s >= keep-alive {keepalive_s:.1f}s; "
+                                 f"release={plan.release_tier}")
+            st.low_since_s = None
+            return action
         if low_for < p.scale_down_cooldown_s:
             return "hold", f"cooldown: low for {low_for:.1f}s of {p.scale_down_cooldown_s:.1f}s"
         # keep-alive: the last replica waits for idle time since the last request; excess
         # replicas wait for the same breakeven time of low demand.
         waited = idle_s if desired == 0 else low_for
-        if waited < plan.warm_s:
-            return "hold", f"keep-alive: {waited:.1f}s of {plan.warm_s:.1f}s"
+        if waited < keepalive_s:
+            return "hold", f"keep-alive: {waited:.1f}s of {keepalive_s:.1f}s"
         if not self._durable(p.model):
             return "hold", "snapshot not durable"
         action = self._apply(st, desired, "scale_down",

@@ -267,5 +267,27 @@ def test_the_default_forecaster_releases_after_a_burst_and_an_idle_gap():
     decisions = [step(p, clock, 0) for _ in range(200)]
     assert scaler.targets["m"] == 0
     released = next(i for i, d in enumerate(decisions) if d.target == 0)
-    # held for the quantile window (60 steps) plus the cooldown, then released
-    assert 60 <= released <= 60 + 10 + 5
+    # the upper quantile still remembers the burst (60-step window), but an idle model is
+    # released after the keep-alive, floored at the restore p99 (3.6 s), not after the window
+    assert released + 1 == math.ceil(ModelPolicy("m").restore_p99_s)
+    assert decisions[released].reason.startswith("idle for")
+    assert all(d.target == 3 for d in decisions[:released])
+
+
+def test_a_predictor_that_saw_no_request_waits_the_keep_alive_from_its_first_tick():
+    p, clock, scaler, _, _ = make(forecaster="quantile_backstop",
+                                  costs=KeepAliveCosts(restore_s=1.0))
+    scaler.start = 2                       # two replicas already up when it starts acting
+    decisions = [step(p, clock, None) for _ in range(10)]
+    first_release = next(i for i, d in enumerate(decisions) if d.action == "scale_down")
+    assert first_release >= 3              # not on the first tick (idle counted from it)
+    assert decisions[first_release].target == 0
+
+
+def test_a_lower_rate_is_not_idle_and_keeps_the_cooldown():
+    p, clock, scaler, _, _ = make(forecaster="holt_backstop", scale_down_cooldown_s=10.0,
+                                  occupancy_s=1.0, seqs_per_replica=1, utilisation=1.0)
+    for _ in range(20):
+        step(p, clock, 3)
+    decisions = [step(p, clock, 1) for _ in range(8)]
+    assert all(d.target == 3 for d in decisions)    # low, not idle: the cooldown holds
