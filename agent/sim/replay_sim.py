@@ -1,0 +1,103 @@
+"""The simulator's side of a live replay: the same scaled requests, the same speed profile,
+the same predictor policy, on a virtual clock (bench/trace_replay.py prints both).
+
+Each request's timing comes from the measured :class:`~agent.speed.SpeedProfile`: TTFT on a
+free replica is ``prefill_s(prompt)``; it holds a sequence slot for its prefill plus its
+output tokens at the decode step of the replica's sustainable batch ``B``; a replica holds
+``B`` sequences (its sustainable concurrency at the warm TTFT SLO, not its KV slots).  The
+fleet starts replicas in the measured restore time.  The production admission queue,
+router and predictor (with :meth:`~agent.predictor.loop.Predictor.update_speed`) decide,
+as in :func:`agent.sim.scenarios.run_workload`.
+
+Paths: a request dispatched on arrival is a warm hit (SLO ``warm_slo_s``); one that waited
+in the admission queue is counted on the restore path (SLO ``restore_slo_s``), the live
+front door's ``snapshot_restore`` when it waited for a replica to come up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from agent.sim.replay_scale import ReplayRequest
+from agent.speed import SpeedProfile
+
+
+def plan_workload(plan: Sequence[ReplayRequest], profile: SpeedProfile, batch: int):
+    """The plan as a :class:`~agent.sim.trace.Workload` timed by ``profile`` at ``batch``."""
+    from agent.sim.trace import Workload
+
+    prompt = np.array([r.prompt_tokens for r in plan], dtype=np.int64)
+    output = np.array([r.output_tokens for r in plan], dtype=np.int64)
+    prefill = np.array([profile.prefill_s(int(p)) for p in prompt], dtype=np.float64)
+    ctx = batch * float((prompt + output / 2.0).mean()) if len(plan) else 0.0
+    step = profile.decode_step_s(batch, int(ctx))
+    occupancy = prefill + np.maximum(0, output - 1) * step
+    return Workload(np.array([r.at_s for r in plan], dtype=np.float64), occupancy, prefill,
+                    prompt + output, np.zeros(len(plan), dtype=np.int16))
+
+
+def simulate_plan(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, batch: int,
+                  kv_capacity_tokens: int, restore_s: float, policy: dict[str, Any],
+                  max_replicas: int, initial_replicas: int, warm_slo_s: float,
+                  restore_slo_s: float, max_seqs: int, mean_prompt_tokens: float,
+                  mean_gen_tokens: float, seed: int = 0) -> dict[str, Any]:
+    """Run ``plan`` through the simulator; the same keys as :func:`agent.replay.summarise`
+    (``sim_`` figures: ``ttft_ms`` per path ``warm_hit`` / ``snapshot_restore``)."""
+    from agent.clock import ManualClock
+    from agent.predictor.keepalive import KeepAliveCosts  # noqa: F401 (policy may carry one)
+    from agent.predictor.loop import ModelPolicy, Predictor
+    from agent.sim.events import EXPIRED, PATH_QUEUED, PATH_WARM, SERVED, SHED
+    from agent.sim.fleet import FleetConfig, StartupTimes
+    from agent.sim.policies import PredictorPolicy
+    from agent.sim.scenarios import run_workload
+
+    w = plan_workload(plan, profile, batch)
+    cfg = FleetConfig(model="m", seqs_per_replica=max(1, batch),
+                      kv_capacity_tokens=max(1, kv_capacity_tokens),
+                      startup=StartupTimes(restore_s=(restore_s, restore_s)),
+                      max_replicas=max_replicas)
+
+    def make(cfg, clock, fleet):
+        pred = Predictor([ModelPolicy("m", **policy)], clock=clock, scaler=fleet,
+                         snapshot_durable=lambda m: True)
+        pred.update_speed("m", profile, max_seqs, mean_prompt_tokens=mean_prompt_tokens,
+                          mean_gen_tokens=mean_gen_tokens)
+        return PredictorPolicy(pred, "m")
+
+    end_s = (max(r.at_s for r in plan) if plan else 0.0) + restore_slo_s + 1.0
+    summary, rec, _ = run_workload(w, cfg, make, max_wait_s=restore_slo_s, sla_s=restore_slo_s,
+                                   initial_replicas=initial_replicas, end_s=end_s, seed=seed,
+                                   clock=ManualClock())
+    status, ttft, path = rec.status, rec.ttft_s, rec.path
+    served = status == SERVED
+    warm = served & (path == PATH_WARM)
+    queued = served & (path == PATH_QUEUED)
+    within = int(np.count_nonzero(warm & (ttft <= warm_slo_s))
+                 + np.count_nonzero(queued & (ttft <= restore_slo_s)))
+    n = len(w)
+
+    def pct(mask, q):
+        v = ttft[mask]
+        return None if v.size == 0 else float(np.percentile(v, q) * 1000.0)
+
+    span = rec.sim_s
+    return {
+        "requests": n, "served": int(served.sum()),
+        "shed_429": int(np.count_nonzero(status == SHED)),
+        "shed_429_within_50ms": int(np.count_nonzero(status == SHED)),
+        "expired_504": int(np.count_nonzero(status == EXPIRED)),
+        "lost": int(np.count_nonzero(status == 0)),
+        "sla_attainment": within / n if n else 1.0,
+        "ttft_ms": {"warm_hit": {"p50": pct(warm, 50), "p99": pct(warm, 99),
+                                 "count": int(warm.sum()), "slo_ms": warm_slo_s * 1000.0},
+                    "snapshot_restore": {"p50": pct(queued, 50), "p99": pct(queued, 99),
+                                         "count": int(queued.sum()),
+                                         "slo_ms": restore_slo_s * 1000.0}},
+        "gpu_seconds": round(rec.gpu_s, 2),
+        "always_on_gpu_seconds": round(span, 2),
+        "gpu_ratio": rec.gpu_s / span if span > 0 else None,
+        "restores": int(summary["starts_by_tier"].get("restore", 0)),
+        "peak_replicas": int(rec.billed_replicas.max()) if rec.billed_replicas.size else 0,
+    }
