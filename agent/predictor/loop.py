@@ -97,6 +97,9 @@ class ModelPolicy:
     quantile: float = 0.9
     quantile_window_s: float = 60.0
     ttft_slo_s: float = 2.0
+    # Sizing from a measured speed fills a replica to its sustainable concurrency: that batch
+    # is already the SLO's limit, and the upper-quantile forecast is the headroom.
+    speed_utilisation: float = 1.0
     mean_prompt_tokens: float = 1500.0
     mean_gen_tokens: float = 30.0
     rate_window_s: float = 600.0
@@ -118,6 +121,7 @@ class ModelPolicy:
         # Validate the sizing and smoothing parameters once, here, with their own messages.
         target_replicas(0.0, self.occupancy_s, self.seqs_per_replica, self.utilisation,
                         self.min_replicas, self.max_replicas)
+        target_replicas(0.0, 1.0, 1, self.speed_utilisation, 0, 1)   # 0 < u <= 1
         Holt(self.alpha, self.beta, self.phi)
         Holt(self.react_alpha, 0.0)
         self.make_forecaster()
@@ -344,7 +348,8 @@ class Predictor:
             desired = replicas_for_rate(demand, st.speed, ttft_slo_s=p.ttft_slo_s,
                                         mean_prompt_tokens=p.mean_prompt_tokens,
                                         mean_gen_tokens=p.mean_gen_tokens,
-                                        max_seqs=st.max_seqs, utilisation=p.utilisation,
+                                        max_seqs=st.max_seqs,
+                                        utilisation=p.speed_utilisation,
                                         min_replicas=p.min_replicas,
                                         max_replicas=p.max_replicas)
         else:

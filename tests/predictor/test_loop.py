@@ -247,11 +247,13 @@ def test_update_speed_sizes_by_service_rate_not_kv_slots():
     batch = p.update_speed("m", prof, 16, mean_prompt_tokens=100, mean_gen_tokens=20)
     assert batch == prof.sustainable_concurrency(2.0, 100, 20, 16)
     per_rps = prof.service_rps(100, 20, batch)
-    rate = int(2.5 * per_rps * 0.75)        # 2.5 replicas' worth at utilisation 0.75
+    rate = int(2.5 * per_rps)               # 2.5 replicas' worth (speed_utilisation 1)
     d = step(p, clock, rate)
     assert d.desired == 3 and scaler.targets["m"] == 3
     # the KV-slot model would have asked for ceil(rate * 7 / (80 * 0.75))
     assert math.ceil(rate * 7.0 / 60.0) != 3
+    with pytest.raises(ConfigError):
+        ModelPolicy("m", speed_utilisation=0.0)
     with pytest.raises(ConfigError):
         p.update_speed("m", prof, 0)
 
