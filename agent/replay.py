@@ -95,14 +95,49 @@ def prompt_tokens(base: Sequence[int], i: int, n: int) -> list[int]:
     return [base[(7 * i + j) % len(base)] for j in range(n)]
 
 
+class _Connection:
+    """The replay's one client connection, reopened when the front door has closed it (its
+    idle timeout ends a connection quiet through a long gap): a request is only ever sent on
+    an open connection, so reopening never repeats one."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.client = None
+        self.reopened = 0
+        self._lock = asyncio.Lock()
+
+    async def get(self):
+        from agent.client import AsyncClient
+
+        async with self._lock:
+            if self.client is None or self.client._task.done():
+                if self.client is not None:
+                    await self.client.close()
+                    self.reopened += 1
+                self.client = await AsyncClient.connect(self.host, self.port, max_retries=0)
+            return self.client
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+
 async def send_plan(address: str, model: str, plan: Sequence[ReplayRequest],
                     base: Sequence[int]) -> list[Outcome]:
-    """Send ``plan`` to the front door at ``address`` (``HOST:PORT``) at its wall times, all
-    on one connection; returns an :class:`Outcome` per request, in plan order."""
-    from agent.client import AsyncClient
-
+    """Send ``plan`` to the front door at ``address`` (``HOST:PORT``) at its wall times, on
+    one connection (reopened if the front door closed it while idle); returns an
+    :class:`Outcome` per request, in plan order."""
     host, _, port = address.rpartition(":")
-    client = await AsyncClient.connect(host, int(port), max_retries=0)
+    conn = _Connection(host, int(port))
+
+    async def send(i: int, r: ReplayRequest, sent_s: float) -> Outcome:
+        try:
+            client = await conn.get()
+        except (OSError, RewarmError) as err:
+            return Outcome(599, sent_s=sent_s, reason=f"cannot connect: {err}")
+        return await one_request(client, model, prompt_tokens(base, i, r.prompt_tokens),
+                                 r.output_tokens, sent_s)
+
     try:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -111,12 +146,10 @@ async def send_plan(address: str, model: str, plan: Sequence[ReplayRequest],
             delay = t0 + r.at_s - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(loop.create_task(one_request(
-                client, model, prompt_tokens(base, i, r.prompt_tokens), r.output_tokens,
-                loop.time() - t0)))
+            tasks.append(loop.create_task(send(i, r, loop.time() - t0)))
         return list(await asyncio.gather(*tasks))
     finally:
-        await client.close()
+        await conn.close()
 
 
 # --- measuring the replica behind the front door ---------------------------------------------

@@ -199,8 +199,13 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
         sampler = Sampler(stack.agent)
         outcomes = asyncio.run(replay.send_plan(address, model, plan, base))
         span_s = sampler.stop()
-        restores = len(stack.agent.catalog.cold_starts(model)) - restores_before
+        rows_after = stack.agent.catalog.cold_starts(model)
+        restores = len(rows_after) - restores_before
         peak = sampler.peak
+        decisions = [{"t_s": round(d.at_s - stack.decisions[0].at_s, 2), "action": d.action,
+                      "target": d.target, "desired": d.desired, "reason": d.reason[:100],
+                      "forecast_rps": round(d.forecast_rps, 3)}
+                     for d in stack.decisions if d.action not in ("hold", "standby")]
     finally:
         if sampler is not None and not sampler._stop.is_set():
             sampler.stop()
@@ -223,7 +228,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
            "profile": profile.to_meta(), "profile_source": source,
            "restore_s": restore_s, "max_replicas": cap, "threads": args.threads,
            "forward": note, "codes": {str(k): v for k, v in sorted(codes.items())},
-           "refusal_reasons": reasons, "wall_s_total": time.monotonic() - t_start,
+           "refusal_reasons": reasons, "decisions": decisions[:200], "wall_s_total": time.monotonic() - t_start,
            "loadavg": os.getloadavg(), "requests_window": len(plan),
            "mean_rps_wall": float(len(plan) / scale.wall_s) if scale.wall_s else None}
     out["verdict"] = verdict(out)
