@@ -15,6 +15,8 @@ active sequences (B=active, S=1).  So, for one replica:
 - a request arriving now waits for the step in progress, then for the prefills queued ahead of
   it, then its own prefill: ``ttft_s = decode_step_s(B, C) + sum(prefill_s(p) for p queued) + prefill_s(P)``.
   The step in progress is charged whole (an upper bound; the front door admits on it).
+  When every sequence slot is taken, the request also waits ``slot_wait_steps`` decode steps
+  for one to free (the replica knows how many tokens its active sequences have left).
 
 Little's law (L = lambda * W; J. D. C. Little, Operations Research 9(3), 1961) turns these rates
 into warm-pool sizes: :meth:`SpeedProfile.sustainable_concurrency` is the batch a replica can
@@ -24,8 +26,10 @@ request rate it serves at that batch.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Mapping
 
 from agent.errors import ConfigError
@@ -34,6 +38,8 @@ from agent.errors import ConfigError
 SPEED_META_KEYS = ("prefill_tokens_per_s", "prefill_overhead_s", "decode_base_s",
                    "decode_per_seq_s", "decode_per_ctx_token_s")
 QUEUE_META_KEYS = ("waiting_seqs", "queued_prefill_tokens", "active_ctx_tokens")
+PROFILE_SCHEMA = "rewarm.engine_profile/1"
+"""``schema`` of the file bench/engine_profile.py writes (:meth:`SpeedProfile.from_file`)."""
 
 
 @dataclass(frozen=True)
@@ -75,14 +81,21 @@ class SpeedProfile:
     # --- what a request meets -----------------------------------------------------------
     def predict_ttft_s(self, prompt_tokens: int, *, active_seqs: int = 0,
                        active_ctx_tokens: int = 0, waiting_seqs: int = 0,
-                       queued_prefill_tokens: int = 0) -> float:
+                       queued_prefill_tokens: int = 0, slot_wait_steps: int = 0) -> float:
         """Predicted TTFT (s) at this replica for a new request of ``prompt_tokens`` tokens,
-        given its queue: the step in progress, the queued prefills, then its own prefill
-        (module docstring).  Assumes a free KV slot (the router's hard limit)."""
-        return (self.decode_step_s(active_seqs, active_ctx_tokens)
+        given its queue: the step in progress, ``slot_wait_steps`` more decode steps until a
+        sequence slot frees (0 while one is free: the router's hard limit), the queued
+        prefills, then its own prefill (module docstring)."""
+        step_s = self.decode_step_s(active_seqs, active_ctx_tokens)
+        return (step_s * (1 + max(0, slot_wait_steps))
                 + waiting_seqs * self.prefill_overhead_s
                 + max(0, queued_prefill_tokens) / self.prefill_tokens_per_s
                 + self.prefill_s(prompt_tokens))
+
+    def decode_tokens_per_s(self, batch: int, context_tokens: int = 0) -> float:
+        """Tokens per second each of ``batch`` decoding sequences gets (one per decode step;
+        a lone sequence's rate for an empty batch)."""
+        return 1.0 / self.decode_step_s(max(1, batch), context_tokens)
 
     def service_s(self, prompt_tokens: float, gen_tokens: float, batch: int) -> float:
         """Engine seconds one request occupies at steady batch ``batch``: its prefill alone,
@@ -127,3 +140,67 @@ class SpeedProfile:
             return cls(**{k: float(meta[k]) for k in SPEED_META_KEYS})  # type: ignore[arg-type]
         except (KeyError, TypeError, ValueError):
             return None
+
+    def to_dict(self) -> dict[str, float]:
+        """JSON form (floats, :data:`SPEED_META_KEYS`)."""
+        return {k: float(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_file(cls, path: Path) -> "SpeedProfile":
+        """The ``speed`` object of an engine profile file (bench/engine_profile.py; schema
+        :data:`PROFILE_SCHEMA`, documented there).  Raises :class:`ConfigError` naming the
+        file and the key when it is unreadable, of another schema, or a value is missing or
+        not a finite number >= 0."""
+        data = read_profile_file(path)
+        speed = data.get("speed")
+        if not isinstance(speed, dict):
+            raise ConfigError(f"engine profile {path}: 'speed' is {type(speed).__name__}, "
+                              "not an object", name="speed", value=speed, limit="object")
+        missing = [k for k in SPEED_META_KEYS if k not in speed]
+        if missing:
+            raise ConfigError(f"engine profile {path}: speed lacks {', '.join(missing)}",
+                              name="speed", value=sorted(speed), limit=SPEED_META_KEYS)
+        try:
+            return cls(**{k: speed[k] for k in SPEED_META_KEYS})
+        except ConfigError as exc:
+            raise ConfigError(f"engine profile {path}: {exc.message}", name=exc.name,
+                              value=exc.value, limit=exc.limit) from None
+
+
+def slot_wait_steps(remaining_tokens: tuple[int, ...] | list[int], waiting_seqs: int,
+                    free_slots: int) -> int:
+    """Decode steps a new request waits for a sequence slot: 0 while ``waiting_seqs`` ahead
+    of it leave a slot free, else until the ``k``-th earliest-ending active sequence ends
+    (``remaining_tokens`` ascending, one token per step; beyond one round of the batch, whole
+    lifetimes of the longest again: an upper bound)."""
+    ahead = waiting_seqs + 1 - free_slots
+    if ahead <= 0 or not remaining_tokens:
+        return 0
+    rounds, k = divmod(ahead - 1, len(remaining_tokens))
+    return int(remaining_tokens[k] + rounds * remaining_tokens[-1])
+
+
+MAX_PROFILE_BYTES = 16 << 20
+
+
+def read_profile_file(path: Path) -> dict:
+    """The JSON object of an engine profile file, schema checked.  Raises :class:`ConfigError`
+    naming the file when it cannot be read, is over :data:`MAX_PROFILE_BYTES`, is not JSON or
+    its ``schema`` is not :data:`PROFILE_SCHEMA`."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_PROFILE_BYTES:
+            raise ConfigError(f"engine profile {path}: {size} bytes exceeds {MAX_PROFILE_BYTES}",
+                              name="size_bytes", value=size, limit=MAX_PROFILE_BYTES)
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"engine profile {path}: cannot read it as JSON ({exc})",
+                          name="path", value=str(path), limit="a JSON file") from None
+    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise ConfigError(f"engine profile {path}: schema {found!r} is not {PROFILE_SCHEMA!r}",
+                          name="schema", value=found, limit=PROFILE_SCHEMA)
+    return data

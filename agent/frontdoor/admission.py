@@ -38,6 +38,7 @@ class Pending:
     payload: Any = field(default=None, repr=False)
     give_up_s: float = field(default=float("inf"), repr=False)  # set by AdmissionQueue.offer
     cancelled: bool = field(default=False, repr=False)           # set by AdmissionQueue.cancel
+    predicted_ttft_s: float | None = field(default=None, repr=False)  # when it was admitted
 
 
 class AdmissionQueue:
@@ -143,7 +144,57 @@ class AdmissionQueue:
             out.append(p)
         return out
 
+    def ordered(self) -> list[Pending]:
+        """The requests held, earliest deadline first (a copy; O(n log n))."""
+        return [entry[2] for entry in sorted(self._heap) if not entry[2].cancelled]
+
     def next_deadline_s(self) -> float | None:
         """The earliest ``give_up_s`` held (when :meth:`expire` next has work), or None."""
         head = self.peek()
         return None if head is None else head.give_up_s
+
+
+# --- when capacity that is not warm yet can serve a request (pure helpers) ---------------
+
+def capacity_etas_s(now_s: float, started_s: list[float], p50_s: float | None,
+                    p99_s: float | None, startable: int) -> list[float]:
+    """Clock times (s) at which new replicas of one model are expected, soonest first.
+
+    ``started_s``: when each restore in flight began; ``p50_s``/``p99_s``: the model's
+    measured restore quantiles on the tier it restores from (None: not measured yet, taken
+    as 0: the first restore is asked for, and a late one is a counted 504); ``startable``:
+    restores that could still start now.  A restore in flight is due ``started + p99``; one
+    already past it is in the tail, and is given ``p99 - p50`` more (the measured spread)."""
+    p99 = p99_s or 0.0
+    spread = max(0.0, p99 - (p50_s or p99))
+    etas = []
+    for t0 in started_s:
+        due = t0 + p99
+        etas.append(due if due > now_s else now_s + spread)
+    etas.extend([now_s + p99] * max(0, startable))
+    etas.sort()
+    return etas
+
+
+def slot_times_s(frees_s: list[float], etas_s: list[float], per_replica: int,
+                 prefill_s: float) -> list[float]:
+    """Clock times (s) at which a queued request can start, one entry per request, soonest
+    first: a slot freed at each of ``frees_s`` (a warm replica's sequence that ends), and
+    ``per_replica`` slots on each new replica due at ``etas_s`` (its sustainable concurrency
+    at the SLO), the j-th of which starts after the j prefills ahead of it (``prefill_s``
+    each, the model's mean prompt)."""
+    slots = list(frees_s)
+    for eta in etas_s:
+        slots.extend(eta + j * prefill_s for j in range(max(1, per_replica)))
+    slots.sort()
+    return slots
+
+
+def queued_ttft_s(now_s: float, slots_s: list[float], ahead: int,
+                  prefill_s: float) -> float | None:
+    """Predicted TTFT from now (s) of a request with ``ahead`` requests queued before it
+    (earliest deadline first) on the slots :func:`slot_times_s` gives: its slot, then its
+    own prefill.  None when the capacity in sight does not reach this far down the queue."""
+    if ahead >= len(slots_s):
+        return None
+    return max(0.0, slots_s[ahead] - now_s) + prefill_s

@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 
 from agent.cluster.base import Scaler
 from agent.errors import ConfigError, NoCapacity
-from agent.frontdoor.router import META_KEYS, ReplicaLoad
+from agent.frontdoor.router import ReplicaLoad
 from agent.protocol import Decoder, pack
 
 PATHS = ("warm_hit", "suspended_resume", "snapshot_restore", "cold_boot")
@@ -48,8 +48,13 @@ class CapacityRequester(Protocol):
 class RestoreGate:
     """Caps restores in flight: ``per_model`` for each model and ``overall`` in total.
 
-    ``wanted(model, queued, warm)`` says how many more to start now: enough for ``queued``
-    requests at ``requests_per_restore`` each, less those in flight, within both caps.
+    ``wanted(model, queued, per_replica)`` says how many more to start now: enough new
+    replicas for ``queued`` requests at ``per_replica`` each, less those in flight, within
+    both caps.  ``per_replica`` is the measured sustainable concurrency of one replica at
+    the TTFT SLO (:meth:`agent.speed.SpeedProfile.sustainable_concurrency`, issue 12
+    contract point 7), not its KV slots; ``requests_per_restore`` is used only when the
+    caller has no measurement to give.  ``started_s`` keeps when each in-flight restore
+    began (clock seconds), for the admission's ETA.
     """
 
     def __init__(self, *, per_model: int = 2, overall: int = 8,
@@ -62,47 +67,73 @@ class RestoreGate:
         self.per_model, self.overall = per_model, overall
         self.requests_per_restore = requests_per_restore
         self.in_flight: dict[str, int] = {}
+        self.started_s: dict[str, list[float]] = {}
         self.total = 0
 
-    def wanted(self, model: str, queued: int) -> int:
+    def wanted(self, model: str, queued: int, per_replica: int | None = None) -> int:
         if queued <= 0:
             return 0
-        need = math.ceil(queued / self.requests_per_restore)
+        need = math.ceil(queued / max(1, per_replica or self.requests_per_restore))
         have = self.in_flight.get(model, 0)
         return max(0, min(need - have, self.per_model - have, self.overall - self.total))
 
-    def started(self, model: str) -> None:
+    def room(self, model: str) -> int:
+        """Restores that could still start now for ``model`` within both caps."""
+        have = self.in_flight.get(model, 0)
+        return max(0, min(self.per_model - have, self.overall - self.total))
+
+    def started(self, model: str, now_s: float = 0.0) -> None:
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        self.started_s.setdefault(model, []).append(now_s)
         self.total += 1
 
     def finished(self, model: str) -> None:
         left = self.in_flight.get(model, 0) - 1
+        starts = self.started_s.get(model)
+        if starts:
+            starts.pop(0)  # restores of one model are alike: the oldest counts as done
         if left > 0:
             self.in_flight[model] = left
         else:
             self.in_flight.pop(model, None)
+            self.started_s.pop(model, None)
         self.total = max(0, self.total - 1)
 
 
 class RestoreTimes:
-    """Recent restore durations per model and their p99 (nearest rank over the last
-    ``window`` restores).  The design document sets admission deadlines from the restore
-    latency's p99, not its mean ("Deadline-Aware Admission Control")."""
+    """Recent restore durations per model and tier (path) and their p99 and p50 (nearest
+    rank over the last ``window`` restores).  The design document sets admission deadlines
+    from the restore latency's p99, not its mean ("Deadline-Aware Admission Control").
+    ``last_path(model)`` is the tier the model's last restore took (the next one most likely
+    takes it too: once a snapshot exists, restores are snapshot restores)."""
 
     def __init__(self, window: int = 64) -> None:
         self.window = window
-        self._samples: dict[str, list[float]] = {}
-        self._p99: dict[str, float] = {}
+        self._samples: dict[tuple[str, str], list[float]] = {}
+        self._q: dict[tuple[str, str], tuple[float, float]] = {}  # -> (p50, p99)
+        self._last: dict[str, str] = {}
 
-    def record(self, model: str, restore_ms: float) -> None:
-        samples = self._samples.setdefault(model, [])
+    def record(self, model: str, restore_ms: float, path: str = "snapshot_restore") -> None:
+        key = (model, path)
+        samples = self._samples.setdefault(key, [])
         samples.append(float(restore_ms))
         del samples[:-self.window]
         ordered = sorted(samples)
-        self._p99[model] = ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+        self._q[key] = (ordered[max(0, math.ceil(0.5 * len(ordered)) - 1)],
+                        ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)])
+        self._last[model] = path
 
-    def p99_ms(self, model: str) -> float | None:
-        return self._p99.get(model)
+    def last_path(self, model: str) -> str | None:
+        return self._last.get(model)
+
+    def p99_ms(self, model: str, path: str | None = None) -> float | None:
+        """p99 (ms) of ``model``'s restores on ``path`` (default: its last restore's)."""
+        q = self._q.get((model, path or self._last.get(model, "")))
+        return None if q is None else q[1]
+
+    def p50_ms(self, model: str, path: str | None = None) -> float | None:
+        q = self._q.get((model, path or self._last.get(model, "")))
+        return None if q is None else q[0]
 
 
 class NodeAgentCapacity:
@@ -163,7 +194,8 @@ def _result(result: dict) -> RestoreResult:
     """Read a node agent's ``restore`` answer (agent/node/agent.py ``ReplicaRecord.describe``).
 
     The replica is used at once when the answer carries its ``address`` and ``load`` (the
-    :data:`~agent.frontdoor.router.META_KEYS` ints), or when ``replica`` is itself a map of
+    :data:`~agent.frontdoor.router.META_KEYS` ints, and the speed and queue keys when the
+    replica reports them), or when ``replica`` is itself a map of
     :class:`ReplicaLoad` fields; otherwise it is found through the registry.  ``path`` uses
     the node agent's names (:data:`NODE_PATHS`).  Raises KeyError/ValueError/TypeError on a
     malformed answer."""
@@ -175,8 +207,7 @@ def _result(result: dict) -> RestoreResult:
         address = str(result["address"])
         if address.startswith("unix:"):
             address = address[len("unix:"):]
-        values = {k: int(result["load"][k]) for k in META_KEYS}
-        load = ReplicaLoad(rep, str(result.get("model", "")), address, **values)
+        load = ReplicaLoad.from_meta(rep, str(result.get("model", "")), address, result["load"])
     path = result.get("path") or "snapshot_restore"
     return RestoreResult(load, NODE_PATHS.get(path, path if path in PATHS else
                                               "snapshot_restore"), result.get("restore_ms"))

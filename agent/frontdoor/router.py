@@ -1,23 +1,52 @@
-"""Replica choice: among warm replicas of a model, the one with the most KV headroom that fits.
+"""Replica choice: among warm replicas of a model, the one with the lowest predicted TTFT.
 
-Pure, no I/O: the server feeds it from its cached registry view (replica heartbeats carry
-their load in the service meta) and updates it on every dispatch and completion, so the
-request path never asks the registry.  The simulator drives the same class.
+Least-loaded by time, not by count.  Each replica's load report (its registry meta, or the
+node agent's ``restore`` answer; issue 12 contract point 2) carries its slots and KV use,
+its measured speed (:data:`~agent.speed.SPEED_META_KEYS`) and its queue
+(:data:`~agent.speed.QUEUE_META_KEYS`); :meth:`ReplicaLoad.predict_ttft_s` turns them into
+the TTFT a new request would meet there (:meth:`agent.speed.SpeedProfile.predict_ttft_s`).
+Between reports the front door keeps its own accounting: a dispatched request counts as an
+active sequence and, until its first token, its prompt as queued prefill.  A free sequence
+slot and enough KV headroom are the hard limit; equal predictions go to the most headroom.
+
+A replica that has reported no speed is predicted with a conservative prior
+(:meth:`Router.prior`): the slowest profile, field by field, that this model's replicas have
+reported (the same engine, at its worst), else the slowest of any model's, else the
+configured ``default_prior`` (:data:`DEFAULT_PRIOR`).
+
+Pure, no I/O: the server feeds it from its cached registry view and updates it on every
+dispatch, first token and completion, so the request path never asks the registry.  The
+simulator drives the same class.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
 from agent.cluster.base import ServiceInstance
+from agent.speed import QUEUE_META_KEYS, SPEED_META_KEYS, SpeedProfile
 
 # Keys of a replica's load in its registry meta (all decimal strings).
 META_KEYS = ("max_seqs", "active_seqs", "kv_capacity_tokens", "kv_used_tokens")
 
+DEFAULT_PRIOR = SpeedProfile(prefill_tokens_per_s=500.0, prefill_overhead_s=0.02,
+                             decode_base_s=0.1, decode_per_seq_s=0.005,
+                             decode_per_ctx_token_s=1e-5)
+"""The prior when no replica of any model has reported a speed: deliberately slow (500
+prompt tokens/s, a 100 ms decode step plus 5 ms per sequence and 10 us per cached token),
+slower than a 135M-parameter model decoding on two CPU cores, so that an unmeasured replica
+is never assumed faster than it is; replicas report a boot-time profile at once (contract
+point 2), so this is only the case before any report."""
+
 
 @dataclass
 class ReplicaLoad:
-    """One warm replica's load: sequences and KV-cache tokens (capacity and in use)."""
+    """One warm replica's load: sequences and KV-cache tokens (capacity and in use), its
+    measured ``speed`` (None until reported) and its queue: ``waiting_seqs`` admitted but not
+    yet prefilled, ``queued_prefill_tokens`` their prompt tokens, ``active_ctx_tokens`` the
+    tokens cached by the active sequences.  ``penalty_s``: seconds added to predictions here
+    until the next report (the replica refused a request it predicted later than we did)."""
 
     replica_id: str
     model: str
@@ -26,6 +55,11 @@ class ReplicaLoad:
     active_seqs: int
     kv_capacity_tokens: int
     kv_used_tokens: int
+    speed: SpeedProfile | None = None
+    waiting_seqs: int = 0
+    queued_prefill_tokens: int = 0
+    active_ctx_tokens: int = 0
+    penalty_s: float = field(default=0.0, repr=False)
 
     @property
     def headroom_tokens(self) -> int:
@@ -34,34 +68,76 @@ class ReplicaLoad:
     def fits(self, need_tokens: int) -> bool:
         return self.active_seqs < self.max_seqs and self.headroom_tokens >= need_tokens
 
+    def predict_ttft_s(self, prompt_tokens: int, prior: SpeedProfile) -> float:
+        """Predicted TTFT (s) here for a new request of ``prompt_tokens`` prompt tokens, with
+        this replica's speed (``prior`` when it has reported none)."""
+        speed = self.speed or prior
+        return speed.predict_ttft_s(prompt_tokens, active_seqs=self.active_seqs,
+                                    active_ctx_tokens=self.active_ctx_tokens,
+                                    waiting_seqs=self.waiting_seqs,
+                                    queued_prefill_tokens=self.queued_prefill_tokens) \
+            + self.penalty_s
+
     @classmethod
-    def from_instance(cls, inst: ServiceInstance) -> "ReplicaLoad":
-        """Build from a ``rewarm-replica`` registry entry (tag ``model=<name>``, meta
-        :data:`META_KEYS`, optional meta ``address``: ``host:port`` or a socket path).  Raises ValueError when the tag or a meta value is missing or
-        not an integer."""
-        model = inst.tag("model")
-        if not model:
-            raise ValueError(f"replica {inst.id!r} has no model=<name> tag")
+    def from_meta(cls, replica_id: str, model: str, address: str,
+                  meta: Mapping[str, object]) -> "ReplicaLoad":
+        """From a load report (ints or decimal strings): :data:`META_KEYS` required (else
+        ValueError naming the key and value); speed and queue keys optional (a missing or
+        bad speed key means no profile; a missing queue key is 0)."""
         values = {}
         for key in META_KEYS:
             try:
-                values[key] = int(inst.meta[key])
-            except (KeyError, ValueError):
-                raise ValueError(f"replica {inst.id!r}: meta {key!r}="
-                                 f"{inst.meta.get(key)!r} is not an integer") from None
+                values[key] = int(meta[key])  # type: ignore[call-overload]
+            except (KeyError, ValueError, TypeError):
+                raise ValueError(f"replica {replica_id!r}: load {key!r}="
+                                 f"{meta.get(key)!r} is not an integer") from None
+        for key in QUEUE_META_KEYS:
+            try:
+                values[key] = max(0, int(float(meta.get(key, 0))))  # type: ignore[arg-type]
+            except (ValueError, TypeError, OverflowError):
+                values[key] = 0
+        speed = SpeedProfile.from_meta(meta) if SPEED_META_KEYS[0] in meta else None
+        return cls(replica_id, model, address, speed=speed, **values)
+
+    @classmethod
+    def from_instance(cls, inst: ServiceInstance) -> "ReplicaLoad":
+        """Build from a ``rewarm-replica`` registry entry (tag ``model=<name>``, meta
+        :data:`META_KEYS` and the optional speed and queue keys, optional meta ``address``:
+        ``host:port`` or a socket path).  Raises ValueError when the tag or a required meta
+        value is missing or not an integer."""
+        model = inst.tag("model")
+        if not model:
+            raise ValueError(f"replica {inst.id!r} has no model=<name> tag")
         # A replica on a Unix socket has port 0 and its path in meta "address".
         address = inst.meta.get("address") or f"{inst.address}:{inst.port}"
         if address.startswith("unix:"):  # the node agent's and worker's spelling of a socket
             address = address[len("unix:"):]
-        return cls(inst.id, model, address, **values)
+        return cls.from_meta(inst.id, model, address, inst.meta)
+
+
+def slowest(profiles: Iterable[SpeedProfile]) -> SpeedProfile | None:
+    """Field by field the slowest of ``profiles`` (lowest prefill rate, highest costs)."""
+    out = None
+    for p in profiles:
+        if out is None:
+            out = p
+            continue
+        out = SpeedProfile(min(out.prefill_tokens_per_s, p.prefill_tokens_per_s),
+                           max(out.prefill_overhead_s, p.prefill_overhead_s),
+                           max(out.decode_base_s, p.decode_base_s),
+                           max(out.decode_per_seq_s, p.decode_per_seq_s),
+                           max(out.decode_per_ctx_token_s, p.decode_per_ctx_token_s))
+    return out
 
 
 class Router:
     """The local view of warm replicas, by model."""
 
-    def __init__(self) -> None:
+    def __init__(self, default_prior: SpeedProfile = DEFAULT_PRIOR) -> None:
         self._replicas: dict[str, ReplicaLoad] = {}
         self._by_model: dict[str, dict[str, ReplicaLoad]] = {}
+        self.default_prior = default_prior
+        self._slowest: dict[str, SpeedProfile] = {}  # model -> slowest reported (kept)
 
     def upsert(self, load: ReplicaLoad) -> None:
         """Add a replica or replace its reported load."""
@@ -70,6 +146,11 @@ class Router:
             self.remove(load.replica_id)
         self._replicas[load.replica_id] = load
         self._by_model.setdefault(load.model, {})[load.replica_id] = load
+        if load.speed is not None:
+            current = slowest(r.speed for r in self._by_model[load.model].values()
+                              if r.speed is not None)
+            if current is not None:
+                self._slowest[load.model] = current
 
     def remove(self, replica_id: str) -> None:
         load = self._replicas.pop(replica_id, None)
@@ -79,30 +160,74 @@ class Router:
     def get(self, replica_id: str) -> ReplicaLoad | None:
         return self._replicas.get(replica_id)
 
-    def choose(self, model: str, need_tokens: int) -> ReplicaLoad | None:
-        """The warm replica of ``model`` with the most KV headroom that has a free sequence
-        slot and at least ``need_tokens`` of headroom; ties go to fewer active sequences,
-        then to the smaller id (deterministic).  None when no replica fits."""
-        best = None
-        for load in self._by_model.get(model, {}).values():
-            if not load.fits(need_tokens):
-                continue
-            if best is None or (load.headroom_tokens, -load.active_seqs, best.replica_id) > (
-                    best.headroom_tokens, -best.active_seqs, load.replica_id):
-                best = load
-        return best
+    def prior(self, model: str) -> SpeedProfile:
+        """The speed assumed for ``model``'s replicas that have reported none (module
+        docstring): its slowest reported, else any model's slowest, else the default."""
+        mine = self._slowest.get(model)
+        if mine is not None:
+            return mine
+        return slowest(self._slowest.values()) or self.default_prior
 
-    def on_dispatch(self, replica_id: str, need_tokens: int) -> None:
+    def choose_predicted(self, model: str, need_tokens: int, prompt_tokens: int,
+                         exclude: frozenset | set = frozenset()
+                         ) -> tuple[ReplicaLoad, float] | None:
+        """The warm replica of ``model`` with the lowest predicted TTFT for a request of
+        ``prompt_tokens`` prompt tokens among those with a free sequence slot and at least
+        ``need_tokens`` of KV headroom (and not in ``exclude``), with that prediction (s);
+        equal predictions go to more headroom, then to the smaller id.  None when none fits."""
+        best, best_s = None, 0.0
+        prior = None
+        for load in self._by_model.get(model, {}).values():
+            if not load.fits(need_tokens) or load.replica_id in exclude:
+                continue
+            if load.speed is None and prior is None:
+                prior = self.prior(model)
+            ttft_s = load.predict_ttft_s(prompt_tokens, prior)  # type: ignore[arg-type]
+            if best is None or ttft_s < best_s or (ttft_s == best_s and (
+                    load.headroom_tokens, best.replica_id) > (best.headroom_tokens,
+                                                              load.replica_id)):
+                best, best_s = load, ttft_s
+        return None if best is None else (best, best_s)
+
+    def choose(self, model: str, need_tokens: int, prompt_tokens: int = 0) -> ReplicaLoad | None:
+        """:meth:`choose_predicted` without the prediction."""
+        found = self.choose_predicted(model, need_tokens, prompt_tokens)
+        return None if found is None else found[0]
+
+    def on_dispatch(self, replica_id: str, need_tokens: int, prompt_tokens: int = 0) -> None:
+        """A request went to the replica: one more active sequence, its KV need used, its
+        prompt queued for prefill until :meth:`on_first_token`."""
         load = self._replicas.get(replica_id)
         if load is not None:
             load.active_seqs += 1
             load.kv_used_tokens += need_tokens
+            if prompt_tokens:
+                load.waiting_seqs += 1
+                load.queued_prefill_tokens += prompt_tokens
 
-    def on_complete(self, replica_id: str, need_tokens: int) -> None:
+    def on_first_token(self, replica_id: str, prompt_tokens: int) -> None:
+        """The request's prompt is prefilled: out of the prefill queue, into the context."""
+        load = self._replicas.get(replica_id)
+        if load is not None:
+            load.waiting_seqs = max(0, load.waiting_seqs - 1)
+            load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - prompt_tokens)
+            load.active_ctx_tokens += prompt_tokens
+
+    def on_complete(self, replica_id: str, need_tokens: int, prompt_tokens: int = 0,
+                    first_token: bool = True) -> None:
+        """The request ended (done, error or cancel); ``first_token``: whether it had one
+        (else its prompt leaves the prefill queue)."""
         load = self._replicas.get(replica_id)
         if load is not None:
             load.active_seqs = max(0, load.active_seqs - 1)
             load.kv_used_tokens = max(0, load.kv_used_tokens - need_tokens)
+            if prompt_tokens:
+                if first_token:
+                    load.active_ctx_tokens = max(0, load.active_ctx_tokens - prompt_tokens)
+                else:
+                    load.waiting_seqs = max(0, load.waiting_seqs - 1)
+                    load.queued_prefill_tokens = max(0, load.queued_prefill_tokens
+                                                     - prompt_tokens)
 
     def warm(self, model: str) -> list[ReplicaLoad]:
         return list(self._by_model.get(model, {}).values())

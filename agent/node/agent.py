@@ -45,11 +45,16 @@ from agent.snapshot.catalog import Catalog, SnapshotRow
 from agent.snapshot.pins import check_pins
 from agent.snapshot.reader import read_manifest, verify_chunks
 from agent.snapshot.store import LocalStore
+from agent.speed import QUEUE_META_KEYS, SPEED_META_KEYS
 
 log = logging.getLogger(__name__)
 
 LOAD_KEYS = META_KEYS
 """A replica's load as its worker's ``stats`` reports it, in the front door's router's keys."""
+QUEUE_KEYS = QUEUE_META_KEYS
+"""Its queue (ints; agent/speed.py), reported beside the load when the worker gives them."""
+SPEED_KEYS = SPEED_META_KEYS
+"""Its measured speed (floats; agent/speed.py), absent until the replica has measured itself."""
 
 
 class SnapshotSummary(Protocol):
@@ -121,7 +126,7 @@ class ReplicaRecord:
             except (OSError, RewarmError, RuntimeError):
                 stats = {}
             if all(k in stats for k in LOAD_KEYS):
-                out["load"] = {k: int(stats[k]) for k in LOAD_KEYS}
+                out["load"] = _load_report(stats)
         return out
 
 
@@ -558,5 +563,15 @@ class NodeAgent(SnapshotOps, SuspendOps):
                 "snapshots": ",".join(cached)}
 
 
+def _load_report(stats: dict[str, Any]) -> dict[str, Any]:
+    """The load, queue and (once measured, all or none) speed keys of a worker's ``stats``:
+    ints, and floats for the speed."""
+    out: dict[str, Any] = {k: int(stats[k]) for k in LOAD_KEYS + QUEUE_KEYS if k in stats}
+    if all(k in stats for k in SPEED_KEYS):
+        out.update({k: float(stats[k]) for k in SPEED_KEYS})
+    return out
+
+
 def _load_meta(stats: dict[str, Any]) -> dict[str, str]:
-    return {k: str(stats[k]) for k in LOAD_KEYS if k in stats}
+    """:func:`_load_report` as registry meta: decimal strings (``repr`` of a float)."""
+    return {k: repr(v) for k, v in _load_report(stats).items()}

@@ -110,7 +110,8 @@ class InProcessReplica:
     def stats(self) -> dict[str, Any]:
         cap = self.loaded.engine.capacity()
         return {"model": self.loaded.identity.name, "version": self.loaded.identity.version,
-                "path": self.loaded.path, **cap, "in_flight": self._in_flight}
+                "path": self.loaded.path, **cap, **self.loaded.engine.speed_report(),
+                "in_flight": self._in_flight}
 
     def in_flight(self) -> int:
         return self._in_flight

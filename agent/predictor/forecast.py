@@ -110,6 +110,10 @@ class CounterRate:
         self.resets = 0
 
     def sample(self, counter: int, t_s: float) -> tuple[int, float] | None:
+        """A counter or time that is NaN or infinite is a missing reading: None, and the
+        previous reading stays the base of the next window."""
+        if not (math.isfinite(counter) and math.isfinite(t_s)):
+            return None
         counter = int(counter)
         if counter < 0:
             raise ConfigError(f"CounterRate: counter={counter} is negative; limit is >= 0",

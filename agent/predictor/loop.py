@@ -250,9 +250,17 @@ class Predictor:
         """Record ``arrivals`` requests seen over ``window_s`` seconds (summed until the tick).
 
         Raises ModelNotFound for an unknown model and ConfigError for negative arrivals or a
-        window that is not > 0.
+        window that is not > 0.  Arrivals or a window that are NaN or infinite are a missing
+        reading (a broken stats answer), recorded as nothing.
         """
         st = self._state(model)
+        try:
+            if not (math.isfinite(arrivals) and math.isfinite(window_s)):
+                log.debug("observe %s: arrivals=%r over window_s=%r is no reading; ignored",
+                          model, arrivals, window_s)
+                return
+        except TypeError:
+            pass  # not a number: the checks below name it
         if arrivals < 0:
             raise ConfigError(f"observe {model}: arrivals={arrivals}; limit is >= 0",
                               name="arrivals", value=arrivals, limit=0)

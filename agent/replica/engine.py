@@ -12,12 +12,19 @@ Sampling: ``seed=None`` is greedy (argmax); an integer seed samples from
 seeded with it, so a sequence's tokens do not depend on what else is in the batch's RNG.
 A sequence ends after ``max_tokens`` new tokens or when it samples a stop token (the stop
 token is not returned).
+
+Speed: every prefill (one prompt, its first token sampled) and every decode step (sampling
+included) is timed with the injected ``clock`` and fed to the engine's
+:class:`~agent.replica.speedmeter.SpeedMeter`; :attr:`Engine.load` is the queue as of the last
+change (published on the engine thread, read by the server without a lock), and
+:meth:`Engine.predict_ttft_s` what a new request would meet.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -26,6 +33,8 @@ from agent.errors import ProtocolError
 from agent.replica.config import LlamaConfig
 from agent.replica.kv import KVPlan, KVSlotAllocator, plan_kv
 from agent.replica.model import Transformer, new_kv_caches
+from agent.replica.speedmeter import SpeedMeter
+from agent.speed import slot_wait_steps
 
 Forward = Callable[..., torch.Tensor]
 MAX_SEED = 2**63 - 1
@@ -73,6 +82,19 @@ class _Seq:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineLoad:
+    """The engine's queue as of its last change (agent/speed.py's ``QUEUE_META_KEYS`` and
+    ``active_seqs``).  ``remaining_tokens``: tokens each active sequence may still produce
+    (``max_tokens - produced``, an upper bound: a stop token ends one sooner), ascending."""
+
+    waiting_seqs: int = 0
+    queued_prefill_tokens: int = 0
+    active_seqs: int = 0
+    active_ctx_tokens: int = 0
+    remaining_tokens: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Event:
     """One generated token (``token`` is -1 on the final event of a stopped sequence)."""
 
@@ -93,7 +115,8 @@ class Engine:
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor] | None, *,
                  max_seqs: int, max_seq_len: int, forward: Forward | None = None,
                  device: str = "cpu", prefill_chunk: int = 256, temperature: float = 1.0,
-                 top_k: int | None = None) -> None:
+                 top_k: int | None = None, meter: SpeedMeter | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         if weights is not None and any(t.device != torch.device(device) for t in weights.values()):
             weights = {k: t.to(device) for k, t in weights.items()}  # e.g. host restore -> GPU
@@ -111,6 +134,9 @@ class Engine:
         self._active: dict[int, _Seq] = {}
         self._next_id = 0
         self.plan: KVPlan | None = None  # set by Engine.sized
+        self.meter = meter if meter is not None else SpeedMeter()
+        self.clock = clock
+        self.load = EngineLoad()
 
     @classmethod
     def sized(cls, config: LlamaConfig, weights, *, budget_bytes: int, max_seq_len: int,
@@ -130,7 +156,10 @@ class Engine:
         out = {"kv_capacity_tokens": self.kv.capacity_tokens, "kv_used_tokens": self.kv.used_tokens,
                "max_seqs": self.kv.max_seqs, "active_seqs": self.kv.active,
                "max_seq_len": self.kv.max_seq_len, "kv_bytes_per_token": plan.bytes_per_token,
-               "kv_cache_bytes": plan.cache_bytes, "waiting_seqs": len(self._waiting)}
+               "kv_cache_bytes": plan.cache_bytes}
+        load = self.load
+        out.update(waiting_seqs=load.waiting_seqs, queued_prefill_tokens=load.queued_prefill_tokens,
+                   active_ctx_tokens=load.active_ctx_tokens)
         if context_len is not None:
             out["context_len"] = context_len
             out["seqs_at_context"] = min(self.kv.max_seqs, plan.seqs_at(context_len)) \
@@ -182,6 +211,7 @@ class Engine:
         seq = _Seq(self._next_id, prompt, max_tokens, frozenset(stop or ()), gen)
         self._next_id += 1
         self._waiting.append(seq)
+        self._publish()
         return seq.seq_id
 
     def adopt_prefilled(self, prompt: Sequence[int], logits: torch.Tensor, max_tokens: int, *,
@@ -198,7 +228,9 @@ class Engine:
         seq.slot = self.kv.allocate(len(seq.prompt) + seq.max_tokens)  # the lowest: slot 0
         seq.pos = len(seq.prompt)
         self._active[seq.slot] = seq
-        return seq_id, self._emit(seq, logits).token
+        token = self._emit(seq, logits).token
+        self._publish()
+        return seq_id, token
 
     def cancel(self, seq_id: int) -> None:
         """Drop a waiting or active sequence (freeing its slot); unknown ids are ignored."""
@@ -207,6 +239,47 @@ class Engine:
             if seq.seq_id == seq_id:
                 del self._active[slot]
                 self.kv.free(slot)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Replace :attr:`load` (one reference write: readers on other threads see the old
+        or the new queue, never a half-updated one)."""
+        active = list(self._active.values())
+        self.load = EngineLoad(
+            waiting_seqs=len(self._waiting),
+            queued_prefill_tokens=sum(len(s.prompt) for s in self._waiting),
+            active_seqs=len(active), active_ctx_tokens=sum(s.pos for s in active),
+            remaining_tokens=tuple(sorted(s.max_tokens - s.produced for s in active)))
+
+    def speed_report(self, active_seqs: int | None = None,
+                     active_ctx_tokens: int | None = None) -> dict[str, float]:
+        """The measured speed for a load report: agent/speed.py's ``SPEED_META_KEYS`` and
+        ``decode_tokens_per_s_per_seq`` at the current batch (or the one given); {} until the
+        meter has measured (contract: absent, never a guess)."""
+        if not self.meter.measured:
+            return {}
+        profile, load = self.meter.profile(), self.load
+        out = profile.to_dict()
+        out["decode_tokens_per_s_per_seq"] = profile.decode_tokens_per_s(
+            load.active_seqs if active_seqs is None else active_seqs,
+            load.active_ctx_tokens if active_ctx_tokens is None else active_ctx_tokens)
+        return out
+
+    def predict_ttft_s(self, prompt_tokens: int, *, waiting_seqs: int = 0,
+                       queued_prefill_tokens: int = 0) -> float:
+        """Predicted TTFT (s) of a new request of ``prompt_tokens`` tokens submitted now, behind
+        :attr:`load` plus ``waiting_seqs`` sequences of ``queued_prefill_tokens`` tokens the
+        caller has not submitted yet (agent/speed.py's model on the measured profile).  When
+        more sequences wait than slots are free, it also waits for the earliest-ending active
+        sequences to finish (their remaining tokens, one decode step each)."""
+        load, profile = self.load, self.meter.profile()
+        waiting = load.waiting_seqs + waiting_seqs
+        slot_wait = slot_wait_steps(load.remaining_tokens, waiting,
+                                    self.kv.max_seqs - load.active_seqs)
+        return profile.predict_ttft_s(
+            prompt_tokens, active_seqs=load.active_seqs, active_ctx_tokens=load.active_ctx_tokens,
+            waiting_seqs=waiting, queued_prefill_tokens=load.queued_prefill_tokens
+            + queued_prefill_tokens, slot_wait_steps=slot_wait)
 
     @property
     def busy(self) -> bool:
@@ -214,24 +287,46 @@ class Engine:
 
     def step(self) -> list[Event]:
         """Admit waiting sequences into free slots (prefill), then one batched decode step."""
+        return self.admit() + self.decode()
+
+    def admit(self) -> list[Event]:
+        """The first half of a step: prefill waiting sequences (alone, in chunks) while slots
+        are free; returns their first tokens.  Each prefill is timed for the meter."""
         events: list[Event] = []
+        clock, meter = self.clock, self.meter
         with torch.inference_mode():
             while self._waiting and self.kv.free_slots:
+                t0 = clock()
                 seq = self._waiting.popleft()
                 seq.slot = self.kv.allocate(len(seq.prompt) + seq.max_tokens)
                 logits = self._prefill(seq)
                 self._active[seq.slot] = seq
-                events.append(self._emit(seq, logits))
-            batch = list(self._active.values())
-            if batch:
-                dev = self.device
-                tokens = torch.tensor([[s.last] for s in batch], dtype=torch.int64, device=dev)
-                pos = torch.tensor([[s.pos] for s in batch], dtype=torch.int64, device=dev)
-                idx = torch.tensor([s.slot for s in batch], dtype=torch.int64, device=dev)
-                logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)[:, -1]
-                for row, seq in enumerate(batch):
-                    seq.pos += 1
-                    events.append(self._emit(seq, logits[row]))
+                events.append(self._emit(seq, logits))  # sampling syncs the device
+                meter.observe_prefill(len(seq.prompt), clock() - t0)
+        if events:
+            self._publish()
+        return events
+
+    def decode(self) -> list[Event]:
+        """The second half of a step: one decode step over every active sequence (B=active,
+        S=1), timed for the meter with the context it read (tokens cached before the step)."""
+        batch = list(self._active.values())
+        if not batch:
+            return []
+        events: list[Event] = []
+        t0 = self.clock()
+        ctx = sum(s.pos for s in batch)
+        with torch.inference_mode():
+            dev = self.device
+            tokens = torch.tensor([[s.last] for s in batch], dtype=torch.int64, device=dev)
+            pos = torch.tensor([[s.pos] for s in batch], dtype=torch.int64, device=dev)
+            idx = torch.tensor([s.slot for s in batch], dtype=torch.int64, device=dev)
+            logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)[:, -1]
+            for row, seq in enumerate(batch):
+                seq.pos += 1
+                events.append(self._emit(seq, logits[row]))
+        self.meter.observe_decode(len(batch), ctx, self.clock() - t0)
+        self._publish()
         return events
 
     def _prefill(self, seq: _Seq) -> torch.Tensor:

@@ -8,10 +8,16 @@ States (a zygote starts in ZYGOTE, a booted replica in SERVING)::
       +--------shutdown / SIGTERM / parent died--------------------------> CLOSED
 
 Requests multiplex over one connection by ``id``.  ``generate`` requests from every
-connection feed one batching loop: each tick submits what arrived, then runs one
-:meth:`Engine.step` (prefill of admitted sequences, one batched decode step for all active
-ones) on a single worker thread, so the event loop keeps answering ``health`` and ``stats``
-while the model runs.  No process is left behind: the worker exits when its parent dies
+connection feed one batching loop: each tick submits what arrived, then runs one engine step
+on a single worker thread — :meth:`Engine.admit` (prefill of admitted sequences, whose first
+tokens are sent at once) then :meth:`Engine.decode` (one batched decode step for all active
+ones) — so the event loop keeps answering ``health`` and ``stats`` while the model runs.
+
+Speed: ``stats`` carries the engine's measured speed (agent/speed.py ``SPEED_META_KEYS``,
+once measured), its queue (``QUEUE_META_KEYS``, counting requests accepted but not yet handed
+to the engine) and ``decode_tokens_per_s_per_seq`` at the current batch.  A ``generate`` that
+carries ``deadline_ms`` (ms left for its first token) is refused with 429 when the predicted
+TTFT here exceeds it (:meth:`Worker.predict_ttft_s`), so the queue is bounded in time.  No process is left behind: the worker exits when its parent dies
 (PR_SET_PDEATHSIG on Linux, and a parent-pid watchdog everywhere), on ``shutdown`` and on
 SIGTERM.
 """
@@ -32,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ConfigError, InvalidCheckpoint, ProtocolError, RewarmError, Unauthorized
+from agent.errors import (ConfigError, InvalidCheckpoint, Overloaded, ProtocolError,
+                          RewarmError, Unauthorized)
 from agent.protocol import Decoder, error_message, pack, read_messages
 
 log = logging.getLogger(__name__)
@@ -199,7 +206,8 @@ class Worker:
                 raise ProtocolError(f"unknown op {op!r}", field="op", value=op,
                                     limit=["generate", "health", "stats", "restore", "capture", "shutdown"])
         except RewarmError as exc:
-            self._send(writer, error_message(rid, exc.code, exc.message))
+            self._send(writer, error_message(rid, exc.code, exc.message,
+                                             **getattr(exc, "answer", {})))
         except Exception as exc:  # a bug or a torch error: answer, keep serving the others
             log.exception("op %s failed", op)
             self._send(writer, error_message(rid, 500, f"{type(exc).__name__}: {exc}"))
@@ -210,11 +218,24 @@ class Worker:
                                   "kv_capacity_tokens": 0, "kv_used_tokens": 0, "max_seqs": 0,
                                   "active_seqs": 0, "model": None, "version": None}
         if self.loaded is not None:
-            result.update(self.loaded.engine.capacity())
+            engine = self.loaded.engine
+            result.update(engine.capacity())
             result.update(model=self.loaded.identity.name, version=self.loaded.identity.version,
                           path=self.loaded.path, package_digest=self.loaded.package_digest,
                           phases_s=self.loaded.phases_s)
+            pending = [args["prompt"] for _, args in self._submits]
+            result["waiting_seqs"] += len(pending)
+            result["queued_prefill_tokens"] += sum(len(p) for p in pending)
+            result.update(engine.speed_report(result["active_seqs"], result["active_ctx_tokens"]))
         return result
+
+    def predict_ttft_s(self, prompt_tokens: int) -> float:
+        """Predicted TTFT (s) here for a new request of ``prompt_tokens`` tokens: the engine's
+        queue plus the requests accepted but not yet submitted (:meth:`Engine.predict_ttft_s`)."""
+        pending = [args["prompt"] for _, args in self._submits]
+        return self.loaded.engine.predict_ttft_s(
+            prompt_tokens, waiting_seqs=len(pending),
+            queued_prefill_tokens=sum(len(p) for p in pending))
 
     def _accept(self, msg: dict, writer) -> _Request:
         if self.state is not State.SERVING:
@@ -242,10 +263,35 @@ class Worker:
             raise ProtocolError("stop must be a list of token ids", field="stop", value=stop, limit=None)
         # The engine checks the rest (token range, KV capacity) before anything is allocated.
         self.loaded.engine.kv.check(len(tokens) + max_tokens)
+        self._check_deadline(msg.get("deadline_ms"), len(tokens))
         request = _Request(msg.get("id"), writer, time.perf_counter(), text)
         self._submits.append((request, {"prompt": tokens, "max_tokens": max_tokens,
                                         "seed": seed, "stop": set(stop)}))
         return request
+
+    def _check_deadline(self, deadline_ms: Any, prompt_tokens: int) -> None:
+        """Refuse (Overloaded, 429) a request whose ``deadline_ms`` (ms left for its first
+        token) the predicted TTFT here exceeds; the answer names both and, as
+        ``retry_after_ms``, how far over the prediction is."""
+        if deadline_ms is None:
+            return
+        if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float)) \
+                or not deadline_ms > 0 or deadline_ms == float("inf"):
+            raise ProtocolError(f"deadline_ms={deadline_ms!r} must be a finite number > 0 (ms "
+                                "left for the first token)", field="deadline_ms",
+                                value=deadline_ms, limit="> 0")
+        predicted_ms = self.predict_ttft_s(prompt_tokens) * 1e3
+        if predicted_ms > deadline_ms:
+            exc = Overloaded(
+                f"replica {self.replica_id}: predicted TTFT {predicted_ms:.1f} ms exceeds "
+                f"deadline_ms {deadline_ms:g}", model=self.loaded.identity.name,
+                retry_after_ms=max(1, round(predicted_ms - deadline_ms)),
+                depth=len(self._submits) + self.loaded.engine.load.waiting_seqs,
+                limit=deadline_ms)
+            exc.answer = {"predicted_ttft_ms": round(predicted_ms, 3),
+                          "deadline_ms": deadline_ms,
+                          "retry_after_ms": exc.retry_after_ms}
+            raise exc
 
     def tokenizer(self):
         if self._tokenizer is None:
@@ -296,7 +342,8 @@ class Worker:
 
     # --- the batching loop ----------------------------------------------------------------
     def _tick(self, submits: list[tuple[_Request, dict]], cancels: list[int]):
-        """On the engine thread: cancel, submit, then one engine step."""
+        """On the engine thread: cancel, submit, then the first half of a step (prefill of
+        what slots admit); the decode half follows once the first tokens are sent."""
         engine = self.loaded.engine
         for seq_id in cancels:
             engine.cancel(seq_id)
@@ -306,7 +353,7 @@ class Worker:
                 request.seq_id = engine.submit(**args)
             except RewarmError as exc:
                 failed.append((request, exc))
-        return failed, (engine.step() if engine.busy else [])
+        return failed, (engine.admit() if engine.busy else [])
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -329,28 +376,36 @@ class Worker:
                     self._by_seq[request.seq_id] = request
             for seq_id in cancels:
                 self._by_seq.pop(seq_id, None)
-            now = time.perf_counter()
-            for event in events:
-                request = self._by_seq.get(event.seq_id)
-                if request is None:
-                    continue
-                if event.token >= 0:
-                    request.first_s = request.first_s or now
-                    request.tokens.append(event.token)
-                    out = {"id": request.request_id, "type": "tokens", "tokens": [event.token]}
-                    if request.text:
-                        out["text"] = next_text(self.tokenizer(), request)
-                    self._send(request.writer, out)
-                if event.done:
-                    del self._by_seq[event.seq_id]
-                    done = {"id": request.request_id, "type": "done",
-                            "ttft_ms": round(((request.first_s or now) - request.started_s) * 1e3, 3),
-                            "total_ms": round((now - request.started_s) * 1e3, 3),
-                            "path": self.loaded.path, "replica": self.replica_id,
-                            "n_tokens": len(request.tokens)}
-                    if request.text:
-                        done["text"] = self.tokenizer().decode(request.tokens)
-                    self._send(request.writer, done)
+            self._deliver(events)
+            self._deliver(await loop.run_in_executor(self._pool, self.loaded.engine.decode))
+
+    def _deliver(self, events) -> None:
+        """Send each event's token (and the ``done`` answer) to its request's connection."""
+        now = time.perf_counter()
+        for event in events:
+            request = self._by_seq.get(event.seq_id)
+            if request is not None:
+                self._on_event(request, event, now)
+
+    def _on_event(self, request: _Request, event, now: float) -> None:
+        """One engine event of ``request``: its token, and its ``done`` answer when it ends."""
+        if event.token >= 0:
+            request.first_s = request.first_s or now
+            request.tokens.append(event.token)
+            out = {"id": request.request_id, "type": "tokens", "tokens": [event.token]}
+            if request.text:
+                out["text"] = next_text(self.tokenizer(), request)
+            self._send(request.writer, out)
+        if event.done:
+            del self._by_seq[event.seq_id]
+            done = {"id": request.request_id, "type": "done",
+                    "ttft_ms": round(((request.first_s or now) - request.started_s) * 1e3, 3),
+                    "total_ms": round((now - request.started_s) * 1e3, 3),
+                    "path": self.loaded.path, "replica": self.replica_id,
+                    "n_tokens": len(request.tokens)}
+            if request.text:
+                done["text"] = self.tokenizer().decode(request.tokens)
+            self._send(request.writer, done)
 
 
 def next_text(tokenizer, request: _Request) -> str:

@@ -11,7 +11,11 @@ release is given (else eager, or ``torch.compile`` just in time), and records th
 agent/snapshot), binds the AOT package the snapshot names by digest (else eager) and replays the
 golden check before the replica may serve: a difference raises GoldenMismatch (fail closed).
 ``capture`` writes a snapshot of the warmed state: runtime-layout weights, the AOT package
-digest, engine/KV and model configuration, and the golden check.
+digest, engine/KV and model configuration, the golden check and the replica's measured speed
+(``speed_profile``, agent/speed.py's keys).  A restore starts its speed meter from that recorded
+profile; a boot, or a snapshot without one, runs a short profile
+(:func:`agent.replica.speedmeter.boot_profile`, phase ``profile_s``) before it may serve, so
+the replica's first load report carries measured speed.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch
 from agent.replica import aot
 from agent.replica.config import LlamaConfig
 from agent.replica.engine import Engine
+from agent.replica.speedmeter import SpeedMeter, boot_profile
+from agent.speed import SpeedProfile
 from agent.snapshot.format import GoldenCheck, Manifest, ModelIdentity
 
 log = logging.getLogger(__name__)
@@ -138,6 +144,9 @@ def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
     t = time.perf_counter()
     golden = _record(engine, golden_prompts(config, Path(model_dir)))
     phases["golden_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    boot_profile(engine)
+    phases["profile_s"] = time.perf_counter() - t
     return Loaded(config, weights, engine, source_identity(Path(model_dir)), golden, path,
                   digest, package_dir, str(Path(model_dir).resolve()), phases)
 
@@ -176,14 +185,22 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
         except (FileNotFoundError, TargetMismatch) as exc:
             log.warning("%s: AOT package %s not usable here (%s); serving eager", snapshot,
                         ref["digest"], exc)
+    # The speed recorded at capture is a measured prior (same pinned hardware class); an
+    # unreadable one only costs the short profile below, never the restore.
+    recorded = SpeedProfile.from_meta(extra.get("speed_profile") or {})
     engine = Engine(config, None if forward is not None else restored.tensors,
                     max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
-                    forward=forward)
+                    forward=forward,
+                    meter=SpeedMeter(recorded, measured_prior=True) if recorded else None)
     phases["package_s"] = time.perf_counter() - t
     t = time.perf_counter()
     golden = restored.manifest.golden
     verify_golden(engine, golden)
     phases["golden_s"] = time.perf_counter() - t
+    if recorded is None:
+        t = time.perf_counter()
+        boot_profile(engine)
+        phases["profile_s"] = time.perf_counter() - t
     return Loaded(config, restored.tensors, engine, restored.manifest.model, golden, path, digest,
                   package_dir, extra.get("tokenizer_dir"), phases, keepalive=restored.buffer)
 
@@ -263,5 +280,7 @@ def capture(loaded: Loaded, dest: Path) -> Manifest:
              "aot_package": ({"digest": loaded.package_digest, "dir": loaded.package_dir}
                              if loaded.package_digest else None),
              "tokenizer_dir": loaded.tokenizer_dir}
+    if loaded.engine.meter.measured:
+        extra["speed_profile"] = loaded.engine.meter.profile().to_dict()
     return write_snapshot(dest, loaded.weights, model=loaded.identity, golden=loaded.golden,
                           extra=extra)

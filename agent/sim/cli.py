@@ -5,6 +5,13 @@
 
 ``--startup-json PATH`` takes start-up times per tier from a benchmark's JSON (keys
 ``restore_s``/``zygote_restore_s``, ``suspended_s``/``resume_s``, ``naive_s``).
+
+``--replica-profile PATH`` (with ``--trace``) runs the simulated replicas at the speed
+bench/engine_profile.py measured on the real engine — batched, prefill then one decode step,
+its slots, its start-up times per tier (unless ``--startup-json``) — instead of the design
+documents' fixed occupancy; ``--token-scale F`` scales the trace's token counts first (a
+request longer than a slot is shrunk to fit, and counted).  The document scenarios
+(``--scenario``) keep their own parameters.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import math
 from pathlib import Path
 
 from agent.argtypes import nonneg_float, positive_float
+from agent.errors import ConfigError
 
 
 def register(subparsers) -> None:
@@ -33,6 +41,11 @@ def register(subparsers) -> None:
     p.add_argument("--speedup", type=positive_float, default=1.0, help="trace: time compression")
     p.add_argument("--background-rps", type=nonneg_float, default=0.0,
                    help="trace: steady background traffic of other tenants (req/s)")
+    p.add_argument("--replica-profile", type=Path,
+                   help="trace: replicas at this engine profile's speed (bench/engine_profile.py)")
+    p.add_argument("--token-scale", type=positive_float, default=1.0,
+                   help="trace with --replica-profile: multiply token counts (1.0)")
+    p.add_argument("--sla-s", type=positive_float, default=4.0, help="trace: TTFT SLO (4.0 s)")
     p.add_argument("--policy", action="append", help="only these policies (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -72,7 +85,21 @@ def run(args) -> int:
 
     # the predictor logs each tick at INFO; a simulated day is 86,400 ticks
     logging.getLogger("agent.predictor").setLevel(logging.WARNING)
-    startup = StartupTimes.from_json(args.startup_json) if args.startup_json else StartupTimes()
+    replica = None
+    if args.replica_profile is not None:
+        if args.scenario:
+            raise ConfigError("--replica-profile runs a --trace; the document scenarios keep "
+                              "their own replica model", name="--replica-profile",
+                              value=str(args.replica_profile), limit="--trace")
+        from agent.sim.profile import ReplicaProfile
+
+        replica = ReplicaProfile.from_file(args.replica_profile)
+    if args.startup_json:
+        startup = StartupTimes.from_json(args.startup_json)
+    elif replica is not None and replica.startup is not None:
+        startup = replica.startup
+    else:
+        startup = StartupTimes()
     progress = not args.no_progress
     only = tuple(args.policy) if args.policy else None
     if args.scenario == "spike":
@@ -97,7 +124,9 @@ def run(args) -> int:
                                   prefill_s=float(np.median(w.prefill_s)),
                                   need_tokens=int(w.need_tokens.mean()),
                                   rng=np.random.default_rng(args.seed)))
-        result = scenarios.trace_scenario(w, startup, seed=args.seed, progress=progress, only=only)
+        result = scenarios.trace_scenario(w, startup, seed=args.seed, progress=progress, only=only,
+                                          sla_s=args.sla_s, replica=replica,
+                                          token_scale=args.token_scale)
         result["trace"] = str(args.trace)
     print(_table(result))
     print(f"sim_wall_s_per_sim_hour: {result['sim_wall_s_per_sim_hour']}")

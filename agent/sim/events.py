@@ -12,6 +12,9 @@ Events, in time order (ties: completions and READYs, then the tick, then arrival
   ``Router.choose`` finds a replica with room, dispatch; else ``AdmissionQueue.offer``
   (``Overloaded`` = shed, 429).
 - completion (heap): ``Router.on_complete``, then drain the queue earliest deadline first.
+  With replicas at a measured speed (``Fleet.engines``, agent/sim/replica.py) a dispatch
+  queues the request at its replica and the replica's steps are heap events instead: the
+  first token is timed by the step that prefills it, completions come at step ends.
 - READY (heap): a replica finished starting (:meth:`Fleet.on_ready`), then drain.
 - tick every ``tick_s``: ``AdmissionQueue.expire`` (504), the controller's ``tick`` (the
   predictor observes the second's arrivals and calls ``Fleet.set_target``), a sample of the
@@ -31,13 +34,14 @@ from typing import Protocol
 import numpy as np
 
 from agent.clock import ManualClock
-from agent.errors import Overloaded
+from agent.errors import ConfigError, Overloaded
 from agent.frontdoor.admission import AdmissionQueue, Pending
 from agent.frontdoor.router import Router
 from agent.sim.fleet import READY, Fleet, WARM
 from agent.sim.trace import Workload
 
 COMPLETE = 0
+STEP = 2    # a SimReplica's step ended (after fleet.READY = 1)
 # request status codes in RunRecord.status
 WAITING, SERVED, SHED, EXPIRED = 0, 1, 2, 3
 PATH_WARM, PATH_QUEUED = 0, 1
@@ -101,6 +105,15 @@ class Simulation:
         self.path = np.zeros(n, dtype=np.int8)
         self.queued = 0
         self.busy_slot_s = 0.0
+        self.engines = fleet.engines if fleet.cfg.replica is not None else None
+        if self.engines is not None and (workload.prompt_tokens is None
+                                         or workload.output_tokens is None):
+            raise ConfigError("replicas at a measured speed need the workload's prompt and "
+                              "output tokens (a trace's); this workload has none",
+                              name="workload", value="no tokens", limit="prompt_tokens")
+        self._dispatched_s = np.zeros(n) if self.engines is not None else None
+        # prompt tokens per request for the router's prefill-queue accounting (profile mode)
+        self._prompt = workload.prompt_tokens.tolist() if self.engines is not None else None
 
     def schedule(self, t_s: float, kind: int, a: int, b: int) -> None:
         self._seq += 1
@@ -111,18 +124,59 @@ class Simulation:
         return len(self.queue) + (self._head is not None)
 
     # --- dispatch ------------------------------------------------------------------------
+    def _choose(self, i: int, need_tokens: int):
+        if self._prompt is None:
+            return self.router.choose(self.model, need_tokens)
+        return self.router.choose(self.model, need_tokens, self._prompt[i])
+
     def _dispatch(self, load, i: int, now: float) -> None:
         need = int(self.w.need_tokens[i])
-        self.router.on_dispatch(load.replica_id, need)
+        if self._prompt is None:
+            self.router.on_dispatch(load.replica_id, need)
+        else:
+            self.router.on_dispatch(load.replica_id, need, self._prompt[i])
         r = self.fleet.index[load.replica_id]
         self.fleet.busy[r] += 1
-        occ = float(self.w.occupancy_s[i])
-        self.busy_slot_s += occ
         self.in_flight += 1
         self.status[i] = SERVED
+        if self.engines is not None:
+            eng = self.engines[r]
+            eng.submit(i, int(self.w.prompt_tokens[i]), int(self.w.output_tokens[i]))
+            self._dispatched_s[i] = now
+            if not eng.stepping:
+                self._start_step(r, now)
+            return
+        occ = float(self.w.occupancy_s[i])
+        self.busy_slot_s += occ
         self.ttft_s[i] = now - float(self.w.arrival_s[i]) + float(self.w.prefill_s[i])
         self._seq += 1
         heapq.heappush(self.heap, (now + occ, self._seq, COMPLETE, r, i))
+
+    def _start_step(self, r: int, now: float) -> None:
+        eng = self.engines[r]
+        firsts, end_s = eng.start_step(now)
+        arrival = self.w.arrival_s
+        warm = self.fleet.state[r] == WARM
+        for req, t in firsts:
+            self.ttft_s[req] = t - float(arrival[req])
+            if warm:   # the front door sees the first token (at its time; accounting only)
+                self.router.on_first_token(self.fleet.ids[r], self._prompt[req])
+        self.schedule(end_s, STEP, r, eng.generation)
+
+    def _step_end(self, r: int, generation: int, t: float) -> None:
+        eng = self.engines[r]
+        if generation != eng.generation or not eng.stepping:
+            return
+        fleet, need = self.fleet, self.w.need_tokens
+        for req in eng.end_step():
+            self.in_flight -= 1
+            self.busy_slot_s += t - float(self._dispatched_s[req])
+            if fleet.state[r] == WARM:
+                self.router.on_complete(fleet.ids[r], int(need[req]), self._prompt[req])
+            fleet.on_complete(r)
+        if eng.busy:
+            self._start_step(r, t)
+        self._drain(t)
 
     def _expire(self) -> None:
         for p in self.queue.expire():
@@ -137,12 +191,11 @@ class Simulation:
         if self._head is None and not len(self.queue):
             return
         self._expire()
-        choose, model = self.router.choose, self.model
         while True:
             p = self._head if self._head is not None else self.queue.pop_earliest()
             if p is None:
                 return
-            load = choose(model, p.need_tokens)
+            load = self._choose(p.request_id, p.need_tokens)
             if load is None:
                 self._head = p
                 return
@@ -163,6 +216,7 @@ class Simulation:
         self.fleet._schedule = self.schedule
         choose, queue, model, router = self.router.choose, self.queue, self.model, self.router
         fleet = self.fleet
+        prompt = self._prompt
         ticks_t, warm_s, billed_s, depth_s = [], [], [], []
         next_tick = t0
         arrivals_in_tick = 0
@@ -190,12 +244,16 @@ class Simulation:
                 elif kind == READY:
                     if fleet.on_ready(a, b):
                         self._drain(t)
+                elif kind == STEP:
+                    self._step_end(a, b, t)
             elif next_tick <= t_arr:
                 if next_tick > self.end_s:
                     break
                 clock.set(next_tick)
                 self._expire()
                 self.controller.tick(next_tick, arrivals_in_tick, self)
+                if self.engines is not None:
+                    fleet.report_loads()     # the replicas' load reports, once a tick
                 self._drain(next_tick)
                 arrivals_in_tick = 0
                 ticks_t.append(next_tick - t0)
@@ -210,7 +268,8 @@ class Simulation:
                 arrivals_in_tick += 1
                 load = None
                 if self._head is None and not len(queue):
-                    load = choose(model, need[i])
+                    load = choose(model, need[i]) if prompt is None \
+                        else choose(model, need[i], prompt[i])
                 if load is not None:
                     self._dispatch(load, i, t_arr)
                 else:

@@ -15,11 +15,17 @@ Start-up tier, fastest first (ARCHITECTURE.md, "Tiers of warmth"): a SUSPENDED r
 resumes in ``suspended_s``; otherwise a snapshot restore takes ``restore_s`` when snapshots
 are in use; otherwise a cold boot takes ``naive_s``.  BOOTING, WARM and DRAINING replicas
 hold a GPU and are billed; SUSPENDED ones hold host RAM only (counted separately).
+
+How a replica serves: with ``FleetConfig.replica`` (a profile measured on the real engine,
+agent/sim/profile.py) each replica is a :class:`~agent.sim.replica.SimReplica` that batches
+and steps at that speed (``Fleet.engines``); without it, the design documents' fixed model: a
+request holds one slot for its ``occupancy_s`` (the document scenarios keep it).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -55,7 +61,24 @@ class StartupTimes:
         ``zygote_restore_s``, preferred), ``suspended_s``/``resume_s`` and ``naive_s``:
         each a number or a ``[low, high]`` pair.  Raises :class:`ConfigError` on negative or
         non-numeric values."""
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ConfigError(f"{path}: cannot read start-up times as JSON ({exc})",
+                              name="path", value=str(path), limit="a JSON file") from None
+        if isinstance(data, dict) and isinstance(data.get("startup"), dict):
+            data = data["startup"]          # an engine profile (bench/engine_profile.py)
+        return cls.from_dict(data, path, base)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: object = "start-up times",
+                  base: "StartupTimes | None" = None) -> "StartupTimes":
+        """:meth:`from_json` on an object already read (``where`` names it in errors)."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: start-up times must be an object, not "
+                              f"{type(data).__name__}", name="startup", value=type(data).__name__,
+                              limit="object")
+        path = where
         base = base or cls()
         picked = {
             "suspended_s": data.get("suspended_s", data.get("resume_s")),
@@ -68,7 +91,8 @@ class StartupTimes:
                 values[name] = getattr(base, name)
                 continue
             pair = tuple(raw) if isinstance(raw, (list, tuple)) else (raw, raw)
-            if len(pair) != 2 or not all(isinstance(v, (int, float)) and v >= 0 for v in pair) \
+            if len(pair) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                         and math.isfinite(v) and v >= 0 for v in pair) \
                     or pair[0] > pair[1]:
                 raise ConfigError(f"{path}: {name}={raw!r} must be a number >= 0 or [low, high]",
                                   name=name, value=raw, limit=">= 0")
@@ -92,6 +116,7 @@ class FleetConfig:
     suspended_ttl_s: float = 3600.0
     max_concurrent_starts: int = 0
     max_replicas: int = 10_000
+    replica: object = None   # agent.sim.profile.ReplicaProfile: replicas step at its speed
 
     def __post_init__(self) -> None:
         for name in ("seqs_per_replica", "kv_capacity_tokens", "max_replicas"):
@@ -119,6 +144,7 @@ class Fleet:
         self.gen: list[int] = []
         self.suspended_at: list[float] = []
         self.ids: list[str] = []
+        self.engines: list = []       # SimReplica per slot when cfg.replica is set
         self.index: dict[str, int] = {}
         self._pending_starts = 0
         self._booting = 0
@@ -187,6 +213,10 @@ class Fleet:
         self.gen.append(0)
         self.suspended_at.append(0.0)
         self.ids.append(rid)
+        if self.cfg.replica is not None:
+            from agent.sim.replica import SimReplica
+
+            self.engines.append(SimReplica(self.cfg.replica.speed, self.cfg.seqs_per_replica))
         self.index[rid] = i
         self.count[OFF] += 1
         return i
@@ -230,11 +260,30 @@ class Fleet:
         self._booting -= 1
         self._set(i, WARM)
         self.busy[i] = 0
+        if self.engines:
+            self.engines[i].reset()
         c = self.cfg
-        self.router.upsert(ReplicaLoad(self.ids[i], c.model, f"sim://{self.ids[i]}",
-                                       c.seqs_per_replica, 0, c.kv_capacity_tokens, 0))
+        load = ReplicaLoad(self.ids[i], c.model, f"sim://{self.ids[i]}",
+                           c.seqs_per_replica, 0, c.kv_capacity_tokens, 0)
+        if c.replica is not None:   # a replica reports its measured speed at once
+            load.speed = c.replica.speed
+        self.router.upsert(load)
         self._start_pending()
         return True
+
+    def report_loads(self) -> None:
+        """Each warm replica's load report (as a live replica's registry meta refreshes the
+        front door's view): its engine's queue and context replace the router's own
+        accounting for them; slots and KV stay the router's (dispatched requests)."""
+        for i, eng in enumerate(self.engines):
+            if self.state[i] != WARM:
+                continue
+            load = self.router.get(self.ids[i])
+            if load is not None:
+                rep = eng.report()
+                load.waiting_seqs = rep["waiting_seqs"]
+                load.queued_prefill_tokens = rep["queued_prefill_tokens"]
+                load.active_ctx_tokens = rep["active_ctx_tokens"]
 
     # --- scale-in ------------------------------------------------------------------------
     def _stop(self, i: int) -> None:

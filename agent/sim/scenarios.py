@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from agent.clock import ManualClock
+from agent.errors import ConfigError
 from agent.frontdoor.admission import AdmissionQueue
 from agent.frontdoor.router import Router
 from agent.sim.cost import DOC_REQUESTS_PER_DAY, summarise
@@ -342,17 +343,51 @@ def cost_scenario(shape: CostShape = CostShape(), startup: StartupTimes = Startu
             "sim_wall_s_per_sim_hour": wall / sim_h if sim_h else None}
 
 
+def profiled_workload(workload: Workload, replica, *, sla_s: float,
+                      token_scale: float = 1.0) -> tuple[Workload, dict]:
+    """``workload`` as replicas of ``replica`` (agent/sim/profile.py) serve it: tokens scaled
+    by ``token_scale`` and shrunk to fit a slot (:func:`~agent.sim.replica.fit_tokens`),
+    ``prefill_s`` and ``occupancy_s`` from the measured speed at the batch the replica sustains
+    within ``sla_s`` (:meth:`SpeedProfile.sustainable_concurrency`: capacity from measured
+    rates, not KV slots).  Returns the workload and what was derived (``sustainable_batch``,
+    ``requests_shrunk``, ``token_scale``)."""
+    from agent.sim.replica import fit_tokens, service_s
+
+    if workload.prompt_tokens is None or workload.output_tokens is None:
+        raise ConfigError("a replica profile needs the workload's tokens (a trace's)",
+                          name="workload", value="no tokens", limit="prompt_tokens")
+    sp = replica.speed
+    p, o, shrunk = fit_tokens(workload.prompt_tokens, workload.output_tokens,
+                              replica.max_seq_len, token_scale)
+    batch = sp.sustainable_concurrency(sla_s, float(p.mean()), float(o.mean()), replica.max_seqs)
+    occ = service_s(sp, p.astype(np.float64), o.astype(np.float64), batch)
+    w = Workload(workload.arrival_s, occ, sp.prefill_overhead_s + p / sp.prefill_tokens_per_s,
+                 p + o, workload.tenant, p, o)
+    return w, {"sustainable_batch": batch, "requests_shrunk": shrunk, "token_scale": token_scale,
+               "mean_prompt_tokens": float(p.mean()), "mean_output_tokens": float(o.mean())}
+
+
 def trace_scenario(workload: Workload, startup: StartupTimes = StartupTimes(), *,
                    sla_s: float = 4.0, seqs_per_replica: int = 80,
                    kv_capacity_tokens: int = 72_089, seed: int = 0, progress: bool = False,
-                   only: tuple[str, ...] | None = None) -> dict:
+                   only: tuple[str, ...] | None = None, replica=None,
+                   token_scale: float = 1.0) -> dict:
     """Replay a trace through the cost scenario's policies, sized from the trace itself.
 
     The always-on pool is sized for the trace's busiest 10 s; occupancy and KV need come
-    from its tokens (:class:`~agent.sim.trace.TokenTiming`).
+    from its tokens (:class:`~agent.sim.trace.TokenTiming`).  With ``replica`` (a
+    :class:`~agent.sim.profile.ReplicaProfile`) the replicas batch and step at its measured
+    speed with its slots (:func:`profiled_workload`; policies size by its sustainable batch),
+    and the run continues until the last request could have finished.
     """
     from agent.predictor.sizing import seqs_per_replica as kv_seqs
 
+    derived = {}
+    if replica is not None:
+        workload, derived = profiled_workload(workload, replica, sla_s=sla_s,
+                                              token_scale=token_scale)
+        seqs_per_replica = derived["sustainable_batch"]
+        kv_capacity_tokens = replica.kv_capacity_tokens
     duration = max(60.0, workload.duration_s)
     # sequences per replica are bounded by KV capacity at the trace's mean context
     seqs_per_replica = max(1, min(seqs_per_replica,
@@ -365,11 +400,15 @@ def trace_scenario(workload: Workload, startup: StartupTimes = StartupTimes(), *
                       kv_capacity_tokens=kv_capacity_tokens, seqs_per_replica=seqs_per_replica,
                       sla_s=sla_s)
     out, wall, sim_h = [], 0.0, 0.0
+    end_s = duration if replica is None else duration + float(workload.occupancy_s.max())
     for name, (cfg, make, initial) in cost_policies(shape, startup).items():
         if only and name not in only:
             continue
+        if replica is not None:  # the router's hard limit is the replica's slots
+            cfg = replace(cfg, replica=replica, seqs_per_replica=replica.max_seqs,
+                          kv_capacity_tokens=replica.kv_capacity_tokens)
         summary, rec, _ = run_workload(workload, cfg, make, max_wait_s=sla_s, sla_s=sla_s,
-                                       initial_replicas=initial, end_s=duration, seed=seed,
+                                       initial_replicas=initial, end_s=end_s, seed=seed,
                                        progress=progress)
         summary["name"] = name
         summary["series"] = {"t_s": rec.tick_t_s[::10].tolist(),
@@ -380,4 +419,7 @@ def trace_scenario(workload: Workload, startup: StartupTimes = StartupTimes(), *
         sim_h += rec.sim_s / 3600.0
     return {"scenario": "trace", "shape": shape.__dict__, "startup": startup.__dict__,
             "requests": len(workload), "policies": out, "doc": {},
+            "replica_profile": None if replica is None else {
+                "source": replica.source, "speed": replica.speed.to_dict(),
+                "max_seqs": replica.max_seqs, "max_seq_len": replica.max_seq_len, **derived},
             "sim_wall_s_per_sim_hour": wall / sim_h if sim_h else None}

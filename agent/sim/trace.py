@@ -57,7 +57,9 @@ class Workload:
     ``arrival_s`` float64 (seconds from the workload's origin), ``occupancy_s`` float64
     (seconds one request holds a sequence slot), ``prefill_s`` float64 (TTFT on a free
     replica), ``need_tokens`` int64 (KV tokens: prompt + output), ``tenant`` int16
-    (0 = the trace or the spiking tenant, 1 = background).
+    (0 = the trace or the spiking tenant, 1 = background).  ``prompt_tokens`` and
+    ``output_tokens`` int64, when known (a trace's tokens; None for the fixed-occupancy
+    synthetic workloads), let replicas at a measured speed (agent/sim/replica.py) run them.
     """
 
     arrival_s: np.ndarray
@@ -65,6 +67,13 @@ class Workload:
     prefill_s: np.ndarray
     need_tokens: np.ndarray
     tenant: np.ndarray
+    prompt_tokens: np.ndarray | None = None
+    output_tokens: np.ndarray | None = None
+
+    def _columns(self) -> tuple:
+        tokens = (self.prompt_tokens, self.output_tokens)
+        return (self.arrival_s, self.occupancy_s, self.prefill_s, self.need_tokens,
+                self.tenant) + (tokens if all(t is not None for t in tokens) else ())
 
     def __len__(self) -> int:
         return int(self.arrival_s.shape[0])
@@ -75,8 +84,7 @@ class Workload:
 
     def sorted(self) -> "Workload":
         order = np.argsort(self.arrival_s, kind="stable")
-        return Workload(self.arrival_s[order], self.occupancy_s[order], self.prefill_s[order],
-                        self.need_tokens[order], self.tenant[order])
+        return Workload(*(c[order] for c in self._columns()))
 
     def offered_concurrency(self, times_s: np.ndarray) -> np.ndarray:
         """Requests that would be in flight at each of ``times_s`` [T] if none waited or dropped.
@@ -266,7 +274,7 @@ def workload_from_rows(rows: TraceRows, timing: TokenTiming = TokenTiming()) -> 
     p, o = rows.context_tokens, rows.generated_tokens
     return Workload(rows.arrival_s.copy(), timing.occupancy_s(p, o).astype(np.float64),
                     timing.prefill_s(p).astype(np.float64), p + o,
-                    np.zeros(len(p), dtype=np.int16))
+                    np.zeros(len(p), dtype=np.int16), p.copy(), o.copy())
 
 
 def time_scale(w: Workload, speedup: float) -> Workload:
@@ -277,7 +285,7 @@ def time_scale(w: Workload, speedup: float) -> Workload:
     if not speedup > 0:
         raise InvalidTrace(f"time scale speedup={speedup} must be > 0", path=None, line=None,
                            field="speedup", value=speedup, limit="> 0")
-    return Workload(w.arrival_s / speedup, w.occupancy_s, w.prefill_s, w.need_tokens, w.tenant)
+    return Workload(w.arrival_s / speedup, *w._columns()[1:])
 
 
 def poisson_arrivals(rate_rps: np.ndarray, *, step_s: float, rng: np.random.Generator) -> np.ndarray:
@@ -310,10 +318,11 @@ def synthetic(rate_rps: np.ndarray, *, step_s: float, occupancy_s: float, prefil
 
 
 def mix(*workloads: Workload) -> Workload:
-    """Merge workloads (e.g. a trace and steady background traffic from other tenants)."""
-    return Workload(*(np.concatenate([getattr(w, f) for w in workloads])
-                      for f in ("arrival_s", "occupancy_s", "prefill_s", "need_tokens", "tenant"))
-                    ).sorted()
+    """Merge workloads (e.g. a trace and steady background traffic from other tenants); the
+    tokens are kept only when every part has them."""
+    width = min(len(w._columns()) for w in workloads)
+    return Workload(*(np.concatenate([w._columns()[k] for w in workloads])
+                      for k in range(width))).sorted()
 
 
 def background(duration_s: float, rate_rps: float, *, occupancy_s: float, prefill_s: float,

@@ -53,3 +53,40 @@ def test_bad_profile_is_a_config_error_naming_the_field(field, value):
     kwargs[field] = value
     with pytest.raises(ConfigError, match=field):
         SpeedProfile(**kwargs)
+
+
+def test_slot_wait_and_decode_rate():
+    base = P.predict_ttft_s(100, active_seqs=4, active_ctx_tokens=2000)
+    waited = P.predict_ttft_s(100, active_seqs=4, active_ctx_tokens=2000, slot_wait_steps=10)
+    assert waited - base == pytest.approx(10 * P.decode_step_s(4, 2000))
+    assert P.decode_tokens_per_s(4, 2000) == pytest.approx(1 / P.decode_step_s(4, 2000))
+    assert P.decode_tokens_per_s(0) == pytest.approx(1 / P.decode_base_s)
+
+
+def test_profile_file_round_trip_and_typed_refusals(tmp_path):
+    import json
+
+    from agent.speed import PROFILE_SCHEMA
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "speed": P.to_dict()}))
+    assert SpeedProfile.from_file(path) == P
+    cases = {
+        "schema": {"schema": "other/9", "speed": P.to_dict()},
+        "speed": {"schema": PROFILE_SCHEMA, "speed": [1, 2]},
+        "decode_base_s": {"schema": PROFILE_SCHEMA, "speed": {**P.to_dict(), "decode_base_s": -1}},
+    }
+    for name, data in cases.items():
+        path.write_text(json.dumps(data))
+        with pytest.raises(ConfigError) as err:
+            SpeedProfile.from_file(path)
+        assert err.value.name == name and str(path) in err.value.message
+    missing = {k: v for k, v in P.to_dict().items() if k != "prefill_overhead_s"}
+    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "speed": missing}))
+    with pytest.raises(ConfigError, match="prefill_overhead_s"):
+        SpeedProfile.from_file(path)
+    path.write_bytes(b"\xff not json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        SpeedProfile.from_file(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        SpeedProfile.from_file(tmp_path / "absent.json")

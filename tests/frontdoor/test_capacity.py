@@ -137,7 +137,7 @@ def test_a_node_answer_with_address_and_load_is_routable_at_once():
                                                "kv_capacity_tokens": 2048, "kv_used_tokens": 0}})
     assert reused.path == "warm_hit" and reused.replica.address == "127.0.0.1:9"
     assert _result({"replica": "up-r2", "path": "restore"}).replica is None   # via registry
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="'active_seqs'=None"):
         _result({"replica": "x", "model": "m", "address": "a:1", "load": {"max_seqs": 1}})
 
 

@@ -172,7 +172,9 @@ def test_queue_full_429_then_deadline_504_never_dispatched():
 def test_restore_serves_queued_requests_earliest_deadline_first_within_the_cap():
     async def main():
         cap = FakeCapacity(delay_s=0.1)
-        fd, _, host, port = await setup(replicas=0, capacity=cap, restores_per_model=2)
+        # default_max_seqs: the restored stubs' 64 slots, known before the first one is seen
+        fd, _, host, port = await setup(replicas=0, capacity=cap, restores_per_model=2,
+                                        default_max_seqs=64)
         c = await AsyncClient.connect(host, port)
         order = []
 
@@ -433,13 +435,13 @@ def test_measured_restore_p99_sets_default_deadlines_and_refuses_hopeless_waits(
         c = await AsyncClient.connect(host, port, max_retries=0)
         g = await c.generate("n", tokens=[1], max_tokens=1)
         assert g.done["path"] == "snapshot_restore"
-        assert fd._deadline_ms["n"] == 30_000.0       # 1.5 x p99, above the 5 s default
-        assert fd._deadline_ms["m"] == 5000.0         # configured models keep theirs
+        assert fd.path._deadline_ms["n"] == 30_000.0       # 1.5 x p99, above the 5 s default
+        assert fd.path._deadline_ms["m"] == 5000.0         # configured models keep theirs
         for rid in list(fd.router._replicas):         # the restored replicas go away
             fd.router.remove(rid)
-        with pytest.raises(Overloaded, match="expected wait") as err:
+        with pytest.raises(Overloaded, match="cannot start within 4000 ms") as err:
             await c.generate("n", tokens=[1], max_tokens=1)
-        assert err.value.retry_after_ms == 20_000     # p99 20 s > max_wait_s 10 s
+        assert err.value.retry_after_ms == 20_000     # restore p99 20 s > the 4 s restore SLO
         await c.close()
         await fd.stop()
     run(main())

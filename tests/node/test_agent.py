@@ -260,6 +260,7 @@ def test_in_process_replica_cannot_be_suspended(make_agent):
 
 def test_restore_answer_carries_the_load_and_the_cap_reuses_the_warm_replica(make_agent):
     from agent.errors import NoCapacity
+    from agent.speed import QUEUE_META_KEYS, SPEED_META_KEYS
     from agent.node.lifecycle import Lifecycle
     from agent.node.agent import ReplicaRecord
 
@@ -267,7 +268,8 @@ def test_restore_answer_carries_the_load_and_the_cap_reuses_the_warm_replica(mak
     first = agent.restore("tiny")
     assert first["path"] == "cold_boot" and first["address"]
     assert set(first["load"]) == {"max_seqs", "active_seqs", "kv_capacity_tokens",
-                                  "kv_used_tokens"}
+                                  "kv_used_tokens", *QUEUE_META_KEYS, *SPEED_META_KEYS}
+    assert all(isinstance(first["load"][k], float) for k in SPEED_META_KEYS)
     assert first["load"]["kv_capacity_tokens"] > 0 and first["load"]["active_seqs"] == 0
     again = agent.restore("tiny")
     assert (again["replica"], again["path"]) == (first["replica"], "warm")

@@ -1,0 +1,158 @@
+"""The replica's speed meter: it converges to a known speed (fake clock, fake forward with a
+known cost model), follows a change, shrugs off one outlier, and the engine reports its queue."""
+
+import math
+
+import pytest
+import torch
+
+from agent.replica.config import LlamaConfig
+from agent.replica.engine import Engine
+from agent.replica.speedmeter import DEFAULT_PRIOR, ForgettingLeastSquares, SpeedMeter, boot_profile
+from agent.speed import SPEED_META_KEYS, SpeedProfile
+
+TRUE = SpeedProfile(prefill_tokens_per_s=800.0, prefill_overhead_s=0.004, decode_base_s=0.012,
+                    decode_per_seq_s=0.0015, decode_per_ctx_token_s=2e-6)
+
+
+class FakeForward:
+    """A forward whose only effect is to move a fake clock by ``profile``'s cost: a call with
+    S > 1 is a prefill chunk (overhead + S / rate), S == 1 a decode step over B sequences whose
+    cached context is the sum of their positions.  Logits are zeros (greedy token 0)."""
+
+    def __init__(self, profile: SpeedProfile, vocab: int) -> None:
+        self.profile, self.vocab, self.now_s = profile, vocab, 0.0
+
+    def clock(self) -> float:
+        return self.now_s
+
+    def __call__(self, tokens, input_pos, cache_batch_idx, k_caches, v_caches):
+        b, s = tokens.shape
+        if s > 1:
+            self.now_s += self.profile.prefill_s(s)
+        else:
+            self.now_s += self.profile.decode_step_s(b, int(input_pos.sum()))
+        return torch.zeros((b, s, self.vocab))
+
+
+def fake_engine(tiny_dir, profile=TRUE, **kw):
+    config = LlamaConfig.from_dir(tiny_dir)
+    fwd = FakeForward(profile, config.vocab_size)
+    engine = Engine(config, None, max_seqs=8, max_seq_len=256, forward=fwd, clock=fwd.clock, **kw)
+    return engine, fwd
+
+
+def serve_mixed(engine, rounds=12):
+    """Batches of 1..8 prompts of 2..200 tokens, each generating 4..20 tokens."""
+    for r in range(rounds):
+        batch = 1 + r % 8
+        prompts = [[1] * (2 + (37 * (r + i)) % 199) for i in range(batch)]
+        engine.generate(prompts, 4 + (r * 5) % 17)
+
+
+def assert_close(got: SpeedProfile, want: SpeedProfile, rel: float, *,
+                 coefficients: bool = True) -> None:
+    """Predictions within ``rel`` over the range served, and the rates within ``rel``; the small
+    intercepts (a few ms under a term ten times larger) within ``rel`` of that larger term."""
+    for p in (2, 50, 200):
+        assert got.prefill_s(p) == pytest.approx(want.prefill_s(p), rel=rel,
+                                                 abs=rel * want.prefill_s(100)), p
+    for b, c in ((1, 10), (4, 400), (8, 1600)):
+        assert got.decode_step_s(b, c) == pytest.approx(want.decode_step_s(b, c), rel=rel), (b, c)
+    if not coefficients:
+        return
+    assert got.prefill_tokens_per_s == pytest.approx(want.prefill_tokens_per_s, rel=rel)
+    assert got.decode_per_seq_s == pytest.approx(want.decode_per_seq_s, rel=rel)
+    assert got.decode_base_s == pytest.approx(want.decode_base_s, rel=rel)
+    assert got.prefill_overhead_s == pytest.approx(want.prefill_overhead_s,
+                                                   abs=rel * want.prefill_s(100))
+    assert got.decode_per_ctx_token_s == pytest.approx(want.decode_per_ctx_token_s,
+                                                       abs=rel * want.decode_base_s / 1000)
+
+
+def test_forgetting_least_squares_recovers_a_line_and_keeps_the_prior_where_unexcited():
+    fit = ForgettingLeastSquares([0.0, 0.0], [1.0, 100.0], prior_weight=0.2, forget=0.98)
+    for x in range(1, 200):
+        fit.update([1.0, float(x % 50)], 0.5 + 0.01 * (x % 50))
+    assert fit.theta() == pytest.approx([0.5, 0.01], rel=0.02)  # a prior far off: ~1 % bias
+    flat = ForgettingLeastSquares([0.1, 7.0], [1.0, 1.0], prior_weight=0.2, forget=0.9)
+    for _ in range(500):   # only x = [1, 0]: the slope is never seen, it stays at the prior
+        flat.update([1.0, 0.0], 2.0)
+    # 10 samples' worth of data (1 / (1 - 0.9)) against a prior worth 0.2 of one
+    assert flat.theta()[0] == pytest.approx((10 * 2.0 + 0.2 * 0.1) / 10.2, rel=1e-3)
+    assert flat.theta()[1] == pytest.approx(7.0)
+    with pytest.raises(ValueError):
+        ForgettingLeastSquares([0.0], [1.0], forget=0.0)
+
+
+def test_meter_converges_to_the_engines_known_speed(tiny_dir):
+    engine, _ = fake_engine(tiny_dir)
+    assert not engine.meter.measured           # the generic prior is never reported
+    serve_mixed(engine)
+    meter = engine.meter
+    assert meter.measured and meter.prefill_samples == sum(1 + r % 8 for r in range(12))
+    assert_close(meter.profile(), TRUE, rel=0.02)
+    # and so predicts what it has not run: B=8 over 3,000 cached tokens
+    assert meter.profile().decode_step_s(8, 3000) == pytest.approx(TRUE.decode_step_s(8, 3000),
+                                                                   rel=0.02)
+
+
+def test_meter_follows_a_slowdown_and_clips_one_outlier(tiny_dir):
+    engine, fwd = fake_engine(tiny_dir)
+    serve_mixed(engine)
+    slow = SpeedProfile(**{k: getattr(TRUE, k) * (0.5 if k == "prefill_tokens_per_s" else 2.0)
+                           for k in SPEED_META_KEYS})
+    fwd.profile = slow                          # a neighbour took half the CPU
+    serve_mixed(engine, rounds=60)
+    # what it predicts has moved to the new speed (B and C rise together in this traffic, so
+    # the split between per-sequence and per-context cost is the slowest part to follow)
+    assert_close(engine.meter.profile(), slow, rel=0.05, coefficients=False)
+    before = engine.meter.profile().decode_base_s
+    engine.meter.observe_decode(1, 10, 100.0)   # one 100 s step (a pause), not a new speed
+    assert engine.meter.profile().decode_base_s < 1.1 * before
+    n = engine.meter.decode_samples
+    engine.meter.observe_decode(1, 10, math.nan)  # a broken reading is no sample
+    engine.meter.observe_decode(1, 10, -1.0)
+    assert engine.meter.decode_samples == n
+
+
+def test_recorded_prior_is_reported_at_once_and_boot_profile_measures(tiny_dir):
+    assert SpeedMeter(TRUE, measured_prior=True).measured
+    assert SpeedMeter(TRUE, measured_prior=True).profile() == TRUE
+    engine, _ = fake_engine(tiny_dir)
+    taken = boot_profile(engine)
+    assert taken["prefill"] == 2 + 4 and taken["decode"] == 3 * 3
+    assert engine.meter.measured and not engine.busy
+    # three (B, C) points pin the decode model; two prompt lengths the prefill one
+    got = engine.meter.profile()
+    for b, c in ((1, 18), (1, 130), (4, 70)):
+        assert got.decode_step_s(b, c) == pytest.approx(TRUE.decode_step_s(b, c), rel=0.02)
+    for n in (16, 128):
+        assert got.prefill_s(n) == pytest.approx(TRUE.prefill_s(n), rel=0.05)  # 6 samples
+
+
+def test_engine_load_and_predicted_ttft_follow_the_queue(tiny_dir):
+    engine, _ = fake_engine(tiny_dir, meter=SpeedMeter(TRUE, measured_prior=True))
+    engine.meter.observe_prefill = lambda *a: None    # keep the known profile fixed
+    engine.meter.observe_decode = lambda *a: None
+    assert engine.predict_ttft_s(100) == pytest.approx(TRUE.prefill_s(100))
+    ids = [engine.submit([1] * 50, max_tokens=5 + i) for i in range(8)]  # fills all 8 slots
+    engine.submit([1] * 30, max_tokens=5)                                   # waits
+    cap = engine.capacity()
+    assert (cap["waiting_seqs"], cap["queued_prefill_tokens"], cap["active_ctx_tokens"]) == (9, 430, 0)
+    engine.step()                 # 8 admitted (prefill + one decode), one still waiting
+    load = engine.load
+    assert (load.active_seqs, load.waiting_seqs, load.active_ctx_tokens) == (8, 1, 8 * 51)
+    assert load.remaining_tokens == tuple(5 + i - 2 for i in range(8))
+    # a new request waits for two sequences to end (the waiting one takes the first slot)
+    step = TRUE.decode_step_s(8, 8 * 51)
+    want = step * (1 + load.remaining_tokens[1]) + 1 * TRUE.prefill_overhead_s \
+        + 30 / TRUE.prefill_tokens_per_s + TRUE.prefill_s(20)
+    assert engine.predict_ttft_s(20) == pytest.approx(want)
+    for i in ids:
+        engine.cancel(i)
+    assert engine.load.active_seqs == 0 and engine.load.waiting_seqs == 1
+
+
+def test_default_prior_is_a_valid_profile():
+    assert SpeedProfile.from_meta(DEFAULT_PRIOR.to_meta()) == DEFAULT_PRIOR
