@@ -19,6 +19,7 @@ from typing import Any
 
 from agent.clock import Clock
 from agent.errors import ConfigError, Overloaded
+from agent.speed import SpeedProfile
 
 
 @dataclass(eq=False)  # identity: a queued request is a thing, not a value (hashable)
@@ -164,28 +165,35 @@ def capacity_etas_s(now_s: float, started_s: list[float], p50_s: float | None,
     measured restore quantiles on the tier it restores from (None: not measured yet, taken
     as 0: the first restore is asked for, and a late one is a counted 504); ``startable``:
     restores that could still start now.  A restore in flight is due ``started + p99``; one
-    already past it is in the tail, and is given ``p99 - p50`` more (the measured spread)."""
+    already past it is in the tail, and is given the larger of ``p99 - p50`` (the measured
+    spread) and its overrun so far."""
     p99 = p99_s or 0.0
     spread = max(0.0, p99 - (p50_s or p99))
     etas = []
     for t0 in started_s:
         due = t0 + p99
-        etas.append(due if due > now_s else now_s + spread)
+        # overdue: in the tail; at least the measured spread more, and as long again as it
+        # has overrun (so a restore that hangs is not "due any moment" for ever)
+        etas.append(due if due > now_s else now_s + max(spread, now_s - due))
     etas.extend([now_s + p99] * max(0, startable))
     etas.sort()
     return etas
 
 
 def slot_times_s(frees_s: list[float], etas_s: list[float], per_replica: int,
-                 prefill_s: float) -> list[float]:
-    """Clock times (s) at which a queued request can start, one entry per request, soonest
-    first: a slot freed at each of ``frees_s`` (a warm replica's sequence that ends), and
-    ``per_replica`` slots on each new replica due at ``etas_s`` (its sustainable concurrency
-    at the SLO), the j-th of which starts after the j prefills ahead of it (``prefill_s``
-    each, the model's mean prompt)."""
+                 speed: SpeedProfile, mean_prompt_tokens: float) -> list[float]:
+    """Clock times (s) at which a queued request can start its own prefill, one entry per
+    request, soonest first: a slot freed at each of ``frees_s`` (a warm replica's sequence
+    that ends, already including the decode step then in progress), and ``per_replica``
+    slots on each new replica due at ``etas_s`` (its sustainable concurrency at the SLO): the
+    j-th waits for the step of the j before it and their prefills (``mean_prompt_tokens``
+    each), as :meth:`SpeedProfile.predict_ttft_s` counts them."""
     slots = list(frees_s)
-    for eta in etas_s:
-        slots.extend(eta + j * prefill_s for j in range(max(1, per_replica)))
+    base = speed.prefill_s(0)
+    for j in range(max(1, per_replica)):
+        wait_s = speed.predict_ttft_s(0, active_seqs=j, waiting_seqs=j,
+                                      queued_prefill_tokens=int(j * mean_prompt_tokens)) - base
+        slots.extend(eta + wait_s for eta in etas_s)
     slots.sort()
     return slots
 

@@ -31,6 +31,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-queue-depth", type=positive_int, default=1024)
     p.add_argument("--max-wait-s", type=positive_float, default=60.0)
     p.add_argument("--max-connections", type=positive_int, default=4096)
+    p.add_argument("--drain-grace-s", type=positive_float, default=30.0,
+                   help="on SIGTERM, streams in flight finish within this; new requests get "
+                        "503 + retry_after_ms meanwhile (match systemd TimeoutStopSec, Nomad "
+                        "kill_timeout)")
     p.set_defaults(func=_serve)
 
     g = subparsers.add_parser("generate", help="send one prompt to a front door")
@@ -103,7 +107,8 @@ def _serve(args) -> int:
         announcer = ConsulTcpAnnouncer(consul_client(args.consul))
     config = FrontDoorConfig(host=args.host, port=args.port, models=models,
                              max_queue_depth=args.max_queue_depth, max_wait_s=args.max_wait_s,
-                             max_connections=args.max_connections)
+                             max_connections=args.max_connections,
+                             drain_grace_s=args.drain_grace_s)
 
     async def run() -> None:
         fd = FrontDoor(config, registry=registry, capacity=capacity,

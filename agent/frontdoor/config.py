@@ -50,6 +50,7 @@ class FrontDoorConfig:
     close_linger_s: float = 2.0     # closing: drain unread input this long (no reset) ...
     close_linger_bytes: int = 4 << 20  # ... or this many bytes, whichever comes first
     tick_s: float = 0.005          # queue expiry resolution
+    recheck_s: float = 0.02        # queued requests' predictions re-checked this often
     sweep_s: float = 0.25          # idle / slow-frame checks
     registry_poll_s: float = 0.5   # polling period (registries without blocking queries)
     registry_wait_s: float = 5.0   # longest blocking query (Consul)
@@ -87,7 +88,7 @@ class FrontDoorConfig:
                 raise ConfigError(f"FrontDoorConfig {name}={value!r} must be an int >= 1",
                                   name=name, value=value, limit=1)
         for name in ("default_deadline_ms", "deadline_per_restore_p99", "max_wait_s",
-                     "idle_timeout_s", "frame_deadline_s", "close_linger_s", "tick_s",
+                     "idle_timeout_s", "frame_deadline_s", "close_linger_s", "tick_s", "recheck_s",
                      "sweep_s", "registry_poll_s", "registry_wait_s", "warm_slo_ms",
                      "restore_slo_ms", "drain_grace_s", "accept_log_interval_s"):
             value = getattr(self, name)

@@ -19,7 +19,9 @@ from agent.errors import ProtocolError, Unauthorized
 from agent.frontdoor.auth import TokenAuth
 from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.links import Batched, nodelay, packb
-from agent.frontdoor.request_path import Flight, GenerateRequest, RequestPath
+from agent.frontdoor.listener import Listener
+from agent.frontdoor.request import Flight, GenerateRequest
+from agent.frontdoor.request_path import RequestPath
 from agent.protocol import PROTOCOL_VERSION, Decoder, error_message, reply_id, validate_request
 
 
@@ -56,27 +58,54 @@ class MsgpackEntrance:
                  auth: TokenAuth) -> None:
         self.path, self.config, self.clock, self.auth = path, config, clock, auth
         self.conns: set[ClientConn] = set()
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: Listener | None = None
+        self._starting = 0  # accepted sockets whose connection is being set up
 
     async def listen(self, host: str, port: int) -> tuple[str, int]:
-        """Start listening; returns the bound ``(host, port)``."""
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: ClientConn(self), host, port, backlog=1024, reuse_address=True)
-        return self.address
+        """Start listening (:class:`~agent.frontdoor.listener.Listener`: a connection past
+        the cap, or at the descriptor limit, is answered 429 and closed); returns the bound
+        ``(host, port)``."""
+        self._listener = Listener(
+            host, port, max_connections=self.config.max_connections,
+            reserve=self.config.fd_reserve, clock=self.clock,
+            refusal=packb(error_message(None, 429, "too many connections: the front door is "
+                                        "at its descriptor limit", retry_after_ms=1000)),
+            on_socket=self._on_socket, in_use=self._in_use,
+            log_interval_s=self.config.accept_log_interval_s)
+        return self._listener.start()
+
+    def _in_use(self) -> int:
+        """Descriptors counted against the connection cap: client connections (and those
+        being set up) and replica links."""
+        return len(self.conns) + self._starting + len(self.path.links)
+
+    def _on_socket(self, sock, over_cap: bool) -> None:
+        self._starting += 1
+
+        async def start() -> None:
+            try:
+                await asyncio.get_running_loop().connect_accepted_socket(
+                    lambda: ClientConn(self, over_cap), sock)
+            except OSError:
+                sock.close()
+            finally:
+                self._starting -= 1
+        asyncio.get_running_loop().create_task(start())
 
     @property
     def address(self) -> tuple[str, int]:
-        return self._server.sockets[0].getsockname()[:2]
+        return self._listener.address
 
     def close_listener(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     # --- connections -----------------------------------------------------------------
 
-    def accept(self, conn: "ClientConn") -> bool:
-        if len(self.conns) >= self.config.max_connections:
+    def accept(self, conn: "ClientConn", over_cap: bool = False) -> bool:
+        """Take ``conn`` into the set, unless it is past the cap (it is answered 429)."""
+        if over_cap or len(self.conns) >= self.config.max_connections:
             return False
         self.conns.add(conn)
         return True
@@ -91,6 +120,8 @@ class MsgpackEntrance:
 
     def sweep(self) -> None:
         """Close idle connections and cut off frames that take too long to arrive."""
+        if self._listener is not None:
+            self._listener.tick()
         cfg = self.config
         now = self.clock.now()
         for conn in list(self.conns):
@@ -167,9 +198,10 @@ class ClientConn(Batched):
     kernel does not reset the connection (and lose the answers) over unread input.
     """
 
-    def __init__(self, door: "MsgpackEntrance") -> None:
+    def __init__(self, door: "MsgpackEntrance", over_cap: bool = False) -> None:
         super().__init__()
         self.door = door
+        self.over_cap = over_cap
         self.decoder = Decoder(door.config.limits)
         self.last_active_s = door.clock.now()
         self.frame_start_s: float | None = None  # when the current partial frame began
@@ -185,7 +217,7 @@ class ClientConn(Batched):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         nodelay(transport)
-        if not self.door.accept(self):
+        if not self.door.accept(self, self.over_cap):
             self.send(packb(error_message(None, 429, "too many connections",
                                            retry_after_ms=1000)))
             self.end()

@@ -34,137 +34,26 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from agent.clock import Clock
 from agent.cluster.base import ServiceInstance
-from agent.errors import Overloaded, RewarmError
-from agent.frontdoor.admission import (AdmissionQueue, Pending, capacity_etas_s, queued_ttft_s,
-                                       slot_times_s)
+from agent.errors import Overloaded
+from agent.frontdoor.admission import AdmissionQueue, Pending
+from agent.frontdoor.planner import QueuePlanner
+from agent.frontdoor.request import SAMPLING_FIELDS, Flight, GenerateRequest, Sink
+from agent.frontdoor.restores import Restores
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.links import ReplicaLink
 from agent.frontdoor.router import ReplicaLoad, Router
-from agent.protocol import PROTOCOL_VERSION
 from agent.telemetry import Telemetry
+
+__all__ = ["RequestPath", "GenerateRequest", "Sink", "Flight", "SAMPLING_FIELDS"]
 
 log = logging.getLogger(__name__)
 
-# Sampling fields a request may carry, forwarded to the replica when set (contract point 6).
-SAMPLING_FIELDS = ("seed", "stop", "temperature", "top_p", "top_k")
-
-
-@dataclass(slots=True)
-class GenerateRequest:
-    """One validated ``generate`` request, whichever entrance it came through.
-
-    ``request_id``: the client's id (telemetry, logs); ``tokens`` ([int], the prompt's token
-    ids) or ``prompt`` (text; the replica tokenizes it), exactly one; ``max_tokens``: tokens
-    to generate (>= 1); ``deadline_ms``: the client's TTFT deadline counted from arrival, or
-    None for the model's default; ``tenant``: who sent it (None without auth).  Sampling
-    fields (None: the replica's default) are forwarded as they are.
-    """
-
-    request_id: Any
-    model: str
-    tokens: list[int] | None
-    prompt: str | None
-    max_tokens: int
-    deadline_ms: float | None = None
-    tenant: str | None = None
-    seed: int | None = None
-    stop: list | None = None          # token ids (and, where the replica supports it, strings)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-
-    @classmethod
-    def from_message(cls, message: dict, tenant: str | None = None) -> "GenerateRequest":
-        """From a ``generate`` map already checked by :func:`agent.protocol.validate_request`."""
-        get = message.get
-        return cls(message["id"], message["model"], get("tokens"), get("prompt"),
-                   message["max_tokens"], get("deadline_ms"), tenant, get("seed"), get("stop"),
-                   get("temperature"), get("top_p"), get("top_k"))
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt length in tokens: exact for ``tokens``; for text ~3 characters per BPE token
-        (an overestimate for English with a byte-level BPE vocabulary)."""
-        return len(self.tokens) if self.tokens is not None else len(self.prompt or "") // 3 + 1
-
-    def replica_message(self) -> dict:
-        """The ``generate`` map sent to a replica (its ``id`` is set by the link)."""
-        msg = {"v": PROTOCOL_VERSION, "op": "generate", "model": self.model,
-               "max_tokens": self.max_tokens}
-        if self.tokens is not None:
-            msg["tokens"] = self.tokens
-        else:
-            msg["prompt"] = self.prompt
-        if self.seed is not None:
-            msg["seed"] = self.seed
-        if self.stop is not None:
-            msg["stop"] = self.stop
-        if self.temperature is not None:
-            msg["temperature"] = self.temperature
-        if self.top_p is not None:
-            msg["top_p"] = self.top_p
-        if self.top_k is not None:
-            msg["top_k"] = self.top_k
-        return msg
-
-
-class Sink(Protocol):
-    """Where one request's answers go (an entrance's adapter).  Exactly one of :meth:`done`
-    or :meth:`error` is called, last; none after the request was cancelled."""
-
-    def tokens(self, message: dict) -> None:
-        """A chunk: ``{"type": "tokens", "tokens": [int], "text"?: str}`` (its ``id`` is the
-        replica link's own: the sink puts its client's id in)."""
-        ...
-
-    def done(self, message: dict) -> None:
-        """The end: ``{"type": "done", "n_tokens", "text"?, "ttft_ms", "total_ms", "path",
-        "replica", "queue_wait_ms"}`` (times measured here, from arrival)."""
-        ...
-
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
-        """A refusal or failure: HTTP-like ``code`` (400..504), ``reason`` naming the value
-        and the limit, ``retry_after_ms`` with 429 and 503."""
-        ...
-
-
-class Flight:
-    """One request inside the front door, from submit to its final answer (or cancel)."""
-
-    __slots__ = ("owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
-                 "prompt_tokens", "path", "restore_ms", "queue_wait_ms", "replica_id",
-                 "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried")
-
-    def __init__(self, owner: "RequestPath", req: GenerateRequest, sink: Sink,
-                 arrival_s: float) -> None:
-        self.owner, self.req, self.sink, self.model = owner, req, sink, req.model
-        self.arrival_s = arrival_s
-        self.deadline_s = arrival_s
-        self.need_tokens = 0
-        self.prompt_tokens = 0
-        self.predicted_ttft_s: float | None = None  # from arrival, when it was last placed
-        self.tried: set[str] | None = None          # replicas that refused it (429)
-        self.path = "warm_hit"
-        self.restore_ms: float | None = None
-        self.queue_wait_ms = 0.0
-        self.replica_id = ""
-        self.replica_rid = 0
-        self.ttft_s: float | None = None
-        self.pending: Pending | None = None
-        self.over = False  # answered (done/error) or cancelled
-
-    def cancel(self) -> None:
-        """The client went away: forget this request (no answer is sent)."""
-        self.owner.cancel(self)
-
-
-class RequestPath:
+class RequestPath(QueuePlanner, Restores):
     """Owns the router, the admission queues, the replica links and the capacity requests;
     :meth:`submit` is the one way in."""
 
@@ -190,13 +79,15 @@ class RequestPath:
                        "replica_429": 0}
         self._shape: dict[str, list[float]] = {}   # model -> [mean prompt, mean max_tokens]
         self._max_seqs: dict[str, int] = {}        # model -> largest replica's slots seen
-        self._recheck_at: dict[str, float] = {}    # model -> when a restore in flight is due
-        self._slot_cache: dict[str, tuple[float, list[float], list[float]]] = {}
+        self._rechecked_s: dict[str, float] = {}   # model -> when its queue was last re-checked
+        self._slot_cache: dict[str, tuple[float, list, list[float]]] = {}
+        self._first_seen: dict[str, float] = {}    # replica id -> when it entered the view
         self._event_kw = _keywords(telemetry.event)
         self.arrivals: dict[str, int] = {}  # generate requests per model (predictor input)
         self.queued_models: set[str] = set()
         self._upserted: dict[str, float] = {}  # replica id -> when a restore reported it
         self.stopping = False
+        self._drain_until_s: float | None = None
 
     # --- the way in ------------------------------------------------------------------
 
@@ -208,8 +99,10 @@ class RequestPath:
         flight = Flight(self, req, sink, now)
         model = req.model
         if self.stopping:
-            self._fail(flight, 503, "front door shutting down: not taking new requests",
-                       retry_after_ms=1000)
+            left_s = (self._drain_until_s or now) - now
+            self._fail(flight, 503, "front door shutting down (draining): not taking new "
+                       "requests; another front door takes them",
+                       retry_after_ms=max(1, round(max(left_s, 1.0) * 1000)))
             return flight
         if model not in self.known_models:  # (not counted by model: names are the client's)
             self._fail(flight, 404, f"unknown model {model!r}")
@@ -223,7 +116,7 @@ class RequestPath:
         shape[0] += (prompt - shape[0]) * _SHAPE_GAIN
         shape[1] += (req.max_tokens - shape[1]) * _SHAPE_GAIN
         warm_s, restore_s = self._budgets_s(model, req.deadline_ms)
-        flight.deadline_s = now + warm_s
+        flight.deadline_s = flight.warm_deadline_s = now + warm_s
         queue = self.queues.get(model)
         found = None
         if not queue:
@@ -264,22 +157,26 @@ class RequestPath:
             queue = self.queues[model] = AdmissionQueue(
                 model, clock=self.clock, max_depth=self.config.max_queue_depth,
                 max_wait_s=self.config.max_wait_s)
-        slots, etas = self._slots(model, now)
-        ttft_s = queued_ttft_s(now, slots, len(queue),
-                               self.router.prior(model).prefill_s(flight.prompt_tokens))
-        if ttft_s is None or now + ttft_s > flight.deadline_s:
+        # the queue ahead (earlier deadlines) takes its slots first
+        ahead = [p.payload for p in queue.ordered() if p.deadline_s <= flight.deadline_s] \
+            if len(queue) <= _EXACT_QUEUE else []
+        # Admitted with a margin: one decode step at a full batch (the slot model's quantum
+        # of error) and one re-check interval, so that a small error is a 429 now, not later.
+        margin_s = self.config.recheck_s + self.router.prior(model).decode_step_s(
+            self._max_seqs.get(model, 0) or self.config.default_max_seqs)
+        predicted, slots = self._assign(model, ahead + [flight], now, margin_s)
+        ttft_s = predicted[-1]
+        if ttft_s is None:
             left_ms = (flight.deadline_s - now) * 1000.0
             warm = ("no warm replica with a free slot" if warm_pred_s is None else
                     f"best warm replica predicted {warm_pred_s * 1000:.0f} ms")
-            cap = ("no capacity in sight" if ttft_s is None else
-                   f"waiting for capacity predicted {ttft_s * 1000:.0f} ms")
+            cap = "no capacity in sight can start it in time"
             retry_ms = max(1, round(((slots[0] if slots else now + 1.0) - now) * 1000))
             self.counts["shed_429"] += 1
             self._fail(flight, 429, f"model {model!r}: cannot start within {left_ms:.0f} ms "
                        f"(the TTFT SLO from arrival): {warm}, {cap}, "
-                       f"{len(queue)} queued ahead", retry_after_ms=retry_ms,
-                       predicted_ttft_ms=None if ttft_s is None else ttft_s * 1000.0)
-            if not self.gate.in_flight.get(model) and not self.router.warm(model):
+                       f"{len(queue)} queued ahead", retry_after_ms=retry_ms)
+            if not self.gate.in_flight.get(model) and now >= self._capped_until.get(model, 0.0):
                 self._restore_for(model, 1)  # demand seen: capacity for the next ones
             return
         flight.predicted_ttft_s = now - flight.arrival_s + ttft_s
@@ -296,51 +193,6 @@ class RequestPath:
         self.queued_models.add(model)
         self.telemetry.queue_depth(model, len(queue))
         self._maybe_restore(model)
-
-    def _etas_s(self, model: str, now: float) -> list[float]:
-        """When new replicas of ``model`` are expected (restores in flight, and those that
-        could start now), soonest first (:func:`capacity_etas_s`)."""
-        p99, p50 = self.restore_times.p99_ms(model), self.restore_times.p50_ms(model)
-        startable = self.gate.room(model) if self.capacity is not None else 0
-        return capacity_etas_s(now, self.gate.started_s.get(model, []),
-                               None if p50 is None else p50 / 1000.0,
-                               None if p99 is None else p99 / 1000.0, startable)
-
-    def _slots(self, model: str, now: float) -> tuple[list[float], list[float]]:
-        """(slot times, restore ETAs) for ``model``'s queue (:func:`slot_times_s`): the
-        expected end of each request at its warm replicas (dispatch + predicted TTFT +
-        max_tokens decode steps at the replica's batch) and the new replicas' slots.
-        Cached for ``tick_s`` (a burst of arrivals shares one computation)."""
-        cached = self._slot_cache.get(model)
-        if cached is not None and now - cached[0] < self.config.tick_s:
-            return cached[1], cached[2]
-        prior = self.router.prior(model)
-        frees = []
-        for load in self.router.warm(model):
-            link = self.links.get(load.replica_id)
-            if link is None or not link.in_flight:
-                continue
-            step_s = (load.speed or prior).decode_step_s(max(1, load.active_seqs),
-                                                         load.active_ctx_tokens)
-            for f in link.in_flight.values():
-                end = f.arrival_s + (f.predicted_ttft_s or 0.0) + f.req.max_tokens * step_s
-                frees.append(end if end > now else now + step_s)
-        etas = self._etas_s(model, now)
-        mean_prompt = self._shape.get(model, (1.0, 1.0))[0]
-        slots = slot_times_s(frees, etas, self._per_replica(model),
-                             prior.prefill_s(int(mean_prompt)))
-        self._slot_cache[model] = (now, slots, etas)
-        return slots, etas
-
-    def _per_replica(self, model: str) -> int:
-        """Requests one new replica of ``model`` serves within the warm SLO: its sustainable
-        concurrency (agent/speed.py) at the model's mean prompt and max_tokens, with the
-        model's prior speed, within the largest replica's slots seen."""
-        prompt, gen = self._shape.get(model, (1.0, 1.0))
-        max_seqs = self._max_seqs.get(model, 0) or max(
-            (r.max_seqs for r in self.router.warm(model)), default=self.config.default_max_seqs)
-        return self.router.prior(model).sustainable_concurrency(
-            self.config.slo_s(model)[0], prompt, gen, max_seqs)
 
     def cancel(self, flight: Flight) -> None:
         """Forget ``flight`` (its client is gone): out of its queue, or cancelled at the
@@ -382,7 +234,8 @@ class RequestPath:
         self.router.on_dispatch(replica.replica_id, flight.need_tokens, flight.prompt_tokens)
         self.counts["dispatched"] += 1
         message = flight.req.replica_message()
-        message["deadline_ms"] = max(1.0, (flight.deadline_s - now) * 1000.0)
+        message["deadline_ms"] = max(1.0, (self._deadline_for(flight, replica.replica_id)
+                                           - now) * 1000.0)
         flight.replica_rid = link.dispatch(flight, message)
 
     def _connect(self, replica: ReplicaLoad) -> ReplicaLink:
@@ -470,12 +323,13 @@ class RequestPath:
             load.penalty_s = max(load.penalty_s, theirs / 1000.0 - ours_s)
         flight.tried = (flight.tried or set()) | {link.replica_id}
         now = self.clock.now()
-        found = self.router.choose_predicted(flight.model, flight.need_tokens,
-                                             flight.prompt_tokens, flight.tried)
-        if found is not None and now + found[1] <= flight.deadline_s:
+        found = self._choose_in_time(flight, now)
+        if found is not None:
             self._dispatch(flight, found[0], found[1])
             return
         if self.capacity is not None:
+            warm_s, restore_s = self._budgets_s(flight.model, flight.req.deadline_ms)
+            flight.deadline_s = flight.arrival_s + restore_s
             self._hold(flight, None if found is None else found[1])
             return
         self.counts["shed_429"] += 1
@@ -498,6 +352,7 @@ class RequestPath:
         if self.links.get(link.replica_id) is link:
             del self.links[link.replica_id]
         self.router.remove(link.replica_id)
+        self._slot_cache.clear()
         failed, link.in_flight = list(link.in_flight.values()), {}
         for flight in failed:
             self._fail(flight, 503, reason, path=flight.path)
@@ -524,42 +379,55 @@ class RequestPath:
     # --- queues and restores ---------------------------------------------------------
 
     def _drain(self, model: str) -> None:
-        """Dispatch queued requests earliest deadline first while a replica can start the
-        head within its deadline."""
+        """Dispatch queued requests earliest deadline first while a replica can start them
+        within their deadlines.  A request that no replica can take now (its warm deadline
+        passed, its restore not in) does not hold back the ones behind it: up to
+        ``_DRAIN_SKIP`` such are passed over."""
         queue = self.queues[model]
         now = self.clock.now()
         restored = self.last_restore.get(model)
         while queue:
             head = queue.peek()
-            flight: Flight = head.payload
-            found = self.router.choose_predicted(model, head.need_tokens, flight.prompt_tokens,
-                                                 flight.tried or frozenset())
-            if found is None or now + found[1] > head.deadline_s:
+            found = self._choose_in_time(head.payload, now)
+            if found is None:
+                self._drain_past_heads(queue, now, restored)
                 break
             queue.pop_earliest()
-            flight.pending = None
-            flight.queue_wait_ms = (now - flight.arrival_s) * 1000.0
-            if restored is not None and restored[0] >= flight.arrival_s:
-                flight.path, flight.restore_ms = restored[1], restored[2]
-            self._dispatch(flight, found[0], found[1])
+            self._send_queued(head.payload, found, now, restored)
         self.telemetry.queue_depth(model, len(queue))
+
+    def _drain_past_heads(self, queue: AdmissionQueue, now: float, restored) -> None:
+        for p in queue.ordered()[1:_DRAIN_SKIP + 1]:
+            if not self.router.choose(p.model, p.need_tokens):
+                return                                   # no slot anywhere: nothing to do
+            found = self._choose_in_time(p.payload, now)
+            if found is None:
+                continue
+            queue.cancel(p)                              # out of the heap (lazily)
+            self._send_queued(p.payload, found, now, restored)
+
+    def _send_queued(self, flight: Flight, found: tuple[ReplicaLoad, float], now: float,
+                     restored) -> None:
+        flight.pending = None
+        flight.queue_wait_ms = (now - flight.arrival_s) * 1000.0
+        if restored is not None and restored[0] >= flight.arrival_s:
+            flight.path, flight.restore_ms = restored[1], restored[2]
+        self._dispatch(flight, found[0], found[1])
 
     def _recheck(self, model: str) -> None:
         """Refuse (429) every queued request whose prediction has gone bad: the capacity in
-        sight now (restores failed, or late) cannot start it before its deadline."""
+        sight now (restores failed or late, sequences running longer than estimated) cannot
+        start it before its deadline."""
         queue = self.queues.get(model)
         if not queue:
             return
         now = self.clock.now()
         self._slot_cache.pop(model, None)
-        slots, etas = self._slots(model, now)
-        prior = self.router.prior(model)
-        ahead = 0
-        for p in queue.ordered():
+        held = queue.ordered()
+        predicted, slots = self._assign(model, [p.payload for p in held], now)
+        for p, ttft_s in zip(held, predicted):
             flight: Flight = p.payload
-            ttft_s = queued_ttft_s(now, slots, ahead, prior.prefill_s(flight.prompt_tokens))
-            if ttft_s is not None and now + ttft_s <= p.deadline_s:
-                ahead += 1
+            if ttft_s is not None:
                 continue
             queue.cancel(p)
             self.counts["shed_429"] += 1
@@ -571,111 +439,13 @@ class RequestPath:
                                                    * 1000)))
         self.telemetry.queue_depth(model, len(queue))
 
-    def _maybe_restore(self, model: str) -> None:
-        """Ask for the replicas the queue needs: its length over one replica's measured
-        sustainable concurrency at the SLO (:meth:`_per_replica`), less restores in flight."""
-        if self.capacity is None or self.clock.now() < self._capped_until.get(model, 0.0):
-            return
-        self._restore_for(model, self.gate.wanted(model, len(self.queues[model]),
-                                                  self._per_replica(model)))
-
-    def _probe_restore(self, model: str) -> None:
-        """After a node answered at its cap: ask once more (one restore, not a queue's worth)
-        if requests still wait and nothing is in flight."""
-        if self.queues.get(model) and not self.gate.in_flight.get(model):
-            self._restore_for(model, 1)
-
-    def _restore_for(self, model: str, n: int) -> None:
-        if self.capacity is None:
-            return
-        now = self.clock.now()
-        for _ in range(min(n, self.gate.room(model))):
-            self.gate.started(model, now)
-            asyncio.get_running_loop().create_task(self._restore(model))
-        self.telemetry.restores_in_flight(self.gate.total)
-        p99 = self.restore_times.p99_ms(model)
-        starts = self.gate.started_s.get(model)
-        if p99 is not None and starts:
-            self._recheck_at[model] = min(starts) + p99 / 1000.0
-
-    async def _restore(self, model: str) -> None:
-        ok = False
-        started = self.clock.now()
-        try:
-            result = await self.capacity.request_restore(model)
-            ok = True
-            self._restore_outcome(model, True)
-            now = self.clock.now()
-            self.last_restore[model] = (now, result.path, result.restore_ms)
-            if result.path != "warm_hit":  # an existing replica's answer measures nothing
-                self._restore_measured(model, result.restore_ms or (now - started) * 1000.0,
-                                       result.path)
-            if result.replica is not None:
-                self._max_seqs[model] = max(self._max_seqs.get(model, 0),
-                                            result.replica.max_seqs)
-                self.upsert(result.replica)
-                if result.path != "warm_hit":
-                    self.came_up[result.replica.replica_id] = (now, result.path, result.restore_ms)
-                    while len(self.came_up) > 1024:       # oldest first out
-                        del self.came_up[next(iter(self.came_up))]
-                self.known_models.add(model)
-                self._upserted[result.replica.replica_id] = self.clock.now()
-        except Exception as exc:  # the requester's failure, whatever it is, ends this restore
-            log.warning("restore of %s failed: %s", model, exc)
-            reason = exc.message if isinstance(exc, RewarmError) else str(exc)
-            self._restore_outcome(model, False, reason)
-        finally:
-            self.gate.finished(model)
-            self._recheck_at.pop(model, None)
-            self.telemetry.restores_in_flight(self.gate.total)
-        queue = self.queues.get(model)
-        if not queue:
-            return
-        self._drain(model)
-        self._recheck(model)
-        if ok:
-            if queue and result.path == "warm_hit":
-                # The node is at its replica cap and answered with a replica it already had:
-                # asking again at once would spin; queued requests go as it frees slots.
-                backoff_s = self.config.at_capacity_backoff_s
-                self._capped_until[model] = self.clock.now() + backoff_s
-                asyncio.get_running_loop().call_later(backoff_s, self._probe_restore, model)
-            elif queue:
-                self._maybe_restore(model)
-        elif not self.gate.in_flight.get(model) and not self.router.warm(model):
-            # nothing can succeed now: say so promptly
-            self.refuse_queued(model, f"model {model!r}: no capacity can be restored: {reason}")
-
-    def refuse_queued(self, model: str, reason: str) -> None:
-        """Answer every request queued for ``model`` 503 with ``reason`` (never dispatched)."""
-        for p in self.queues[model].drain():
-            self._fail(p.payload, 503, reason)
-        self.telemetry.queue_depth(model, 0)
-
-    def _restore_outcome(self, model: str, ok: bool, reason: str | None = None) -> None:
-        hook = getattr(self.telemetry, "restore_outcome", None)  # the ops branch's readiness
-        if hook is not None:
-            hook(model, ok, reason) if reason is not None else hook(model, ok)
-
-    def _restore_measured(self, model: str, restore_ms: float,
-                          path: str = "snapshot_restore") -> None:
-        self.restore_times.record(model, restore_ms, path)
-        if model not in self.config.models:
-            self._deadline_ms[model] = max(
-                self.config.default_deadline_ms,
-                self.config.deadline_per_restore_p99 * self.restore_times.p99_ms(model))
-
     def expire_queued(self) -> None:
         """Answer queued requests past their deadline (504: a prediction was wrong, logged
-        with it) or wait bound (429); re-check a model's queue when a restore it counts on
-        passes its p99 without arriving."""
+        with it) or wait bound (429); every ``recheck_s`` re-check each queue against the
+        capacity then in sight (:meth:`_recheck`)."""
         now = self.clock.now()
         for model in list(self.queued_models):
             queue = self.queues[model]
-            due = self._recheck_at.get(model)
-            if due is not None and now >= due:
-                del self._recheck_at[model]
-                self._recheck(model)
             for p in queue.expire():
                 flight: Flight = p.payload
                 if p.deadline_s <= now:
@@ -694,15 +464,20 @@ class RequestPath:
                     self.counts["shed_429"] += 1
                     self._fail(flight, 429, f"waited max_wait_s({queue.max_wait_s}) for "
                                f"model {model!r}", retry_after_ms=queue.retry_after_ms())
+            if queue and now - self._rechecked_s.get(model, float("-inf")) >= self.config.recheck_s:
+                self._rechecked_s[model] = now
+                self._recheck(model)
             if not queue:
                 self.queued_models.discard(model)
             self.telemetry.queue_depth(model, len(queue))
 
     # --- shutdown ----------------------------------------------------------------------
 
-    def begin_stop(self) -> None:
-        """Take no new requests; answer every queued one 503 (never sent to a replica)."""
+    def begin_stop(self, drain_until_s: float | None = None) -> None:
+        """Drain: take no new requests (503 with ``retry_after_ms`` until ``drain_until_s``,
+        when this front door is gone); answer every queued one 503 (never sent to a replica)."""
         self.stopping = True
+        self._drain_until_s = drain_until_s
         for model in self.queues:
             self.refuse_queued(model, f"front door shutting down: request for model "
                                       f"{model!r} was queued and never sent to a replica")
@@ -733,6 +508,11 @@ class RequestPath:
                                              sum(f.prompt_tokens for f in waiting))
         if load.max_seqs > self._max_seqs.get(load.model, 0):
             self._max_seqs[load.model] = load.max_seqs
+        self._slot_cache.pop(load.model, None)
+        if self.router.get(load.replica_id) is None:
+            self._first_seen[load.replica_id] = self.clock.now()
+            while len(self._first_seen) > 4096:       # oldest first out
+                del self._first_seen[next(iter(self._first_seen))]
         self.router.upsert(load)
 
     def apply_replicas(self, instances: list[ServiceInstance]) -> None:
@@ -785,6 +565,8 @@ class RequestPath:
                              for m in self.router.models() for r in self.router.warm(m)}}
 
 
+_DRAIN_SKIP = 32    # queued requests passed over per drain when the head cannot go yet
+_EXACT_QUEUE = 256  # longer queues: a new request is placed on the slots alone (O(n) bound)
 _SHAPE_GAIN = 0.05  # EWMA gain of the per-model mean prompt and max_tokens (~20 requests)
 
 

@@ -22,6 +22,7 @@ from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.msgpack_entrance import ClientConn, MsgpackEntrance
 from agent.frontdoor.request_path import RequestPath
 from agent.frontdoor.watch import RegistryWatcher
+from agent.limits import raise_nofile
 from agent.telemetry import Telemetry
 
 __all__ = ["FrontDoor", "FrontDoorConfig", "REPLICA_SERVICE", "ClientConn"]
@@ -85,7 +86,9 @@ class FrontDoor:
     # --- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> tuple[str, int]:
-        """Listen and start the background loops; returns the msgpack door's ``(host, port)``."""
+        """Raise the soft RLIMIT_NOFILE to the hard limit (logged, agent/limits.py), listen
+        and start the background loops; returns the msgpack door's ``(host, port)``."""
+        raise_nofile("frontdoor")
         loop = asyncio.get_running_loop()
         await self.refresh_replicas()
         self._watcher = RegistryWatcher(
@@ -104,17 +107,21 @@ class FrontDoor:
     def address(self) -> tuple[str, int]:
         return self.msgpack.address
 
-    async def stop(self, grace_s: float = 1.0) -> None:
-        """Stop listening; answer queued requests 503 at once; let dispatched requests
-        finish within ``grace_s``, answer those still running 503; then close every
-        connection gracefully (answers flushed first; at most ``close_linger_s`` more)."""
-        self.msgpack.close_listener()
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain, then stop.  For ``grace_s`` (default ``config.drain_grace_s``) requests
+        already at a replica may finish (streams run to their end) while every new request
+        is answered 503 with ``retry_after_ms`` (the grace left) and queued ones 503 at once;
+        those still running after it are answered 503 naming ``grace_s``.  Then the listener
+        and every connection close gracefully (answers flushed first; at most
+        ``close_linger_s`` more)."""
+        grace_s = self.config.drain_grace_s if grace_s is None else grace_s
         if self._watcher is not None:
             self._watcher.stop()
-        self.path.begin_stop()
         deadline = self.clock.now() + grace_s
+        self.path.begin_stop(deadline)
         while self.path.dispatched() and self.clock.now() < deadline:
             await asyncio.sleep(0.01)
+        self.msgpack.close_listener()
         for task in self._tasks:
             task.cancel()
         self.path.fail_dispatched(f"front door shutting down: replica {{replica}} did not "

@@ -272,6 +272,34 @@ def test_a_request_arriving_during_the_grace_is_refused_503():
     run(main())
 
 
+def test_stop_drains_for_the_configured_grace_and_says_when_to_retry():
+    async def main():
+        fd, stubs, host, port = await setup(stub={"hold": True}, drain_grace_s=0.3)
+        peer = await Peer.open(host, port)
+        peer.writer.write(pack(gen("running")))
+        await until(lambda: stubs[0].received)
+        stopping = asyncio.create_task(fd.stop())        # no grace given: the config's
+        await asyncio.sleep(0.05)
+        late = await Peer.open(host, port)               # still accepting while draining
+        late.writer.write(pack(gen("late")))
+        await late.read_until(answered("late"))
+        refused = late.final()["late"]
+        assert refused["code"] == 503 and "draining" in refused["reason"]
+        assert 1 <= refused["retry_after_ms"] <= 1000
+        await peer.read_to_eof()
+        assert "grace_s(0.3)" in peer.final()["running"]["reason"]
+        await stopping
+        peer.close()
+        late.close()
+    run(main())
+
+
+def test_the_drain_grace_defaults_to_30_s_and_refuses_nonsense():
+    assert FrontDoorConfig().drain_grace_s == 30.0
+    with pytest.raises(ConfigError, match="drain_grace_s"):
+        FrontDoorConfig(drain_grace_s=0)
+
+
 # --- 6: configuration is checked --------------------------------------------------------
 
 @pytest.mark.parametrize("kw, name, value, limit", [

@@ -14,8 +14,7 @@ from stub_replica import StubReplica  # noqa: E402
 
 from agent.client import AsyncClient  # noqa: E402
 from agent.cluster.local import LocalRegistry  # noqa: E402
-from agent.errors import (DeadlineExceeded, ModelNotFound, NoCapacity, Overloaded,  # noqa: E402
-                          Unauthorized)
+from agent.errors import ModelNotFound, NoCapacity, Overloaded, Unauthorized  # noqa: E402
 from agent.frontdoor.auth import TokenAuth  # noqa: E402
 from agent.frontdoor.capacity import RestoreResult  # noqa: E402
 from agent.frontdoor.server import FrontDoor, FrontDoorConfig  # noqa: E402
@@ -143,27 +142,28 @@ def test_error_codes_404_401():
     run(main())
 
 
-def test_queue_full_429_then_deadline_504_never_dispatched():
+def test_queue_full_429_then_a_prediction_gone_bad_429_before_the_deadline():
     async def main():
-        # The only replica has one sequence slot, held by a request it never answers.
+        # The only replica has one sequence slot, held by a request it never answers: the
+        # front door's estimate of when that slot frees turns out wrong.
         fd, stubs, host, port = await setup(stub={"max_seqs": 1, "hold": True},
                                             max_queue_depth=2, capacity=FakeCapacity(fail=True, delay_s=5))
         c = await AsyncClient.connect(host, port, max_retries=0)
         first = asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1))
         await asyncio.sleep(0.05)
         queued = [asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1,
-                                                 deadline_ms=d)) for d in (150, 300)]
-        await asyncio.sleep(0.05)
-        with pytest.raises(Overloaded) as err:
+                                                 deadline_ms=d)) for d in (400, 600)]
+        await asyncio.sleep(0.02)
+        with pytest.raises(Overloaded) as err:   # the queue is full
             await c.generate("m", tokens=[1], max_tokens=1)
         assert err.value.retry_after_ms > 0
         for task in queued:
-            with pytest.raises(DeadlineExceeded):
+            with pytest.raises(Overloaded, match="capacity now in sight cannot start it"):
                 await task
-        assert len(stubs[0].received) == 1     # the expired ones never reached the replica
+        assert fd.path.counts["expired_504"] == 0   # refused when known, not at the deadline
+        assert len(stubs[0].received) == 1     # the refused ones never reached the replica
         stubs[0].release()
         assert (await first).tokens == [1]
-        first.cancel()
         await c.close()
         await fd.stop()
     run(main())

@@ -1,0 +1,156 @@
+"""Where queued requests will start: the capacity in sight as slots, and each request's place.
+
+A mixin of :class:`~agent.frontdoor.request_path.RequestPath` (the queue-side half of
+admission, kept apart to keep each module readable); it reads the path's ``router``,
+``links``, ``gate``, ``restore_times``, ``queues``, ``config``, ``capacity`` and the
+per-model ``_shape`` (mean prompt, mean max_tokens), ``_max_seqs``, ``_first_seen`` (when
+each replica entered the view) and ``_capped_until``.  The pure arithmetic is in
+:mod:`agent.frontdoor.admission` (:func:`capacity_etas_s`, :func:`slot_times_s`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+from agent.frontdoor.admission import capacity_etas_s, slot_times_s
+from agent.frontdoor.router import ReplicaLoad
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agent.frontdoor.request import Flight
+
+
+class QueuePlanner:
+    """Slots, ETAs and per-request placement (module docstring)."""
+
+    def _etas_s(self, model: str, now: float) -> list[float]:
+        """When new replicas of ``model`` are expected, soonest first
+        (:func:`capacity_etas_s`): the restores in flight, and those :meth:`_maybe_restore`
+        would start for the queue with one more request in it."""
+        p99, p50 = self.restore_times.p99_ms(model), self.restore_times.p50_ms(model)
+        startable = 0
+        if self.capacity is not None and now >= self._capped_until.get(model, 0.0):
+            queue = self.queues.get(model)
+            startable = self.gate.wanted(model, (len(queue) if queue else 0) + 1,
+                                         self._per_replica(model))
+        return capacity_etas_s(now, self.gate.started_s.get(model, []),
+                               None if p50 is None else p50 / 1000.0,
+                               None if p99 is None else p99 / 1000.0, startable)
+
+    def _slots(self, model: str, now: float) -> tuple[list[tuple[float, float]], list[float]]:
+        """(warm slots, new-replica slots) for ``model``'s queue (:func:`slot_times_s`),
+        soonest first: ``(time, when its replica was first seen)`` for the expected end of
+        each request at the warm replicas (dispatch + predicted TTFT + max_tokens decode
+        steps at the replica's batch, then the step in progress), and the times of the slots
+        of the replicas being restored (or that could be).  Cached for ``tick_s`` (a burst
+        of arrivals shares one computation)."""
+        cached = self._slot_cache.get(model)
+        if cached is not None and now - cached[0] < self.config.tick_s:
+            return cached[1], cached[2]
+        prior = self.router.prior(model)
+        frees = []
+        for load in self.router.warm(model):
+            link = self.links.get(load.replica_id)
+            if link is None:
+                continue
+            # its batch fills as the queue drains into it: steps at a full batch (an upper
+            # bound, so a wrong estimate errs towards refusing at arrival, not later)
+            speed = load.speed or prior
+            step_s = speed.decode_step_s(load.max_seqs, load.active_ctx_tokens
+                                         * max(1, load.max_seqs) // max(1, load.active_seqs))
+            seen = self._first_seen.get(load.replica_id, float("-inf"))
+            idle = load.max_seqs - load.active_seqs
+            if idle > 0:  # free now: they start after the step in progress
+                frees.extend([(now + speed.decode_step_s(load.active_seqs,
+                                                         load.active_ctx_tokens), seen,
+                               step_s)] * idle)
+            for f in link.in_flight.values():
+                first = f.ttft_s if f.ttft_s is not None else \
+                    f.arrival_s + (f.predicted_ttft_s or 0.0)
+                end = first + f.req.max_tokens * step_s
+                if end <= now:  # overdue: the estimate was wrong; expect the overrun again
+                    end = now + (now - end)
+                frees.append((end + step_s, seen, step_s))
+        frees.sort()
+        mean_prompt = self._shape.get(model, (1.0, 1.0))[0]
+        fresh = slot_times_s([], self._etas_s(model, now), self._per_replica(model), prior,
+                             mean_prompt)
+        self._slot_cache[model] = (now, frees, fresh)
+        return frees, fresh
+
+    def _assign(self, model: str, flights: list[Flight], now: float,
+                margin_s: float = 0.0) -> tuple[list[float | None], list[float]]:
+        """Predicted TTFTs from now (None: no capacity in sight makes its deadline) of
+        ``flights`` (earliest deadline first), each taking the soonest slot that those before
+        it left and that it can use in time: a slot on a replica up before the request
+        arrived within its warm deadline, a new replica's within its restore-path deadline.
+        A slot taken frees again once that request's ``max_tokens`` are decoded.  Also
+        returns every slot's time (soonest first), for ``retry_after_ms``.  The last flight
+        must make its deadlines with ``margin_s`` to spare (admission; see :meth:`_hold`)."""
+        frees, fresh = self._slots(model, now)
+        prior = self.router.prior(model)
+        fresh_step = prior.decode_step_s(max(1, self._per_replica(model)))
+        inf = float("inf")
+        heap = frees + [(t, inf, fresh_step) for t in fresh]
+        times = sorted(h[0] for h in heap)
+        heapq.heapify(heap)
+        out: list[float | None] = []
+        last = len(flights) - 1
+        for k, flight in enumerate(flights):
+            own = prior.prefill_s(flight.prompt_tokens)
+            spare = margin_s if k == last else 0.0
+            found, passed = None, []
+            while heap:
+                slot = heapq.heappop(heap)
+                t, seen, step_s = slot
+                ttft_s = max(0.0, t - now) + own
+                if now + ttft_s + spare > flight.deadline_s:
+                    passed.append(slot)
+                    break
+                if seen > flight.arrival_s or now + ttft_s + spare <= flight.warm_deadline_s:
+                    found = ttft_s
+                    heapq.heappush(heap, (now + ttft_s + (flight.req.max_tokens + 1) * step_s,
+                                          seen, step_s))
+                    break
+                passed.append(slot)
+            for slot in passed:
+                heapq.heappush(heap, slot)
+            out.append(found)
+        return out, times
+
+    def _choose_in_time(self, flight: Flight, now: float) -> tuple[ReplicaLoad, float] | None:
+        """The replica with the lowest predicted TTFT that starts ``flight`` within its
+        deadline there (:meth:`_deadline_for`): among all, else among those brought up since
+        it arrived (the warm path's deadline may have passed, the restore path's not)."""
+        exclude = flight.tried or frozenset()
+        found = self.router.choose_predicted(flight.model, flight.need_tokens,
+                                             flight.prompt_tokens, exclude)
+        if found is None:
+            return None
+        if now + found[1] <= self._deadline_for(flight, found[0].replica_id):
+            return found
+        if now > flight.warm_deadline_s:
+            old = {r.replica_id for r in self.router.warm(flight.model)
+                   if self._first_seen.get(r.replica_id, float("-inf")) <= flight.arrival_s}
+            found = self.router.choose_predicted(flight.model, flight.need_tokens,
+                                                 flight.prompt_tokens, old | set(exclude))
+            if found is not None and now + found[1] <= flight.deadline_s:
+                return found
+        return None
+
+    def _deadline_for(self, flight: Flight, replica_id: str) -> float:
+        """``flight``'s deadline at this replica: the restore path's when the replica was
+        first seen after the request arrived, else the warm path's."""
+        if self._first_seen.get(replica_id, float("-inf")) > flight.arrival_s:
+            return flight.deadline_s
+        return flight.warm_deadline_s
+
+    def _per_replica(self, model: str) -> int:
+        """Requests one new replica of ``model`` serves within the warm SLO: its sustainable
+        concurrency (agent/speed.py) at the model's mean prompt and max_tokens, with the
+        model's prior speed, within the largest replica's slots seen."""
+        prompt, gen = self._shape.get(model, (1.0, 1.0))
+        max_seqs = self._max_seqs.get(model, 0) or max(
+            (r.max_seqs for r in self.router.warm(model)), default=self.config.default_max_seqs)
+        return self.router.prior(model).sustainable_concurrency(
+            self.config.slo_s(model)[0], prompt, gen, max_seqs)

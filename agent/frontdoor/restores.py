@@ -1,0 +1,114 @@
+"""Asking for capacity from the request path: how many restores, and what their end means.
+
+A mixin of :class:`~agent.frontdoor.request_path.RequestPath`; it reads and updates the
+path's ``capacity`` (the :class:`~agent.frontdoor.capacity.CapacityRequester`), ``gate``,
+``restore_times``, ``queues``, ``router``, ``last_restore``, ``came_up``, ``known_models``,
+``_deadline_ms``, ``_max_seqs``, ``_upserted`` and ``_capped_until``, and calls its
+``_drain``, ``_recheck``, ``_fail``, ``_per_replica`` and ``upsert``.  The number asked for
+comes from the queue over one replica's measured sustainable concurrency at the SLO (issue 12
+contract point 7), not from KV slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from agent.errors import RewarmError
+
+log = logging.getLogger("agent.frontdoor.request_path")
+
+
+class Restores:
+    """Restores asked for, their outcomes and what they measure (module docstring)."""
+
+    def _maybe_restore(self, model: str) -> None:
+        """Ask for the replicas the queue needs: its length over one replica's measured
+        sustainable concurrency at the SLO (:meth:`_per_replica`), less restores in flight."""
+        if self.capacity is None or self.clock.now() < self._capped_until.get(model, 0.0):
+            return
+        self._restore_for(model, self.gate.wanted(model, len(self.queues[model]),
+                                                  self._per_replica(model)))
+
+    def _probe_restore(self, model: str) -> None:
+        """After a node answered at its cap: ask once more (one restore, not a queue's worth)
+        if requests still wait and nothing is in flight."""
+        if self.queues.get(model) and not self.gate.in_flight.get(model):
+            self._restore_for(model, 1)
+
+    def _restore_for(self, model: str, n: int) -> None:
+        if self.capacity is None:
+            return
+        now = self.clock.now()
+        self._slot_cache.pop(model, None)
+        for _ in range(min(n, self.gate.room(model))):
+            self.gate.started(model, now)
+            asyncio.get_running_loop().create_task(self._restore(model))
+        self.telemetry.restores_in_flight(self.gate.total)
+
+    async def _restore(self, model: str) -> None:
+        ok = False
+        started = self.clock.now()
+        try:
+            result = await self.capacity.request_restore(model)
+            ok = True
+            self._restore_outcome(model, True)
+            now = self.clock.now()
+            self.last_restore[model] = (now, result.path, result.restore_ms)
+            if result.path != "warm_hit":  # an existing replica's answer measures nothing
+                self._restore_measured(model, result.restore_ms or (now - started) * 1000.0,
+                                       result.path)
+            if result.replica is not None:
+                self._max_seqs[model] = max(self._max_seqs.get(model, 0),
+                                            result.replica.max_seqs)
+                self.upsert(result.replica)
+                if result.path != "warm_hit":
+                    self.came_up[result.replica.replica_id] = (now, result.path, result.restore_ms)
+                    while len(self.came_up) > 1024:       # oldest first out
+                        del self.came_up[next(iter(self.came_up))]
+                self.known_models.add(model)
+                self._upserted[result.replica.replica_id] = self.clock.now()
+        except Exception as exc:  # the requester's failure, whatever it is, ends this restore
+            log.warning("restore of %s failed: %s", model, exc)
+            reason = exc.message if isinstance(exc, RewarmError) else str(exc)
+            self._restore_outcome(model, False, reason)
+        finally:
+            self.gate.finished(model)
+            self._slot_cache.pop(model, None)
+            self.telemetry.restores_in_flight(self.gate.total)
+        queue = self.queues.get(model)
+        if not queue:
+            return
+        self._drain(model)
+        self._recheck(model)
+        if ok:
+            if queue and result.path == "warm_hit":
+                # The node is at its replica cap and answered with a replica it already had:
+                # asking again at once would spin; queued requests go as it frees slots.
+                backoff_s = self.config.at_capacity_backoff_s
+                self._capped_until[model] = self.clock.now() + backoff_s
+                asyncio.get_running_loop().call_later(backoff_s, self._probe_restore, model)
+            elif queue:
+                self._maybe_restore(model)
+        elif not self.gate.in_flight.get(model) and not self.router.warm(model):
+            # nothing can succeed now: say so promptly
+            self.refuse_queued(model, f"model {model!r}: no capacity can be restored: {reason}")
+
+    def refuse_queued(self, model: str, reason: str) -> None:
+        """Answer every request queued for ``model`` 503 with ``reason`` (never dispatched)."""
+        for p in self.queues[model].drain():
+            self._fail(p.payload, 503, reason)
+        self.telemetry.queue_depth(model, 0)
+
+    def _restore_outcome(self, model: str, ok: bool, reason: str | None = None) -> None:
+        hook = getattr(self.telemetry, "restore_outcome", None)  # the ops branch's readiness
+        if hook is not None:
+            hook(model, ok, reason) if reason is not None else hook(model, ok)
+
+    def _restore_measured(self, model: str, restore_ms: float,
+                          path: str = "snapshot_restore") -> None:
+        self.restore_times.record(model, restore_ms, path)
+        if model not in self.config.models:
+            self._deadline_ms[model] = max(
+                self.config.default_deadline_ms,
+                self.config.deadline_per_restore_p99 * self.restore_times.p99_ms(model))

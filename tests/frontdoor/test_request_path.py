@@ -1,0 +1,195 @@
+"""The request path in virtual time (tests/frontdoor/virtual_fleet.py): routing by predicted
+TTFT, early refusal, waiting for capacity that can arrive in time, re-checks, replica 429s,
+cancel.  Every time asserted is the injected clock's."""
+
+import asyncio
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from virtual_fleet import FAST, SLOW, Fleet  # noqa: E402
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_a_request_no_capacity_can_start_within_its_slo_is_refused_at_arrival():
+    async def main():
+        # One slot, taken by a long request; restores take 10 s (measured): nothing can
+        # start a new request within the 4 s restore-path SLO.
+        f = Fleet(max_seqs=1, restore_s=10.0, measured_restores_s=(10.0,))
+        long = f.submit(max_tokens=500)
+        t0 = f.clock.now()
+        late = f.submit()
+        assert late.code == 429 and late.at_s == t0        # at once, on the injected clock
+        assert late.final["retry_after_ms"] >= 1
+        assert "cannot start within 4000 ms" in late.final["reason"]
+        assert f.path.counts["shed_429"] == 1 and f.path.gate.total == 1  # capacity still asked
+        await f.timeline.run_until(t0 + 30)
+        assert long.code == 200 and f.path.counts["expired_504"] == 0
+    run(main())
+
+
+def test_a_queued_request_that_can_make_it_waits_for_the_restore_and_is_served():
+    async def main():
+        f = Fleet(max_seqs=1, restore_s=1.0, measured_restores_s=(1.0,))
+        f.submit(max_tokens=500)
+        t0 = f.clock.now()
+        waits = f.submit(prompt_tokens=64)
+        assert waits.final is None and len(f.path.queues["m"]) == 1
+        await f.timeline.run_until(t0 + 5)
+        assert waits.code == 200 and waits.final["path"] == "snapshot_restore"
+        assert 1.0 <= waits.first_s - t0 <= 4.0                 # within the restore SLO
+        assert abs(waits.final["queue_wait_ms"] - 1000.0) < 1.0
+        assert waits.final["replica"] == "restored-1"
+        assert f.path.counts["expired_504"] == 0 and f.capacity.calls == 1
+    run(main())
+
+
+def test_a_prediction_gone_bad_is_refused_when_known_not_at_the_deadline():
+    async def main():
+        # Restores measured p50 0.5 s, p99 3 s; this one never finishes.  Past its p99 the
+        # front door gives it the measured spread (2.5 s) more: too late for a 4 s deadline.
+        f = Fleet(max_seqs=1, restore_s=1.0, measured_restores_s=(0.5, 0.5, 3.0))
+        f.capacity.hang = True
+        f.submit(max_tokens=500)
+        t0 = f.clock.now()
+        held = f.submit()
+        assert held.final is None
+        await f.timeline.run_until(t0 + 6)
+        assert held.code == 429 and "capacity now in sight cannot start it" in held.final["reason"]
+        assert 3.0 <= held.at_s - t0 < 3.0 + 2 * f.path.config.recheck_s   # when known
+        assert f.path.counts["expired_504"] == 0
+    run(main())
+
+
+def test_routing_follows_predicted_ttft_and_sends_deadline_ms():
+    async def main():
+        f = Fleet(warm=0)
+        slow = f.add("slow", speed=SLOW, max_seqs=64)
+        fast = f.add("fast", speed=FAST, max_seqs=4)
+        slow.load.kv_capacity_tokens = 1 << 20           # far more headroom: not the criterion
+        f.path.upsert(slow.load)
+        f.path.upsert(fast.load)
+        t0 = f.clock.now()
+        first = f.submit(prompt_tokens=200)
+        assert fast.received and not slow.received
+        assert fast.received[0]["deadline_ms"] == 2000.0     # the warm SLO, none elapsed
+        # in-flight accounting: queued prefill on "fast" until its first token
+        load = f.path.router.get("fast")
+        assert (load.active_seqs, load.waiting_seqs, load.queued_prefill_tokens) == (1, 1, 200)
+        await f.timeline.run_until(t0 + 0.2)
+        assert first.first_s is not None
+        assert (load.waiting_seqs, load.queued_prefill_tokens, load.active_ctx_tokens) == (0, 0, 200)
+        for _ in range(3):
+            f.submit(prompt_tokens=200)
+        assert len(fast.received) == 4                        # still the faster one
+        f.submit(prompt_tokens=200)                           # fast's 4 slots are full
+        assert len(slow.received) == 1
+        await f.timeline.run_until(t0 + 10)
+        assert all(s.code == 200 for s in f.sinks)
+    run(main())
+
+
+def test_a_replica_429_sends_the_request_to_another_replica():
+    async def main():
+        f = Fleet(warm=0)
+        # "liar" reports FAST but really runs 50x slower: it refuses the deadline it gets.
+        crawl = SLOW.__class__(prefill_tokens_per_s=8.0, prefill_overhead_s=1.0,
+                               decode_base_s=4.0, decode_per_seq_s=0.5,
+                               decode_per_ctx_token_s=0.0)
+        liar = f.add("liar", speed=FAST, actual=crawl)
+        honest = f.add("honest", speed=SLOW)
+        f.path.upsert(liar.load)
+        f.path.upsert(honest.load)
+        t0 = f.clock.now()
+        s = f.submit()
+        assert liar.received and not honest.received
+        await f.timeline.run_until(t0 + 0.001)
+        assert liar.refused == 1 and len(honest.received) == 1
+        assert f.path.counts["replica_429"] == 1
+        assert f.path.router.get("liar").penalty_s > 1.0      # until its next report
+        f.submit()
+        assert len(liar.received) == 1 and len(honest.received) == 2
+        await f.timeline.run_until(t0 + 10)
+        assert s.code == 200 and s.final["replica"] == "honest"
+        assert f.path.router.get("liar").active_seqs == 0     # the refusal freed its slot
+    run(main())
+
+
+def test_cancel_frees_the_slot_or_the_queue_place():
+    async def main():
+        f = Fleet(max_seqs=1, restore_s=1.0, measured_restores_s=(1.0,))
+        replica = f.replicas[0]
+        sink = f.sinks
+        f.submit(max_tokens=500)
+        flight = next(iter(replica.in_flight.values()))
+        f.submit()
+        queued = f.path.queues["m"].peek().payload
+        queued.cancel()
+        assert len(f.path.queues["m"]) == 0 and f.path.counts["cancelled"] == 1
+        flight.cancel()
+        assert not replica.in_flight and f.path.router.get("r0").active_seqs == 0
+        await f.timeline.run_until(f.clock.now() + 30)
+        assert all(s.final is None for s in sink)             # a cancelled request is not answered
+    run(main())
+
+
+def test_an_unprofiled_replica_is_predicted_with_the_slowest_reported_profile():
+    async def main():
+        f = Fleet(warm=0)
+        f.path.upsert(f.add("measured", speed=SLOW).load)
+        blind = f.add("blind", speed=None)
+        blind.load.speed = None
+        f.path.upsert(blind.load)
+        assert f.path.router.prior("m") == SLOW
+        assert f.path.router.get("blind").predict_ttft_s(100, f.path.router.prior("m")) == \
+            SLOW.predict_ttft_s(100)
+    run(main())
+
+
+def test_a_deadline_passing_while_queued_is_a_504_logged_with_the_prediction_it_broke(caplog):
+    async def main():
+        f = Fleet(max_seqs=1, restore_s=1.0, measured_restores_s=(1.0,))
+        f.capacity.hang = True
+        f.submit(max_tokens=500)
+        t0 = f.clock.now()
+        held = f.submit()
+        predicted_ms = held.final is None and f.path.queues["m"].peek().predicted_ttft_s * 1000
+        assert 1000.0 <= predicted_ms <= 4000.0
+        f.clock.advance(4.5)        # the loop stalled past its deadline: no re-check ran
+        f.path.expire_queued()
+        assert held.code == 504 and held.at_s == t0 + 4.5
+        assert f"predicted TTFT {predicted_ms:.0f} ms" in held.final["reason"]
+        assert f.path.counts["expired_504"] == 1
+    with caplog.at_level("WARNING", logger="agent.frontdoor.request_path"):
+        run(main())
+    assert any("504" in r.message and "predicted TTFT was" in r.message for r in caplog.records)
+
+
+def test_each_answer_passes_its_prediction_to_telemetry_when_telemetry_takes_it():
+    from agent.telemetry import Telemetry
+
+    class Recording(Telemetry):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def event(self, request_id, model, path, code, queue_wait_ms, restore_ms, ttft_ms,
+                  sla_breached, *, reason=None, predicted_ttft_ms=None):
+            self.seen.append((code, ttft_ms, predicted_ttft_ms, reason))
+
+    async def main():
+        f = Fleet()
+        f.path.telemetry = rec = Recording()
+        f.path._event_kw = frozenset({"reason", "predicted_ttft_ms"})
+        s = f.submit(prompt_tokens=100)
+        await f.timeline.run_until(f.clock.now() + 5)
+        assert s.code == 200
+        code, ttft_ms, predicted_ms, _ = rec.seen[0]
+        assert code == 200 and abs(ttft_ms - predicted_ms) < 1e-6   # right, here
+        f.path.begin_stop(f.clock.now() + 1)
+        f.submit()
+        assert rec.seen[1][0] == 503 and "draining" in rec.seen[1][3]
+    run(main())
