@@ -230,16 +230,21 @@ class Sampler:
         return time.monotonic() - self.started_s
 
 
-def replica_limits(stack) -> tuple[int, int]:
-    """``(max_seqs, max_seq_len)`` from the ``stats`` of a warm replica of ``stack``.
-    Raises RuntimeError when none is warm."""
+def replica_stats(stack) -> dict:
+    """The ``stats`` answer of a warm replica of ``stack`` (RuntimeError when none is)."""
     with stack.agent._lock:
         recs = list(stack.agent.replicas.values())
     for r in recs:
         if r.lifecycle.state.value == "warm" and r.handle is not None:
-            stats = r.handle.stats()
-            return int(stats["max_seqs"]), int(stats["max_seq_len"])
-    raise RuntimeError(f"model {stack.model}: no warm replica to read its limits from")
+            return r.handle.stats()
+    raise RuntimeError(f"model {stack.model}: no warm replica to read its stats from")
+
+
+def replica_limits(stack) -> tuple[int, int]:
+    """``(max_seqs, max_seq_len)`` from the ``stats`` of a warm replica of ``stack``.
+    Raises RuntimeError when none is warm."""
+    stats = replica_stats(stack)
+    return int(stats["max_seqs"]), int(stats["max_seq_len"])
 
 
 def golden_counts(agent) -> dict[str, int]:

@@ -132,7 +132,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
     import numpy as np
 
     from agent import replay
-    from agent.demo import Sampler, _fresh_state, _vocabulary, replica_limits
+    from agent.demo import Sampler, _fresh_state, _vocabulary, replica_limits, replica_stats
     from agent.replica.config import LlamaConfig
     from agent.sim.replay_scale import fit_scale, replay_requests
     from agent.sim.replay_sim import simulate_plan
@@ -166,6 +166,9 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
             profile = asyncio.run(replay.calibrate(address, model, base, max_seq_len=max_seq_len))
             source = "measured through the front door (agent.replay.calibrate)"
         say(f"  profile ({source}): {profile}")
+        from agent.speed import SpeedProfile
+        meter = SpeedProfile.from_meta(replica_stats(stack))
+        say(f"  the replica's own speed meter: {meter}")
         say("  draining the replica to measure a restore")
         for r in live_replicas(stack):
             stack.agent.drain(r["replica"], timeout_s=30.0, force=True)
@@ -226,6 +229,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
     out = {**live, "sim": sim, "load": load, "trace": Path(rows.path).name, "speedup": scale.speedup,
            "token_scale": scale.token_scale, "scale": scale.to_json(),
            "profile": profile.to_meta(), "profile_source": source,
+           "replica_meter_profile": None if meter is None else meter.to_meta(),
            "restore_s": restore_s, "max_replicas": cap, "threads": args.threads,
            "forward": note, "codes": {str(k): v for k, v in sorted(codes.items())},
            "refusal_reasons": reasons, "decisions": decisions[:200], "wall_s_total": time.monotonic() - t_start,

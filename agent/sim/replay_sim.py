@@ -1,11 +1,10 @@
 """The simulator's side of a live replay: the same scaled requests, the same speed profile,
 the same predictor policy, on a virtual clock (bench/trace_replay.py prints both).
 
-Each request's timing comes from the measured :class:`~agent.speed.SpeedProfile`: TTFT on a
-free replica is ``prefill_s(prompt)``; it holds a sequence slot for its prefill plus its
-output tokens at the decode step of the replica's sustainable batch ``B``; a replica holds
-``B`` sequences (its sustainable concurrency at the warm TTFT SLO, not its KV slots).  The
-fleet starts replicas in the measured restore time.  The production admission queue,
+The simulated replicas are :class:`~agent.sim.replica.SimReplica` engines at the measured
+:class:`~agent.speed.SpeedProfile` (prefill the admitted prompts, then one decode step over the
+batch, step after step, with the live replica's ``max_seqs`` slots of ``max_seq_len`` tokens;
+agent/sim/profile.py), started in the measured restore time.  The production admission queue,
 router and predictor (with :meth:`~agent.predictor.loop.Predictor.update_speed`) decide,
 as in :func:`agent.sim.scenarios.run_workload`.
 
@@ -25,7 +24,8 @@ from agent.speed import SpeedProfile
 
 
 def plan_workload(plan: Sequence[ReplayRequest], profile: SpeedProfile, batch: int):
-    """The plan as a :class:`~agent.sim.trace.Workload` timed by ``profile`` at ``batch``."""
+    """The plan as a :class:`~agent.sim.trace.Workload` with its tokens (the profiled replicas
+    run those) and, for the queue's bookkeeping, times from ``profile`` at ``batch``."""
     from agent.sim.trace import Workload
 
     prompt = np.array([r.prompt_tokens for r in plan], dtype=np.int64)
@@ -35,7 +35,7 @@ def plan_workload(plan: Sequence[ReplayRequest], profile: SpeedProfile, batch: i
     step = profile.decode_step_s(batch, int(ctx))
     occupancy = prefill + np.maximum(0, output - 1) * step
     return Workload(np.array([r.at_s for r in plan], dtype=np.float64), occupancy, prefill,
-                    prompt + output, np.zeros(len(plan), dtype=np.int16))
+                    prompt + output, np.zeros(len(plan), dtype=np.int16), prompt, output)
 
 
 def simulate_plan(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, batch: int,
@@ -53,11 +53,18 @@ def simulate_plan(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, batch
     from agent.sim.policies import PredictorPolicy
     from agent.sim.scenarios import run_workload
 
+    from agent.sim.profile import ReplicaProfile
+
     w = plan_workload(plan, profile, batch)
-    cfg = FleetConfig(model="m", seqs_per_replica=max(1, batch),
-                      kv_capacity_tokens=max(1, kv_capacity_tokens),
+    max_seq_len = max(1, kv_capacity_tokens // max(1, max_seqs))
+    replica = ReplicaProfile(profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                             kv_capacity_tokens=max_seqs * max_seq_len,
+                             startup=StartupTimes(restore_s=(restore_s, restore_s)),
+                             source="the live replay's calibration")
+    cfg = FleetConfig(model="m", seqs_per_replica=max_seqs,
+                      kv_capacity_tokens=max_seqs * max_seq_len,
                       startup=StartupTimes(restore_s=(restore_s, restore_s)),
-                      max_replicas=max_replicas)
+                      max_replicas=max_replicas, replica=replica)
 
     def make(cfg, clock, fleet):
         pred = Predictor([ModelPolicy("m", **policy)], clock=clock, scaler=fleet,
