@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="window start, minutes after the trace's first request")
     ap.add_argument("--wall-s", type=positive_float, default=240.0,
                     help="wall-time budget of one replay (s); sets the time compression")
-    ap.add_argument("--profile", type=Path, help="SpeedProfile JSON instead of measuring")
+    ap.add_argument("--profile", type=Path,
+                    help="an engine profile (bench/engine_profile.py) instead of measuring")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per replica")
     ap.add_argument("--max-replicas", type=positive_int, default=None,
                     help="replica cap (default: cores // threads)")
@@ -84,23 +85,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def read_profile(path: Path):
-    """A :class:`~agent.speed.SpeedProfile` from JSON: its fields at the top level or under
-    ``"profile"``/``"speed"``.  Raises ConfigError naming the file."""
-    from agent.speed import SPEED_META_KEYS, SpeedProfile
+    """The :class:`~agent.speed.SpeedProfile` of an engine profile file (bench/engine_profile.py,
+    ``SpeedProfile.from_file``; ConfigError naming the file and the key).  Note that the
+    engine profile times the engine alone, without the front door and the replica's socket,
+    which a scaled replay's short requests also pay: the default calibration measures them."""
+    from agent.speed import SpeedProfile
 
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--profile {path}: cannot read it ({exc})", name="profile",
-                          value=str(path), limit="a JSON file") from None
-    for key in ("profile", "speed"):
-        if isinstance(data.get(key), dict):
-            data = data[key]
-    prof = SpeedProfile.from_meta(data)
-    if prof is None:
-        raise ConfigError(f"--profile {path}: needs {', '.join(SPEED_META_KEYS)}",
-                          name="profile", value=str(path), limit=SPEED_META_KEYS)
-    return prof
+    return SpeedProfile.from_file(path)
 
 
 def wait_for(cond, timeout_s: float, what: str) -> float:
