@@ -128,10 +128,11 @@ class _Connection:
 
 
 async def send_plan(address: str, model: str, plan: Sequence[ReplayRequest],
-                    base: Sequence[int]) -> list[Outcome]:
+                    base: Sequence[int], *, until_s: float = 0.0) -> list[Outcome]:
     """Send ``plan`` to the front door at ``address`` (``HOST:PORT``) at its wall times, on
     one connection (reopened if the front door closed it while idle); returns an
-    :class:`Outcome` per request, in plan order."""
+    :class:`Outcome` per request, in plan order, once every request is answered and at least
+    ``until_s`` wall seconds have passed (the window's end: a quiet tail is part of it)."""
     host, _, port = address.rpartition(":")
     conn = _Connection(host, int(port))
 
@@ -152,7 +153,11 @@ async def send_plan(address: str, model: str, plan: Sequence[ReplayRequest],
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(loop.create_task(send(i, r, loop.time() - t0)))
-        return list(await asyncio.gather(*tasks))
+        outcomes = list(await asyncio.gather(*tasks))
+        rest = t0 + until_s - loop.time()
+        if rest > 0:
+            await asyncio.sleep(rest)
+        return outcomes
     finally:
         await conn.close()
 

@@ -191,7 +191,8 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
                                                mean_gen_tokens=scale.mean_output_tokens)
         restores_before = len(stack.agent.catalog.cold_starts(model))
         sampler = Sampler(stack.agent)
-        outcomes = asyncio.run(replay.send_plan(address, model, plan, base))
+        outcomes = asyncio.run(replay.send_plan(address, model, plan, base,
+                                                until_s=scale.wall_s))
         span_s = sampler.stop()
         rows_after = stack.agent.catalog.cold_starts(model)
         restores = len(rows_after) - restores_before
@@ -212,7 +213,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
                         initial_replicas=1,
                         warm_slo_s=WARM_SLO_MS / 1000.0, restore_slo_s=RESTORE_SLO_MS / 1000.0,
                         max_seqs=max_seqs, mean_prompt_tokens=scale.mean_prompt_tokens,
-                        mean_gen_tokens=scale.mean_output_tokens)
+                        mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s)
     codes = {}
     for o in outcomes:
         codes[o.code] = codes.get(o.code, 0) + 1
@@ -314,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.start_min + args.minutes:g} ({len(win)} requests) at load {load:g}")
             results.append(run_one(args, load, win, window_s, model_dir, release, note))
             say(table(results[-1]))
+            write_json(args, results)   # after each load: a later failure keeps this one
     except (InvalidTrace, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -323,14 +325,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted (every replica was stopped)", file=sys.stderr)
         return 130
+    say(f"written to {args.json}")
+    return 0
+
+
+def write_json(args, results: list[dict]) -> None:
+    """``--json``: every run under ``runs`` (and the one run's keys at the top level)."""
     doc = {"trace": args.trace.name, "minutes": args.minutes, "start_min": args.start_min,
            "wall_s": args.wall_s, "runs": results}
     if len(results) == 1:
         doc.update(results[0])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1, default=float) + "\n")
-    say(f"written to {args.json}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -42,9 +42,11 @@ def simulate_plan(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, batch
                   kv_capacity_tokens: int, restore_s: float, policy: dict[str, Any],
                   max_replicas: int, initial_replicas: int, warm_slo_s: float,
                   restore_slo_s: float, max_seqs: int, mean_prompt_tokens: float,
-                  mean_gen_tokens: float, seed: int = 0) -> dict[str, Any]:
+                  mean_gen_tokens: float, seed: int = 0,
+                  span_s: float = 0.0) -> dict[str, Any]:
     """Run ``plan`` through the simulator; the same keys as :func:`agent.replay.summarise`
-    (``sim_`` figures: ``ttft_ms`` per path ``warm_hit`` / ``snapshot_restore``)."""
+    (``ttft_ms`` per path ``warm_hit`` / ``snapshot_restore``), over at least ``span_s``
+    simulated seconds (the live replay's window)."""
     from agent.clock import ManualClock
     from agent.predictor.keepalive import KeepAliveCosts  # noqa: F401 (policy may carry one)
     from agent.predictor.loop import ModelPolicy, Predictor
@@ -73,7 +75,8 @@ def simulate_plan(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, batch
                           mean_gen_tokens=mean_gen_tokens)
         return PredictorPolicy(pred, "m")
 
-    end_s = (max(r.at_s for r in plan) if plan else 0.0) + restore_slo_s + 1.0
+    # the window's wall span (its quiet tail included), or until the last request could end
+    end_s = max(span_s, (max(r.at_s for r in plan) if plan else 0.0) + restore_slo_s + 1.0)
     summary, rec, _ = run_workload(w, cfg, make, max_wait_s=restore_slo_s, sla_s=restore_slo_s,
                                    initial_replicas=initial_replicas, end_s=end_s, seed=seed,
                                    clock=ManualClock())
