@@ -169,8 +169,8 @@ async def calibrate(address: str, model: str, base: Sequence[int], *, max_seq_le
     """A :class:`SpeedProfile` of the warm replica behind ``address``, measured by clients.
 
     Prefill: the median TTFT of ``repeats`` single requests (1 output token) at prompt
-    lengths 4, 16, 64 and 128 (capped by ``max_seq_len``; a scaled replay's prompts are
-    short), fitted by least squares to ``overhead + P / rate``.  Decode: the median time per
+    lengths 1, 4, 16, 64 and 128 (capped by ``max_seq_len``; a scaled replay's prompts are
+    short), fitted to ``overhead + P / rate`` by least squares on relative error.  Decode: the median time per
     token after the first of a single 17-token request (``decode_base_s``), and of four at
     once (``decode_per_seq_s`` from the difference);
     ``decode_per_ctx_token_s`` is left 0 (these short contexts cannot resolve it).  Every
@@ -201,12 +201,12 @@ async def calibrate(address: str, model: str, base: Sequence[int], *, max_seq_le
 
         for i in range(2):           # warm up the path (connection, replica caches)
             await ttft(8, i)
-        lengths = sorted({min(n, max(2, max_seq_len - 2)) for n in (4, 16, 64, 128)})
+        lengths = sorted({min(n, max(2, max_seq_len - 2)) for n in (1, 4, 16, 64, 128)})
         xs, ys = [], []
         for n in lengths:
             xs.append(float(n))
             ys.append(statistics.median([await ttft(n, 100 + r) for r in range(repeats)]))
-        slope, intercept = _fit_line(xs, ys)
+        slope, intercept = _fit_line(xs, ys, relative=True)
         step1 = statistics.median([await per_token(1, 200 + r) for r in range(3)])
         step4 = statistics.median([await per_token(4, 300 + 4 * r) for r in range(3)])
     finally:
@@ -218,11 +218,18 @@ async def calibrate(address: str, model: str, base: Sequence[int], *, max_seq_le
                         decode_per_ctx_token_s=0.0)
 
 
-def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares ``y = slope * x + intercept``."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+def _fit_line(xs: list[float], ys: list[float], relative: bool = False) -> tuple[float, float]:
+    """Least-squares ``y = slope * x + intercept``; with ``relative``, weighted by ``1 / y^2``
+    (each point's relative error counts alike, so the short prompts a scaled replay sends
+    set the intercept rather than the long ones' absolute noise)."""
+    w = [1.0 / (y * y) if relative and y > 0 else 1.0 for y in ys]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx if sxx > 0 else 0.0
+    if slope < 0:   # noise on a flat curve: no per-token cost resolved, the mean is overhead
+        return 0.0, my
     return slope, my - slope * mx
 
 

@@ -36,3 +36,9 @@ def test_fit_line_by_hand():
     slope, intercept = _fit_line([0.0, 10.0, 20.0], [1.0, 2.0, 3.0])
     assert slope == pytest.approx(0.1) and intercept == pytest.approx(1.0)
     assert _fit_line([5.0, 5.0], [1.0, 3.0]) == (0.0, 2.0)
+    # relative weighting: the small points decide the intercept
+    xs, ys = [1.0, 4.0, 128.0], [0.1, 0.13, 2.0]
+    at_one = lambda fit: fit[1] + fit[0] * 1.0  # noqa: E731
+    assert abs(at_one(_fit_line(xs, ys, relative=True)) - 0.1) < \
+        abs(at_one(_fit_line(xs, ys)) - 0.1)
+    assert _fit_line([1.0, 2.0], [0.5, 0.4]) == (0.0, pytest.approx(0.45))   # flat: no slope
