@@ -363,8 +363,12 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
 
         def measure() -> None:   # the warm replica, before the predictor may release it
             max_seqs, max_seq_len = replica_limits(stack)
-            profile = asyncio.run(replay.calibrate(address, model, base,
-                                                   max_seq_len=max_seq_len))
+            from agent.speed import SpeedProfile
+
+            calibrated = asyncio.run(replay.calibrate(address, model, base,
+                                                      max_seq_len=max_seq_len))
+            # scale by what the replica reports (the front door admits by it), else by that
+            profile = SpeedProfile.from_meta(replica_stats(stack)) or calibrated
             scale = fit_scale(window.context_tokens, window.generated_tokens,
                               window_s=args.minutes * 60.0, profile=profile, load=args.load,
                               wall_s=args.replay_s, ttft_slo_s=PATH_SLO_MS["warm_hit"] / 1000.0,

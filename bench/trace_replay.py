@@ -9,9 +9,10 @@ SmolLM2-135M, the front door, the node agent and, for the replay, the predictor)
 
 1. the node agent cold-boots a replica (its ``restore`` op with no snapshot yet; the snapshot
    is captured in the background);
-2. the replica's speed is measured through the front door (:func:`agent.replay.calibrate`),
-   or read from ``--profile`` (a :class:`~agent.speed.SpeedProfile` JSON, e.g. from
-   bench/engine_profile.py); once its snapshot is ready the replica is drained and restored
+2. the replica's speed is measured through the front door (:func:`agent.replay.calibrate`);
+   the window is scaled by the profile the replica's own speed meter then reports (the one
+   the front door admits and routes with), else by that calibration, or by ``--profile``
+   (an engine profile file from bench/engine_profile.py); once its snapshot is ready the replica is drained and restored
    through the node agent's control API: that op's duration is the measured restore time;
 3. the window is scaled (:func:`agent.sim.replay_scale.fit_scale`): one time compression
    from the wall budget and one token scale, so the window's mean offered work is ``load`` of
@@ -151,15 +152,20 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
                           600.0, "a ready snapshot")
         say(f"  snapshot ready after {waited:.1f} s")
         max_seqs, max_seq_len = replica_limits(stack)
+        from agent.speed import SpeedProfile
+
+        calibrated = asyncio.run(replay.calibrate(address, model, base, max_seq_len=max_seq_len))
+        say(f"  calibrated through the front door: {calibrated}")
+        meter = SpeedProfile.from_meta(replica_stats(stack))
+        say(f"  the replica's own speed meter (after that traffic): {meter}")
         if args.profile:
             profile, source = read_profile(args.profile), str(args.profile)
+        elif meter is not None:
+            # the front door admits and routes on what the replica reports: scale by the same
+            profile, source = meter, "the replica's speed meter (what admission predicts with)"
         else:
-            profile = asyncio.run(replay.calibrate(address, model, base, max_seq_len=max_seq_len))
-            source = "measured through the front door (agent.replay.calibrate)"
-        say(f"  profile ({source}): {profile}")
-        from agent.speed import SpeedProfile
-        meter = SpeedProfile.from_meta(replica_stats(stack))
-        say(f"  the replica's own speed meter: {meter}")
+            profile, source = calibrated, "measured through the front door (agent.replay.calibrate)"
+        say(f"  scaling by {source}")
         say("  draining the replica to measure a restore")
         for r in live_replicas(stack):
             stack.agent.drain(r["replica"], timeout_s=30.0, force=True)
@@ -222,6 +228,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
            "token_scale": scale.token_scale, "scale": scale.to_json(),
            "profile": profile.to_meta(), "profile_source": source,
            "replica_meter_profile": None if meter is None else meter.to_meta(),
+           "calibrated_profile": calibrated.to_meta(),
            "restore_s": restore_s, "max_replicas": cap, "threads": args.threads,
            "forward": note, "codes": {str(k): v for k, v in sorted(codes.items())},
            "refusal_reasons": reasons, "decisions": decisions[:200], "wall_s_total": time.monotonic() - t_start,

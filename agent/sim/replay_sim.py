@@ -88,8 +88,9 @@ def simulate_plan(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, batch
                  + np.count_nonzero(queued & (ttft <= restore_slo_s)))
     n = len(w)
 
-    def pct(mask, q):
+    def pct(mask, q):   # a request still in its first step at the end has no TTFT yet
         v = ttft[mask]
+        v = v[np.isfinite(v)]
         return None if v.size == 0 else float(np.percentile(v, q) * 1000.0)
 
     span = rec.sim_s
