@@ -28,8 +28,10 @@ It prints live and simulated side by side and writes ``--json``: per load the ke
 expired_504, lost, sla_attainment, ttft_ms, gpu_seconds, always_on_gpu_seconds, restores``),
 ``sim`` (the same keys), ``load``, ``speedup``, ``token_scale``, ``trace``, the profile, the
 measured restore and the targets' verdicts.  GPU-seconds are replica-seconds here (a CPU
-machine): every replica alive, sampled every 0.25 s; always-on is one replica over the same
-span.  At most ``cores // --threads`` replicas (a replica beyond that would share a core and
+machine): every replica alive (restoring included), sampled every 0.25 s, over the window's
+wall span.  Always-on is the pool that serves the window's busiest 10 s without scaling
+(:func:`~agent.sim.replay_scale.always_on_replicas`, as the simulator's always-on policy is
+sized), over the same span; ``one_replica_gpu_seconds`` is one replica.  At most ``cores // --threads`` replicas (a replica beyond that would share a core and
 add no capacity).
 """
 
@@ -126,7 +128,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
     from agent import replay
     from agent.demo import Sampler, _fresh_state, _vocabulary, replica_limits, replica_stats
     from agent.replica.config import LlamaConfig
-    from agent.sim.replay_scale import fit_scale, replay_requests
+    from agent.sim.replay_scale import always_on_replicas, fit_scale, replay_requests
     from agent.sim.replay_sim import simulate_plan
     from agent.up import Stack
 
@@ -211,15 +213,18 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
         if sampler is not None and not sampler._stop.is_set():
             sampler.stop()
         stack.close()
+    pool = always_on_replicas([r.at_s for r in plan], scale.capacity_rps, cap)
     live = replay.summarise(outcomes, gpu_seconds=sampler.replica_s,
-                            always_on_gpu_seconds=span_s, restores=restores)
-    live["peak_replicas"] = peak
+                            always_on_gpu_seconds=pool * span_s, restores=restores)
+    live.update(peak_replicas=peak, always_on_replicas=pool,
+                one_replica_gpu_seconds=round(span_s, 2))
     sim = simulate_plan(plan, profile, batch=scale.batch, kv_capacity_tokens=max_seqs * max_seq_len,
                         restore_s=restore_s, policy=policy, max_replicas=cap,
                         initial_replicas=1,
                         warm_slo_s=WARM_SLO_MS / 1000.0, restore_slo_s=RESTORE_SLO_MS / 1000.0,
                         max_seqs=max_seqs, mean_prompt_tokens=scale.mean_prompt_tokens,
-                        mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s)
+                        mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
+                        always_on_replicas=pool)
     codes = {}
     for o in outcomes:
         codes[o.code] = codes.get(o.code, 0) + 1
@@ -292,6 +297,8 @@ def table(r: dict) -> str:
     lines.append(f"{'gpu_seconds':<28}{r['gpu_seconds']:>12.1f}{s['gpu_seconds']:>12.1f}")
     lines.append(f"{'always_on_gpu_seconds':<28}{r['always_on_gpu_seconds']:>12.1f}"
                  f"{s['always_on_gpu_seconds']:>12.1f}")
+    lines.append(f"{'  (replicas; one replica)':<28}{r['always_on_replicas']:>5} "
+                 f"{r['one_replica_gpu_seconds']:>6.1f}")
     failed = [k for k, v in r["verdict"].items() if not v]
     lines.append("targets: " + ("all met" if not failed else "NOT met: " + ", ".join(failed)))
     return "\n".join(lines)

@@ -169,3 +169,16 @@ def replay_requests(arrival_s: np.ndarray, context_tokens: np.ndarray,
                          max_tokens_per_request)
     return [ReplayRequest(float(a) / scale.speedup, int(x), int(y))
             for a, x, y in zip(np.asarray(arrival_s), p, o)]
+
+
+def always_on_replicas(at_s: np.ndarray, capacity_rps: float, max_replicas: int,
+                       bin_s: float = 10.0) -> int:
+    """The replicas an always-on pool of this replica needs for the window's busiest
+    ``bin_s`` seconds: ``ceil(peak rate / capacity_rps)``, at least 1, at most
+    ``max_replicas`` (the simulator's always-on policy is sized the same way,
+    agent/sim/scenarios.py ``trace_scenario``).  ``at_s`` [N] wall arrival times."""
+    a = np.asarray(at_s, dtype=np.float64)
+    if not a.size or not capacity_rps > 0:
+        return 1
+    peak_rps = float(np.bincount((a // bin_s).astype(np.int64)).max()) / bin_s
+    return int(max(1, min(max_replicas, math.ceil(peak_rps / capacity_rps - 1e-9))))

@@ -43,10 +43,11 @@ def simulate_plan(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, batch
                   max_replicas: int, initial_replicas: int, warm_slo_s: float,
                   restore_slo_s: float, max_seqs: int, mean_prompt_tokens: float,
                   mean_gen_tokens: float, seed: int = 0,
-                  span_s: float = 0.0) -> dict[str, Any]:
+                  span_s: float = 0.0, always_on_replicas: int = 1) -> dict[str, Any]:
     """Run ``plan`` through the simulator; the same keys as :func:`agent.replay.summarise`
     (``ttft_ms`` per path ``warm_hit`` / ``snapshot_restore``), over at least ``span_s``
-    simulated seconds (the live replay's window)."""
+    simulated seconds (the live replay's window); always-on is ``always_on_replicas`` over
+    the span (``one_replica_gpu_seconds`` one replica)."""
     from agent.clock import ManualClock
     from agent.predictor.keepalive import KeepAliveCosts  # noqa: F401 (policy may carry one)
     from agent.predictor.loop import ModelPolicy, Predictor
@@ -107,8 +108,10 @@ def simulate_plan(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, batch
                                          "count": int(queued.sum()),
                                          "slo_ms": restore_slo_s * 1000.0}},
         "gpu_seconds": round(rec.gpu_s, 2),
-        "always_on_gpu_seconds": round(span, 2),
-        "gpu_ratio": rec.gpu_s / span if span > 0 else None,
+        "always_on_gpu_seconds": round(always_on_replicas * span, 2),
+        "always_on_replicas": always_on_replicas,
+        "one_replica_gpu_seconds": round(span, 2),
+        "gpu_ratio": rec.gpu_s / (always_on_replicas * span) if span > 0 else None,
         "restores": int(summary["starts_by_tier"].get("restore", 0)),
         "peak_replicas": int(rec.billed_replicas.max()) if rec.billed_replicas.size else 0,
     }

@@ -98,3 +98,14 @@ def test_an_empty_window_is_a_config_error():
     with pytest.raises(ConfigError) as e:
         fit(np.array([], dtype=np.int64), np.array([], dtype=np.int64))
     assert e.value.name == "requests"
+
+
+def test_always_on_is_sized_for_the_busiest_ten_seconds():
+    from agent.sim.replay_scale import always_on_replicas
+
+    steady = np.arange(0, 100, 0.5)                    # 2 req/s
+    assert always_on_replicas(steady, 5.0, 4) == 1
+    burst = np.concatenate([steady, 50 + np.arange(0, 10, 0.05)])   # +20 req/s for 10 s
+    assert always_on_replicas(burst, 5.0, 4) == 4     # 22 req/s peak / 5 -> 5, capped at 4
+    assert always_on_replicas(burst, 5.0, 8) == 5
+    assert always_on_replicas(np.array([]), 5.0, 4) == 1
