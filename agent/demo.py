@@ -44,6 +44,7 @@ PATHS = ("cold_boot", "snapshot_restore", "suspended_resume", "warm_hit")
 PROBE_TEXT = "The capital of France is"
 PROBE_MAX_TOKENS = 12
 MAX_REPLAY_REQUESTS = 5000
+COLD_BOOT_DEADLINE_MS = 300_000.0   # the demo's first request waits for the cold boot
 SAMPLE_S = 0.25
 # Keep-alive inputs shortened for the demo (the production defaults are the design document's
 # $2.80/GPU-hour, a 600 s rate window and a 30 s cooldown, which keep an idle replica minutes).
@@ -265,7 +266,10 @@ async def _replay(address: str, model: str, plan: list, base: list[int],
     """The probe (answered by a restore after scale-to-zero), then the plan at its times."""
     from agent.replay import one_request_at, send_plan
 
-    probe_out = await one_request_at(address, model, probe, PROBE_MAX_TOKENS)
+    # the probe waits for the restore (its own deadline), so the front door measures the
+    # snapshot restore before the replay's requests are admitted against its p99
+    probe_out = await one_request_at(address, model, probe, PROBE_MAX_TOKENS,
+                                     deadline_ms=COLD_BOOT_DEADLINE_MS)
     return probe_out, await send_plan(address, model, plan, base)
 
 
@@ -356,7 +360,10 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
         say(f"rewarm up --demo: model {model}, forward {forward_note}; front door "
             f"{address}, node agent {stack.agent_address}")
         say("1. first request: no snapshot yet, so a cold boot")
-        first = asyncio.run(replay.one_request_at(address, model, probe, PROBE_MAX_TOKENS))
+        # A cold boot meets no TTFT SLO (it is what snapshots avoid): the first request
+        # carries its own deadline, so admission waits for the boot instead of refusing it.
+        first = asyncio.run(replay.one_request_at(address, model, probe, PROBE_MAX_TOKENS,
+                                                  deadline_ms=COLD_BOOT_DEADLINE_MS))
         say(f"  answered: code {first.code}, path {first.path}, TTFT {_ms(first.ttft_ms)} ms")
         if first.code != 200:
             raise RuntimeError(f"the first request failed: {first.code} {first.reason}")
