@@ -45,6 +45,18 @@ TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
 MODEL = "bench"
 
 
+def _stub_speed():
+    """The speed the stub replicas report (contract point 2): they answer at once (no model),
+    so their prefill and decode step are loopback-fast; the front door routes and admits on
+    it as on any replica's report."""
+    from agent.speed import SpeedProfile
+    return SpeedProfile(prefill_tokens_per_s=1e6, prefill_overhead_s=1e-4, decode_base_s=1e-4,
+                        decode_per_seq_s=1e-6, decode_per_ctx_token_s=0.0)
+
+
+STUB_SPEED = _stub_speed()
+
+
 def _use_uvloop() -> None:
     try:
         import uvloop
@@ -93,13 +105,17 @@ async def _frontdoor(ports: list[int], max_seqs: int, deadline_ms: float) -> Non
         registry.register(ServiceInstance(
             "rewarm-replica", f"stub-{i}", "127.0.0.1", port, tags=[f"model={MODEL}"],
             meta={"max_seqs": str(max_seqs), "active_seqs": "0",
-                  "kv_capacity_tokens": str(max_seqs * 64), "kv_used_tokens": "0"}),
+                  "kv_capacity_tokens": str(max_seqs * 64), "kv_used_tokens": "0",
+                  **STUB_SPEED.to_meta()}),
             ttl_s=float("inf"))
     events = REPO / "var" / "bench" / "frontdoor_events.jsonl"
     events.parent.mkdir(parents=True, exist_ok=True)
     events.unlink(missing_ok=True)
+    # The TTFT SLOs are the deadline (as the deadline alone was before SLOs): the saturation
+    # front door holds requests as long as it takes, the overload one sheds past 250 ms.
     config = FrontDoorConfig(models={MODEL: deadline_ms}, max_queue_depth=4096,
-                             max_wait_s=deadline_ms / 1000.0)
+                             max_wait_s=deadline_ms / 1000.0, warm_slo_ms=deadline_ms,
+                             restore_slo_ms=deadline_ms)
     fd = FrontDoor(config, registry=registry, telemetry=Telemetry(events))
     host, port = await fd.start()
     import gc

@@ -145,9 +145,13 @@ class AdmissionQueue:
             out.append(p)
         return out
 
-    def ordered(self) -> list[Pending]:
-        """The requests held, earliest deadline first (a copy; O(n log n))."""
-        return [entry[2] for entry in sorted(self._heap) if not entry[2].cancelled]
+    def ordered(self, limit: int | None = None) -> list[Pending]:
+        """The requests held, earliest deadline first (a copy; O(n log n)), or the first
+        ``limit`` of them (O(n log limit))."""
+        entries = sorted(self._heap) if limit is None else heapq.nsmallest(
+            limit + (len(self._heap) - self._live), self._heap)
+        out = [entry[2] for entry in entries if not entry[2].cancelled]
+        return out if limit is None else out[:limit]
 
     def next_deadline_s(self) -> float | None:
         """The earliest ``give_up_s`` held (when :meth:`expire` next has work), or None."""
@@ -162,12 +166,16 @@ def capacity_etas_s(now_s: float, started_s: list[float], p50_s: float | None,
     """Clock times (s) at which new replicas of one model are expected, soonest first.
 
     ``started_s``: when each restore in flight began; ``p50_s``/``p99_s``: the model's
-    measured restore quantiles on the tier it restores from (None: not measured yet, taken
-    as 0: the first restore is asked for, and a late one is a counted 504); ``startable``:
+    measured restore quantiles on the tier it restores from (None: not measured yet: every
+    ETA is "now", and the caller holds the request to the model's default deadline rather
+    than the restore SLO, since the first restore may be a cold boot); ``startable``:
     restores that could still start now.  A restore in flight is due ``started + p99``; one
     already past it is in the tail, and is given the larger of ``p99 - p50`` (the measured
     spread) and its overrun so far."""
-    p99 = p99_s or 0.0
+    if p99_s is None:  # nothing measured: no ETA to hold it to (the caller's budget does)
+        etas = [now_s] * (len(started_s) + max(0, startable))
+        return etas
+    p99 = p99_s
     spread = max(0.0, p99 - (p50_s or p99))
     etas = []
     for t0 in started_s:

@@ -104,8 +104,10 @@ class RestoreTimes:
     """Recent restore durations per model and tier (path) and their p99 and p50 (nearest
     rank over the last ``window`` restores).  The design document sets admission deadlines
     from the restore latency's p99, not its mean ("Deadline-Aware Admission Control").
-    ``last_path(model)`` is the tier the model's last restore took (the next one most likely
-    takes it too: once a snapshot exists, restores are snapshot restores)."""
+    ``last_path(model)`` is the tier the model's last restore took, cold boots aside: the
+    next restore most likely takes it too, and a cold boot predicts nothing about the next
+    one (it happens once per model version; every later start is a snapshot restore,
+    ARCHITECTURE.md), so a model measured only cold-booting has no default p99."""
 
     def __init__(self, window: int = 64) -> None:
         self.window = window
@@ -121,7 +123,8 @@ class RestoreTimes:
         ordered = sorted(samples)
         self._q[key] = (ordered[max(0, math.ceil(0.5 * len(ordered)) - 1)],
                         ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)])
-        self._last[model] = path
+        if path != "cold_boot":
+            self._last[model] = path
 
     def last_path(self, model: str) -> str | None:
         return self._last.get(model)

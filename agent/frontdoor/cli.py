@@ -31,6 +31,12 @@ def register(subparsers) -> None:
     p.add_argument("--max-queue-depth", type=positive_int, default=1024)
     p.add_argument("--max-wait-s", type=positive_float, default=60.0)
     p.add_argument("--max-connections", type=positive_int, default=4096)
+    p.add_argument("--warm-slo-ms", type=positive_float, default=2000.0,
+                   help="TTFT SLO of a warm hit, from arrival (design document p99: 2000)")
+    p.add_argument("--restore-slo-ms", type=positive_float, default=4000.0,
+                   help="TTFT SLO of a request that waits for a restore (p99: 4000)")
+    p.add_argument("--slo", action="append", default=[], metavar="MODEL=WARM_MS,RESTORE_MS",
+                   help="one model's SLOs (repeatable)")
     p.add_argument("--drain-grace-s", type=positive_float, default=30.0,
                    help="on SIGTERM, streams in flight finish within this; new requests get "
                         "503 + retry_after_ms meanwhile (match systemd TimeoutStopSec, Nomad "
@@ -108,7 +114,8 @@ def _serve(args) -> int:
     config = FrontDoorConfig(host=args.host, port=args.port, models=models,
                              max_queue_depth=args.max_queue_depth, max_wait_s=args.max_wait_s,
                              max_connections=args.max_connections,
-                             drain_grace_s=args.drain_grace_s)
+                             drain_grace_s=args.drain_grace_s, warm_slo_ms=args.warm_slo_ms,
+                             restore_slo_ms=args.restore_slo_ms, slos=_slos(args.slo))
 
     async def run() -> None:
         fd = FrontDoor(config, registry=registry, capacity=capacity,
@@ -137,6 +144,23 @@ def _serve(args) -> int:
     finally:
         telemetry.close()
     return 0
+
+
+def _slos(specs: list[str]) -> dict[str, tuple[float, float]]:
+    """``--slo MODEL=WARM_MS,RESTORE_MS`` flags; ConfigError naming the flag otherwise."""
+    out = {}
+    for spec in specs:
+        model, _, pair = spec.partition("=")
+        try:
+            warm, restore = (positive_float(v) for v in pair.split(","))
+        except (ValueError, argparse.ArgumentTypeError):
+            raise ConfigError(f"--slo {spec!r}: want MODEL=WARM_MS,RESTORE_MS with both > 0",
+                              name="--slo", value=spec, limit="MODEL=WARM_MS,RESTORE_MS") from None
+        if not model:
+            raise ConfigError(f"--slo {spec!r}: no model name", name="--slo", value=spec,
+                              limit="MODEL=WARM_MS,RESTORE_MS")
+        out[model] = (warm, restore)
+    return out
 
 
 class TextStream:

@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from agent.frontdoor.request import Flight
 
 
+_PER_REPLICA_TTL_S = 1.0  # sustainable concurrency recomputed at most this often (O(max_seqs))
+
+
 class QueuePlanner:
     """Slots, ETAs and per-request placement (module docstring)."""
 
@@ -37,18 +40,19 @@ class QueuePlanner:
                                None if p50 is None else p50 / 1000.0,
                                None if p99 is None else p99 / 1000.0, startable)
 
-    def _slots(self, model: str, now: float) -> tuple[list[tuple[float, float]], list[float]]:
-        """(warm slots, new-replica slots) for ``model``'s queue (:func:`slot_times_s`),
-        soonest first: ``(time, when its replica was first seen)`` for the expected end of
-        each request at the warm replicas (dispatch + predicted TTFT + max_tokens decode
-        steps at the replica's batch, then the step in progress), and the times of the slots
-        of the replicas being restored (or that could be).  Cached for ``tick_s`` (a burst
-        of arrivals shares one computation)."""
+    def _slots(self, model: str, now: float) -> tuple[list[tuple[float, float, float]], float]:
+        """The slots for ``model``'s queue, soonest first, as ``(time, when its replica was
+        first seen, its decode step)``: the expected end of each request at the warm
+        replicas (dispatch + predicted TTFT + max_tokens decode steps at a full batch, then
+        the step in progress), the free slots now, and the slots of the replicas being
+        restored or that could be (:func:`slot_times_s`; first seen: never, so usable on the
+        restore path).  Also the earliest time, for ``retry_after_ms`` (inf: none).  Cached
+        for ``tick_s`` (a burst of arrivals shares one computation)."""
         cached = self._slot_cache.get(model)
         if cached is not None and now - cached[0] < self.config.tick_s:
             return cached[1], cached[2]
         prior = self.router.prior(model)
-        frees = []
+        slots = []
         for load in self.router.warm(model):
             link = self.links.get(load.replica_id)
             if link is None:
@@ -61,7 +65,7 @@ class QueuePlanner:
             seen = self._first_seen.get(load.replica_id, float("-inf"))
             idle = load.max_seqs - load.active_seqs
             if idle > 0:  # free now: they start after the step in progress
-                frees.extend([(now + speed.decode_step_s(load.active_seqs,
+                slots.extend([(now + speed.decode_step_s(load.active_seqs,
                                                          load.active_ctx_tokens), seen,
                                step_s)] * idle)
             for f in link.in_flight.values():
@@ -70,30 +74,31 @@ class QueuePlanner:
                 end = first + f.req.max_tokens * step_s
                 if end <= now:  # overdue: the estimate was wrong; expect the overrun again
                     end = now + (now - end)
-                frees.append((end + step_s, seen, step_s))
-        frees.sort()
+                slots.append((end + step_s, seen, step_s))
+        per_replica = self._per_replica(model)
         mean_prompt = self._shape.get(model, (1.0, 1.0))[0]
-        fresh = slot_times_s([], self._etas_s(model, now), self._per_replica(model), prior,
-                             mean_prompt)
-        self._slot_cache[model] = (now, frees, fresh)
-        return frees, fresh
+        fresh_step = prior.decode_step_s(per_replica)
+        inf = float("inf")
+        slots.extend((t, inf, fresh_step) for t in slot_times_s(
+            [], self._etas_s(model, now), per_replica, prior, mean_prompt))
+        slots.sort()  # sorted: a valid heap as it is
+        first = slots[0][0] if slots else inf
+        self._slot_cache[model] = (now, slots, first)
+        return slots, first
 
     def _assign(self, model: str, flights: list[Flight], now: float,
-                margin_s: float = 0.0) -> tuple[list[float | None], list[float]]:
+                margin_s: float = 0.0, ahead: int = 0) -> tuple[list[float | None], float]:
         """Predicted TTFTs from now (None: no capacity in sight makes its deadline) of
         ``flights`` (earliest deadline first), each taking the soonest slot that those before
         it left and that it can use in time: a slot on a replica up before the request
         arrived within its warm deadline, a new replica's within its restore-path deadline.
-        A slot taken frees again once that request's ``max_tokens`` are decoded.  Also
-        returns every slot's time (soonest first), for ``retry_after_ms``.  The last flight
-        must make its deadlines with ``margin_s`` to spare (admission; see :meth:`_hold`)."""
-        frees, fresh = self._slots(model, now)
+        A slot taken frees again once that request's ``max_tokens`` are decoded.  ``ahead``
+        more requests (not given one by one: a long queue) are taken to hold the first
+        ``ahead`` slots.  The last flight must make its deadlines with ``margin_s`` to spare
+        (admission; see :meth:`_hold`).  Also returns the earliest slot's time."""
+        slots, first = self._slots(model, now)
         prior = self.router.prior(model)
-        fresh_step = prior.decode_step_s(max(1, self._per_replica(model)))
-        inf = float("inf")
-        heap = frees + [(t, inf, fresh_step) for t in fresh]
-        times = sorted(h[0] for h in heap)
-        heapq.heapify(heap)
+        heap = slots[ahead:]          # a suffix of a sorted list: still a heap
         out: list[float | None] = []
         last = len(flights) - 1
         for k, flight in enumerate(flights):
@@ -116,7 +121,7 @@ class QueuePlanner:
             for slot in passed:
                 heapq.heappush(heap, slot)
             out.append(found)
-        return out, times
+        return out, first
 
     def _choose_in_time(self, flight: Flight, now: float) -> tuple[ReplicaLoad, float] | None:
         """The replica with the lowest predicted TTFT that starts ``flight`` within its
@@ -146,6 +151,15 @@ class QueuePlanner:
         return flight.warm_deadline_s
 
     def _per_replica(self, model: str) -> int:
+        cached = self._per_replica_cache.get(model)
+        now = self.clock.now()
+        if cached is not None and now - cached[0] < _PER_REPLICA_TTL_S:
+            return cached[1]
+        n = self._per_replica_now(model)
+        self._per_replica_cache[model] = (now, n)
+        return n
+
+    def _per_replica_now(self, model: str) -> int:
         """Requests one new replica of ``model`` serves within the warm SLO: its sustainable
         concurrency (agent/speed.py) at the model's mean prompt and max_tokens, with the
         model's prior speed, within the largest replica's slots seen."""

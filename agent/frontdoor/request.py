@@ -43,6 +43,7 @@ class GenerateRequest:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    wire: dict | None = None          # the entrance's validated msgpack map, reused as is
 
     @classmethod
     def from_message(cls, message: dict, tenant: str | None = None) -> "GenerateRequest":
@@ -50,7 +51,7 @@ class GenerateRequest:
         get = message.get
         return cls(message["id"], message["model"], get("tokens"), get("prompt"),
                    message["max_tokens"], get("deadline_ms"), tenant, get("seed"), get("stop"),
-                   get("temperature"), get("top_p"), get("top_k"))
+                   get("temperature"), get("top_p"), get("top_k"), message)
 
     @property
     def prompt_tokens(self) -> int:
@@ -59,7 +60,15 @@ class GenerateRequest:
         return len(self.tokens) if self.tokens is not None else len(self.prompt or "") // 3 + 1
 
     def replica_message(self) -> dict:
-        """The ``generate`` map sent to a replica (its ``id`` is set by the link)."""
+        """The ``generate`` map sent to a replica (its ``id`` is set by the link): the
+        entrance's own map when it gave one (``wire``: already in the protocol's form; the
+        front door's own fields ``token`` and ``deadline_ms`` are taken out), else built
+        from the fields."""
+        wire = self.wire
+        if wire is not None:
+            wire.pop("token", None)
+            wire.pop("deadline_ms", None)
+            return wire
         msg = {"v": PROTOCOL_VERSION, "op": "generate", "model": self.model,
                "max_tokens": self.max_tokens}
         if self.tokens is not None:

@@ -41,6 +41,7 @@ from agent.cluster.base import ServiceInstance
 from agent.errors import Overloaded
 from agent.frontdoor.admission import AdmissionQueue, Pending
 from agent.frontdoor.planner import QueuePlanner
+from agent.frontdoor.ratelog import RateLimitedLog
 from agent.frontdoor.request import SAMPLING_FIELDS, Flight, GenerateRequest, Sink
 from agent.frontdoor.restores import Restores
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
@@ -80,9 +81,15 @@ class RequestPath(QueuePlanner, Restores):
         self._shape: dict[str, list[float]] = {}   # model -> [mean prompt, mean max_tokens]
         self._max_seqs: dict[str, int] = {}        # model -> largest replica's slots seen
         self._rechecked_s: dict[str, float] = {}   # model -> when its queue was last re-checked
-        self._slot_cache: dict[str, tuple[float, list, list[float]]] = {}
+        self._slot_cache: dict[str, tuple[float, list, float]] = {}
+        self._per_replica_cache: dict[str, tuple[float, int]] = {}
         self._first_seen: dict[str, float] = {}    # replica id -> when it entered the view
+        self._budgets: dict[str, tuple[float, float]] = {}  # model -> (warm, restore) s
         self._event_kw = _keywords(telemetry.event)
+        self._late_log = RateLimitedLog(log, "first tokens past their deadline", clock=clock,
+                                        interval_s=config.accept_log_interval_s)
+        self._expired_log = RateLimitedLog(log, "504s (deadline passed while queued)",
+                                           clock=clock, interval_s=config.accept_log_interval_s)
         self.arrivals: dict[str, int] = {}  # generate requests per model (predictor input)
         self.queued_models: set[str] = set()
         self._upserted: dict[str, float] = {}  # replica id -> when a restore reported it
@@ -113,8 +120,9 @@ class RequestPath(QueuePlanner, Restores):
         shape = self._shape.get(model)
         if shape is None:
             shape = self._shape[model] = [float(prompt), float(req.max_tokens)]
-        shape[0] += (prompt - shape[0]) * _SHAPE_GAIN
-        shape[1] += (req.max_tokens - shape[1]) * _SHAPE_GAIN
+        else:
+            shape[0] += (prompt - shape[0]) * _SHAPE_GAIN
+            shape[1] += (req.max_tokens - shape[1]) * _SHAPE_GAIN
         warm_s, restore_s = self._budgets_s(model, req.deadline_ms)
         flight.deadline_s = flight.warm_deadline_s = now + warm_s
         queue = self.queues.get(model)
@@ -122,7 +130,7 @@ class RequestPath(QueuePlanner, Restores):
         if not queue:
             found = self.router.choose_predicted(model, need, prompt)
             if found is not None and found[1] <= warm_s:
-                self._dispatch(flight, found[0], found[1])
+                self._dispatch(flight, found[0], found[1], now)
                 return flight
         warm = self.router.warm(model)
         if warm and need > max(r.kv_capacity_tokens for r in warm):
@@ -144,9 +152,16 @@ class RequestPath(QueuePlanner, Restores):
         deadline (:class:`FrontDoorConfig`)."""
         if deadline_ms:
             return deadline_ms / 1000.0, deadline_ms / 1000.0
-        default_s = self._deadline_ms.get(model, self.config.default_deadline_ms) / 1000.0
-        warm_s, restore_s = self.config.slo_s(model)
-        return min(default_s, warm_s), min(default_s, restore_s)
+        budgets = self._budgets.get(model)
+        if budgets is None:  # cached; dropped when a restore of the model is measured
+            default_s = self._deadline_ms.get(model, self.config.default_deadline_ms) / 1000.0
+            warm_s, restore_s = self.config.slo_s(model)
+            if self.restore_times.p99_ms(model) is None:
+                # Nothing restored yet: the first restore may be a cold boot (minutes, no
+                # snapshot yet), which no restore-path SLO covers; the default deadline does.
+                restore_s = default_s
+            budgets = self._budgets[model] = (min(default_s, warm_s), min(default_s, restore_s))
+        return budgets
 
     def _hold(self, flight: Flight, warm_pred_s: float | None) -> None:
         """Queue ``flight`` if capacity can start it before its deadline, else 429 at once.
@@ -158,20 +173,24 @@ class RequestPath(QueuePlanner, Restores):
                 model, clock=self.clock, max_depth=self.config.max_queue_depth,
                 max_wait_s=self.config.max_wait_s)
         # the queue ahead (earlier deadlines) takes its slots first
-        ahead = [p.payload for p in queue.ordered() if p.deadline_s <= flight.deadline_s] \
-            if len(queue) <= _EXACT_QUEUE else []
+        if len(queue) <= _EXACT_QUEUE:
+            before, skip = [p.payload for p in queue.ordered()
+                            if p.deadline_s <= flight.deadline_s], 0
+        else:  # a long queue: the ones ahead are taken to hold the first slots
+            before, skip = [], len(queue)
         # Admitted with a margin: one decode step at a full batch (the slot model's quantum
         # of error) and one re-check interval, so that a small error is a 429 now, not later.
         margin_s = self.config.recheck_s + self.router.prior(model).decode_step_s(
             self._max_seqs.get(model, 0) or self.config.default_max_seqs)
-        predicted, slots = self._assign(model, ahead + [flight], now, margin_s)
+        predicted, first = self._assign(model, before + [flight], now, margin_s, skip)
         ttft_s = predicted[-1]
         if ttft_s is None:
             left_ms = (flight.deadline_s - now) * 1000.0
             warm = ("no warm replica with a free slot" if warm_pred_s is None else
                     f"best warm replica predicted {warm_pred_s * 1000:.0f} ms")
             cap = "no capacity in sight can start it in time"
-            retry_ms = max(1, round(((slots[0] if slots else now + 1.0) - now) * 1000))
+            retry_ms = max(1, round(((first if first < float("inf") else now + 1.0) - now)
+                                    * 1000))
             self.counts["shed_429"] += 1
             self._fail(flight, 429, f"model {model!r}: cannot start within {left_ms:.0f} ms "
                        f"(the TTFT SLO from arrival): {warm}, {cap}, "
@@ -222,20 +241,26 @@ class RequestPath(QueuePlanner, Restores):
 
     # --- dispatch and answers --------------------------------------------------------
 
-    def _dispatch(self, flight: Flight, replica: ReplicaLoad, predicted_s: float) -> None:
+    def _dispatch(self, flight: Flight, replica: ReplicaLoad, predicted_s: float,
+                  now: float | None = None) -> None:
         """Send ``flight`` to ``replica`` (predicted TTFT ``predicted_s`` from now) with
         ``deadline_ms``: the time left for its first token (contract point 3)."""
-        link = self.links.get(replica.replica_id)
+        rid = replica.replica_id
+        link = self.links.get(rid)
         if link is None or link.closed:
             link = self._connect(replica)
-        now = self.clock.now()
-        flight.replica_id = replica.replica_id
+        if now is None:
+            now = self.clock.now()
+        flight.replica_id = rid
         flight.predicted_ttft_s = now - flight.arrival_s + predicted_s
-        self.router.on_dispatch(replica.replica_id, flight.need_tokens, flight.prompt_tokens)
+        self.router.on_dispatch(rid, flight.need_tokens, flight.prompt_tokens)
         self.counts["dispatched"] += 1
+        deadline_s = flight.warm_deadline_s
+        if flight.deadline_s != deadline_s:  # held: which path's deadline depends on the replica
+            deadline_s = self._deadline_for(flight, rid)
+        left_ms = (deadline_s - now) * 1000.0
         message = flight.req.replica_message()
-        message["deadline_ms"] = max(1.0, (self._deadline_for(flight, replica.replica_id)
-                                           - now) * 1000.0)
+        message["deadline_ms"] = left_ms if left_ms > 1.0 else 1.0
         flight.replica_rid = link.dispatch(flight, message)
 
     def _connect(self, replica: ReplicaLoad) -> ReplicaLink:
@@ -259,12 +284,12 @@ class RequestPath(QueuePlanner, Restores):
     def on_answer(self, link: ReplicaLink, flight: Flight, message: dict) -> None:
         """A message from a replica for ``flight``: hand it to the flight's sink."""
         kind = message.get("type")
-        now = self.clock.now()
         if kind == "tokens":
             if flight.ttft_s is None:
-                self._first_token(flight, now)
+                self._first_token(flight, self.clock.now())
             flight.sink.tokens(message)
             return
+        now = self.clock.now()
         del link.in_flight[flight.replica_rid]
         had_first = flight.ttft_s is not None
         self.router.on_complete(link.replica_id, flight.need_tokens, flight.prompt_tokens,
@@ -302,10 +327,17 @@ class RequestPath(QueuePlanner, Restores):
 
     def _first_token(self, flight: Flight, now: float) -> None:
         flight.ttft_s = now
-        self.router.on_first_token(flight.replica_id, flight.prompt_tokens)
+        load = self.router.get(flight.replica_id)
+        if load is not None:  # Router.on_first_token, inlined (once per request)
+            prompt = flight.prompt_tokens
+            if load.waiting_seqs > 0:
+                load.waiting_seqs -= 1
+            left = load.queued_prefill_tokens - prompt
+            load.queued_prefill_tokens = left if left > 0 else 0
+            load.active_ctx_tokens += prompt
         if now > flight.deadline_s:  # a prediction was wrong: say which
             self.counts["late_first_token"] += 1
-            log.warning("request %r for model %r: first token %.0f ms after arrival, past its "
+            self._late_log.warning("request %r for model %r: first token %.0f ms after arrival, past its "
                         "deadline %.0f ms; predicted %.0f ms at replica %s",
                         flight.req.request_id, flight.model, (now - flight.arrival_s) * 1000,
                         (flight.deadline_s - flight.arrival_s) * 1000,
@@ -374,7 +406,13 @@ class RequestPath(QueuePlanner, Restores):
     def _event(self, *args: Any, **kw: Any) -> None:
         """Telemetry's event, with the keywords it knows (``reason``, ``predicted_ttft_ms``
         arrive with the ops branch's telemetry; older telemetry is called without them)."""
-        self.telemetry.event(*args, **{k: v for k, v in kw.items() if k in self._event_kw})
+        known = self._event_kw
+        if known is _ALL_EVENT_KW:
+            self.telemetry.event(*args, **kw)
+        elif not known:
+            self.telemetry.event(*args)
+        else:
+            self.telemetry.event(*args, **{k: v for k, v in kw.items() if k in known})
 
     # --- queues and restores ---------------------------------------------------------
 
@@ -423,8 +461,8 @@ class RequestPath(QueuePlanner, Restores):
             return
         now = self.clock.now()
         self._slot_cache.pop(model, None)
-        held = queue.ordered()
-        predicted, slots = self._assign(model, [p.payload for p in held], now)
+        held = queue.ordered(_RECHECK_MAX)  # the rest are checked as they move up
+        predicted, first = self._assign(model, [p.payload for p in held], now)
         for p, ttft_s in zip(held, predicted):
             flight: Flight = p.payload
             if ttft_s is not None:
@@ -435,8 +473,8 @@ class RequestPath(QueuePlanner, Restores):
             self._fail(flight, 429, f"model {model!r}: queued with a predicted TTFT of "
                        f"{was:.0f} ms; capacity now in sight cannot start it within its "
                        f"deadline ({(p.deadline_s - now) * 1000:.0f} ms left)",
-                       retry_after_ms=max(1, round(((slots[0] if slots else now + 1.0) - now)
-                                                   * 1000)))
+                       retry_after_ms=max(1, round(((first if first < float("inf")
+                                                     else now + 1.0) - now) * 1000)))
         self.telemetry.queue_depth(model, len(queue))
 
     def expire_queued(self) -> None:
@@ -453,10 +491,11 @@ class RequestPath(QueuePlanner, Restores):
                     waited_ms = (now - p.arrival_s) * 1000
                     predicted = (f"{p.predicted_ttft_s * 1000:.0f} ms"
                                  if p.predicted_ttft_s is not None else "none")
-                    log.warning("504 for request %r of model %r: deadline %.0f ms passed while "
-                                "queued; its predicted TTFT was %s (restore p99 %s ms)",
-                                p.request_id, model, (p.deadline_s - p.arrival_s) * 1000,
-                                predicted, self.restore_times.p99_ms(model))
+                    self._expired_log.warning(
+                        "504 for request %r of model %r: deadline %.0f ms passed while queued; "
+                        "its predicted TTFT was %s (restore p99 %s ms)", p.request_id, model,
+                        (p.deadline_s - p.arrival_s) * 1000, predicted,
+                        self.restore_times.p99_ms(model))
                     self._fail(flight, 504, f"deadline passed after {waited_ms:.0f} ms queued "
                                f"for model {model!r} (predicted TTFT {predicted})",
                                predicted_ttft_ms=_ms(p.predicted_ttft_s))
@@ -482,6 +521,11 @@ class RequestPath(QueuePlanner, Restores):
             self.refuse_queued(model, f"front door shutting down: request for model "
                                       f"{model!r} was queued and never sent to a replica")
         self.queued_models.clear()
+
+    def tick_logs(self, final: bool = False) -> None:
+        """Summarise rate-limited log lines whose interval is over (all, when ``final``)."""
+        for rl in (self._late_log, self._expired_log):
+            rl.flush() if final else rl.tick()
 
     def dispatched(self) -> int:
         """Requests at replicas, not yet answered."""
@@ -566,7 +610,8 @@ class RequestPath(QueuePlanner, Restores):
 
 
 _DRAIN_SKIP = 32    # queued requests passed over per drain when the head cannot go yet
-_EXACT_QUEUE = 256  # longer queues: a new request is placed on the slots alone (O(n) bound)
+_EXACT_QUEUE = 32   # longer queues: a new request is placed after len(queue) slots
+_RECHECK_MAX = 128  # queued requests re-checked each time, earliest deadline first
 _SHAPE_GAIN = 0.05  # EWMA gain of the per-model mean prompt and max_tokens (~20 requests)
 
 
@@ -580,6 +625,10 @@ def _keywords(fn: Any) -> frozenset:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return frozenset()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return frozenset({"reason", "predicted_ttft_ms"})
-    return frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+    names = frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+    if any(p.kind is p.VAR_KEYWORD for p in params) or _ALL_EVENT_KW <= names:
+        return _ALL_EVENT_KW
+    return names
+
+
+_ALL_EVENT_KW = frozenset({"reason", "predicted_ttft_ms"})

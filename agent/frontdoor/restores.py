@@ -108,6 +108,7 @@ class Restores:
     def _restore_measured(self, model: str, restore_ms: float,
                           path: str = "snapshot_restore") -> None:
         self.restore_times.record(model, restore_ms, path)
+        self._budgets.pop(model, None)
         if model not in self.config.models:
             self._deadline_ms[model] = max(
                 self.config.default_deadline_ms,

@@ -71,12 +71,15 @@ class ReplicaLoad:
     def predict_ttft_s(self, prompt_tokens: int, prior: SpeedProfile) -> float:
         """Predicted TTFT (s) here for a new request of ``prompt_tokens`` prompt tokens, with
         this replica's speed (``prior`` when it has reported none)."""
-        speed = self.speed or prior
-        return speed.predict_ttft_s(prompt_tokens, active_seqs=self.active_seqs,
-                                    active_ctx_tokens=self.active_ctx_tokens,
-                                    waiting_seqs=self.waiting_seqs,
-                                    queued_prefill_tokens=self.queued_prefill_tokens) \
-            + self.penalty_s
+        # SpeedProfile.predict_ttft_s, inlined (the request path calls this per replica
+        # per request): the step in progress, the queued prefills, its own prefill.
+        s = self.speed or prior
+        active = self.active_seqs
+        step_s = (s.decode_base_s + s.decode_per_seq_s * (active - 1)
+                  + s.decode_per_ctx_token_s * self.active_ctx_tokens) if active > 0 else 0.0
+        return (step_s + (self.waiting_seqs + 1) * s.prefill_overhead_s
+                + (self.queued_prefill_tokens + prompt_tokens) / s.prefill_tokens_per_s
+                + self.penalty_s)
 
     @classmethod
     def from_meta(cls, replica_id: str, model: str, address: str,
@@ -130,6 +133,9 @@ def slowest(profiles: Iterable[SpeedProfile]) -> SpeedProfile | None:
     return out
 
 
+_EMPTY: dict = {}
+
+
 class Router:
     """The local view of warm replicas, by model."""
 
@@ -177,16 +183,21 @@ class Router:
         equal predictions go to more headroom, then to the smaller id.  None when none fits."""
         best, best_s = None, 0.0
         prior = None
-        for load in self._by_model.get(model, {}).values():
-            if not load.fits(need_tokens) or load.replica_id in exclude:
+        for load in self._by_model.get(model, _EMPTY).values():
+            if load.active_seqs >= load.max_seqs or \
+                    load.kv_capacity_tokens - load.kv_used_tokens < need_tokens or \
+                    (exclude and load.replica_id in exclude):
                 continue
             if load.speed is None and prior is None:
                 prior = self.prior(model)
             ttft_s = load.predict_ttft_s(prompt_tokens, prior)  # type: ignore[arg-type]
-            if best is None or ttft_s < best_s or (ttft_s == best_s and (
-                    load.headroom_tokens, best.replica_id) > (best.headroom_tokens,
-                                                              load.replica_id)):
+            if best is None or ttft_s < best_s:
                 best, best_s = load, ttft_s
+            elif ttft_s == best_s:
+                room = load.kv_capacity_tokens - load.kv_used_tokens
+                best_room = best.kv_capacity_tokens - best.kv_used_tokens
+                if room > best_room or (room == best_room and load.replica_id < best.replica_id):
+                    best = load
         return None if best is None else (best, best_s)
 
     def choose(self, model: str, need_tokens: int, prompt_tokens: int = 0) -> ReplicaLoad | None:
@@ -209,8 +220,10 @@ class Router:
         """The request's prompt is prefilled: out of the prefill queue, into the context."""
         load = self._replicas.get(replica_id)
         if load is not None:
-            load.waiting_seqs = max(0, load.waiting_seqs - 1)
-            load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - prompt_tokens)
+            if load.waiting_seqs > 0:
+                load.waiting_seqs -= 1
+            left = load.queued_prefill_tokens - prompt_tokens
+            load.queued_prefill_tokens = left if left > 0 else 0
             load.active_ctx_tokens += prompt_tokens
 
     def on_complete(self, replica_id: str, need_tokens: int, prompt_tokens: int = 0,
@@ -219,11 +232,14 @@ class Router:
         (else its prompt leaves the prefill queue)."""
         load = self._replicas.get(replica_id)
         if load is not None:
-            load.active_seqs = max(0, load.active_seqs - 1)
-            load.kv_used_tokens = max(0, load.kv_used_tokens - need_tokens)
+            if load.active_seqs > 0:
+                load.active_seqs -= 1
+            used = load.kv_used_tokens - need_tokens
+            load.kv_used_tokens = used if used > 0 else 0
             if prompt_tokens:
                 if first_token:
-                    load.active_ctx_tokens = max(0, load.active_ctx_tokens - prompt_tokens)
+                    ctx = load.active_ctx_tokens - prompt_tokens
+                    load.active_ctx_tokens = ctx if ctx > 0 else 0
                 else:
                     load.waiting_seqs = max(0, load.waiting_seqs - 1)
                     load.queued_prefill_tokens = max(0, load.queued_prefill_tokens

@@ -127,6 +127,7 @@ class FrontDoor:
         self.path.fail_dispatched(f"front door shutting down: replica {{replica}} did not "
                                   f"finish within grace_s({grace_s})")
         await self.msgpack.close_all()
+        self.path.tick_logs(final=True)
         if self.announcer is not None:
             await asyncio.to_thread(self.announcer.withdraw, self.instance_id)
         self.telemetry.flush()
@@ -145,6 +146,7 @@ class FrontDoor:
         while True:
             await asyncio.sleep(self.config.sweep_s)
             self.msgpack.sweep()
+            self.path.tick_logs()
             self.telemetry.flush()
 
     def _heartbeat(self) -> None:

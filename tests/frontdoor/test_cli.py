@@ -121,3 +121,13 @@ def test_text_stream_writes_ascii_as_it_arrives_and_ids_with_spaces():
     stream.tokens({"tokens": [2]})
     stream.done({})
     assert ids.getvalue() == "0 1 2"
+
+
+def test_slo_flags_parse_and_refuse_nonsense():
+    from agent.errors import ConfigError
+    from agent.frontdoor.cli import _slos
+
+    assert _slos(["m=1500,3000", "n=100,200.5"]) == {"m": (1500.0, 3000.0), "n": (100.0, 200.5)}
+    for bad in ("m=1500", "m=0,3000", "=1,2", "m=a,b"):
+        with pytest.raises(ConfigError, match="--slo"):
+            _slos([bad])

@@ -193,3 +193,41 @@ def test_each_answer_passes_its_prediction_to_telemetry_when_telemetry_takes_it(
         f.submit()
         assert rec.seen[1][0] == 503 and "draining" in rec.seen[1][3]
     run(main())
+
+
+def test_late_and_expired_lines_are_rate_limited(caplog):
+    import logging
+
+    from agent.clock import ManualClock
+    from agent.frontdoor.ratelog import RateLimitedLog
+
+    clock = ManualClock()
+    rl = RateLimitedLog(logging.getLogger("t.rl"), "things", clock=clock, interval_s=10, burst=2)
+    with caplog.at_level("WARNING", logger="t.rl"):
+        for i in range(50):
+            rl.warning("thing %d", i)
+        clock.advance(10)
+        rl.tick()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["thing 0", "thing 1", "things: 48 more in the last 10 s (not logged one by one)"]
+
+
+def test_the_first_restore_is_awaited_to_the_default_deadline_then_measured_ones_count():
+    async def main():
+        # Nothing restored yet: the first restore may be a cold boot that no restore SLO
+        # covers; the model's default deadline (60 s here) bounds the wait instead.
+        f = Fleet(warm=0, restore_s=10.0)
+        t0 = f.clock.now()
+        first = f.submit()
+        assert first.final is None
+        await f.timeline.run_until(t0 + 12)
+        assert first.code == 200 and 10.0 <= first.first_s - t0 <= 10.1
+        # Now 10 s is the measured restore p99: a request no warm replica can take in time
+        # and that a restore cannot start within 4 s is refused at once.
+        for r in f.replicas:
+            r.load.max_seqs = r.load.active_seqs = 1
+        f.submit(max_tokens=500)
+        t1 = f.clock.now()
+        late = f.submit()
+        assert late.code == 429 and late.at_s == t1
+    run(main())

@@ -148,6 +148,7 @@ def test_queue_full_429_then_a_prediction_gone_bad_429_before_the_deadline():
         # front door's estimate of when that slot frees turns out wrong.
         fd, stubs, host, port = await setup(stub={"max_seqs": 1, "hold": True},
                                             max_queue_depth=2, capacity=FakeCapacity(fail=True, delay_s=5))
+        fd.path.restore_times.record("m", 5000.0)   # restores measured: too slow to help here
         c = await AsyncClient.connect(host, port, max_retries=0)
         first = asyncio.create_task(c.generate("m", tokens=[1], max_tokens=1))
         await asyncio.sleep(0.05)
