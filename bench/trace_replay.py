@@ -179,8 +179,8 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
                                                   deadline_ms=replay.CALIBRATION_DEADLINE_MS))
         if again.code != 200:
             raise RuntimeError(f"the probe after scale-to-zero failed: {again.code} {again.reason}")
-        rows = stack.agent.catalog.cold_starts(model)[rows_before:]
-        restore_s = max([float(r["duration_s"]) for r in rows if r["outcome"] == "ok"]
+        new_rows = stack.agent.catalog.cold_starts(model)[rows_before:]
+        restore_s = max([float(r["duration_s"]) for r in new_rows if r["outcome"] == "ok"]
                         or [again.ttft_ms / 1000.0])
         say(f"  restore: {restore_s:.2f} s (probe path {again.path}, TTFT {again.ttft_ms:.0f} ms)")
         scale = fit_scale(rows.context_tokens, rows.generated_tokens, window_s=window_s,
