@@ -33,6 +33,11 @@ def nonneg_int(text: str) -> int:
     return _number(int, text, 0, "an integer")
 
 
+def nonneg_float(text: str) -> float:
+    """A finite number >= 0 (rates that may be off)."""
+    return _number(float, text, 0.0, "a number")
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0 (durations in seconds, rates, factors)."""
     value = _number(float, text, 0.0, "a number")

@@ -7,16 +7,21 @@ Phases (against the :class:`agent.up.Stack` started here):
 2. idle: the predictor (started after phase 1) scales the model to zero once the keep-alive
    allows — the demo shortens the keep-alive's inputs (:data:`DEMO_POLICY`) so this takes
    seconds instead of minutes, and says so;
+   Before it is released, the warm replica's speed is measured through the front door
+   (:func:`agent.replay.calibrate`) and handed to the predictor;
 3. the same probe request again (answered by a snapshot restore; its tokens must equal phase
-   1's), then a replay of the Azure LLM code trace, time-compressed by ``--speedup``, with
-   prompt and output lengths divided to fit a small model on two CPU cores
-   (:func:`scale_lengths`);
+   1's), then a replay of the first ``--minutes`` of the Azure LLM code trace, scaled to the
+   measured replica as bench/trace_replay.py scales it (:mod:`agent.sim.replay_scale`: one
+   time compression from ``--replay-s``, one token scale, so the window's mean offered work
+   is ``--load`` of the replica's capacity and its burst shape is kept);
 4. the table (:func:`format_table`) and, with ``--json PATH``, the numbers (:func:`summarise`).
 
-Outcome classes per request: 200 → served (counted by the ``path`` the front door reports),
-429 → ``shed``, 504 → ``expired``, anything else (503, a broken connection, no answer) →
-``lost``, which must stay 0.  GPU-seconds are replica-seconds here (replicas alive, sampled
-every ``SAMPLE_S``), against one always-on replica over the same wall-clock span.
+Outcome classes per request (agent/replay.py): 200 → served (counted by the ``path`` the
+front door reports), 429 → ``shed``, 504 → ``expired``, anything else (503, a broken
+connection, no answer) → ``lost``, which must stay 0.  The SLA attainment is the share of the
+replay's requests answered within their path's TTFT SLO (warm hit 2 s, restore path 4 s).
+GPU-seconds are replica-seconds here (replicas alive, sampled every ``SAMPLE_S``), against
+one always-on replica over the same wall-clock span.
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import ConfigError, RewarmError
+from agent.replay import PATH_SLO_MS, Outcome, percentile
+from agent.replay import summarise as replay_summary
 
 PATHS = ("cold_boot", "snapshot_restore", "suspended_resume", "warm_hit")
 PROBE_TEXT = "The capital of France is"
 PROBE_MAX_TOKENS = 12
-PROMPT_DIV, OUTPUT_DIV = 64, 4          # trace tokens per demo token
-MAX_PROMPT, MAX_OUTPUT = 64, 16
 MAX_REPLAY_REQUESTS = 5000
+COLD_BOOT_DEADLINE_MS = 300_000.0   # the demo's first request waits for the cold boot
 SAMPLE_S = 0.25
 # Keep-alive inputs shortened for the demo (the production defaults are the design document's
 # $2.80/GPU-hour, a 600 s rate window and a 30 s cooldown, which keep an idle replica minutes).
@@ -56,87 +62,41 @@ def demo_policy() -> dict[str, Any]:
                                     wait_cost_per_s=0.01, restore_s=2.0)}
 
 
-@dataclass(frozen=True)
-class ReplayRequest:
-    """One request to send ``at_s`` wall seconds after the replay starts."""
+def replay_window(trace: Path, *, minutes: float, max_requests: int = MAX_REPLAY_REQUESTS):
+    """The trace's first ``minutes`` (:class:`agent.sim.trace.TraceRows`).
 
-    at_s: float
-    prompt_tokens: int
-    output_tokens: int
-
-
-def scale_lengths(context_tokens: int, generated_tokens: int) -> tuple[int, int]:
-    """Trace lengths → demo lengths: ``clamp(round(ctx / 64), 4, 64)`` prompt tokens and
-    ``clamp(round(gen / 4), 1, 16)`` output tokens (the code trace's median 1469/13 becomes
-    23/3)."""
-    prompt = min(MAX_PROMPT, max(4, round(context_tokens / PROMPT_DIV)))
-    output = min(MAX_OUTPUT, max(1, round(generated_tokens / OUTPUT_DIV)))
-    return prompt, output
-
-
-def replay_plan(trace: Path, *, replay_s: float, speedup: float,
-                max_requests: int = MAX_REPLAY_REQUESTS) -> list[ReplayRequest]:
-    """The first ``replay_s * speedup`` trace seconds, compressed ``speedup`` times.
-
-    Reads the trace with :func:`agent.sim.trace.load_trace` (which validates every field and
-    raises InvalidTrace).  Raises ConfigError for ``replay_s``/``speedup`` not > 0 or a window
-    of more than ``max_requests`` requests."""
+    Reads the trace with :func:`agent.sim.trace.read_trace` (which validates every field and
+    raises InvalidTrace naming the row).  Raises ConfigError for ``minutes`` not > 0 or a
+    window that holds no request or more than ``max_requests``."""
     from agent.errors import InvalidTrace
-    from agent.sim.trace import TokenTiming, load_trace
+    from agent.sim.trace import read_trace
 
     if not Path(trace).is_file():
         raise InvalidTrace(f"trace {trace} not found (pass --trace PATH)", path=trace, line=None,
                            field="path", value=str(trace), limit="an existing file")
-    for name, value in (("replay_s", replay_s), ("speedup", speedup)):
-        if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"{name}={value}; limit is > 0", name=name, value=value, limit="> 0")
-    # prefill at 1 token/s makes prefill_s the prompt length; need_tokens - prompt the output.
-    w = load_trace(trace, timing=TokenTiming(prefill_tokens_per_s=1.0))
-    end_s = replay_s * speedup
-    out = []
-    for i in range(len(w)):
-        if w.arrival_s[i] >= end_s:
-            break
-        if len(out) >= max_requests:
-            raise ConfigError(f"replay window {end_s} trace s holds more than max_requests "
-                              f"({max_requests}); lower --replay-s or --speedup",
-                              name="max_requests", value=len(out) + 1, limit=max_requests)
-        ctx = int(round(w.prefill_s[i]))
-        prompt, output = scale_lengths(ctx, int(w.need_tokens[i]) - ctx)
-        out.append(ReplayRequest(float(w.arrival_s[i]) / speedup, prompt, output))
-    return out
-
-
-@dataclass
-class Outcome:
-    """One request as the client saw it: ``code`` 200 on success; ``ttft_ms`` measured at
-    the client (None unless served); ``path`` from the front door's ``done``."""
-
-    code: int
-    path: str | None = None
-    ttft_ms: float | None = None
-    tokens: list[int] = field(default_factory=list)
-    reason: str = ""
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]) of ``values``; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, math.ceil(q / 100.0 * len(ordered)) - 1))
-    return ordered[k]
+    if not (minutes > 0 and math.isfinite(minutes)):
+        raise ConfigError(f"minutes={minutes}; limit is > 0", name="minutes", value=minutes,
+                          limit="> 0")
+    rows = read_trace(trace).window(0.0, minutes * 60.0)
+    if not 1 <= len(rows) <= max_requests:
+        raise ConfigError(f"replay window of {minutes:g} trace minutes holds {len(rows)} "
+                          f"requests; limit is 1..{max_requests} (change --minutes)",
+                          name="max_requests", value=len(rows), limit=max_requests)
+    return rows
 
 
 def summarise(outcomes: list[Outcome], *, restores: list[dict], golden: dict[str, int],
               gpu_seconds: float, always_on_gpu_seconds: float, example_completion: str,
-              extra: dict | None = None) -> dict[str, Any]:
+              extra: dict | None = None,
+              sla_of: list[Outcome] | None = None) -> dict[str, Any]:
     """The demo's numbers (the ``--json`` document).
 
     ``restores``: the catalog's cold-start rows (path, outcome, duration_s) plus optional
     ``phases_s``; ``golden``: ``{"passed": n, "failed": n}``.  Keys: requests_by_path,
     ttft_ms {path: {p50, p99}}, golden_checks_passed/failed, shed, expired, lost, gpu_seconds,
-    always_on_gpu_seconds, example_completion, restores, requests."""
+    always_on_gpu_seconds, example_completion, restores, requests, and ``sla_attainment``
+    with ``sla_requests``: the share of ``sla_of`` (default: all outcomes; the demo passes
+    the replay's) answered 200 within their path's TTFT SLO (agent/replay.py)."""
     by_path = {p: 0 for p in PATHS}
     ttft: dict[str, list[float]] = {p: [] for p in PATHS}
     shed = expired = lost = 0
@@ -152,9 +112,13 @@ def summarise(outcomes: list[Outcome], *, restores: list[dict], golden: dict[str
             expired += 1
         else:
             lost += 1
+    judged = outcomes if sla_of is None else sla_of
+    sla = replay_summary(judged, gpu_seconds=0.0, always_on_gpu_seconds=0.0, restores=0)
     return {
         "requests": len(outcomes),
         "requests_by_path": by_path,
+        "sla_attainment": sla["sla_attainment"], "sla_requests": len(judged),
+        "shed_429_within_50ms": sla["shed_429_within_50ms"],
         "ttft_ms": {p: {"p50": percentile(v, 50), "p99": percentile(v, 99)}
                     for p, v in ttft.items()},
         "golden_checks_passed": int(golden.get("passed", 0)),
@@ -188,22 +152,43 @@ def format_table(s: dict[str, Any]) -> str:
     failed = [r for r in s["restores"] if r.get("outcome") != "ok"]
     for r in failed:
         lines.append(f"{r['path']:<18} {r['outcome']}")
-    saved = s["always_on_gpu_seconds"] - s["gpu_seconds"]
+    lines += ["", sla_line(s)]
     lines += [
-        "",
         f"golden checks       {s['golden_checks_passed']} passed, {s['golden_checks_failed']} failed",
         f"probe tokens        {'identical after restore' if s.get('probe_match') else 'DIFFER or not checked'}",
         f"shed (429)          {s['shed']}",
         f"expired (504)       {s['expired']}",
         f"lost                {s['lost']}",
-        f"GPU-seconds         {s['gpu_seconds']:.1f} used vs {s['always_on_gpu_seconds']:.1f} "
-        f"always-on ({saved:.1f} saved; replica-seconds on this CPU machine)",
+        gpu_line(s),
         f"forward             {s.get('forward', '?')}",
         "",
         f"example completion  {s['example_completion']!r}",
         "",
     ]
     return "\n".join(lines)
+
+
+def sla_line(s: dict[str, Any]) -> str:
+    """``SLA attainment ...``: the share of the judged requests within their path's SLO."""
+    if "sla_attainment" not in s:
+        return "SLA attainment      -"
+    return (f"SLA attainment      {100 * s['sla_attainment']:.1f} % of {s['sla_requests']} "
+            f"replay requests answered within their path's TTFT SLO (warm hit "
+            f"{PATH_SLO_MS['warm_hit'] / 1000:g} s, restore {PATH_SLO_MS['snapshot_restore'] / 1000:g} s;"
+            f" 429/504 count as misses)")
+
+
+def gpu_line(s: dict[str, Any]) -> str:
+    """GPU-seconds against one always-on replica over the same span, saying plainly when
+    scaling to zero cost more than not scaling."""
+    used, always = s["gpu_seconds"], s["always_on_gpu_seconds"]
+    head = f"GPU-seconds         {used:.1f} used vs {always:.1f} for one always-on replica"
+    if always <= 0:
+        return head + " (nothing to compare)"
+    diff = always - used
+    verdict = (f"{diff:.1f} saved, {100 * diff / always:.0f} %" if diff >= 0 else
+               f"{-diff:.1f} MORE than always-on")
+    return head + f" ({verdict}; replica-seconds on this CPU machine)"
 
 
 class Sampler:
@@ -246,6 +231,23 @@ class Sampler:
         return time.monotonic() - self.started_s
 
 
+def replica_stats(stack) -> dict:
+    """The ``stats`` answer of a warm replica of ``stack`` (RuntimeError when none is)."""
+    with stack.agent._lock:
+        recs = list(stack.agent.replicas.values())
+    for r in recs:
+        if r.lifecycle.state.value == "warm" and r.handle is not None:
+            return r.handle.stats()
+    raise RuntimeError(f"model {stack.model}: no warm replica to read its stats from")
+
+
+def replica_limits(stack) -> tuple[int, int]:
+    """``(max_seqs, max_seq_len)`` from the ``stats`` of a warm replica of ``stack``.
+    Raises RuntimeError when none is warm."""
+    stats = replica_stats(stack)
+    return int(stats["max_seqs"]), int(stats["max_seq_len"])
+
+
 def golden_counts(agent) -> dict[str, int]:
     """Golden checks the replicas ran: each snapshot restore that served passed one; each
     restore attempt that failed with GoldenMismatch failed one."""
@@ -259,57 +261,16 @@ def golden_counts(agent) -> dict[str, int]:
     return {"passed": passed, "failed": failed}
 
 
-async def _one(client, model: str, tokens: list[int], max_tokens: int) -> Outcome:
-    start = time.perf_counter()
-    out = Outcome(code=0)
-    try:
-        async for msg in client.stream(model, tokens=tokens, max_tokens=max_tokens):
-            if msg["type"] == "tokens":
-                if out.ttft_ms is None:
-                    out.ttft_ms = (time.perf_counter() - start) * 1000.0
-                out.tokens.extend(msg["tokens"])
-            else:
-                out.code, out.path = 200, msg.get("path")
-    except RewarmError as err:
-        out.code, out.reason = int(getattr(err, "code", 500) or 500), str(err)
-    except (OSError, asyncio.TimeoutError) as err:
-        out.code, out.reason = 599, f"{type(err).__name__}: {err}"
-    if out.code == 0:
-        out.code, out.reason = 598, "no done message"
-    return out
-
-
-async def _replay(address: str, model: str, plan: list[ReplayRequest], base: list[int],
+async def _replay(address: str, model: str, plan: list, base: list[int],
                   probe: list[int]) -> tuple[Outcome, list[Outcome]]:
-    from agent.client import AsyncClient
+    """The probe (answered by a restore after scale-to-zero), then the plan at its times."""
+    from agent.replay import one_request_at, send_plan
 
-    host, _, port = address.rpartition(":")
-    client = await AsyncClient.connect(host, int(port), max_retries=0)
-    try:
-        probe_out = await _one(client, model, probe, PROBE_MAX_TOKENS)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        tasks = []
-        for i, r in enumerate(plan):
-            delay = t0 + r.at_s - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            prompt = [base[(7 * i + j) % len(base)] for j in range(r.prompt_tokens)]
-            tasks.append(loop.create_task(_one(client, model, prompt, r.output_tokens)))
-        return probe_out, list(await asyncio.gather(*tasks))
-    finally:
-        await client.close()
-
-
-async def _single(address: str, model: str, tokens: list[int], max_tokens: int) -> Outcome:
-    from agent.client import AsyncClient
-
-    host, _, port = address.rpartition(":")
-    client = await AsyncClient.connect(host, int(port), max_retries=0)
-    try:
-        return await _one(client, model, tokens, max_tokens)
-    finally:
-        await client.close()
+    # the probe waits for the restore (its own deadline), so the front door measures the
+    # snapshot restore before the replay's requests are admitted against its p99
+    probe_out = await one_request_at(address, model, probe, PROBE_MAX_TOKENS,
+                                     deadline_ms=COLD_BOOT_DEADLINE_MS)
+    return probe_out, await send_plan(address, model, plan, base)
 
 
 # --- the scenario ----------------------------------------------------------------------------
@@ -336,9 +297,10 @@ def _vocabulary(model_dir: Path, vocab_size: int):
     return None, [1, 2, 3, 4, 5], list(range(3, min(vocab_size, 200)))
 
 
-def wait_scaled_to_zero(stack, timeout_s: float, say) -> float:
+def wait_scaled_to_zero(stack, timeout_s: float, say, on_ready=None) -> float:
     """Block until the model has no replica left and a ready snapshot; returns seconds waited.
-    Raises TimeoutError after ``timeout_s``."""
+    ``on_ready()`` runs once the snapshot is ready, before the predictor starts (the demo
+    measures the warm replica then).  Raises TimeoutError after ``timeout_s``."""
     start = time.monotonic()
     agent, model = stack.agent, stack.model
     said_ready = False
@@ -347,8 +309,10 @@ def wait_scaled_to_zero(stack, timeout_s: float, say) -> float:
         ready = bool(agent.catalog.snapshots(model, status="ready"))
         if ready and not said_ready:
             said_ready = True
-            say(f"  snapshot captured, verified and marked ready after {waited:.1f} s idle; "
-                "predictor started")
+            say(f"  snapshot captured, verified and marked ready after {waited:.1f} s idle")
+            if on_ready is not None:
+                on_ready()
+            say("  predictor started")
             # Started only now: LocalScaler counts restoring and warm replicas, not one still
             # cold-booting, so an earlier tick would cold-boot a second replica.
             stack.start_predicting()
@@ -377,8 +341,11 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
     if logging.getLogger().getEffectiveLevel() >= logging.INFO:
         logging.getLogger("agent.predictor.loop").setLevel(logging.WARNING)
 
+    from agent import replay
+    from agent.sim.replay_scale import fit_scale, replay_requests
+
     trace = trace_path(args)
-    plan = replay_plan(trace, replay_s=args.replay_s, speedup=args.speedup)
+    window = replay_window(trace, minutes=args.minutes)
     tok, probe, base = _vocabulary(model_dir, LlamaConfig.from_dir(model_dir).vocab_size)
     state = Path(args.state_dir)
     _fresh_state(state)
@@ -387,22 +354,52 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
                   start_predictor=False, restores_per_model=1, max_replicas=1)
     stack.start()
     sampler = Sampler(stack.agent)
+    measured: dict[str, Any] = {}
     try:
-        say(f"rewarm up --demo: model {stack.model}, forward {forward_note}; front door "
-            f"{stack.frontdoor_address}, node agent {stack.agent_address}")
+        address, model = stack.frontdoor_address, stack.model
+        say(f"rewarm up --demo: model {model}, forward {forward_note}; front door "
+            f"{address}, node agent {stack.agent_address}")
         say("1. first request: no snapshot yet, so a cold boot")
-        first = asyncio.run(_single(stack.frontdoor_address, stack.model, probe, PROBE_MAX_TOKENS))
+        # A cold boot meets no TTFT SLO (it is what snapshots avoid): the first request
+        # carries its own deadline, so admission waits for the boot instead of refusing it.
+        first = asyncio.run(replay.one_request_at(address, model, probe, PROBE_MAX_TOKENS,
+                                                  deadline_ms=COLD_BOOT_DEADLINE_MS))
         say(f"  answered: code {first.code}, path {first.path}, TTFT {_ms(first.ttft_ms)} ms")
         if first.code != 200:
             raise RuntimeError(f"the first request failed: {first.code} {first.reason}")
+
+        def measure() -> None:   # the warm replica, before the predictor may release it
+            max_seqs, max_seq_len = replica_limits(stack)
+            from agent.speed import SpeedProfile
+
+            calibrated = asyncio.run(replay.calibrate(address, model, base,
+                                                      max_seq_len=max_seq_len))
+            # scale by what the replica reports (the front door admits by it), else by that
+            profile = SpeedProfile.from_meta(replica_stats(stack)) or calibrated
+            scale = fit_scale(window.context_tokens, window.generated_tokens,
+                              window_s=args.minutes * 60.0, profile=profile, load=args.load,
+                              wall_s=args.replay_s, ttft_slo_s=PATH_SLO_MS["warm_hit"] / 1000.0,
+                              max_seqs=max_seqs, max_tokens_per_request=max_seq_len)
+            measured.update(profile=profile, scale=scale, max_seqs=max_seqs,
+                            plan=replay_requests(window.arrival_s, window.context_tokens,
+                                                 window.generated_tokens, scale, max_seq_len))
+            say(f"  measured the replica: {profile.prefill_tokens_per_s:.0f} prompt tokens/s, "
+                f"decode step {1000 * profile.decode_base_s:.0f} ms; capacity "
+                f"{scale.capacity_rps:.1f} req/s at batch {scale.batch}")
+
         say(f"2. idle until the keep-alive scales the model to zero ({DEMO_POLICY_TEXT})")
-        waited = wait_scaled_to_zero(stack, args.idle_timeout_s, say)
+        waited = wait_scaled_to_zero(stack, args.idle_timeout_s, say, on_ready=measure)
+        stack.predictor.predictor.update_speed(
+            model, measured["profile"], measured["max_seqs"],
+            mean_prompt_tokens=measured["scale"].mean_prompt_tokens,
+            mean_gen_tokens=measured["scale"].mean_output_tokens)
         say(f"  scaled to zero after {waited:.1f} s idle")
-        say(f"3. the probe again, then {len(plan)} requests of {trace.name} "
-            f"({args.replay_s * args.speedup:.0f} trace s at {args.speedup:g}x, lengths "
-            f"/{PROMPT_DIV} prompt, /{OUTPUT_DIV} output)")
-        probe_again, outcomes = asyncio.run(
-            _replay(stack.frontdoor_address, stack.model, plan, base, probe))
+        scale, plan = measured["scale"], measured["plan"]
+        say(f"3. the probe again, then {len(plan)} requests of {trace.name} (its first "
+            f"{args.minutes:g} minutes at {scale.speedup:.2f}x, token lengths x"
+            f"{scale.token_scale:.4f}: load {scale.load:.2f} of the measured replica, "
+            f"{scale.wall_s:.0f} s)")
+        probe_again, outcomes = asyncio.run(_replay(address, model, plan, base, probe))
         say(f"  probe after scale-to-zero: path {probe_again.path}, TTFT "
             f"{_ms(probe_again.ttft_ms)} ms, tokens "
             f"{'identical' if probe_again.tokens == first.tokens else 'DIFFERENT'}")
@@ -416,19 +413,25 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
     for row in rows:
         entry = {"path": row["path"], "outcome": row["outcome"],
                  "duration_s": round(float(row["duration_s"]), 3)}
-        match = next((p for p in phases if p.get("path") == row["path"]), None)
+        match = next((p for p in phases if p.get("path") == row["path"]), None)  # noqa: B023
         if match is not None and row["outcome"] == "ok":
             phases.remove(match)
             entry["phases_s"] = {k: round(v, 3) for k, v in match.items() if k != "path"}
         restores.append(entry)
     example = tok.decode(probe_again.tokens) if tok is not None else str(probe_again.tokens)
+    scale = measured["scale"]
     summary = summarise([first, probe_again, *outcomes], restores=restores, golden=golden,
                         gpu_seconds=sampler.replica_s,
                         always_on_gpu_seconds=span_s,
                         example_completion=(PROBE_TEXT + example) if tok is not None else example,
+                        sla_of=[probe_again, *outcomes],
                         extra={"probe_match": probe_again.tokens == first.tokens,
                                "forward": forward_note, "trace": trace.name,
-                               "speedup": args.speedup, "replay_s": args.replay_s})
+                               "minutes": args.minutes, "load": args.load,
+                               "speedup": scale.speedup, "token_scale": scale.token_scale,
+                               "scale": scale.to_json(),
+                               "profile": measured["profile"].to_meta(),
+                               "replay_s": args.replay_s})
     say(format_table(summary))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

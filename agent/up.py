@@ -74,10 +74,13 @@ def register(subparsers) -> None:
     p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
     p.add_argument("--trace", metavar="PATH", help="--demo: Azure LLM trace CSV (default: "
                    "../shared/traces/azure_llm_2023_code.csv next to the repository)")
-    p.add_argument("--replay-s", type=positive_float, default=80.0,
-                   help="--demo: wall-clock seconds of trace replay")
-    p.add_argument("--speedup", type=positive_float, default=2.5,
-                   help="--demo: trace seconds per wall-clock second")
+    p.add_argument("--replay-s", type=positive_float, default=120.0,
+                   help="--demo: wall-clock seconds of trace replay (sets the time "
+                        "compression; the token scale follows from the measured replica)")
+    p.add_argument("--minutes", type=positive_float, default=4.0,
+                   help="--demo: trace minutes replayed (its first ones)")
+    p.add_argument("--load", type=positive_float, default=0.3,
+                   help="--demo: offered load, fraction of the measured replica's capacity")
     p.add_argument("--idle-timeout-s", type=positive_float, default=180.0,
                    help="--demo: give up waiting for scale-to-zero after this long")
     p.set_defaults(func=run_up)
@@ -167,6 +170,7 @@ class Stack:
     max_replicas: int | None = None
     agent_listen: str = "127.0.0.1:0"
     http_port: int | None = None   # the OpenAI-compatible entrance (None: not served)
+    deadline_ms: float = 60_000.0   # the front door's per-model deadline (replays: the SLO)
 
     def __post_init__(self) -> None:
         self.agent = self.frontdoor = self.predictor = self.http = None
@@ -247,7 +251,7 @@ class Stack:
         self.agent.agent_instance.address, self.agent.agent_instance.port = host, int(port)
         self.agent.registrar.want(self.agent.agent_instance)
         self.frontdoor = FrontDoor(
-            FrontDoorConfig(host=self.host, port=self.port, models={self.model: 60_000.0},
+            FrontDoorConfig(host=self.host, port=self.port, models={self.model: self.deadline_ms},
                             registry_poll_s=0.2, restores_per_model=self.restores_per_model),
             registry=self.agent.registrar.registry,
             capacity=NodeAgentCapacity(lambda model: [(host, int(port))], timeout_s=600.0))
@@ -428,7 +432,7 @@ def run_up(args: argparse.Namespace) -> int:
         check_port(agent_host, int(agent_port), what="node agent control API")
         if args.demo:   # a missing or bad trace
             from agent import demo
-            demo.replay_plan(demo.trace_path(args), replay_s=args.replay_s, speedup=args.speedup)
+            demo.replay_window(demo.trace_path(args), minutes=args.minutes)
         model_dir, release, forward_note = prepare_model(args)
         if args.demo:
             from agent import demo

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from agent.demo import (MAX_OUTPUT, MAX_PROMPT, Outcome, format_table, percentile, replay_plan,
-                        scale_lengths, summarise)
+from agent.demo import format_table, gpu_line, replay_window, summarise
+from agent.replay import Outcome, percentile
 from agent.errors import ConfigError, InvalidTrace
 from agent.up import register
 
@@ -21,45 +21,36 @@ def write_trace(path, rows):
     return path
 
 
-def test_scale_lengths_clamps_and_divides():
-    assert scale_lengths(1469, 13) == (23, 3)          # the code trace's medians
-    assert scale_lengths(0, 0) == (4, 1)               # floors
-    assert scale_lengths(10**6, 10**6) == (MAX_PROMPT, MAX_OUTPUT)
-    assert scale_lengths(64 * 10, 4 * 7) == (10, 7)
+def test_replay_window_is_the_first_minutes(tmp_path):
+    trace = write_trace(tmp_path / "t.csv", [(0.0, 640, 8), (1.0, 64, 4), (30.0, 6400, 400),
+                                             (59.0, 100, 4)])
+    rows = replay_window(trace, minutes=0.5)            # trace seconds [0, 30)
+    assert rows.arrival_s.tolist() == [0.0, 1.0]
+    assert rows.context_tokens.tolist() == [640, 64]
 
 
-def test_replay_plan_window_and_compression(tmp_path):
-    trace = write_trace(tmp_path / "t.csv", [(0.0, 640, 8), (1.0, 64, 4), (3.0, 6400, 400),
-                                             (9.0, 100, 4)])
-    plan = replay_plan(trace, replay_s=2.0, speedup=2.0)   # trace seconds [0, 4)
-    assert [r.at_s for r in plan] == [0.0, 0.5, 1.5]
-    assert [(r.prompt_tokens, r.output_tokens) for r in plan] == [(10, 2), (4, 1), (64, 16)]
-
-
-def test_replay_plan_request_limit_at_and_over(tmp_path):
+def test_replay_window_request_limit_at_and_over(tmp_path):
     trace = write_trace(tmp_path / "t.csv", [(i * 0.1, 100, 4) for i in range(5)])
-    assert len(replay_plan(trace, replay_s=10, speedup=1, max_requests=5)) == 5
+    assert len(replay_window(trace, minutes=1, max_requests=5)) == 5
     with pytest.raises(ConfigError) as err:
-        replay_plan(trace, replay_s=10, speedup=1, max_requests=4)
+        replay_window(trace, minutes=1, max_requests=4)
     assert err.value.limit == 4
 
 
-@pytest.mark.parametrize("name", ["replay_s", "speedup"])
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
-def test_replay_plan_refuses_bad_numbers(tmp_path, name, value):
+def test_replay_window_refuses_bad_minutes(tmp_path, value):
     trace = write_trace(tmp_path / "t.csv", [(0.0, 100, 4)])
-    kw = {"replay_s": 1.0, "speedup": 1.0, name: value}
     with pytest.raises(ConfigError) as err:
-        replay_plan(trace, **kw)
-    assert err.value.name == name
+        replay_window(trace, minutes=value)
+    assert err.value.name == "minutes"
 
 
-def test_replay_plan_bad_trace_is_typed(tmp_path):
+def test_replay_window_bad_trace_is_typed(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text(HEADER + "2023-11-16 18:17:00.0,lots,4\n")
     with pytest.raises(InvalidTrace) as err:
-        replay_plan(bad, replay_s=1, speedup=1)
-    assert err.value.field == "ContextTokens"
+        replay_window(bad, minutes=1)
+    assert err.value.field == "ContextTokens" and err.value.line == 2
 
 
 def test_percentile_nearest_rank():
@@ -91,6 +82,8 @@ def test_summarise_counts_every_outcome_class():
     assert (s["shed"], s["expired"], s["lost"]) == (1, 1, 1)
     assert s["ttft_ms"]["warm_hit"] == {"p50": 10.0, "p99": 30.0}
     assert s["ttft_ms"]["suspended_resume"] == {"p50": None, "p99": None}
+    # 200s within their path's SLO (all four here) over all seven requests
+    assert s["sla_attainment"] == pytest.approx(4 / 7) and s["sla_requests"] == 7
     assert (s["golden_checks_passed"], s["golden_checks_failed"]) == (1, 0)
     assert s["gpu_seconds"] == 12.35 and s["always_on_gpu_seconds"] == 40.0
     # the keys, and the document is JSON
@@ -115,6 +108,20 @@ def test_format_table_shows_paths_phases_and_lost():
     assert "1 passed, 0 failed" in text
     assert "identical after restore" in text
     assert "'Paris'" in text
+    assert "SLA attainment      57.1 % of 7 replay requests" in text
+    assert "12.3 used vs 40.0 for one always-on replica (27.6 saved, 69 %" in text
+
+
+def test_gpu_line_says_when_scale_to_zero_cost_more():
+    line = gpu_line({"gpu_seconds": 176.6, "always_on_gpu_seconds": 172.1})
+    assert "4.5 MORE than always-on" in line
+
+
+def test_sla_counts_slow_warm_hits_as_misses():
+    s = summarise([Outcome(200, "warm_hit", 2500.0), Outcome(200, "snapshot_restore", 3900.0)],
+                  restores=[], golden={}, gpu_seconds=0, always_on_gpu_seconds=0,
+                  example_completion="")
+    assert s["sla_attainment"] == 0.5
 
 
 def test_up_parser_defaults():
@@ -122,12 +129,13 @@ def test_up_parser_defaults():
     register(parser.add_subparsers())
     args = parser.parse_args(["up", "--demo", "--json", "x.json"])
     assert args.demo and args.json == "x.json" and not args.no_aot
-    assert args.replay_s == 80.0 and args.speedup == 2.5 and args.port is None
+    assert args.replay_s == 120.0 and args.minutes == 4.0 and args.load == 0.3
+    assert args.port is None
 
 
-def test_replay_plan_missing_trace_is_typed(tmp_path):
+def test_replay_window_missing_trace_is_typed(tmp_path):
     with pytest.raises(InvalidTrace) as err:
-        replay_plan(tmp_path / "nope.csv", replay_s=1, speedup=1)
+        replay_window(tmp_path / "nope.csv", minutes=1)
     assert err.value.field == "path"
 
 

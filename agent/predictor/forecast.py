@@ -24,7 +24,9 @@ Real inputs are untidy, so:
 
 from __future__ import annotations
 
+import collections
 import math
+from typing import Protocol
 
 from agent.errors import ConfigError
 
@@ -128,3 +130,114 @@ class CounterRate:
             self.resets += 1
             return counter, window_s
         return counter - prev, window_s
+
+
+# --- the candidates bench/forecast_eval.py judges, behind one small interface -------------
+
+class Forecaster(Protocol):
+    """One-step-at-a-time forecaster of a non-negative rate: feed each step's sample (None,
+    NaN or inf for a missing one), ask for the rate ``h_steps`` ahead (>= 0, never NaN)."""
+
+    def update(self, x: float | None) -> None: ...
+
+    def forecast(self, h_steps: float) -> float: ...
+
+
+def _finite(x: float | None) -> float | None:
+    if x is None:
+        return None
+    x = float(x)
+    return max(0.0, x) if math.isfinite(x) else None
+
+
+class Persistence:
+    """The naive forecast: the rate ``h`` steps ahead is the last sample (the baseline every
+    forecaster must beat; Hyndman & Athanasopoulos, "Forecasting: Principles and Practice",
+    section 5.2, "naive method").  A missing sample keeps the last value."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+    def update(self, x: float | None) -> None:
+        x = _finite(x)
+        if x is not None:
+            self.last = x
+
+    def forecast(self, h_steps: float) -> float:
+        return self.last
+
+
+class UpperQuantile:
+    """The ``q``-quantile of the last ``window`` samples: the rate that is exceeded in only
+    ``1 - q`` of recent steps.  It over-forecasts a steady rate a little and holds a burst's
+    level for up to ``window`` steps after it ends, which is what sizing for an SLO wants (the
+    0.9-quantile pinball loss rewards it; Koenker & Bassett 1978).  Missing samples are
+    skipped.  ``window`` >= 1 and ``q`` in (0, 1]; else ConfigError."""
+
+    def __init__(self, window: int = 60, q: float = 0.9) -> None:
+        if not (isinstance(window, int) and window >= 1):
+            raise ConfigError(f"UpperQuantile: window={window!r}; limit is an integer >= 1",
+                              name="window", value=window, limit=1)
+        self.q = _check_unit("q", q, low_open=True)
+        self.window = window
+        self._buf: collections.deque[float] = collections.deque(maxlen=window)
+
+    def update(self, x: float | None) -> None:
+        x = _finite(x)
+        if x is not None:
+            self._buf.append(x)
+
+    def forecast(self, h_steps: float) -> float:
+        if not self._buf:
+            return 0.0
+        ordered = sorted(self._buf)
+        k = max(0, min(len(ordered) - 1, math.ceil(self.q * len(ordered)) - 1))
+        return ordered[k]
+
+
+class Backstop:
+    """The larger of a slow forecaster and a fast, reactive one (default: an exponential
+    average with weight ``react_alpha`` on the newest sample).  The slow one carries the
+    level through noise; the fast one covers a burst from zero that the slow one has not
+    caught up with, within a step or two (the predictor loop's combination)."""
+
+    def __init__(self, slow: Forecaster, react_alpha: float = 0.5,
+                 fast: Forecaster | None = None) -> None:
+        self.slow = slow
+        self.fast = fast if fast is not None else Holt(react_alpha, 0.0)
+
+    def update(self, x: float | None) -> None:
+        self.slow.update(x)
+        self.fast.update(x)
+
+    def forecast(self, h_steps: float) -> float:
+        return max(self.slow.forecast(h_steps), self.fast.forecast(0))
+
+
+def build_forecaster(kind: str, *, alpha: float = 0.1, beta: float = 0.01, phi: float = 0.9,
+                     react_alpha: float = 0.5, quantile: float = 0.9,
+                     quantile_window: int = 60) -> Forecaster:
+    """The forecaster named ``kind`` (one of :data:`FORECASTERS`); ConfigError otherwise.
+
+    ``holt`` is Holt's linear trend with the predictor's smoothing weights; ``damped_holt``
+    the predictor's Holt as it was configured before issue 12 (``phi`` 0.9); the two
+    ``*_backstop`` kinds take the larger of that forecaster and a fast average of the rate
+    (the predictor loop's reactive term)."""
+    if kind == "persistence":
+        return Persistence()
+    if kind == "holt":          # the classic, undamped trend
+        return Holt(alpha, beta, 1.0)
+    if kind == "damped_holt":
+        return Holt(alpha, beta, phi)
+    if kind == "upper_quantile":
+        return UpperQuantile(quantile_window, quantile)
+    if kind == "holt_backstop":
+        return Backstop(Holt(alpha, beta, phi), react_alpha)
+    if kind == "quantile_backstop":
+        return Backstop(UpperQuantile(quantile_window, quantile), react_alpha)
+    raise ConfigError(f"forecaster {kind!r} is unknown; limit is one of {', '.join(FORECASTERS)}",
+                      name="forecaster", value=kind, limit=FORECASTERS)
+
+
+FORECASTERS = ("persistence", "holt", "damped_holt", "upper_quantile", "holt_backstop",
+               "quantile_backstop")

@@ -6,10 +6,11 @@ call counts as a missing sample), then :meth:`Predictor.tick` once per step.
 
 Per model, every tick::
 
-    arrivals/window ──► Holt (forecast.py) ──► forecast(lead_time_s)
-                                                  │  max(forecast, fast average of the rate)
+    arrivals/window ──► forecaster (forecast.py) ──► forecast(lead_time_s)
+                                                  │  (default: upper quantile of the last
+                                                  │   minute, backstopped by a fast average)
                                                   ▼
-                      Little's law (sizing.py) ──► desired replicas
+      Little's law at the measured speed (sizing.py) ──► desired replicas
                                                   │
         desired > target ──► scale_up now
         desired < target ──► low for the cooldown? ──no──► hold ("cooldown")
@@ -25,9 +26,18 @@ The keep-alive is computed from the model's long-run arrival rate (an average ov
 ``rate_window_s``), not from the forecast: after traffic stops the forecast falls to zero at
 once, but the chance that the next request comes soon is set by the rate the model has had.
 
-Scale-up acts at once, and it sizes for the larger of the forecast and a fast moving average
-of the current rate (``react_alpha``), so a burst from zero that the slow, noise-robust
-forecast has not caught up with is still covered within a step or two. Scale-down
+Scale-up acts at once.  The forecaster is chosen by ``ModelPolicy.forecaster`` among the
+candidates bench/forecast_eval.py judges at the lead time (restore p99 + decision latency):
+on the shipped Azure code trace Holt (damped or not) loses to persistence on both MAE and
+the 0.9-quantile pinball loss, and the upper quantile of the last minute with the reactive
+backstop (the larger of it and a fast moving average of the rate, ``react_alpha``) wins the
+pinball loss, so that is the default; a burst from zero is covered within a step or two by
+the backstop.
+
+Replicas per demand come from the replica's measured speed when the model has one
+(:meth:`Predictor.update_speed`: :func:`~agent.predictor.sizing.replicas_for_rate`, Little's
+law at the sustainable concurrency for the TTFT SLO), else from the policy's occupancy and
+sequences per replica (the design document's worked example). Scale-down
 never happens unless ``snapshot_durable(model)`` says the model's snapshot is ready and
 durable (catalog + Consul KV): a replica removed without one would come back by a full
 cold boot.
@@ -43,9 +53,10 @@ from typing import Callable, Iterable, Protocol
 from agent.clock import Clock
 from agent.cluster.base import Scaler
 from agent.errors import ClusterError, ConfigError, ModelNotFound
-from agent.predictor.forecast import Holt
+from agent.predictor.forecast import Forecaster, Holt, build_forecaster
 from agent.predictor.keepalive import KeepAliveCosts, KeepAlivePlan, plan_keepalive
-from agent.predictor.sizing import seqs_per_replica, target_replicas
+from agent.predictor.sizing import replicas_for_rate, seqs_per_replica, target_replicas
+from agent.speed import SpeedProfile
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +93,15 @@ class ModelPolicy:
     beta: float = 0.01
     phi: float = 0.9
     react_alpha: float = 0.5
+    forecaster: str = "quantile_backstop"
+    quantile: float = 0.9
+    quantile_window_s: float = 60.0
+    ttft_slo_s: float = 2.0
+    # Sizing from a measured speed fills a replica to its sustainable concurrency: that batch
+    # is already the SLO's limit, and the upper-quantile forecast is the headroom.
+    speed_utilisation: float = 1.0
+    mean_prompt_tokens: float = 1500.0
+    mean_gen_tokens: float = 30.0
     rate_window_s: float = 600.0
     mean_context_tokens: float = 900.0
     step_s: float = 1.0
@@ -101,14 +121,40 @@ class ModelPolicy:
         # Validate the sizing and smoothing parameters once, here, with their own messages.
         target_replicas(0.0, self.occupancy_s, self.seqs_per_replica, self.utilisation,
                         self.min_replicas, self.max_replicas)
+        target_replicas(0.0, 1.0, 1, self.speed_utilisation, 0, 1)   # 0 < u <= 1
         Holt(self.alpha, self.beta, self.phi)
         Holt(self.react_alpha, 0.0)
+        self.make_forecaster()
+        if not (self.ttft_slo_s > 0 and math.isfinite(self.ttft_slo_s)):
+            raise ConfigError(f"ModelPolicy {self.model}: ttft_slo_s={self.ttft_slo_s}; "
+                              "limit is > 0", name="ttft_slo_s", value=self.ttft_slo_s,
+                              limit="> 0")
+        for name in ("mean_prompt_tokens", "mean_gen_tokens"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"ModelPolicy {self.model}: {name}={value}; limit is >= 0",
+                                  name=name, value=value, limit=">= 0")
         seqs_per_replica(0, self.mean_context_tokens)   # > 0, else ConfigError
         if not self.rate_window_s >= self.step_s:
             raise ConfigError(
                 f"ModelPolicy {self.model}: rate_window_s={self.rate_window_s}; limit is "
                 f">= step_s ({self.step_s})", name="rate_window_s", value=self.rate_window_s,
                 limit=self.step_s)
+
+    def make_forecaster(self) -> Forecaster:
+        """A fresh forecaster of kind ``forecaster`` (one of
+        :data:`agent.predictor.forecast.FORECASTERS`; ConfigError otherwise)."""
+        window = max(1, round(self.quantile_window_s / self.step_s))
+        return build_forecaster(self.forecaster, alpha=self.alpha, beta=self.beta, phi=self.phi,
+                                react_alpha=self.react_alpha, quantile=self.quantile,
+                                quantile_window=window)
+
+
+def release_after_s(plan: KeepAlivePlan, policy: ModelPolicy) -> float:
+    """Idle seconds after which a replica is released: the breakeven keep-alive
+    (keepalive.py), but never less than the restore p99 (a replica released for a shorter
+    gap costs more GPU time restoring than the gap saves)."""
+    return max(plan.warm_s, policy.restore_p99_s)
 
 
 def check_lead_time(model: str, lead_time_s: float, restore_p99_s: float,
@@ -153,16 +199,18 @@ class Decision:
 @dataclass
 class _State:
     policy: ModelPolicy
-    holt: Holt
-    fast: Holt
+    forecaster: Forecaster
     longrun: Holt
     seqs: int
+    speed: SpeedProfile | None = None
+    max_seqs: int = 0
     arrivals: int = 0
     window_s: float = 0.0
     fed_until_s: float | None = None
     last_arrival_s: float | None = None
     target: int | None = None
     acting: bool = False
+    acting_since_s: float | None = None
     low_since_s: float | None = None
 
 
@@ -183,8 +231,7 @@ class Predictor:
         self._catalog = catalog
         self._models: dict[str, _State] = {}
         for p in policies:
-            self._models[p.model] = _State(policy=p, holt=Holt(p.alpha, p.beta, p.phi),
-                                           fast=Holt(p.react_alpha, 0.0),
+            self._models[p.model] = _State(policy=p, forecaster=p.make_forecaster(),
                                            longrun=Holt(min(1.0, p.step_s / p.rate_window_s),
                                                         0.0),
                                            seqs=p.seqs_per_replica)
@@ -235,6 +282,27 @@ class Predictor:
         st.seqs = max(1, seqs_per_replica(kv_capacity_tokens, ctx))
         return st.seqs
 
+    def update_speed(self, model: str, profile: SpeedProfile, max_seqs: int, *,
+                     mean_prompt_tokens: float | None = None,
+                     mean_gen_tokens: float | None = None) -> int:
+        """Size ``model`` from a replica's measured speed from now on (contract item 7):
+        ``profile`` (the slowest replica's, agent/speed.py), its ``max_seqs`` KV slots and,
+        when given, the observed mean prompt and output lengths (tokens).  Returns the
+        sustainable concurrency per replica at the policy's TTFT SLO."""
+        st = self._state(model)
+        if max_seqs < 1:
+            raise ConfigError(f"update_speed {model}: max_seqs={max_seqs}; limit is >= 1",
+                              name="max_seqs", value=max_seqs, limit=1)
+        changes = {k: float(v) for k, v in (("mean_prompt_tokens", mean_prompt_tokens),
+                                            ("mean_gen_tokens", mean_gen_tokens))
+                   if v is not None and math.isfinite(v) and v >= 0}
+        if changes:
+            st.policy = replace(st.policy, **changes)
+        st.speed, st.max_seqs = profile, int(max_seqs)
+        p = st.policy
+        return profile.sustainable_concurrency(p.ttft_slo_s, p.mean_prompt_tokens,
+                                               p.mean_gen_tokens, st.max_seqs)
+
     def update_restore_p99(self, model: str, restore_p99_s: float) -> None:
         """A new measured restore p99; ConfigError (policy unchanged) if the lead time is short."""
         st = self._state(model)
@@ -269,36 +337,49 @@ class Predictor:
             actual = st.arrivals / st.window_s
         st.arrivals, st.window_s = 0, 0.0
         if steps > MAX_STEPS_PER_TICK:
-            st.holt.reset(actual or 0.0)   # a gap too long to bridge: start over
-            st.fast.reset(actual or 0.0)
+            st.forecaster = p.make_forecaster()   # a gap too long to bridge: start over
+            st.forecaster.update(actual)
             st.longrun.update(actual)
             return actual, start
         for _ in range(steps):
-            st.holt.update(actual)
-            st.fast.update(actual)
+            st.forecaster.update(actual)
             st.longrun.update(actual)
         return actual, start
 
     def _tick_model(self, st: _State, now: float, act: bool) -> Decision:
         p = st.policy
         actual, window_start_s = self._feed(st, now)
-        forecast = st.holt.forecast(p.lead_time_s / p.step_s)
-        level = st.holt.level or 0.0
-        demand = max(forecast, st.fast.forecast(0))
-        desired = target_replicas(demand, p.occupancy_s, st.seqs, p.utilisation,
-                                  p.min_replicas, p.max_replicas)
+        forecast = st.forecaster.forecast(p.lead_time_s / p.step_s)
+        level = st.forecaster.forecast(0)
+        demand = forecast
+        if st.speed is not None:
+            desired = replicas_for_rate(demand, st.speed, ttft_slo_s=p.ttft_slo_s,
+                                        mean_prompt_tokens=p.mean_prompt_tokens,
+                                        mean_gen_tokens=p.mean_gen_tokens,
+                                        max_seqs=st.max_seqs,
+                                        utilisation=p.speed_utilisation,
+                                        min_replicas=p.min_replicas,
+                                        max_replicas=p.max_replicas)
+        else:
+            desired = target_replicas(demand, p.occupancy_s, st.seqs, p.utilisation,
+                                      p.min_replicas, p.max_replicas)
         plan = plan_keepalive(st.longrun.forecast(0), p.costs)
-        idle_s = math.inf if st.last_arrival_s is None else now - st.last_arrival_s
         if act and not st.acting:   # first tick as the actor: learn what is running
             st.target = self._scaler.target(p.model)
             st.low_since_s = None
+            st.acting_since_s = now
         elif act:
             # Others scale too (a front door scaling a model up from zero through Nomad):
             # act on what the scaler holds now, not on what this predictor last set.
-            seen = self._scaler.target(p.model)
-            if seen != st.target:
-                st.target = seen
+            held = self._scaler.target(p.model)
+            if held != st.target:
+                st.target = held
         st.acting = act
+        # idle since the last request, or since this predictor began acting if it saw none
+        seen = [t for t in (st.last_arrival_s, st.acting_since_s) if t is not None]
+        idle_s = now - max(seen) if seen else math.inf
+        if idle_s >= release_after_s(plan, p):
+            desired = p.min_replicas   # an idle model is released whatever the forecast recalls
         previous = st.target if st.target is not None else 0
         action, reason = self._decide(st, now, desired, plan, idle_s, act)
         decision = Decision(p.model, now, actual, forecast, level, desired, previous,
@@ -329,13 +410,23 @@ class Predictor:
         if st.low_since_s is None:
             st.low_since_s = now
         low_for = now - st.low_since_s
+        keepalive_s = release_after_s(plan, p)
+        if desired == p.min_replicas and idle_s >= keepalive_s:
+            # idle: no request for the keep-alive time, which is itself the hold (no cooldown)
+            if not self._durable(p.model):
+                return "hold", "snapshot not durable"
+            action = self._apply(st, desired, "scale_down",
+                                 f"idle for {idle_s:.1f}s >= keep-alive {keepalive_s:.1f}s; "
+                                 f"release={plan.release_tier}")
+            st.low_since_s = None
+            return action
         if low_for < p.scale_down_cooldown_s:
             return "hold", f"cooldown: low for {low_for:.1f}s of {p.scale_down_cooldown_s:.1f}s"
         # keep-alive: the last replica waits for idle time since the last request; excess
         # replicas wait for the same breakeven time of low demand.
         waited = idle_s if desired == 0 else low_for
-        if waited < plan.warm_s:
-            return "hold", f"keep-alive: {waited:.1f}s of {plan.warm_s:.1f}s"
+        if waited < keepalive_s:
+            return "hold", f"keep-alive: {waited:.1f}s of {keepalive_s:.1f}s"
         if not self._durable(p.model):
             return "hold", "snapshot not durable"
         action = self._apply(st, desired, "scale_down",

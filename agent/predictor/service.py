@@ -8,7 +8,11 @@ One step per second (``tick_s``)::
 A front door's ``stats`` answer carries ``arrivals: {model: cumulative count}``
 and ``replicas: {id: {model, kv_capacity_tokens, ...}}``; the smallest KV capacity seen per
 model re-sizes its sequences per replica (``Predictor.update_capacity`` with the policy's
-``mean_context_tokens``). Counters that go down (a restarted front door) and gaps are handled by
+``mean_context_tokens``). When the replicas' entries carry their measured speed (``SPEED_META_KEYS`` of agent/speed.py,
+with ``max_seqs``), the slowest replica's profile sizes the model from then on
+(``Predictor.update_speed``: Little's law at the sustainable concurrency, issue 12 contract
+item 7), and the front door's ``mean_prompt_tokens``/``mean_gen_tokens`` per model, when it
+reports them, set the lengths it is sized for.  Counters that go down (a restarted front door) and gaps are handled by
 :class:`~agent.predictor.forecast.CounterRate`; a front door that stops answering simply
 contributes no sample (a missing sample, not a zero).
 """
@@ -16,6 +20,7 @@ contributes no sample (a missing sample, not a zero).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Callable, Mapping, Protocol
 
@@ -118,6 +123,8 @@ class PredictorService:
             self.predictor.observe(model, arrivals, window_s)
         for model, tokens in capacity.items():
             self.predictor.update_capacity(model, tokens)
+        for model, (profile, max_seqs, lengths) in _speeds(stats, known).items():
+            self.predictor.update_speed(model, profile, max_seqs, **lengths)
         return seen
 
     def step(self) -> list[Decision]:
@@ -171,6 +178,22 @@ def frontdoor_stats(address: str, *, timeout_s: float = 2.0,
     return _parse_stats(address, answer.get("result") or {})
 
 
+def _speeds(stats: Mapping, known: set[str]) -> dict:
+    """``{model: (slowest SpeedProfile, its max_seqs, {mean_prompt_tokens, mean_gen_tokens})}``
+    from the doors' ``speed`` entries (see :func:`_parse_stats`); models without one are
+    absent.  The slowest profile is the one with the lowest service rate at one sequence."""
+    out: dict[str, tuple] = {}
+    for door_stats in stats.values():
+        lengths_by_model = door_stats.get("lengths") or {}
+        for model, (profile, max_seqs) in (door_stats.get("speed") or {}).items():
+            if model not in known:
+                continue
+            old = out.get(model)
+            if old is None or profile.service_rps(100, 10, 1) < old[0].service_rps(100, 10, 1):
+                out[model] = (profile, max_seqs, dict(lengths_by_model.get(model) or {}))
+    return out
+
+
 def _count(v) -> bool:
     return type(v) is int and v >= 0
 
@@ -182,11 +205,31 @@ def _parse_stats(address: str, result: dict) -> dict[str, dict[str, int]]:
         if not isinstance(value, dict):
             raise ValueError(f"front door {address}: {name} is {type(value).__name__}, "
                              "not a map")
+    from agent.speed import SpeedProfile
+
     capacity: dict[str, int] = {}
+    speed: dict[str, tuple] = {}
     for rep in replicas.values():
-        if isinstance(rep, dict) and isinstance(rep.get("model"), str) \
-                and _count(rep.get("kv_capacity_tokens")):
-            m, tokens = rep["model"], rep["kv_capacity_tokens"]
+        if not (isinstance(rep, dict) and isinstance(rep.get("model"), str)):
+            continue
+        m = rep["model"]
+        if _count(rep.get("kv_capacity_tokens")):
+            tokens = rep["kv_capacity_tokens"]
             capacity[m] = min(tokens, capacity.get(m, tokens))
+        profile = SpeedProfile.from_meta(rep)
+        max_seqs = rep.get("max_seqs")
+        if profile is not None and _count(max_seqs) and max_seqs >= 1:
+            old = speed.get(m)
+            if old is None or profile.service_rps(100, 10, 1) < old[0].service_rps(100, 10, 1):
+                speed[m] = (profile, max_seqs)
+    lengths: dict[str, dict] = {}
+    reported = result.get("lengths")
+    for m, value in (reported.items() if isinstance(reported, dict) else ()):
+        if isinstance(value, dict):
+            keep = {k: float(value[k]) for k in ("mean_prompt_tokens", "mean_gen_tokens")
+                    if isinstance(value.get(k), (int, float)) and not isinstance(value[k], bool)
+                    and math.isfinite(value[k]) and value[k] >= 0}
+            if keep:
+                lengths[str(m)] = keep
     return {"arrivals": {str(k): v for k, v in counters.items() if _count(v)},
-            "kv_capacity_tokens": capacity}
+            "kv_capacity_tokens": capacity, "speed": speed, "lengths": lengths}

@@ -7,6 +7,11 @@ Both formulas come from the snapshot design document (../shared/seeds/002_b8b553
   Worked example: 20 req/s x 7.0 s = 140 in flight, ceil(140 / (80 x 0.75)) = 3;
   200 req/s -> 1,400 in flight -> 24. Concurrent sequences per replica come from the
   replica's KV capacity: 72,089 tokens / 900 tokens per sequence = ~80.
+- Issue 12 / contract item 7: with a replica's measured speed (agent/speed.py) the sequences
+  per replica are its sustainable concurrency at the TTFT SLO, not its KV slots, and the
+  rate one replica serves is ``SpeedProfile.service_rps`` at that concurrency; replicas =
+  ``ceil(rate / (service_rps * utilisation))`` (:func:`replicas_for_rate`), which is
+  Little's law with occupancy = one request's engine time at that batch.
 - "Optimal Keep-Alive Window": arrivals are Poisson with rate lambda; keeping a replica
   warm t more seconds costs ``gpu_cost_per_s * t`` and saves ``penalty * P(arrival <= t)``;
   the breakeven sets the marginal cost equal to the marginal saving,
@@ -19,6 +24,7 @@ from __future__ import annotations
 import math
 
 from agent.errors import ConfigError
+from agent.speed import SpeedProfile
 
 # Floating-point slack for the ceiling: 140 / 60 must not become 2.3333334 -> fine, but
 # 120 / 60 computed as 2.0000000000000004 must stay 2.
@@ -63,6 +69,26 @@ def target_replicas(rate_rps: float, occupancy_s: float, seqs_per_replica: int,
     raw = in_flight / (seqs_per_replica * utilisation)
     need = math.ceil(raw - _CEIL_SLACK) if raw > _CEIL_SLACK else 0
     return max(min_replicas, min(max_replicas, need))
+
+
+def replicas_for_rate(rate_rps: float, profile: SpeedProfile, *, ttft_slo_s: float,
+                      mean_prompt_tokens: float, mean_gen_tokens: float, max_seqs: int,
+                      utilisation: float, min_replicas: int, max_replicas: int) -> int:
+    """Replicas for ``rate_rps`` from a measured :class:`~agent.speed.SpeedProfile`.
+
+    Per replica: B = ``profile.sustainable_concurrency(ttft_slo_s, mean_prompt_tokens,
+    mean_gen_tokens, max_seqs)`` and the rate it serves at that batch,
+    ``profile.service_rps(mean_prompt_tokens, mean_gen_tokens, B)``; then
+    :func:`target_replicas` with occupancy ``1 / service_rps`` and one "sequence" per replica
+    (a replica is a server of rate ``service_rps``).  Same clamps and errors as
+    :func:`target_replicas`; ConfigError for ``max_seqs`` < 1.
+    """
+    _require("max_seqs", max_seqs, max_seqs >= 1, ">= 1")
+    batch = profile.sustainable_concurrency(ttft_slo_s, mean_prompt_tokens, mean_gen_tokens,
+                                            max_seqs)
+    per_replica_rps = profile.service_rps(mean_prompt_tokens, mean_gen_tokens, batch)
+    return target_replicas(rate_rps, 1.0 / per_replica_rps, 1, utilisation, min_replicas,
+                           max_replicas)
 
 
 def breakeven_keepalive_s(idle_cost_per_s: float, cold_start_penalty_cost: float,

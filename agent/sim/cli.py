@@ -22,7 +22,7 @@ import logging
 import math
 from pathlib import Path
 
-from agent.argtypes import positive_float
+from agent.argtypes import nonneg_float, positive_float
 
 
 def register(subparsers) -> None:
@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--cold-starts", default=None,
                    help="spike: comma-separated cold-start seconds (restore,26,60,120,180,260,336)")
     p.add_argument("--speedup", type=positive_float, default=1.0, help="trace: time compression")
-    p.add_argument("--background-rps", type=float, default=0.0,
+    p.add_argument("--background-rps", type=nonneg_float, default=0.0,
                    help="trace: steady background traffic of other tenants (req/s)")
     p.add_argument("--replica-profile", type=Path,
                    help="trace: replicas at this engine profile's speed (bench/engine_profile.py)")

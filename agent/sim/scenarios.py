@@ -285,7 +285,8 @@ def cost_policies(shape: CostShape, startup: StartupTimes = StartupTimes()) -> d
         # the document's Holt (alpha 0.35, beta 0.15, 15 s lead), 3 warm, no suspended tier
         return PredictorPolicy(_predictor(
             MODEL, clock, fleet, utilisation=s.utilisation, min_replicas=base, max_replicas=4 * peak,
-            alpha=0.35, beta=0.15, phi=1.0, lead_time_s=15.0, restore_p99_s=restore_p99,
+            alpha=0.35, beta=0.15, phi=1.0, forecaster="holt_backstop", lead_time_s=15.0,
+            restore_p99_s=restore_p99,
             costs=KeepAliveCosts(gpu_cost_per_s=gpu_per_s, restore_s=restore_p99), **common), MODEL)
 
     def rewarm(c, clock, fleet):

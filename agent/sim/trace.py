@@ -15,6 +15,7 @@ prefill time.
 from __future__ import annotations
 
 import csv
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,35 +98,136 @@ class Workload:
         return (started - finished).astype(np.int64)
 
 
-def load_trace(path: Path, *, timing: TokenTiming = TokenTiming(),
-               max_rows: int = MAX_TRACE_ROWS, max_bytes: int = MAX_TRACE_BYTES) -> Workload:
-    """Read a ``TIMESTAMP,ContextTokens,GeneratedTokens`` CSV into a :class:`Workload`.
+@dataclass(frozen=True)
+class TraceRows:
+    """A trace as read, sorted by arrival; every array has shape ``[N]``.
 
-    Arrivals are seconds after the first row's timestamp (rows are sorted if they are not).
-    Raises :class:`InvalidTrace` naming the path, line, field, value and limit when the file
-    is over ``max_bytes`` (checked before reading), has more than ``max_rows`` rows, a wrong
-    header, an unparsable field, or a token count outside ``[0, MAX_TOKENS_PER_REQUEST]``.
+    ``arrival_s`` float64 (seconds after the earliest row), ``context_tokens`` and
+    ``generated_tokens`` int64 (the CSV's ``ContextTokens`` and ``GeneratedTokens``),
+    ``line`` int64 (the 1-based CSV line each row came from, for error messages).
+    """
+
+    path: Path
+    arrival_s: np.ndarray
+    context_tokens: np.ndarray
+    generated_tokens: np.ndarray
+    line: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.arrival_s.shape[0])
+
+    def window(self, start_s: float, length_s: float) -> "TraceRows":
+        """Rows arriving in ``[start_s, start_s + length_s)``, re-based so the window starts
+        at 0 (its first second, not its first request: a quiet start stays quiet)."""
+        keep = (self.arrival_s >= start_s) & (self.arrival_s < start_s + length_s)
+        return TraceRows(self.path, self.arrival_s[keep] - start_s, self.context_tokens[keep],
+                         self.generated_tokens[keep], self.line[keep])
+
+
+def _utf8_lines(path: Path, f):
+    """Decode a binary file line by line; a non-UTF-8 byte is InvalidTrace naming the line
+    and the byte offset within it."""
+    for line_no, raw in enumerate(f, start=1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidTrace(
+                f"trace {path} line {line_no}: byte {raw[exc.start]:#04x} at column "
+                f"{exc.start + 1} is not UTF-8", path=path, line=line_no, field="encoding",
+                value=raw[exc.start], limit="UTF-8 text") from None
+
+
+_STAMP_LIMIT = "YYYY-MM-DD HH:MM:SS[.fffffff]"
+
+
+def _parse_stamps(path: Path, stamps: list[str], lines: list[int]) -> np.ndarray:
+    """Timestamps -> int64 ns since the epoch; the first unparsable one or ``NaT`` is
+    InvalidTrace naming its line."""
+    try:
+        with warnings.catch_warnings():   # numpy warns about (and accepts) a zone suffix
+            warnings.simplefilter("ignore", UserWarning)
+            t = np.array(stamps, dtype="datetime64[ns]")
+    except ValueError:
+        t = None
+    if t is not None:
+        bad = np.flatnonzero(np.isnat(t))
+        if not bad.size:
+            return t.astype(np.int64)
+        i = int(bad[0])
+        raise InvalidTrace(f"trace {path} line {lines[i]}: TIMESTAMP={stamps[i]!r} is not a "
+                           f"time (limit: {_STAMP_LIMIT})", path=path, line=lines[i],
+                           field="TIMESTAMP", value=stamps[i], limit=_STAMP_LIMIT)
+    for i, text in enumerate(stamps):   # only on failure: find the row to name
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                ok = not np.isnat(np.datetime64(text, "ns"))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise InvalidTrace(f"trace {path} line {lines[i]}: TIMESTAMP={text!r} is not a "
+                               f"time (limit: {_STAMP_LIMIT})", path=path, line=lines[i],
+                               field="TIMESTAMP", value=text, limit=_STAMP_LIMIT)
+    raise InvalidTrace(f"trace {path}: unparsable TIMESTAMP column", path=path, line=None,
+                       field="TIMESTAMP", value=None, limit=_STAMP_LIMIT)   # pragma: no cover
+
+
+def read_trace(path: Path, *, max_rows: int = MAX_TRACE_ROWS,
+               max_bytes: int = MAX_TRACE_BYTES) -> TraceRows:
+    """Read a ``TIMESTAMP,ContextTokens,GeneratedTokens`` CSV into :class:`TraceRows`.
+
+    Arrivals are seconds after the earliest timestamp (rows are sorted if they are not).
+    Blank lines at the end of the file are ignored.  Raises one :class:`InvalidTrace` naming
+    the path, line, field, value and limit when the file is missing or unreadable, over
+    ``max_bytes`` (checked before reading), not UTF-8, has more than ``max_rows`` rows, a
+    wrong header, a blank line before the last row, a row without three fields, a token
+    count that is not an integer in ``[0, MAX_TOKENS_PER_REQUEST]``, or a timestamp that is
+    not a time (``NaT`` included).
     """
     path = Path(path)
     try:
         size = path.stat().st_size
+        f = open(path, "rb")
     except OSError as exc:
         raise InvalidTrace(f"trace {path}: cannot read it ({exc.strerror or exc})", path=path,
                            line=None, field="path", value=str(path),
                            limit="a readable CSV file") from exc
     if size > max_bytes:
+        f.close()
         raise InvalidTrace(f"trace {path}: {size} bytes exceeds max_bytes({max_bytes})",
                            path=path, line=None, field="size_bytes", value=size, limit=max_bytes)
     stamps: list[str] = []
+    lines: list[int] = []
     prompt: list[int] = []
     output: list[int] = []
-    with open(path, newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None or tuple(h.strip() for h in header) != HEADER:
+    blank_at: int | None = None
+    with f:
+        reader = csv.reader(_utf8_lines(path, f))
+        try:
+            header = next(reader, None)
+        except csv.Error as exc:
+            raise InvalidTrace(f"trace {path} line 1: {exc}", path=path, line=1,
+                               field="header", value=str(exc), limit=HEADER) from None
+        if header is None or tuple(h.strip().lstrip("\ufeff") for h in header) != HEADER:
             raise InvalidTrace(f"trace {path}: header {header!r} is not {','.join(HEADER)}",
                                path=path, line=1, field="header", value=header, limit=HEADER)
-        for line_no, row in enumerate(reader, start=2):
+        while True:
+            try:
+                row = next(reader, None)
+            except csv.Error as exc:
+                raise InvalidTrace(f"trace {path} line {reader.line_num}: {exc}", path=path,
+                                   line=reader.line_num, field="row", value=str(exc),
+                                   limit="CSV") from None
+            if row is None:
+                break
+            line_no = reader.line_num
+            if not row or all(not c.strip() for c in row):
+                blank_at = blank_at or line_no
+                continue
+            if blank_at is not None:
+                raise InvalidTrace(f"trace {path} line {blank_at}: blank line before the last "
+                                   f"row (line {line_no})", path=path, line=blank_at,
+                                   field="row", value="", limit="no blank line between rows")
             if len(stamps) >= max_rows:
                 raise InvalidTrace(f"trace {path}: more than max_rows({max_rows}) rows",
                                    path=path, line=line_no, field="rows", value=len(stamps) + 1,
@@ -147,20 +249,32 @@ def load_trace(path: Path, *, timing: TokenTiming = TokenTiming(),
                         path=path, line=line_no, field=name, value=n, limit=MAX_TOKENS_PER_REQUEST)
                 dest.append(n)
             stamps.append(row[0].strip())
+            lines.append(line_no)
     if not stamps:
         raise InvalidTrace(f"trace {path}: no requests", path=path, line=None, field="rows",
                            value=0, limit=1)
-    try:
-        t_ns = np.array(stamps, dtype="datetime64[ns]").astype(np.int64)
-    except ValueError as exc:
-        raise InvalidTrace(f"trace {path}: unparsable TIMESTAMP ({exc})", path=path, line=None,
-                           field="TIMESTAMP", value=str(exc), limit="YYYY-MM-DD HH:MM:SS.f") from None
-    arrival = (t_ns - t_ns.min()) / 1e9
-    p = np.asarray(prompt, dtype=np.int64)
-    o = np.asarray(output, dtype=np.int64)
-    return Workload(arrival.astype(np.float64), timing.occupancy_s(p, o).astype(np.float64),
+    t_ns = _parse_stamps(path, stamps, lines)
+    order = np.argsort(t_ns, kind="stable")
+    arrival = ((t_ns - t_ns.min()) / 1e9)[order].astype(np.float64)
+    return TraceRows(path, arrival, np.asarray(prompt, dtype=np.int64)[order],
+                     np.asarray(output, dtype=np.int64)[order],
+                     np.asarray(lines, dtype=np.int64)[order])
+
+
+def load_trace(path: Path, *, timing: TokenTiming = TokenTiming(),
+               max_rows: int = MAX_TRACE_ROWS, max_bytes: int = MAX_TRACE_BYTES) -> Workload:
+    """A trace (:func:`read_trace`, which raises :class:`InvalidTrace`) as a
+    :class:`Workload` timed by ``timing``."""
+    rows = read_trace(path, max_rows=max_rows, max_bytes=max_bytes)
+    return workload_from_rows(rows, timing)
+
+
+def workload_from_rows(rows: TraceRows, timing: TokenTiming = TokenTiming()) -> Workload:
+    """:class:`TraceRows` -> :class:`Workload` (occupancy and TTFT from ``timing``)."""
+    p, o = rows.context_tokens, rows.generated_tokens
+    return Workload(rows.arrival_s.copy(), timing.occupancy_s(p, o).astype(np.float64),
                     timing.prefill_s(p).astype(np.float64), p + o,
-                    np.zeros(len(p), dtype=np.int16), p, o).sorted()
+                    np.zeros(len(p), dtype=np.int16), p.copy(), o.copy())
 
 
 def time_scale(w: Workload, speedup: float) -> Workload:

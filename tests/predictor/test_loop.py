@@ -40,6 +40,10 @@ def make(durable=True, **policy):
     scaler = FakeScaler()
     catalog = FakeCatalog()
     state = {"durable": durable}
+    # These tests follow the state machine (cooldown, keep-alive, durability) with the timing
+    # of the Holt + backstop forecaster they were written for; the default forecaster has
+    # its own tests below.
+    policy.setdefault("forecaster", "holt_backstop")
     pol = ModelPolicy("m", **policy)
     p = Predictor([pol], clock=clock, scaler=scaler,
                   snapshot_durable=lambda m: state["durable"], catalog=catalog)
@@ -206,15 +210,15 @@ def test_ticks_are_counted_on_the_clock_not_per_call():
         clock.advance(0.5)
         p.observe("m", 10, window_s=0.5)
         p.tick()
-    assert st.holt.samples == 2
-    assert st.holt.level == pytest.approx(20.0)      # 10 arrivals per 0.5 s = 20 req/s
+    assert st.forecaster.slow.samples == 2
+    assert st.forecaster.slow.level == pytest.approx(20.0)      # 10 arrivals per 0.5 s = 20 req/s
     # one row per step, keyed by the start of the step's window (steps anchor on tick one)
     assert [r[1] for r in catalog.rows] == [-0.5, 0.5]
     clock.advance(2.6)                      # a late tick: three whole steps since 1.5 s
     p.observe("m", 52, window_s=2.6)        # (plus the 0.5 s kept from the tick at 2.0 s)
     p.tick()
-    assert st.holt.samples == 5 and catalog.rows[-1][1] == 1.5
-    assert st.holt.level == pytest.approx(20.0)      # 62 arrivals over 3.1 s
+    assert st.forecaster.slow.samples == 5 and catalog.rows[-1][1] == 1.5
+    assert st.forecaster.slow.level == pytest.approx(20.0)      # 62 arrivals over 3.1 s
 
 
 def test_a_scale_up_by_someone_else_is_seen_and_scaled_in_when_idle():
@@ -230,3 +234,77 @@ def test_a_scale_up_by_someone_else_is_seen_and_scaled_in_when_idle():
         if d.action == "scale_down":
             break
     assert d.action == "scale_down" and d.target == 0 and scaler.targets["m"] == 0
+
+
+# --- the default forecaster and sizing from measured speed (issue 12) ----------------------
+
+def _speed():
+    from agent.speed import SpeedProfile
+
+    return SpeedProfile(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.01,
+                        decode_base_s=0.02, decode_per_seq_s=0.002, decode_per_ctx_token_s=0.0)
+
+
+def test_default_forecaster_is_the_backstopped_upper_quantile():
+    assert ModelPolicy("m").forecaster == "quantile_backstop"
+    with pytest.raises(ConfigError):
+        ModelPolicy("m", forecaster="nope")
+    with pytest.raises(ConfigError):
+        ModelPolicy("m", ttft_slo_s=0.0)
+    with pytest.raises(ConfigError):
+        ModelPolicy("m", mean_prompt_tokens=math.nan)
+
+
+def test_update_speed_sizes_by_service_rate_not_kv_slots():
+    p, clock, scaler, _, _ = make(forecaster="persistence", occupancy_s=7.0,
+                                  seqs_per_replica=80, max_replicas=20)
+    prof = _speed()
+    batch = p.update_speed("m", prof, 16, mean_prompt_tokens=100, mean_gen_tokens=20)
+    assert batch == prof.sustainable_concurrency(2.0, 100, 20, 16)
+    per_rps = prof.service_rps(100, 20, batch)
+    rate = int(2.5 * per_rps)               # 2.5 replicas' worth (speed_utilisation 1)
+    d = step(p, clock, rate)
+    assert d.desired == 3 and scaler.targets["m"] == 3
+    # the KV-slot model would have asked for ceil(rate * 7 / (80 * 0.75))
+    assert math.ceil(rate * 7.0 / 60.0) != 3
+    with pytest.raises(ConfigError):
+        ModelPolicy("m", speed_utilisation=0.0)
+    with pytest.raises(ConfigError):
+        p.update_speed("m", prof, 0)
+
+
+def test_the_default_forecaster_releases_after_a_burst_and_an_idle_gap():
+    p, clock, scaler, _, _ = make(forecaster="quantile_backstop", scale_down_cooldown_s=10.0,
+                                  occupancy_s=1.0, seqs_per_replica=1, utilisation=1.0,
+                                  costs=KeepAliveCosts(gpu_cost_per_s=1.0, wait_cost_per_s=0.0,
+                                                       restore_s=1.0))
+    for _ in range(30):
+        step(p, clock, 3)
+    assert scaler.targets["m"] == 3
+    decisions = [step(p, clock, 0) for _ in range(200)]
+    assert scaler.targets["m"] == 0
+    released = next(i for i, d in enumerate(decisions) if d.target == 0)
+    # the upper quantile still remembers the burst (60-step window), but an idle model is
+    # released after the keep-alive, floored at the restore p99 (3.6 s), not after the window
+    assert released + 1 == math.ceil(ModelPolicy("m").restore_p99_s)
+    assert decisions[released].reason.startswith("idle for")
+    assert all(d.target == 3 for d in decisions[:released])
+
+
+def test_a_predictor_that_saw_no_request_waits_the_keep_alive_from_its_first_tick():
+    p, clock, scaler, _, _ = make(forecaster="quantile_backstop",
+                                  costs=KeepAliveCosts(restore_s=1.0))
+    scaler.start = 2                       # two replicas already up when it starts acting
+    decisions = [step(p, clock, None) for _ in range(10)]
+    first_release = next(i for i, d in enumerate(decisions) if d.action == "scale_down")
+    assert first_release >= 3              # not on the first tick (idle counted from it)
+    assert decisions[first_release].target == 0
+
+
+def test_a_lower_rate_is_not_idle_and_keeps_the_cooldown():
+    p, clock, scaler, _, _ = make(forecaster="holt_backstop", scale_down_cooldown_s=10.0,
+                                  occupancy_s=1.0, seqs_per_replica=1, utilisation=1.0)
+    for _ in range(20):
+        step(p, clock, 3)
+    decisions = [step(p, clock, 1) for _ in range(8)]
+    assert all(d.target == 3 for d in decisions)    # low, not idle: the cooldown holds

@@ -108,9 +108,9 @@ def _serve_once(answer):
         "replicas": {"r1": {"model": "m", "kv_capacity_tokens": 72089},
                      "r2": {"model": "m", "kv_capacity_tokens": 36000},
                      "r3": {"model": "n", "kv_capacity_tokens": "lots"}}}},
-     {"arrivals": {"m": 7}, "kv_capacity_tokens": {"m": 36000}}),
+     {"arrivals": {"m": 7}, "kv_capacity_tokens": {"m": 36000}, "speed": {}, "lengths": {}}),
     ({"type": "result", "result": {"requests": 9}},           # no per-model counters
-     {"arrivals": {}, "kv_capacity_tokens": {}}),
+     {"arrivals": {}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {}}),
 ])
 def test_frontdoor_stats(answer, expect):
     addr, srv, t = _serve_once(answer)
@@ -244,7 +244,7 @@ def test_reads_the_real_front_doors_stats():
         return before, after, answers
 
     before, after, answers = asyncio.run(main())
-    assert before == {"arrivals": {}, "kv_capacity_tokens": {}}
+    assert before == {"arrivals": {}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {}}
     codes = {a["id"]: a["code"] for a in answers}
     assert [codes[i] for i in range(3)] == [404, 404, 404]
     assert all(codes[i] in (503, 504) for i in range(3, 6))  # no replica can come for "m"
@@ -290,3 +290,42 @@ def test_ready_says_why_not_while_the_stats_cannot_be_fetched():
     up["ok"] = True
     svc.step()
     assert svc.ready()[0] is True
+
+
+def test_frontdoor_stats_reads_the_slowest_measured_speed_and_lengths():
+    from agent.speed import SpeedProfile
+
+    fast = SpeedProfile(2000.0, 0.01, 0.01, 0.001, 0.0)
+    slow = SpeedProfile(500.0, 0.02, 0.04, 0.004, 0.0)
+    answer = {"type": "result", "result": {
+        "arrivals": {"m": 1},
+        "lengths": {"m": {"mean_prompt_tokens": 40, "mean_gen_tokens": 3.5, "x": 1},
+                    "n": {"mean_prompt_tokens": float("nan")}},
+        "replicas": {"r1": {"model": "m", "max_seqs": 8, **fast.to_meta()},
+                     "r2": {"model": "m", "max_seqs": 4, **slow.to_meta()},
+                     "r3": {"model": "m", "max_seqs": 8, "prefill_tokens_per_s": "fast"}}}}
+    addr, srv, t = _serve_once(answer)
+    try:
+        got = frontdoor_stats(addr)
+    finally:
+        t.join(5)
+        srv.close()
+    assert got["speed"] == {"m": (slow, 4)}
+    assert got["lengths"] == {"m": {"mean_prompt_tokens": 40.0, "mean_gen_tokens": 3.5}}
+
+
+def test_service_sizes_from_the_reported_speed():
+    from agent.speed import SpeedProfile
+
+    slow = SpeedProfile(500.0, 0.02, 0.04, 0.004, 0.0)
+    clock = ManualClock()
+    pred = Predictor([ModelPolicy("m")], clock=clock, scaler=Scaler(),
+                     snapshot_durable=lambda m: True)
+    stats = {"d": {"arrivals": {"m": 0}, "kv_capacity_tokens": {},
+                   "speed": {"m": (slow, 4)},
+                   "lengths": {"m": {"mean_prompt_tokens": 40.0, "mean_gen_tokens": 3.0}}}}
+    svc = PredictorService(pred, clock=clock, fetch=lambda: stats)
+    svc.sample()
+    st = pred._models["m"]
+    assert st.speed == slow and st.max_seqs == 4
+    assert st.policy.mean_prompt_tokens == 40.0 and st.policy.mean_gen_tokens == 3.0

@@ -115,3 +115,46 @@ def test_keepalive_recomputed_as_traffic_changes():
 def test_costs_limits(kw):
     with pytest.raises(ConfigError):
         KeepAliveCosts(**kw)
+
+
+# --- sizing from a measured speed (issue 12, contract item 7) -------------------------------
+
+def _profile():
+    from agent.speed import SpeedProfile
+
+    # 1,000 prompt tokens/s, 10 ms per prefill, 20 ms decode step + 2 ms per extra sequence
+    return SpeedProfile(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.01,
+                        decode_base_s=0.02, decode_per_seq_s=0.002, decode_per_ctx_token_s=0.0)
+
+
+def test_replicas_for_rate_uses_service_rps_at_the_sustainable_batch():
+    from agent.predictor.sizing import replicas_for_rate
+
+    prof = _profile()
+    batch = prof.sustainable_concurrency(2.0, 100, 20, 16)
+    per_rps = prof.service_rps(100, 20, batch)
+    kw = dict(ttft_slo_s=2.0, mean_prompt_tokens=100, mean_gen_tokens=20, max_seqs=16,
+              utilisation=1.0, min_replicas=0, max_replicas=50)
+    assert replicas_for_rate(0.0, prof, **kw) == 0
+    assert replicas_for_rate(per_rps * 0.99, prof, **kw) == 1
+    assert replicas_for_rate(per_rps * 1.01, prof, **kw) == 2
+    assert replicas_for_rate(per_rps * 2.5, prof, **kw) == 3
+    assert replicas_for_rate(per_rps * 2.5, prof, **{**kw, "utilisation": 0.5}) == 5
+    assert replicas_for_rate(math.nan, prof, **kw) == 0
+
+
+def test_replicas_for_rate_is_not_kv_slots():
+    """Sixteen KV slots but a batch the SLO allows of fewer: the speed decides."""
+    from agent.predictor.sizing import replicas_for_rate
+    from agent.speed import SpeedProfile
+
+    slow = SpeedProfile(prefill_tokens_per_s=200.0, prefill_overhead_s=0.01,
+                        decode_base_s=0.05, decode_per_seq_s=0.02, decode_per_ctx_token_s=0.0)
+    kw = dict(ttft_slo_s=2.0, mean_prompt_tokens=200, mean_gen_tokens=20, max_seqs=16,
+              utilisation=1.0, min_replicas=0, max_replicas=50)
+    batch = slow.sustainable_concurrency(2.0, 200, 20, 16)
+    assert batch < 16
+    rate = 3 * slow.service_rps(200, 20, batch) * 0.99
+    assert replicas_for_rate(rate, slow, **kw) == 3
+    with pytest.raises(ConfigError):
+        replicas_for_rate(1.0, slow, **{**kw, "max_seqs": 0})

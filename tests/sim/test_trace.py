@@ -107,3 +107,82 @@ def test_a_missing_trace_is_invalid_trace_naming_the_path(tmp_path):
     with pytest.raises(InvalidTrace) as err:
         load_trace(tmp_path / "nope.csv")
     assert err.value.field == "path" and "nope.csv" in str(err.value)
+
+
+# --- bad input: one InvalidTrace naming the file and the row ------------------------------
+
+HEAD = b"TIMESTAMP,ContextTokens,GeneratedTokens\n"
+ROW = b"2023-11-16 18:17:04.0000000,40,3\n"
+
+
+def write_bytes(tmp_path, data, name="b.csv"):
+    p = tmp_path / name
+    p.write_bytes(data)
+    return p
+
+
+def test_a_non_utf8_byte_names_its_line(tmp_path):
+    p = write_bytes(tmp_path, HEAD + ROW + b"2023-11-16 18:17:05.0\xff,40,3\n")
+    with pytest.raises(InvalidTrace) as e:
+        load_trace(p)
+    assert e.value.line == 3 and e.value.field == "encoding" and e.value.value == 0xFF
+    assert str(p) in str(e.value) and "line 3" in str(e.value)
+
+
+@pytest.mark.parametrize("stamp", [b"NaT", b"nat", b"2023-13-45 99:00:00", b"yesterday",
+                                   b"2023-11-16 18:17:05.0000000x"])
+def test_a_bad_timestamp_names_its_line(tmp_path, stamp):
+    p = write_bytes(tmp_path, HEAD + ROW + ROW + stamp + b",40,3\n" + ROW)
+    with pytest.raises(InvalidTrace) as e:
+        load_trace(p)
+    assert e.value.line == 4 and e.value.field == "TIMESTAMP"
+    assert e.value.value == stamp.decode() and "line 4" in str(e.value)
+
+
+def test_blank_last_lines_are_accepted(tmp_path):
+    for tail in (b"\n", b"\n\n", b"\r\n", b"  \n"):
+        rows = tr.read_trace(write_bytes(tmp_path, HEAD + ROW + ROW + tail))
+        assert len(rows) == 2
+        np.testing.assert_array_equal(rows.line, [2, 3])
+
+
+def test_a_blank_line_between_rows_names_it(tmp_path):
+    with pytest.raises(InvalidTrace) as e:
+        load_trace(write_bytes(tmp_path, HEAD + ROW + b"\n" + ROW))
+    assert e.value.line == 3 and e.value.field == "row"
+
+
+def test_a_utf8_bom_header_is_accepted(tmp_path):
+    assert len(tr.read_trace(write_bytes(tmp_path, b"\xef\xbb\xbf" + HEAD + ROW))) == 1
+
+
+def test_an_unterminated_quote_is_invalid_trace(tmp_path):
+    with pytest.raises(InvalidTrace) as e:
+        load_trace(write_bytes(tmp_path, HEAD + ROW + b'"2023-11-16,1,1\n'))
+    assert e.value.path == tmp_path / "b.csv"
+
+
+def test_a_directory_is_invalid_trace(tmp_path):
+    with pytest.raises(InvalidTrace) as e:
+        load_trace(tmp_path)
+    assert e.value.field == "path"
+
+
+def test_read_trace_keeps_tokens_and_lines_sorted_and_windows(tmp_path):
+    rows = tr.read_trace(write(tmp_path, CSV))
+    np.testing.assert_allclose(rows.arrival_s, [0.0, 0.5, 1.75])
+    np.testing.assert_array_equal(rows.context_tokens, [800, 4000, 0])
+    np.testing.assert_array_equal(rows.generated_tokens, [60, 30, 0])
+    np.testing.assert_array_equal(rows.line, [3, 2, 4])
+    win = rows.window(0.25, 1.0)
+    np.testing.assert_allclose(win.arrival_s, [0.25])
+    np.testing.assert_array_equal(win.context_tokens, [4000])
+
+
+def test_background_rps_inf_is_a_usage_error(capsys):
+    from agent.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--trace", "x.csv", "--background-rps", "inf"])
+    assert e.value.code == 2
+    assert "'inf' is not a finite number" in capsys.readouterr().err

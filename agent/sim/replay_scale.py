@@ -1,0 +1,184 @@
+"""Scaling a trace window to one machine: one time compression and one token scale.
+
+A trace from a production fleet (the Azure code trace: ~2,000-token prompts at ~2.5 req/s)
+offers far more work than one small replica on a development machine serves, so a replay
+changes two things and nothing else (bench/trace_replay.py, ``rewarm up --demo``):
+
+- **time compression** ``speedup`` (trace seconds per wall second): every arrival time is
+  divided by it, so the window's burst shape (which seconds are busy, which idle, by how
+  much) is kept exactly, only faster;
+- **token scale** ``token_scale`` (replay tokens per trace token): every prompt and output
+  length is multiplied by it and rounded, at least 1 token each, and the pair is trimmed to
+  the replica's ``max_tokens_per_request`` (its KV slot) by shortening the prompt.
+
+Both come from the replica's measured :class:`~agent.speed.SpeedProfile` and the window's
+own statistics, never from constants chosen for a file.  Define the offered load of a
+replay as
+
+    load(k, c) = arrival rate (wall) / capacity(k)
+               = (N * c / window_s) * mean_i service_s(P_i(k), G_i(k), B(k))
+
+where ``service_s`` is one request's engine seconds at the replica's sustainable
+concurrency ``B(k)`` for the TTFT SLO (``SpeedProfile.sustainable_concurrency`` at the scaled
+mean lengths; ``1 / service_s`` is ``SpeedProfile.service_rps``).  Then:
+
+1. the compression that fits the window into the wall-time budget, ``c0 = window_s /
+   wall_s``;
+2. the token scale ``k`` with ``load(k, c0) = target`` (bisection on ``log k``; ``load`` is
+   non-decreasing in ``k``), within ``[k_min, 1]`` (``k_min`` makes every length 1 token;
+   1 is the trace's own lengths);
+3. the compression corrected so the load is exactly the target at that ``k``:
+   ``c = c0 * target / load(k, c0)`` (equal to ``c0`` unless the rounding of lengths or a
+   bound of ``k`` moved it; at a bound the wall time is longer or shorter than asked, and
+   :class:`ReplayScale` says so).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from agent.errors import ConfigError
+from agent.speed import SpeedProfile
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """One request to send ``at_s`` wall seconds after the replay starts."""
+
+    at_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class ReplayScale:
+    """How a window was scaled (all derived; see the module docstring).
+
+    ``speedup`` trace s per wall s; ``token_scale`` replay tokens per trace token; ``load``
+    the offered load achieved (fraction of one replica); ``capacity_rps`` one replica's
+    service rate at ``batch`` (its sustainable concurrency) for these lengths;
+    ``offered_rps`` the wall arrival rate; ``mean_prompt_tokens``/``mean_output_tokens`` the
+    scaled means; ``window_s`` trace seconds replayed, ``wall_s`` their wall duration;
+    ``bound`` is ``""``, ``"min_tokens"`` (even 1-token requests overload at the asked wall
+    time, so the replay is slower) or ``"trace_tokens"`` (the trace's own lengths underload
+    it, so the replay is faster)."""
+
+    speedup: float
+    token_scale: float
+    load: float
+    capacity_rps: float
+    offered_rps: float
+    batch: int
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    requests: int
+    window_s: float
+    wall_s: float
+    bound: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def scale_lengths(context_tokens: np.ndarray, generated_tokens: np.ndarray, token_scale: float,
+                  max_tokens_per_request: int) -> tuple[np.ndarray, np.ndarray]:
+    """Trace lengths [N] -> replay (prompt, output) int64 [N]: ``max(1, round(k * n))`` each,
+    the output at most ``max_tokens_per_request - 1`` and the prompt trimmed so that
+    ``prompt + output <= max_tokens_per_request``."""
+    if max_tokens_per_request < 2:
+        raise ConfigError(f"max_tokens_per_request={max_tokens_per_request}; limit is >= 2",
+                          name="max_tokens_per_request", value=max_tokens_per_request, limit=2)
+    out = np.clip(np.rint(np.asarray(generated_tokens) * token_scale), 1,
+                  max_tokens_per_request - 1).astype(np.int64)
+    prompt = np.clip(np.rint(np.asarray(context_tokens) * token_scale), 1, None).astype(np.int64)
+    return np.minimum(prompt, max_tokens_per_request - out), out
+
+
+def _capacity(profile: SpeedProfile, prompt: np.ndarray, output: np.ndarray, *,
+              ttft_slo_s: float, max_seqs: int) -> tuple[float, int]:
+    """(requests/s one replica serves at its sustainable batch, that batch)."""
+    batch = profile.sustainable_concurrency(ttft_slo_s, float(prompt.mean()),
+                                            float(output.mean()), max_seqs)
+    # mean engine seconds per request, each at its own lengths (SpeedProfile.service_s);
+    # distinct (prompt, output) pairs are few after scaling, so each is computed once
+    pairs, counts = np.unique(np.stack([prompt, output]), axis=1, return_counts=True)
+    total = sum(c * profile.service_s(float(p), float(o), batch)
+                for (p, o), c in zip(pairs.T.tolist(), counts.tolist()))
+    service = total / int(prompt.shape[0])
+    return 1.0 / service, batch
+
+
+def fit_scale(context_tokens: np.ndarray, generated_tokens: np.ndarray, *, window_s: float,
+              profile: SpeedProfile, load: float, wall_s: float, ttft_slo_s: float,
+              max_seqs: int, max_tokens_per_request: int) -> ReplayScale:
+    """The :class:`ReplayScale` that makes a window of ``len(context_tokens)`` requests over
+    ``window_s`` trace seconds offer ``load`` of one replica of ``profile`` in about
+    ``wall_s`` wall seconds (module docstring).  Raises ConfigError for an empty window or a
+    ``load``/``wall_s``/``window_s`` that is not a finite number > 0."""
+    for name, value in (("load", load), ("wall_s", wall_s), ("window_s", window_s),
+                        ("ttft_slo_s", ttft_slo_s)):
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"fit_scale: {name}={value}; limit is a finite number > 0",
+                              name=name, value=value, limit="> 0")
+    ctx = np.asarray(context_tokens, dtype=np.float64)
+    gen = np.asarray(generated_tokens, dtype=np.float64)
+    n = int(ctx.shape[0])
+    if n == 0:
+        raise ConfigError("fit_scale: the window holds no request", name="requests", value=0,
+                          limit=1)
+
+    def load_at(k: float, c: float) -> tuple[float, float, int]:
+        p, o = scale_lengths(ctx, gen, k, max_tokens_per_request)
+        cap, batch = _capacity(profile, p, o, ttft_slo_s=ttft_slo_s, max_seqs=max_seqs)
+        return n * c / window_s / cap, cap, batch
+
+    c0 = window_s / wall_s
+    k_min = 0.5 / max(1.0, float(max(ctx.max(), gen.max())))   # every length rounds to 1
+    k_max = 1.0
+    bound = ""
+    if load_at(k_min, c0)[0] >= load:
+        k, bound = k_min, "min_tokens"
+    elif load_at(k_max, c0)[0] <= load:
+        k, bound = k_max, "trace_tokens"
+    else:
+        lo, hi = math.log(k_min), math.log(k_max)
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if load_at(math.exp(mid), c0)[0] < load:
+                lo = mid
+            else:
+                hi = mid
+        k = math.exp(lo)   # the largest scale whose load does not exceed the target
+    rho, cap, batch = load_at(k, c0)
+    c = c0 * load / rho
+    p, o = scale_lengths(ctx, gen, k, max_tokens_per_request)
+    return ReplayScale(speedup=c, token_scale=k, load=n * c / window_s / cap, capacity_rps=cap,
+                       offered_rps=n * c / window_s, batch=batch,
+                       mean_prompt_tokens=float(p.mean()), mean_output_tokens=float(o.mean()),
+                       requests=n, window_s=window_s, wall_s=window_s / c, bound=bound)
+
+
+def replay_requests(arrival_s: np.ndarray, context_tokens: np.ndarray,
+                    generated_tokens: np.ndarray, scale: ReplayScale,
+                    max_tokens_per_request: int) -> list[ReplayRequest]:
+    """The window's requests at wall times ``arrival_s / speedup`` with scaled lengths."""
+    p, o = scale_lengths(context_tokens, generated_tokens, scale.token_scale,
+                         max_tokens_per_request)
+    return [ReplayRequest(float(a) / scale.speedup, int(x), int(y))
+            for a, x, y in zip(np.asarray(arrival_s), p, o)]
+
+
+def always_on_replicas(at_s: np.ndarray, capacity_rps: float, max_replicas: int,
+                       bin_s: float = 10.0) -> int:
+    """The replicas an always-on pool of this replica needs for the window's busiest
+    ``bin_s`` seconds: ``ceil(peak rate / capacity_rps)``, at least 1, at most
+    ``max_replicas`` (the simulator's always-on policy is sized the same way,
+    agent/sim/scenarios.py ``trace_scenario``).  ``at_s`` [N] wall arrival times."""
+    a = np.asarray(at_s, dtype=np.float64)
+    if not a.size or not capacity_rps > 0:
+        return 1
+    peak_rps = float(np.bincount((a // bin_s).astype(np.int64)).max()) / bin_s
+    return int(max(1, min(max_replicas, math.ceil(peak_rps / capacity_rps - 1e-9))))

@@ -1,0 +1,361 @@
+"""The judge of issue 12: a live replay of a trace window on the real embedded stack, scaled
+to this machine, beside the simulator's replay of the same requests.
+
+    bench/trace_replay.py --trace CSV [--load 0.3[,3]] [--minutes 10] [--start-min 0]
+                          [--wall-s 240] [--profile JSON] --json PATH
+
+For each ``--load``, on a fresh ``rewarm up`` stack (real ``rewarm replica`` processes on
+SmolLM2-135M, the front door, the node agent and, for the replay, the predictor):
+
+1. the node agent cold-boots a replica (its ``restore`` op with no snapshot yet; the snapshot
+   is captured in the background);
+2. the replica's speed is measured through the front door (:func:`agent.replay.calibrate`);
+   the window is scaled by the profile the replica's own speed meter then reports (the one
+   the front door admits and routes with), else by that calibration, or by ``--profile``
+   (an engine profile file from bench/engine_profile.py); once its snapshot is ready the replica is drained and restored
+   through the node agent's control API: that op's duration is the measured restore time;
+3. the window is scaled (:func:`agent.sim.replay_scale.fit_scale`): one time compression
+   from the wall budget and one token scale, so the window's mean offered work is ``load`` of
+   that replica's capacity (``SpeedProfile.service_rps`` at its sustainable concurrency for
+   the warm SLO), the burst shape unchanged;
+4. the predictor starts (its production policy; sizing from the measured speed, lead time
+   = restore + decision latency + one step), and the requests are sent at their wall times;
+5. the same requests go through the simulator with the same profile, restore time and
+   predictor policy (:func:`agent.sim.replay_sim.simulate_plan`).
+
+It prints live and simulated side by side and writes ``--json``: per load the keys of
+:func:`agent.replay.summarise` (``requests, served, shed_429, shed_429_within_50ms,
+expired_504, lost, sla_attainment, ttft_ms, gpu_seconds, always_on_gpu_seconds, restores``),
+``sim`` (the same keys), ``load``, ``speedup``, ``token_scale``, ``trace``, the profile, the
+measured restore and the targets' verdicts.  GPU-seconds are replica-seconds here (a CPU
+machine): every replica alive (restoring included), sampled every 0.25 s, over the window's
+wall span.  Always-on is the pool that serves the window's busiest 10 s without scaling
+(:func:`~agent.sim.replay_scale.always_on_replicas`, as the simulator's always-on policy is
+sized), over the same span; ``one_replica_gpu_seconds`` is one replica.  At most ``cores // --threads`` replicas (a replica beyond that would share a core and
+add no capacity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from agent.argtypes import nonneg_float, positive_float, positive_int  # noqa: E402
+from agent.errors import ConfigError, InvalidTrace, RewarmError  # noqa: E402
+
+WARM_SLO_MS, RESTORE_SLO_MS = 2000.0, 4000.0   # issue 12 contract item 4 (design document)
+DECISION_LATENCY_S = 1.0
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def load_list(text: str) -> list[float]:
+    """``0.3`` or ``0.3,3``: offered loads, each a finite number > 0."""
+    return [positive_float(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, required=True)
+    ap.add_argument("--load", type=load_list, default=[0.3],
+                    help="offered load(s), fraction of one replica's capacity (0.3; 0.3,3)")
+    ap.add_argument("--minutes", type=positive_float, default=10.0, help="trace window (min)")
+    ap.add_argument("--start-min", type=nonneg_float, default=0.0,
+                    help="window start, minutes after the trace's first request")
+    ap.add_argument("--wall-s", type=positive_float, default=240.0,
+                    help="wall-time budget of one replay (s); sets the time compression")
+    ap.add_argument("--profile", type=Path,
+                    help="an engine profile (bench/engine_profile.py) instead of measuring")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per replica")
+    ap.add_argument("--max-replicas", type=positive_int, default=None,
+                    help="replica cap (default: cores // threads)")
+    ap.add_argument("--state-dir", type=Path, default=REPO / "var" / "replay")
+    ap.add_argument("--no-aot", action="store_true")
+    ap.add_argument("--json", type=Path, required=True)
+    return ap.parse_args(argv)
+
+
+def read_profile(path: Path):
+    """The :class:`~agent.speed.SpeedProfile` of an engine profile file (bench/engine_profile.py,
+    ``SpeedProfile.from_file``; ConfigError naming the file and the key).  Note that the
+    engine profile times the engine alone, without the front door and the replica's socket,
+    which a scaled replay's short requests also pay: the default calibration measures them."""
+    from agent.speed import SpeedProfile
+
+    return SpeedProfile.from_file(path)
+
+
+def wait_for(cond, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{what} not reached within {timeout_s:.0f} s")
+        time.sleep(0.25)
+    return time.monotonic() - start
+
+
+def live_replicas(stack) -> list:
+    return [r for r in stack.agent.status()["replicas"] if r["model"] == stack.model]
+
+
+def predictor_policy(restore_s: float, max_replicas: int) -> dict:
+    """The predictor's production policy for a replay: defaults, with the measured restore
+    time (keep-alive and lead time: restore + decision latency + one 1 s step) and the cap."""
+    from agent.predictor.keepalive import KeepAliveCosts
+
+    return {"restore_p99_s": restore_s, "decision_latency_s": DECISION_LATENCY_S,
+            "lead_time_s": restore_s + DECISION_LATENCY_S + 1.0,
+            "ttft_slo_s": WARM_SLO_MS / 1000.0, "max_replicas": max_replicas,
+            "costs": KeepAliveCosts(restore_s=restore_s)}
+
+
+def run_one(args, load: float, rows, window_s: float, model_dir, release, note) -> dict:
+    """One replay at ``load`` on a fresh stack: live, then simulated (module docstring)."""
+    import numpy as np
+
+    from agent import replay
+    from agent.demo import Sampler, _fresh_state, _vocabulary, replica_limits, replica_stats
+    from agent.replica.config import LlamaConfig
+    from agent.sim.replay_scale import always_on_replicas, fit_scale, replay_requests
+    from agent.sim.replay_sim import simulate_plan
+    from agent.up import Stack
+
+    cores = os.cpu_count() or 1
+    cap = args.max_replicas or max(1, cores // args.threads)
+    tok, probe, base = _vocabulary(model_dir, LlamaConfig.from_dir(model_dir).vocab_size)
+    state = args.state_dir
+    _fresh_state(state)
+    stack = Stack(state, model_dir, release, threads=args.threads, start_predictor=False,
+                  restores_per_model=cap, max_replicas=cap, deadline_ms=RESTORE_SLO_MS)
+    t_start = time.monotonic()
+    stack.start()
+    sampler = None
+    try:
+        address, model = stack.frontdoor_address, stack.model
+        from agent.node.control import control_call
+
+        t0 = time.monotonic()
+        control_call(stack.agent_address, "restore", model=model, timeout_s=900.0)
+        say(f"  cold boot (node agent restore op, no snapshot yet): {time.monotonic() - t0:.1f} s")
+        # the snapshot capture runs beside the replica: measure only once it is done
+        waited = wait_for(lambda: bool(stack.agent.catalog.snapshots(model, status="ready")),
+                          600.0, "a ready snapshot")
+        say(f"  snapshot ready after {waited:.1f} s")
+        max_seqs, max_seq_len = replica_limits(stack)
+        from agent.speed import SpeedProfile
+
+        calibrated = asyncio.run(replay.calibrate(address, model, base, max_seq_len=max_seq_len))
+        say(f"  calibrated through the front door: {calibrated}")
+        meter = SpeedProfile.from_meta(replica_stats(stack))
+        say(f"  the replica's own speed meter (after that traffic): {meter}")
+        if args.profile:
+            profile, source = read_profile(args.profile), str(args.profile)
+        elif meter is not None:
+            # the front door admits and routes on what the replica reports: scale by the same
+            profile, source = meter, "the replica's speed meter (what admission predicts with)"
+        else:
+            profile, source = calibrated, "measured through the front door (agent.replay.calibrate)"
+        say(f"  scaling by {source}")
+        say("  draining the replica to measure a restore")
+        for r in live_replicas(stack):
+            stack.agent.drain(r["replica"], timeout_s=30.0, force=True)
+        wait_for(lambda: not live_replicas(stack), 60.0, "scale to zero")
+        # restored through the front door (the probe carries its own deadline), so the front
+        # door measures the snapshot restore its admission then predicts with
+        rows_before = len(stack.agent.catalog.cold_starts(model))
+        again = asyncio.run(replay.one_request_at(address, model, probe, 8,
+                                                  deadline_ms=replay.CALIBRATION_DEADLINE_MS))
+        if again.code != 200:
+            raise RuntimeError(f"the probe after scale-to-zero failed: {again.code} {again.reason}")
+        new_rows = stack.agent.catalog.cold_starts(model)[rows_before:]
+        restore_s = max([float(r["duration_s"]) for r in new_rows if r["outcome"] == "ok"]
+                        or [again.ttft_ms / 1000.0])
+        say(f"  restore: {restore_s:.2f} s (probe path {again.path}, TTFT {again.ttft_ms:.0f} ms)")
+        scale = fit_scale(rows.context_tokens, rows.generated_tokens, window_s=window_s,
+                          profile=profile, load=load, wall_s=args.wall_s,
+                          ttft_slo_s=WARM_SLO_MS / 1000.0, max_seqs=max_seqs,
+                          max_tokens_per_request=max_seq_len)
+        plan = replay_requests(rows.arrival_s, rows.context_tokens, rows.generated_tokens,
+                               scale, max_seq_len)
+        say(f"  scale: speedup {scale.speedup:.3f} (trace s per wall s), token scale "
+            f"{scale.token_scale:.5f}, mean prompt {scale.mean_prompt_tokens:.1f} / output "
+            f"{scale.mean_output_tokens:.2f} tokens, capacity {scale.capacity_rps:.2f} req/s at "
+            f"batch {scale.batch}, offered {scale.offered_rps:.2f} req/s = load {scale.load:.2f}"
+            f"{' (' + scale.bound + ' bound)' if scale.bound else ''}; {len(plan)} requests "
+            f"over {scale.wall_s:.0f} s")
+        policy = predictor_policy(restore_s, cap)
+        stack.predictor_overrides = policy
+        stack.start_predicting()
+        stack.predictor.predictor.update_speed(model, profile, max_seqs,
+                                               mean_prompt_tokens=scale.mean_prompt_tokens,
+                                               mean_gen_tokens=scale.mean_output_tokens)
+        restores_before = len(stack.agent.catalog.cold_starts(model))
+        sampler = Sampler(stack.agent)
+        outcomes = asyncio.run(replay.send_plan(address, model, plan, base,
+                                                until_s=scale.wall_s))
+        span_s = sampler.stop()
+        rows_after = stack.agent.catalog.cold_starts(model)
+        restores = len(rows_after) - restores_before
+        peak = sampler.peak
+        decisions = [{"t_s": round(d.at_s - stack.decisions[0].at_s, 2), "action": d.action,
+                      "target": d.target, "desired": d.desired, "reason": d.reason[:100],
+                      "forecast_rps": round(d.forecast_rps, 3)}
+                     for d in stack.decisions if d.action not in ("hold", "standby")]
+    finally:
+        if sampler is not None and not sampler._stop.is_set():
+            sampler.stop()
+        stack.close()
+    pool = always_on_replicas([r.at_s for r in plan], scale.capacity_rps, cap)
+    live = replay.summarise(outcomes, gpu_seconds=sampler.replica_s,
+                            always_on_gpu_seconds=pool * span_s, restores=restores)
+    live.update(peak_replicas=peak, always_on_replicas=pool,
+                one_replica_gpu_seconds=round(span_s, 2))
+    sim = simulate_plan(plan, profile, batch=scale.batch, kv_capacity_tokens=max_seqs * max_seq_len,
+                        restore_s=restore_s, policy=policy, max_replicas=cap,
+                        initial_replicas=1,
+                        warm_slo_s=WARM_SLO_MS / 1000.0, restore_slo_s=RESTORE_SLO_MS / 1000.0,
+                        max_seqs=max_seqs, mean_prompt_tokens=scale.mean_prompt_tokens,
+                        mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
+                        always_on_replicas=pool)
+    codes = {}
+    for o in outcomes:
+        codes[o.code] = codes.get(o.code, 0) + 1
+    reasons = sorted({o.reason[:160] for o in outcomes if o.code not in (200,)})[:8]
+    out = {**live, "sim": sim, "load": load, "trace": Path(rows.path).name, "speedup": scale.speedup,
+           "token_scale": scale.token_scale, "scale": scale.to_json(),
+           "profile": profile.to_meta(), "profile_source": source,
+           "replica_meter_profile": None if meter is None else meter.to_meta(),
+           "calibrated_profile": calibrated.to_meta(),
+           "restore_s": restore_s, "max_replicas": cap, "threads": args.threads,
+           "forward": note, "codes": {str(k): v for k, v in sorted(codes.items())},
+           "refusal_reasons": reasons, "decisions": decisions[:200], "wall_s_total": time.monotonic() - t_start,
+           "loadavg": os.getloadavg(), "requests_window": len(plan),
+           "mean_rps_wall": float(len(plan) / scale.wall_s) if scale.wall_s else None}
+    out["verdict"] = verdict(out)
+    return out
+
+
+def verdict(r: dict) -> dict:
+    """Issue 12's targets for one run (True/False per target)."""
+    n = max(1, r["requests"])
+    t = r["ttft_ms"]
+    p99 = lambda path: t.get(path, {}).get("p99")  # noqa: E731
+    ok_p99 = lambda path, slo: p99(path) is None or p99(path) <= slo  # noqa: E731
+    gpu = r["gpu_seconds"] <= r["always_on_gpu_seconds"]
+    out = {"lost_0": r["lost"] == 0, "gpu_never_above_always_on": gpu}
+    if r["load"] <= 1.0:
+        out.update(sla_099=r["sla_attainment"] >= 0.99,
+                   warm_p99_2000ms=ok_p99("warm_hit", WARM_SLO_MS),
+                   restore_p99_4000ms=ok_p99("snapshot_restore", RESTORE_SLO_MS),
+                   expired_under_0_5pct=r["expired_504"] <= 0.005 * n,
+                   gpu_under_0_8=r["gpu_seconds"] <= 0.8 * r["always_on_gpu_seconds"])
+    else:
+        unserved = r["requests"] - r["served"]
+        out.update(served_p99_within_slo=ok_p99("warm_hit", WARM_SLO_MS)
+                   and ok_p99("snapshot_restore", RESTORE_SLO_MS),
+                   fast_429_95pct=unserved == 0 or r["shed_429_within_50ms"] >= 0.95 * unserved,
+                   expired_under_1pct=r["expired_504"] <= 0.01 * n)
+    s = r["sim"]
+    within = lambda a, b, rel: (a is None and b is None) or (  # noqa: E731
+        a is not None and b is not None and abs(a - b) <= rel * max(abs(a), 1e-9))
+    out["sim_sla_within_1pp"] = abs(r["sla_attainment"] - s["sla_attainment"]) <= 0.01
+    out["sim_gpu_within_10pct"] = within(r["gpu_seconds"], s["gpu_seconds"], 0.10)
+    for path in ("warm_hit", "snapshot_restore"):
+        for q in ("p50", "p99"):
+            out[f"sim_{path}_{q}_within_25pct"] = within(
+                t.get(path, {}).get(q), s["ttft_ms"].get(path, {}).get(q), 0.25)
+    return out
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def table(r: dict) -> str:
+    s = r["sim"]
+    lines = [f"load {r['load']:g}: {r['requests']} requests over {r['scale']['wall_s']:.0f} s "
+             f"(speedup {r['speedup']:.2f}, token scale {r['token_scale']:.4f}); load average "
+             f"{', '.join(f'{x:.1f}' for x in r['loadavg'])}",
+             f"{'':<28}{'live':>12}{'simulated':>12}"]
+    for key in ("served", "shed_429", "shed_429_within_50ms", "expired_504", "lost",
+                "restores", "peak_replicas"):
+        lines.append(f"{key:<28}{r.get(key, '-'):>12}{s.get(key, '-'):>12}")
+    lines.append(f"{'sla_attainment':<28}{r['sla_attainment']:>12.4f}{s['sla_attainment']:>12.4f}")
+    for path in ("warm_hit", "snapshot_restore", "cold_boot"):
+        lt, st = r["ttft_ms"].get(path, {}), s["ttft_ms"].get(path, {})
+        for q in ("p50", "p99"):
+            lines.append(f"{'ttft ' + path + ' ' + q + ' ms':<28}{_ms(lt.get(q)):>12}"
+                         f"{_ms(st.get(q)):>12}")
+    lines.append(f"{'gpu_seconds':<28}{r['gpu_seconds']:>12.1f}{s['gpu_seconds']:>12.1f}")
+    lines.append(f"{'always_on_gpu_seconds':<28}{r['always_on_gpu_seconds']:>12.1f}"
+                 f"{s['always_on_gpu_seconds']:>12.1f}")
+    lines.append(f"{'  (replicas; one replica)':<28}{r['always_on_replicas']:>5} "
+                 f"{r['one_replica_gpu_seconds']:>6.1f}")
+    failed = [k for k, v in r["verdict"].items() if not v]
+    lines.append("targets: " + ("all met" if not failed else "NOT met: " + ", ".join(failed)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from agent.sim.trace import read_trace
+    from agent.up import prepare_model
+
+    try:
+        rows = read_trace(args.trace)
+        window_s = args.minutes * 60.0
+        win = rows.window(args.start_min * 60.0, window_s)
+        if not len(win):
+            raise ConfigError(f"trace {args.trace}: no request in minutes {args.start_min:g}"
+                              f"-{args.start_min + args.minutes:g}", name="window", value=0,
+                              limit=1)
+        if args.profile:
+            read_profile(args.profile)
+        ns = argparse.Namespace(model_dir=None, no_aot=args.no_aot,
+                                releases_dir=str(REPO / "var" / "releases"))
+        model_dir, release, note = prepare_model(ns)
+        results = []
+        for load in args.load:
+            say(f"replay of {args.trace.name}, minutes {args.start_min:g}-"
+                f"{args.start_min + args.minutes:g} ({len(win)} requests) at load {load:g}")
+            results.append(run_one(args, load, win, window_s, model_dir, release, note))
+            say(table(results[-1]))
+            write_json(args, results)   # after each load: a later failure keeps this one
+    except (InvalidTrace, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (RewarmError, RuntimeError, TimeoutError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted (every replica was stopped)", file=sys.stderr)
+        return 130
+    say(f"written to {args.json}")
+    return 0
+
+
+def write_json(args, results: list[dict]) -> None:
+    """``--json``: every run under ``runs`` (and the one run's keys at the top level)."""
+    doc = {"trace": args.trace.name, "minutes": args.minutes, "start_min": args.start_min,
+           "wall_s": args.wall_s, "runs": results}
+    if len(results) == 1:
+        doc.update(results[0])
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=1, default=float) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Scaling a trace window to a replica: one time compression, one token scale, both derived."""
+
+import numpy as np
+import pytest
+
+from agent.errors import ConfigError
+from agent.sim.replay_scale import fit_scale, replay_requests, scale_lengths
+from agent.speed import SpeedProfile
+
+PROFILE = SpeedProfile(prefill_tokens_per_s=1500.0, prefill_overhead_s=0.015,
+                       decode_base_s=0.025, decode_per_seq_s=0.003, decode_per_ctx_token_s=1e-6)
+RNG = np.random.default_rng(5)
+
+
+def window(n=1000, window_s=600.0, ctx=2000, gen=30):
+    arrival = np.sort(RNG.uniform(0, window_s, n))
+    return arrival, RNG.integers(1, 2 * ctx, n), RNG.integers(1, 2 * gen, n)
+
+
+def fit(ctx, gen, **kw):
+    args = dict(window_s=600.0, profile=PROFILE, load=0.3, wall_s=240.0, ttft_slo_s=2.0,
+                max_seqs=8, max_tokens_per_request=512)
+    args.update(kw)
+    return fit_scale(ctx, gen, **args)
+
+
+def measured_load(ctx, gen, s, max_tokens=512):
+    p, o = scale_lengths(ctx, gen, s.token_scale, max_tokens)
+    batch = PROFILE.sustainable_concurrency(2.0, float(p.mean()), float(o.mean()), 8)
+    service = np.mean([PROFILE.service_s(float(a), float(b), batch) for a, b in zip(p, o)])
+    return len(ctx) * s.speedup / 600.0 * service
+
+
+def test_scale_lengths_rounds_floors_and_trims_to_the_slot():
+    p, o = scale_lengths(np.array([1000, 10, 0, 5000]), np.array([100, 0, 3, 5000]), 0.1, 64)
+    np.testing.assert_array_equal(o, [10, 1, 1, 63])
+    np.testing.assert_array_equal(p, [54, 1, 1, 1])     # 100 trimmed to 64 - 10
+    assert np.all(p + o <= 64)
+    with pytest.raises(ConfigError):
+        scale_lengths(np.array([1]), np.array([1]), 1.0, 1)
+
+
+@pytest.mark.parametrize("load", [0.1, 0.3, 1.0, 3.0])
+def test_the_fitted_scale_offers_exactly_the_load(load):
+    _, ctx, gen = window()
+    s = fit(ctx, gen, load=load)
+    assert s.load == pytest.approx(load)
+    assert measured_load(ctx, gen, s) == pytest.approx(load, rel=1e-9)
+    assert s.offered_rps == pytest.approx(len(ctx) * s.speedup / 600.0)
+    assert s.wall_s == pytest.approx(600.0 / s.speedup)
+
+
+def test_inside_the_bounds_the_wall_time_is_the_budget():
+    _, ctx, gen = window()
+    s = fit(ctx, gen, wall_s=300.0)
+    assert s.bound == ""
+    assert s.wall_s == pytest.approx(300.0, rel=0.02)   # only length rounding moves it
+    assert 0 < s.token_scale < 1
+
+
+def test_a_window_too_busy_for_one_token_requests_is_replayed_slower():
+    _, ctx, gen = window(n=200_000)
+    s = fit(ctx, gen)
+    assert s.bound == "min_tokens" and s.mean_prompt_tokens == 1.0
+    assert s.wall_s > 240.0 and s.load == pytest.approx(0.3)
+
+
+def test_a_window_too_light_even_at_its_own_lengths_is_replayed_faster():
+    _, ctx, gen = window(n=20, ctx=20, gen=2)
+    s = fit(ctx, gen, max_tokens_per_request=4096)
+    assert s.bound == "trace_tokens" and s.token_scale == 1.0
+    assert s.wall_s < 240.0 and s.load == pytest.approx(0.3)
+
+
+def test_a_faster_replica_gets_longer_requests_not_another_shape():
+    arrival, ctx, gen = window()
+    slow = fit(ctx, gen)
+    fast = fit(ctx, gen, profile=SpeedProfile(3000.0, 0.0075, 0.0125, 0.0015, 5e-7))
+    assert fast.token_scale > slow.token_scale
+    a = replay_requests(arrival, ctx, gen, slow, 512)
+    b = replay_requests(arrival, ctx, gen, fast, 512)
+    # the burst shape is the trace's: the same arrival order and relative times
+    ta = np.array([r.at_s for r in a]) * slow.speedup
+    tb = np.array([r.at_s for r in b]) * fast.speedup
+    np.testing.assert_allclose(ta, arrival)
+    np.testing.assert_allclose(tb, arrival)
+
+
+@pytest.mark.parametrize("bad", [{"load": 0.0}, {"wall_s": float("inf")}, {"window_s": -1.0},
+                                 {"ttft_slo_s": float("nan")}])
+def test_bad_arguments_are_config_errors(bad):
+    _, ctx, gen = window(n=10)
+    with pytest.raises(ConfigError):
+        fit(ctx, gen, **bad)
+
+
+def test_an_empty_window_is_a_config_error():
+    with pytest.raises(ConfigError) as e:
+        fit(np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+    assert e.value.name == "requests"
+
+
+def test_always_on_is_sized_for_the_busiest_ten_seconds():
+    from agent.sim.replay_scale import always_on_replicas
+
+    steady = np.arange(0, 100, 0.5)                    # 2 req/s
+    assert always_on_replicas(steady, 5.0, 4) == 1
+    burst = np.concatenate([steady, 50 + np.arange(0, 10, 0.05)])   # +20 req/s for 10 s
+    assert always_on_replicas(burst, 5.0, 4) == 4     # 22 req/s peak / 5 -> 5, capped at 4
+    assert always_on_replicas(burst, 5.0, 8) == 5
+    assert always_on_replicas(np.array([]), 5.0, 4) == 1

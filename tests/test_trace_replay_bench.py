@@ -1,0 +1,86 @@
+"""bench/trace_replay.py's pieces that need no stack: argument checks, policy, the verdict."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("trace_replay", REPO / "bench" / "trace_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(load, **kw):
+    r = {"load": load, "requests": 1000, "served": 995, "shed_429": 5,
+         "shed_429_within_50ms": 5, "expired_504": 0, "lost": 0, "sla_attainment": 0.993,
+         "ttft_ms": {"warm_hit": {"p50": 100.0, "p99": 1500.0},
+                     "snapshot_restore": {"p50": 2000.0, "p99": 3500.0}},
+         "gpu_seconds": 70.0, "always_on_gpu_seconds": 100.0}
+    r.update(kw)
+    r.setdefault("sim", {**{k: v for k, v in r.items() if k != "sim"}})
+    return r
+
+
+def test_a_run_that_meets_every_target(bench):
+    v = bench.verdict(run(0.3))
+    assert all(v.values()), v
+
+
+@pytest.mark.parametrize("change,failed", [
+    ({"sla_attainment": 0.98}, "sla_099"),
+    ({"lost": 1}, "lost_0"),
+    ({"expired_504": 6}, "expired_under_0_5pct"),
+    ({"gpu_seconds": 81.0}, "gpu_under_0_8"),
+    ({"gpu_seconds": 101.0}, "gpu_never_above_always_on"),
+    ({"ttft_ms": {"warm_hit": {"p50": 100.0, "p99": 2001.0},
+                  "snapshot_restore": {"p50": 2000.0, "p99": 3500.0}}}, "warm_p99_2000ms"),
+])
+def test_each_low_load_target_fails_alone(bench, change, failed):
+    r = run(0.3)
+    sim = dict(r["sim"])
+    r.update(change)
+    r["sim"] = sim
+    v = bench.verdict(r)
+    assert not v[failed]
+
+
+def test_overload_targets(bench):
+    r = run(3.0, served=500, shed_429=500, shed_429_within_50ms=470, expired_504=0)
+    assert not bench.verdict(r)["fast_429_95pct"]          # 470 < 0.95 * 500
+    r = run(3.0, served=500, shed_429=490, shed_429_within_50ms=490, expired_504=10)
+    v = bench.verdict(r)
+    assert v["fast_429_95pct"] and v["expired_under_1pct"]
+    assert not bench.verdict(run(3.0, expired_504=11))["expired_under_1pct"]
+
+
+def test_sim_agreement(bench):
+    r = run(0.3)
+    r["sim"] = {**r["sim"], "sla_attainment": 0.98, "gpu_seconds": 80.0}
+    v = bench.verdict(r)
+    assert not v["sim_sla_within_1pp"] and not v["sim_gpu_within_10pct"]
+    assert v["sim_warm_hit_p99_within_25pct"]
+
+
+def test_loads_and_policy(bench):
+    assert bench.load_list("0.3,3") == [0.3, 3.0]
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench.load_list("0.3,inf")
+    pol = bench.predictor_policy(2.0, 2)
+    assert pol["lead_time_s"] > pol["restore_p99_s"] + pol["decision_latency_s"]
+    assert pol["max_replicas"] == 2
+
+
+def test_a_bad_trace_exits_2_before_any_stack(bench, tmp_path, capsys):
+    bad = tmp_path / "b.csv"
+    bad.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,1,\xff\n")
+    assert bench.main(["--trace", str(bad), "--json", str(tmp_path / "o.json")]) == 2
+    assert "line 2" in capsys.readouterr().err
