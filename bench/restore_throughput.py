@@ -65,6 +65,7 @@ from agent import _restore  # noqa: E402
 from agent.snapshot.format import ModelIdentity  # noqa: E402
 from agent.snapshot.reader import HostBuffer, read_manifest, restore_snapshot  # noqa: E402
 from agent.snapshot.writer import DATA_NAME, write_snapshot  # noqa: E402
+from restore_peers import drop_cache, warm_cache  # noqa: E402 (bench/ is the script's dir)
 
 # A Llama-style layer (Llama 3.2 1B's widths): (name, shape) of bf16 tensors, every one a
 # multiple of 4 KiB so the snapshot holds exactly the requested bytes.
@@ -102,24 +103,6 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def drop_cache(path: Path) -> float:
-    """fsync + POSIX_FADV_DONTNEED; returns the resident share afterwards (mincore)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return _restore.resident_fraction(str(path))
-
-
-def warm_cache(path: Path) -> float:
-    with open(path, "rb", buffering=0) as f:
-        while f.read(64 << 20):
-            pass
-    return _restore.resident_fraction(str(path))
 
 
 def best(fn, repeat: int) -> float:
