@@ -45,10 +45,14 @@ class ConsulTcpAnnouncer:
     def __init__(self, client, interval_s: float = 5.0, deregister_after_s: float = 60.0) -> None:
         self.client, self.interval_s, self.deregister_after_s = client, interval_s, deregister_after_s
 
-    def announce(self, instance: ServiceInstance) -> None:
+    def check(self, instance: ServiceInstance):
+        """The Consul check for ``instance``: TCP on its port."""
         import consul  # py-consul
-        check = consul.Check.tcp(instance.address, instance.port, f"{self.interval_s:g}s",
-                                 deregister=f"{self.deregister_after_s:g}s")
+        return consul.Check.tcp(instance.address, instance.port, f"{self.interval_s:g}s",
+                                deregister=f"{self.deregister_after_s:g}s")
+
+    def announce(self, instance: ServiceInstance) -> None:
+        check = self.check(instance)
         try:
             self.client.agent.service.register(
                 instance.name, service_id=instance.id, address=instance.address,
@@ -78,16 +82,9 @@ class ConsulHttpAnnouncer(ConsulTcpAnnouncer):
     developer.hashicorp.com/consul/docs/services/usage/checks), so a door that is shutting
     down or can neither serve nor restore leaves the catalog's passing list."""
 
-    def announce(self, instance: ServiceInstance) -> None:
+    def check(self, instance: ServiceInstance):
+        """The Consul check for ``instance``: HTTP GET of its ``/ready``."""
         import consul  # py-consul
-        url = f"http://{instance.address}:{instance.port}/ready"
-        check = consul.Check.http(url, f"{self.interval_s:g}s",
-                                  deregister=f"{self.deregister_after_s:g}s")
-        try:
-            self.client.agent.service.register(
-                instance.name, service_id=instance.id, address=instance.address,
-                port=instance.port, tags=list(instance.tags), meta=dict(instance.meta),
-                check=check)
-        except Exception as exc:  # py-consul / requests errors
-            raise ClusterError(f"consul: registering {instance.id} failed: {exc}",
-                               service="consul", status=None) from exc
+        return consul.Check.http(f"http://{instance.address}:{instance.port}/ready",
+                                 f"{self.interval_s:g}s",
+                                 deregister=f"{self.deregister_after_s:g}s")
