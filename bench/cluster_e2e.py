@@ -200,11 +200,14 @@ def one_request(address, token, timeout_s) -> tuple[str, str]:
 
 
 def timed_request(address, token, timeout_s: float = 120.0) -> dict:
-    """One request; seconds to its first token and to done, and its ``done`` message."""
+    """One request as rewarm's client sends it; seconds to its first token and to done (from
+    the first attempt), and its ``done`` message.  The client retries a 429 after its
+    ``retry_after_ms`` (agent/client.py): a front door refuses at once a request that no
+    capacity can start within its TTFT SLO and starts that capacity for the retry."""
     from agent.client import Client
 
     start = time.monotonic()
-    client = Client(*address, token=token, timeout_s=timeout_s, max_retries=0)
+    client = Client(*address, token=token, timeout_s=timeout_s)
     first = None
     done = {}
     try:

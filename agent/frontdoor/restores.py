@@ -15,6 +15,7 @@ import asyncio
 import logging
 
 from agent.errors import RewarmError
+from agent.frontdoor.capacity import NODE_PATHS
 
 log = logging.getLogger("agent.frontdoor.request_path")
 
@@ -49,9 +50,12 @@ class Restores:
     async def _restore(self, model: str) -> None:
         ok = False
         started = self.clock.now()
+        before = {r.replica_id for r in self.router.warm(model)}
         try:
             result = await self.capacity.request_restore(model)
             ok = True
+            if result.replica is None:   # it came through the registry (a scaler): which tier?
+                result.path = self._came_up(model, before, result.path)
             self.telemetry.restore_outcome(model, True)
             now = self.clock.now()
             self.last_restore[model] = (now, result.path, result.restore_ms)
@@ -99,6 +103,15 @@ class Restores:
         for p in self.queues[model].drain():
             self._fail(p.payload, 503, reason)
         self.telemetry.queue_depth(model, 0)
+
+    def _came_up(self, model: str, before: set[str], path: str) -> str:
+        """The path of the replica of ``model`` that appeared since ``before`` (its node
+        agent's ``came_up`` meta, agent/frontdoor/capacity.py's NODE_PATHS), else ``path``:
+        a cold boot through Nomad must not count as a snapshot restore's ETA."""
+        for load in self.router.warm(model):
+            if load.replica_id not in before and load.came_up in NODE_PATHS:
+                return NODE_PATHS[load.came_up]
+        return path
 
     def _restore_measured(self, model: str, restore_ms: float,
                           path: str = "snapshot_restore") -> None:

@@ -58,6 +58,7 @@ class ReplicaLoad:
     queued_prefill_tokens: int = 0
     active_ctx_tokens: int = 0
     penalty_s: float = field(default=0.0, repr=False)
+    came_up: str = ""  # the node agent's word for how it came up (meta came_up), "" if unknown
 
     @property
     def headroom_tokens(self) -> int:
@@ -113,7 +114,9 @@ class ReplicaLoad:
         address = inst.meta.get("address") or f"{inst.address}:{inst.port}"
         if address.startswith("unix:"):  # the node agent's and worker's spelling of a socket
             address = address[len("unix:"):]
-        return cls.from_meta(inst.id, model, address, inst.meta)
+        load = cls.from_meta(inst.id, model, address, inst.meta)
+        load.came_up = str(inst.meta.get("came_up", ""))
+        return load
 
 
 def slowest(profiles: Iterable[SpeedProfile]) -> SpeedProfile | None:

@@ -609,7 +609,10 @@ class NodeAgent(SnapshotOps, SuspendOps):
             "rewarm-replica", rec.lifecycle.replica_id, host if numeric else address,
             int(port) if numeric else 0,
             tags=[f"model={rec.spec.name}", f"version={rec.spec.version}"],
-            meta={"address": address, "node": self.config.node_id, **_load_meta(stats)})
+            # came_up: how this replica came up (restore, staged_restore, resume, cold_boot),
+            # so a front door that scaled through Nomad learns which tier its wait measured
+            meta={"address": address, "node": self.config.node_id, "came_up": rec.path or "",
+                  **_load_meta(stats)})
 
     def _agent_meta(self) -> dict[str, str]:
         with self._lock:
