@@ -20,6 +20,7 @@ and then silently ignored.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -168,7 +169,7 @@ def parse_chat(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
             raise _bad(f"messages[{i}].{sorted(extra)[0]}", m[sorted(extra)[0]],
                        "not supported by rewarm (tools and function calls are not)")
         role, content = m.get("role"), m.get("content")
-        if role not in CHAT_ROLES:
+        if type(role) is not str or role not in CHAT_ROLES:   # a list or map is unhashable
             raise _bad(f"messages[{i}].role", role, f"one of {sorted(CHAT_ROLES)}")
         if type(content) is list:
             if not all(type(p) is dict and p.get("type") == "text" and type(p.get("text")) is str
@@ -187,12 +188,28 @@ def parse_chat(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
                   message.get("ignore_eos", False))
 
 
+# A \\u escape of a UTF-16 surrogate (D800..DFFF); only then can a decoded string hold one.
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+
+
 def parse_body(raw: bytes) -> Any:
-    """JSON from the request body; a 400 for bytes that are not UTF-8 JSON."""
+    """JSON from the request body; a 400 for bytes that are not UTF-8 JSON, for nesting
+    deeper than the parser's recursion allows (``[[[[...`` : RecursionError), and for a lone
+    surrogate escape (``"\\ud800"``: valid JSON, but no UTF-8 string can carry it to the
+    replica).  A surrogate *pair* decodes to one character and is fine."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad("body", f"{len(raw)} bytes", f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _bad("body", f"{len(raw)} bytes", "JSON nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise _bad("body", f"{len(raw)} bytes",
+                       "a \\u escape of a lone UTF-16 surrogate is not text") from None
+    return body
 
 
 # --- answers ---------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""Hostile request bodies at the HTTP entrance: each is a 400 in OpenAI's error shape naming
+the parameter, never aiohttp's plain-text 500."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from http_harness import http_door, raw_http, run  # noqa: E402
+
+
+def _post(path: bytes, body: bytes) -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+
+def _answer(raw: bytes) -> tuple[int, dict | None]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+@pytest.mark.parametrize("path,body,param", [
+    # json's C scanner raises RecursionError, not ValueError, past its recursion limit
+    (b"/v1/completions", b"[" * 100_000 + b"]" * 100_000, "body"),
+    (b"/v1/completions",
+     b'{"model": "m", "prompt": "x", "user": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "body"),
+    # a list or a map as the role is unhashable: `in frozenset` raised TypeError
+    (b"/v1/chat/completions",
+     json.dumps({"model": "m", "messages": [{"role": [], "content": "x"}]}).encode(),
+     "messages[0].role"),
+    (b"/v1/chat/completions",
+     json.dumps({"model": "m", "messages": [{"role": {"a": 1}, "content": "x"}]}).encode(),
+     "messages[0].role"),
+    # valid JSON whose string cannot be UTF-8 encoded for the replica
+    (b"/v1/completions", b'{"model": "m", "prompt": "a\\ud800b"}', "body"),
+    (b"/v1/completions", b'{"model": "m", "prompt": "x", "stop": "\\udfff"}', "body"),
+    (b"/v1/chat/completions",
+     b'{"model": "m", "messages": [{"role": "user", "content": "\\uDBFF"}]}', "body"),
+])
+def test_hostile_bodies_are_400_naming_the_parameter(path, body, param):
+    async def main():
+        async with http_door() as (fd, e, stubs):
+            return await raw_http(e, _post(path, body)), len(stubs[0].received)
+
+    raw, sent = run(main())
+    status, answer = _answer(raw)
+    assert status == 400, raw[:300]
+    assert answer["error"]["param"] == param
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert sent == 0
+
+
+def test_a_surrogate_pair_is_one_character_and_accepted():
+    async def main():
+        async with http_door() as (fd, e, stubs):
+            raw = await raw_http(e, _post(b"/v1/completions",
+                                          b'{"model": "m", "prompt": "\\ud83d\\ude00", '
+                                          b'"max_tokens": 1}'))
+            return raw, stubs[0].received
+
+    raw, received = run(main())
+    assert _answer(raw)[0] == 200
+    assert received[0]["prompt"] == "\U0001F600"
