@@ -276,7 +276,8 @@ _ERROR_KIND = {400: ("invalid_request_error", None), 401: ("invalid_request_erro
 def error_body(status: int, message: str, param: str | None = None,
                retry_after_ms: int | None = None) -> dict:
     """OpenAI's error shape; rewarm adds ``retry_after_ms`` beside it on 429 and 503."""
-    kind, code = _ERROR_KIND.get(status, ("server_error", None))
+    kind, code = _ERROR_KIND.get(status, (
+        "invalid_request_error" if status < 500 else "server_error", None))
     err: dict[str, Any] = {"message": message, "type": kind, "param": param, "code": code}
     body: dict[str, Any] = {"error": err}
     if retry_after_ms is not None:

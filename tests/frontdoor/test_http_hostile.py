@@ -67,3 +67,14 @@ def test_a_surrogate_pair_is_one_character_and_accepted():
     raw, received = run(main())
     assert _answer(raw)[0] == 200
     assert received[0]["prompt"] == "\U0001F600"
+
+
+def test_a_wrong_method_is_a_client_error_in_openai_shape():
+    async def main():
+        async with http_door() as (fd, e, stubs):
+            return await raw_http(e, b"GET /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                  b"Connection: close\r\n\r\n")
+
+    status, answer = _answer(run(main()))
+    assert status == 405
+    assert answer["error"]["type"] == "invalid_request_error"   # a 4xx is not a server error
