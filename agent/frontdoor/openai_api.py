@@ -168,6 +168,8 @@ def parse_chat(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
         if extra:
             raise _bad(f"messages[{i}].{sorted(extra)[0]}", m[sorted(extra)[0]],
                        "not supported by rewarm (tools and function calls are not)")
+        if "name" in m and m["name"] is not None and type(m["name"]) is not str:
+            raise _bad(f"messages[{i}].name", m["name"], "a string")
         role, content = m.get("role"), m.get("content")
         if type(role) is not str or role not in CHAT_ROLES:   # a list or map is unhashable
             raise _bad(f"messages[{i}].role", role, f"one of {sorted(CHAT_ROLES)}")
