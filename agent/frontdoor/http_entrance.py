@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 _PARSER_LOG = logging.getLogger(__name__ + ".parser")
 _PARSER_LOG.setLevel(logging.CRITICAL)
 MODEL_STATES = ("warm", "suspended", "snapshot", "cold")
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?", re.ASCII)
 
 
 class ModelStates(Protocol):
@@ -263,10 +265,8 @@ class HttpEntrance:
         if raw is None:
             return None
         top = self.path.config.limits.max_deadline_ms
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
+        # ASCII decimal only: float() alone also takes "1_000", "nan" and non-ASCII digits
+        value = float(raw) if _DECIMAL.fullmatch(raw.strip()) else math.nan
         if not 0 < value <= top:
             raise ProtocolError(f"x-rewarm-deadline-ms: {raw[:40]!r} must be a number within "
                                 f"(0, {top}] ms", field="x-rewarm-deadline-ms", value=raw[:40],

@@ -78,3 +78,45 @@ def test_a_wrong_method_is_a_client_error_in_openai_shape():
     status, answer = _answer(run(main()))
     assert status == 405
     assert answer["error"]["type"] == "invalid_request_error"   # a 4xx is not a server error
+
+
+@pytest.mark.parametrize("value", [b"1_000", b"\xd9\xa1\xd9\xa2\xd9\xa3", b"0x10", b"1e3e", b"5 5"])
+def test_a_deadline_header_that_is_not_a_plain_decimal_number_is_400(value):
+    # float() alone takes "1_000" and Arabic-Indic digits as 1000 and 123
+    async def main():
+        async with http_door() as (fd, e, stubs):
+            body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode()
+            req = _post(b"/v1/completions", body).replace(
+                b"Connection: close\r\n", b"Connection: close\r\nx-rewarm-deadline-ms: " + value
+                + b"\r\n")
+            return await raw_http(e, req), len(stubs[0].received)
+
+    raw, sent = run(main())
+    status, answer = _answer(raw)
+    assert status == 400 and answer["error"]["param"] == "x-rewarm-deadline-ms"
+    assert sent == 0
+
+
+@pytest.mark.parametrize("value", [b"2500", b"2500.5", b"1e4", b" 2500 "])
+def test_a_plain_decimal_deadline_header_is_taken(value):
+    async def main():
+        async with http_door() as (fd, e, stubs):
+            body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode()
+            req = _post(b"/v1/completions", body).replace(
+                b"Connection: close\r\n", b"Connection: close\r\nx-rewarm-deadline-ms: " + value
+                + b"\r\n")
+            return await raw_http(e, req)
+
+    assert _answer(run(main()))[0] == 200
+
+
+@pytest.mark.parametrize("name", [[1], 5, {"a": 1}])
+def test_a_chat_message_name_that_is_not_a_string_is_400(name):
+    async def main():
+        async with http_door() as (fd, e, stubs):
+            body = json.dumps({"model": "m", "messages": [
+                {"role": "user", "content": "x", "name": name}]}).encode()
+            return await raw_http(e, _post(b"/v1/chat/completions", body))
+
+    status, answer = _answer(run(main()))
+    assert status == 400 and answer["error"]["param"] == "messages[0].name"
