@@ -248,6 +248,12 @@ class HttpEntrance:
                 return error_response(413, f"request body exceeds max_body_bytes"
                                       f"({self.config.max_body_bytes})", "body")
             return error_response(exc.status, exc.reason or "error")
+        except Exception as exc:   # a bug: logged here, answered without its traceback
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            writer = request.writer
+            if writer is not None and writer.output_size > 0:
+                raise                 # an answer has begun: aiohttp closes the connection
+            return error_response(500, f"internal error ({type(exc).__name__})")
         finally:
             if guard is not None:
                 guard.busy -= 1

@@ -120,3 +120,27 @@ def test_a_chat_message_name_that_is_not_a_string_is_400(name):
 
     status, answer = _answer(run(main()))
     assert status == 400 and answer["error"]["param"] == "messages[0].name"
+
+
+def test_an_unexpected_error_is_a_500_in_openai_shape_without_its_traceback(monkeypatch):
+    from agent.frontdoor import openai_api
+
+    def broken(body, limits):
+        raise KeyError("secret-internal-detail")
+
+    monkeypatch.setattr(openai_api, "parse_completion", broken)
+
+    async def main():
+        async with http_door() as (fd, e, stubs):
+            body = json.dumps({"model": "m", "prompt": "x"}).encode()
+            first = await raw_http(e, _post(b"/v1/completions", body))
+            models = await raw_http(e, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+                                    b"Connection: close\r\n\r\n")
+            return first, models
+
+    raw, models = run(main())
+    status, answer = _answer(raw)
+    assert status == 500
+    assert answer["error"]["type"] == "server_error" and "KeyError" in answer["error"]["message"]
+    assert b"secret-internal-detail" not in raw and b"Traceback" not in raw
+    assert _answer(models)[0] == 200     # the entrance keeps serving
