@@ -56,7 +56,7 @@ def test_smollm2s_own_template_gives_its_chatml(smollm2_dir):
 @pytest.mark.parametrize("source", [
     "{{ 1 / 0 }}",                                   # ZeroDivisionError
     "{{ messages[0].content + 1 }}",                 # TypeError
-    "{{ messages[0].content | int(base=99) }}",      # ValueError from int()
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",  # RecursionError
 ])
 def test_a_template_failing_with_a_python_error_is_a_400_naming_messages(source):
     from agent.errors import ProtocolError
