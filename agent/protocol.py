@@ -466,10 +466,18 @@ def _check_generate(message: dict[str, Any], limits: Limits) -> None:
     if len(given) != 1:
         raise _bad("prompt", given, "exactly one of prompt, tokens, messages",
                    "give prompt, tokens or messages")
+    prompt = message.get("prompt")
+    if prompt is not None:
+        _check_str_bytes("prompt", prompt, limits)
     ids = message.get("tokens")
     if ids is not None:
         if not ids:
             raise _bad("tokens", 0, ">= 1", "empty prompt")
+        if len(ids) > limits.max_array_len:   # an HTTP body can hold more; the replica's
+            raise MessageTooLarge(             # decoder would refuse the frame
+                f"field 'tokens': {len(ids)} token ids exceed max_array_len"
+                f"({limits.max_array_len})", field="tokens", value=len(ids),
+                limit=limits.max_array_len)
         for t in ids:
             if type(t) is not int or not 0 <= t <= _TOKEN_ID_MAX:
                 raise _bad("tokens", t, _TOKEN_ID_MAX, "token ids are ints within 0..limit")
@@ -537,6 +545,18 @@ def _check_messages(messages: list, limits: Limits) -> None:
         if type(content) is not str:
             raise _bad(f"messages[{i}].content", type(content).__name__, "str",
                        "content is a string")
+        _check_str_bytes(f"messages[{i}].content", content, limits)
+
+
+def _check_str_bytes(field: str, value: str, limits: Limits) -> None:
+    """MessageTooLarge (413) for a string over ``max_str_bytes`` in UTF-8.  The msgpack
+    decoder refuses such a string itself; a map built from JSON (the HTTP door, whose body
+    may be larger) must be refused here, before it is packed for a replica whose decoder
+    would reset the link over it."""
+    if len(value) > limits.max_str_bytes // 4 and len(value.encode()) > limits.max_str_bytes:
+        raise MessageTooLarge(f"field {field!r}: {len(value.encode())} UTF-8 bytes exceed "
+                              f"max_str_bytes({limits.max_str_bytes})", field=field,
+                              value=len(value.encode()), limit=limits.max_str_bytes)
 
 
 def unreachable(service: str, address: str, exc: OSError, hint: str = "") -> Unreachable:

@@ -144,3 +144,31 @@ def test_an_unexpected_error_is_a_500_in_openai_shape_without_its_traceback(monk
     assert answer["error"]["type"] == "server_error" and "KeyError" in answer["error"]["message"]
     assert b"secret-internal-detail" not in raw and b"Traceback" not in raw
     assert _answer(models)[0] == 200     # the entrance keeps serving
+
+
+@pytest.mark.parametrize("body,param", [
+    # within max_body_bytes, past the replica protocol's max_str_bytes (256 KiB) ...
+    ({"model": "m", "prompt": "a " * 150_000}, "prompt"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a " * 150_000}]},
+     "messages[0].content"),
+    # ... and past its max_array_len (65,536 items)
+    ({"model": "m", "prompt": [1] * 70_000}, "tokens"),
+])
+def test_a_field_the_replica_protocol_cannot_carry_is_413_and_the_replica_stays(body, param):
+    # Forwarded, it was a framing error at the replica: the link was reset (503 for every
+    # request on it) and the replica dropped from routing (the next request 503 too).
+    async def main():
+        async with http_door() as (fd, e, stubs):
+            path = b"/v1/chat/completions" if "messages" in body else b"/v1/completions"
+            req = _post(path, json.dumps(body).encode()).replace(   # long enough to start
+                b"Connection: close\r\n", b"Connection: close\r\nx-rewarm-deadline-ms: 600000\r\n")
+            big = await raw_http(e, req, timeout_s=10)
+            ok = await raw_http(e, _post(b"/v1/completions", json.dumps(
+                {"model": "m", "prompt": "x", "max_tokens": 1}).encode()))
+            return big, ok, len(stubs[0].received)
+
+    big, ok, sent = run(main())
+    status, answer = _answer(big)
+    assert status == 413, big[:300]
+    assert answer["error"]["param"] == param
+    assert _answer(ok)[0] == 200 and sent == 1
