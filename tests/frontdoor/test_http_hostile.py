@@ -172,3 +172,22 @@ def test_a_field_the_replica_protocol_cannot_carry_is_413_and_the_replica_stays(
     assert status == 413, big[:300]
     assert answer["error"]["param"] == param
     assert _answer(ok)[0] == 200 and sent == 1
+
+
+
+def test_a_body_within_max_body_bytes_whose_frame_the_replica_cannot_take_is_413():
+    # Four chat turns of 262,108 bytes each: every string is within max_str_bytes and the
+    # JSON body within max_body_bytes (1 MiB), but the packed generate is 23 bytes past
+    # max_message_bytes (msgpack's str32 headers and the fields the door adds): forwarded,
+    # the replica's decoder would reset the link as in the test above.
+    from agent.errors import MessageTooLarge
+    from agent.frontdoor import openai_api as oa
+
+    turn = {"role": "user", "content": "a" * 262_108}
+    raw = json.dumps({"model": "m", "messages": [turn] * 4}, separators=(",", ":")).encode()
+    assert len(raw) <= 1 << 20
+    with pytest.raises(MessageTooLarge) as err:
+        oa.parse_chat(oa.parse_body(raw))
+    assert err.value.field == "message" and err.value.code == 413
+    # three such turns pack well within the frame and pass
+    assert oa.parse_chat({"model": "m", "messages": [turn] * 3}).message["model"] == "m"
