@@ -490,6 +490,31 @@ def _check_generate(message: dict[str, Any], limits: Limits) -> None:
     deadline = message.get("deadline_ms")
     if deadline is not None and not 0 < deadline <= limits.max_deadline_ms:
         raise _bad("deadline_ms", deadline, limits.max_deadline_ms, "must be within (0, limit]")
+    _check_frame(message, limits)
+
+
+LINK_ID_BYTES = 8
+"""Bytes a front door's own request id may add when it forwards a generate (a uint64)."""
+
+
+def _check_frame(message: dict[str, Any], limits: Limits) -> None:
+    """MessageTooLarge (413, field ``message``) for a generate that would pack past
+    ``max_message_bytes`` once forwarded: a JSON body within the HTTP door's limit, or a
+    msgpack frame right at the limit with ``id`` 0 and no ``max_tokens``, grows by the
+    fields filled in and the link's id, and the replica's decoder would reset the link (every
+    request on it) over it.  Packed and measured only when an upper bound from the text
+    lengths says it may be over (never for ordinary requests)."""
+    texts = message.get("messages") or ()
+    bound = 4 * (len(message.get("prompt") or "") + sum(len(m["content"]) for m in texts)) \
+        + 9 * len(message.get("tokens") or ()) + 64 * len(texts) \
+        + limits.max_stop * (4 * limits.max_stop_bytes + 9) + 4096
+    if bound <= limits.max_message_bytes:
+        return
+    size = len(pack(message)) + LINK_ID_BYTES
+    if size > limits.max_message_bytes:
+        raise MessageTooLarge(f"the request packs to {size} bytes for a replica, over "
+                              f"max_message_bytes({limits.max_message_bytes})",
+                              field="message", value=size, limit=limits.max_message_bytes)
 
 
 _SAMPLING = frozenset(("temperature", "top_p", "top_k", "seed"))

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from agent.errors import MessageTooLarge, ProtocolError
-from agent.protocol import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, pack, validate_request
+from agent.errors import ProtocolError
+from agent.protocol import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, validate_request
 
 _COMMON = frozenset(("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                      "n", "stream", "stream_options", "user", "ignore_eos"))
@@ -124,28 +124,9 @@ def _stream(body: dict) -> tuple[bool, bool, bool]:
     return stream, flags[0], flags[1]
 
 
-# Bytes the link's own request id may add to the packed map (a uint64 in place of 0).
-_LINK_ID_BYTES = 8
-
-
 def _validated(message: dict, limits: Limits) -> dict:
-    """The protocol's own checks; its field names are OpenAI's parameter names too.  A map
-    that could pack past ``max_message_bytes`` (an upper bound from its text lengths) is
-    packed and measured: a JSON body within ``max_body_bytes`` can still make a frame the
-    replica's decoder refuses (str32 headers, the fields added here), which would reset the
-    link for every request on it.  Raises MessageTooLarge (413, field ``message``)."""
-    message = validate_request(message, limits)
-    texts = message.get("messages") or ()
-    bound = 4 * (len(message.get("prompt") or "") + sum(len(m["content"]) for m in texts)) \
-        + 4 * len(message.get("tokens") or ()) + 64 * len(texts) + 4 * limits.max_stop * \
-        (limits.max_stop_bytes + 8) + 4096
-    if bound > limits.max_message_bytes:
-        size = len(pack(message)) + _LINK_ID_BYTES
-        if size > limits.max_message_bytes:
-            raise MessageTooLarge(f"the request packs to {size} bytes for the replica, over "
-                                  f"max_message_bytes({limits.max_message_bytes})",
-                                  field="message", value=size, limit=limits.max_message_bytes)
-    return message
+    """The protocol's own checks; its field names are OpenAI's parameter names too."""
+    return validate_request(message, limits)
 
 
 def parse_completion(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
