@@ -249,10 +249,12 @@ class HttpEntrance:
                                       f"({self.config.max_body_bytes})", "body")
             return error_response(exc.status, exc.reason or "error")
         except Exception as exc:   # a bug: logged here, answered without its traceback
-            log.exception("HTTP %s %s failed", request.method, request.path)
             writer = request.writer
             if writer is not None and writer.output_size > 0:
-                raise                 # an answer has begun: aiohttp closes the connection
+                # an answer has begun (most often a client that stopped reading: the write
+                # timeout): aiohttp closes the connection; not logged, a client could flood it
+                raise
+            log.exception("HTTP %s %s failed", request.method, request.path)
             return error_response(500, f"internal error ({type(exc).__name__})")
         finally:
             if guard is not None:
