@@ -484,7 +484,7 @@ def _check_generate(message: dict[str, Any], limits: Limits) -> None:
     if "messages" in message:
         _check_messages(message["messages"], limits)
     if "stop" in message:
-        _check_stop(message["stop"], limits)
+        check_stop(message["stop"], limits)
     if not _SAMPLING.isdisjoint(message):
         _check_sampling(message)
     deadline = message.get("deadline_ms")
@@ -536,7 +536,7 @@ def _check_sampling(message: dict[str, Any]) -> None:
         raise _bad("seed", seed, MAX_SEED, "must be within 0..limit")
 
 
-def _check_stop(stop: list, limits: Limits) -> None:
+def check_stop(stop: list, limits: Limits = DEFAULT_LIMITS) -> None:
     """``stop``: at most ``max_stop`` entries, each a token id or a non-empty string of at
     most ``max_stop_bytes`` UTF-8 bytes."""
     if len(stop) > limits.max_stop:
