@@ -466,22 +466,55 @@ def _check_generate(message: dict[str, Any], limits: Limits) -> None:
     if len(given) != 1:
         raise _bad("prompt", given, "exactly one of prompt, tokens, messages",
                    "give prompt, tokens or messages")
+    prompt = message.get("prompt")
+    if prompt is not None:
+        _check_str_bytes("prompt", prompt, limits)
     ids = message.get("tokens")
     if ids is not None:
         if not ids:
             raise _bad("tokens", 0, ">= 1", "empty prompt")
+        if len(ids) > limits.max_array_len:   # an HTTP body can hold more; the replica's
+            raise MessageTooLarge(             # decoder would refuse the frame
+                f"field 'tokens': {len(ids)} token ids exceed max_array_len"
+                f"({limits.max_array_len})", field="tokens", value=len(ids),
+                limit=limits.max_array_len)
         for t in ids:
             if type(t) is not int or not 0 <= t <= _TOKEN_ID_MAX:
                 raise _bad("tokens", t, _TOKEN_ID_MAX, "token ids are ints within 0..limit")
     if "messages" in message:
         _check_messages(message["messages"], limits)
     if "stop" in message:
-        _check_stop(message["stop"], limits)
+        check_stop(message["stop"], limits)
     if not _SAMPLING.isdisjoint(message):
         _check_sampling(message)
     deadline = message.get("deadline_ms")
     if deadline is not None and not 0 < deadline <= limits.max_deadline_ms:
         raise _bad("deadline_ms", deadline, limits.max_deadline_ms, "must be within (0, limit]")
+    _check_frame(message, limits)
+
+
+LINK_ID_BYTES = 8
+"""Bytes a front door's own request id may add when it forwards a generate (a uint64)."""
+
+
+def _check_frame(message: dict[str, Any], limits: Limits) -> None:
+    """MessageTooLarge (413, field ``message``) for a generate that would pack past
+    ``max_message_bytes`` once forwarded: a JSON body within the HTTP door's limit, or a
+    msgpack frame right at the limit with ``id`` 0 and no ``max_tokens``, grows by the
+    fields filled in and the link's id, and the replica's decoder would reset the link (every
+    request on it) over it.  Packed and measured only when an upper bound from the text
+    lengths says it may be over (never for ordinary requests)."""
+    texts = message.get("messages") or ()
+    bound = 4 * (len(message.get("prompt") or "") + sum(len(m["content"]) for m in texts)) \
+        + 9 * len(message.get("tokens") or ()) + 64 * len(texts) \
+        + limits.max_stop * (4 * limits.max_stop_bytes + 9) + 4096
+    if bound <= limits.max_message_bytes:
+        return
+    size = len(pack(message)) + LINK_ID_BYTES
+    if size > limits.max_message_bytes:
+        raise MessageTooLarge(f"the request packs to {size} bytes for a replica, over "
+                              f"max_message_bytes({limits.max_message_bytes})",
+                              field="message", value=size, limit=limits.max_message_bytes)
 
 
 _SAMPLING = frozenset(("temperature", "top_p", "top_k", "seed"))
@@ -503,7 +536,7 @@ def _check_sampling(message: dict[str, Any]) -> None:
         raise _bad("seed", seed, MAX_SEED, "must be within 0..limit")
 
 
-def _check_stop(stop: list, limits: Limits) -> None:
+def check_stop(stop: list, limits: Limits = DEFAULT_LIMITS) -> None:
     """``stop``: at most ``max_stop`` entries, each a token id or a non-empty string of at
     most ``max_stop_bytes`` UTF-8 bytes."""
     if len(stop) > limits.max_stop:
@@ -537,6 +570,18 @@ def _check_messages(messages: list, limits: Limits) -> None:
         if type(content) is not str:
             raise _bad(f"messages[{i}].content", type(content).__name__, "str",
                        "content is a string")
+        _check_str_bytes(f"messages[{i}].content", content, limits)
+
+
+def _check_str_bytes(field: str, value: str, limits: Limits) -> None:
+    """MessageTooLarge (413) for a string over ``max_str_bytes`` in UTF-8.  The msgpack
+    decoder refuses such a string itself; a map built from JSON (the HTTP door, whose body
+    may be larger) must be refused here, before it is packed for a replica whose decoder
+    would reset the link over it."""
+    if len(value) > limits.max_str_bytes // 4 and len(value.encode()) > limits.max_str_bytes:
+        raise MessageTooLarge(f"field {field!r}: {len(value.encode())} UTF-8 bytes exceed "
+                              f"max_str_bytes({limits.max_str_bytes})", field=field,
+                              value=len(value.encode()), limit=limits.max_str_bytes)
 
 
 def unreachable(service: str, address: str, exc: OSError, hint: str = "") -> Unreachable:

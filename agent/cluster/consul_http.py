@@ -16,9 +16,11 @@ N s, ``Connection refused``).
 
 from __future__ import annotations
 
+import email.utils
 import os
 import re
 import threading
+import time
 
 import consul
 import consul.exceptions
@@ -69,10 +71,18 @@ def consul_client(address: str | None = None, token: str | None = None) -> consu
 def retry_after_s() -> float | None:
     """``Retry-After`` of the last failed response on this thread (seconds, bounded)."""
     value = (getattr(_last, "headers", None) or {}).get("Retry-After")
-    try:
-        return min(RETRY_AFTER_MAX_S, max(0.0, float(value))) if value else None
-    except ValueError:
+    if not value:
         return None
+    try:
+        wait = float(value)
+    except ValueError:   # RFC 9110 10.2.3: delay-seconds or an HTTP-date
+        try:
+            wait = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return None
+    if wait != wait:     # NaN: max(0.0, nan) would be 0.0, "retry at once"
+        return None
+    return min(RETRY_AFTER_MAX_S, max(0.0, wait))
 
 
 def cluster_error(exc: Exception, endpoint: str) -> ClusterError:

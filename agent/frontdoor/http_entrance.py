@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 _PARSER_LOG = logging.getLogger(__name__ + ".parser")
 _PARSER_LOG.setLevel(logging.CRITICAL)
 MODEL_STATES = ("warm", "suspended", "snapshot", "cold")
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?", re.ASCII)
 
 
 class ModelStates(Protocol):
@@ -246,6 +248,14 @@ class HttpEntrance:
                 return error_response(413, f"request body exceeds max_body_bytes"
                                       f"({self.config.max_body_bytes})", "body")
             return error_response(exc.status, exc.reason or "error")
+        except Exception as exc:   # a bug: logged here, answered without its traceback
+            writer = request.writer
+            if writer is not None and writer.output_size > 0:
+                # an answer has begun (most often a client that stopped reading: the write
+                # timeout): aiohttp closes the connection; not logged, a client could flood it
+                raise
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            return error_response(500, f"internal error ({type(exc).__name__})")
         finally:
             if guard is not None:
                 guard.busy -= 1
@@ -263,10 +273,8 @@ class HttpEntrance:
         if raw is None:
             return None
         top = self.path.config.limits.max_deadline_ms
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
+        # ASCII decimal only: float() alone also takes "1_000", "nan" and non-ASCII digits
+        value = float(raw) if _DECIMAL.fullmatch(raw.strip()) else math.nan
         if not 0 < value <= top:
             raise ProtocolError(f"x-rewarm-deadline-ms: {raw[:40]!r} must be a number within "
                                 f"(0, {top}] ms", field="x-rewarm-deadline-ms", value=raw[:40],

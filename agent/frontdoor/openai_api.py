@@ -20,6 +20,7 @@ and then silently ignored.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -167,8 +168,10 @@ def parse_chat(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
         if extra:
             raise _bad(f"messages[{i}].{sorted(extra)[0]}", m[sorted(extra)[0]],
                        "not supported by rewarm (tools and function calls are not)")
+        if "name" in m and m["name"] is not None and type(m["name"]) is not str:
+            raise _bad(f"messages[{i}].name", m["name"], "a string")
         role, content = m.get("role"), m.get("content")
-        if role not in CHAT_ROLES:
+        if type(role) is not str or role not in CHAT_ROLES:   # a list or map is unhashable
             raise _bad(f"messages[{i}].role", role, f"one of {sorted(CHAT_ROLES)}")
         if type(content) is list:
             if not all(type(p) is dict and p.get("type") == "text" and type(p.get("text")) is str
@@ -187,12 +190,28 @@ def parse_chat(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
                   message.get("ignore_eos", False))
 
 
+# A \\u escape of a UTF-16 surrogate (D800..DFFF); only then can a decoded string hold one.
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+
+
 def parse_body(raw: bytes) -> Any:
-    """JSON from the request body; a 400 for bytes that are not UTF-8 JSON."""
+    """JSON from the request body; a 400 for bytes that are not UTF-8 JSON, for nesting
+    deeper than the parser's recursion allows (``[[[[...`` : RecursionError), and for a lone
+    surrogate escape (``"\\ud800"``: valid JSON, but no UTF-8 string can carry it to the
+    replica).  A surrogate *pair* decodes to one character and is fine."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad("body", f"{len(raw)} bytes", f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _bad("body", f"{len(raw)} bytes", "JSON nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise _bad("body", f"{len(raw)} bytes",
+                       "a \\u escape of a lone UTF-16 surrogate is not text") from None
+    return body
 
 
 # --- answers ---------------------------------------------------------------------------
@@ -259,7 +278,8 @@ _ERROR_KIND = {400: ("invalid_request_error", None), 401: ("invalid_request_erro
 def error_body(status: int, message: str, param: str | None = None,
                retry_after_ms: int | None = None) -> dict:
     """OpenAI's error shape; rewarm adds ``retry_after_ms`` beside it on 429 and 503."""
-    kind, code = _ERROR_KIND.get(status, ("server_error", None))
+    kind, code = _ERROR_KIND.get(status, (
+        "invalid_request_error" if status < 500 else "server_error", None))
     err: dict[str, Any] = {"message": message, "type": kind, "param": param, "code": code}
     body: dict[str, Any] = {"error": err}
     if retry_after_ms is not None:

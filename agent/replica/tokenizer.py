@@ -117,6 +117,11 @@ class ChatTemplate:
             raise ProtocolError(f"messages: the model's chat template refused them: {exc}",
                                 field="messages", value=len(messages),
                                 limit="what the chat template accepts") from None
+        except Exception as exc:   # the template's own Python error (1/0, str + int, recursion)
+            raise ProtocolError(f"messages: the model's chat template failed on them: "
+                                f"{type(exc).__name__}: {exc}", field="messages",
+                                value=len(messages), limit="what the chat template accepts"
+                                ) from None
 
 
 def _raise_template_error(message: str):

@@ -41,7 +41,8 @@ from typing import Any
 
 from agent.errors import (ConfigError, InvalidCheckpoint, Overloaded, ProtocolError,
                           RewarmError, Unauthorized)
-from agent.protocol import DEFAULT_MAX_TOKENS, Decoder, error_message, pack, read_messages
+from agent.protocol import (DEFAULT_LIMITS, DEFAULT_MAX_TOKENS, Decoder, check_stop,
+                            error_message, pack, read_messages)
 from agent.replica.meter import ReplicaMeter
 from agent.replica.stops import StopText
 
@@ -323,6 +324,9 @@ class Worker:
         if not isinstance(stop, list) or not all(type(t) in (int, str) for t in stop):
             raise ProtocolError("stop must be a list of token ids and strings", field="stop",
                                 value=stop, limit="[int | str]")
+        # the protocol's counts and lengths (the front door's too): each stop string is
+        # searched for at every token, on the event loop
+        check_stop(stop, DEFAULT_LIMITS)
         stop_ids = {t for t in stop if type(t) is int}
         stop_strs = [t for t in stop if type(t) is str and t]
         text = tokens is None or bool(stop_strs) or msg.get("detokenize") is True

@@ -16,9 +16,12 @@ Two ways in, chosen by whether the caller brings a buffer:
   a cached one costs no copy and no fresh memory.  Pages evicted and read again after
   verification: cannot happen, the pages are locked until the buffer is closed.  A write
   to a tensor copies that page (copy-on-write; the file is never changed).  What the lock does
-  not cover: another process writing into or truncating the snapshot file in place would
-  change (or SIGBUS) the unwritten pages; the store never does (snapshots are written to a new
-  directory and renamed, files read-only).  When the lock is refused (RLIMIT_MEMLOCK without
+  not cover: another process writing into the snapshot file in place changes the unwritten
+  pages, and truncating it kills this process with SIGBUS on the next read of any tensor past
+  the new end, written (copied) pages included: truncation unmaps private copies too (checked:
+  restore, truncate the data file, read the last element: exit by SIGBUS, with or without a
+  write to it first).  The store never does either (snapshots are written to a new directory
+  and renamed, files read-only; unlinking or replacing a snapshot is safe).  When the lock is refused (RLIMIT_MEMLOCK without
   CAP_IPC_LOCK) or the layout is not one file with identity offsets, the safe default is
   taken: a copy into fresh anonymous memory (4 KiB pages), a populate-ahead thread faulting the
   destination in ahead of the reads.  ``copy=True`` forces that copy.

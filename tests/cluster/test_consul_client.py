@@ -134,3 +134,16 @@ def test_tls_environment_is_honoured(monkeypatch, tmp_path):
     assert consul_client().http.base_uri == "http://plain:8500"
     monkeypatch.delenv("CONSUL_HTTP_SSL")
     assert consul_client("h:1").http.base_uri == "http://h:1"
+
+
+@pytest.mark.parametrize("header,expected", [
+    ("nan", None), ("-nan", None), ("soon", None),
+    ("Fri, 01 Jan 2100 00:00:00 GMT", 60.0),     # an HTTP-date (RFC 9110 10.2.3), bounded
+    ("Thu, 01 Jan 1970 00:00:00 GMT", 0.0),      # in the past: now
+])
+def test_retry_after_garbage_nan_and_http_dates(consul_standin, header, expected):
+    reg, _, _ = registry(consul_standin)
+    consul_standin.fail_next(503, "/v1/health/", headers={"Retry-After": header})
+    with pytest.raises(ClusterError) as err:
+        reg.healthy("rewarm-replica")
+    assert err.value.retry_after_s == expected

@@ -224,3 +224,29 @@ def test_a_non_string_map_key_is_a_request_error_not_a_framing_error():
     with pytest.raises(ProtocolError) as err:
         validate_request(decoder.feed(msgpack.packb(nested))[0])
     assert err.value.field == "messages[0]"
+
+
+def test_a_generate_at_the_frame_limit_that_would_grow_past_it_when_forwarded_is_413():
+    # A frame the decoder takes (exactly max_message_bytes, id 0, no max_tokens): forwarded,
+    # max_tokens and the link's id make it larger, and the replica's decoder would reset the
+    # link.  One byte of content less per turn than needed for that stays accepted.
+    from agent.errors import MessageTooLarge
+    from agent.protocol import LINK_ID_BYTES, Decoder, pack, validate_request
+
+    def frame(content_chars: int) -> bytes:
+        return pack({"op": "generate", "id": 0, "model": "m", "messages": [
+            {"role": "user", "content": "a" * content_chars}] * 4})
+
+    n = 262_000
+    while len(frame(n + 1)) <= 1 << 20:
+        n += 1
+    raw = frame(n)
+    assert len(raw) <= 1 << 20
+    (message,) = Decoder().feed(raw)
+    with pytest.raises(MessageTooLarge) as err:
+        validate_request(message)
+    assert err.value.field == "message" and err.value.code == 413
+    small = n - (LINK_ID_BYTES + 16)
+    (ok,) = Decoder().feed(frame(small))
+    assert validate_request(ok)["max_tokens"] == 16
+    assert len(pack(ok)) + LINK_ID_BYTES <= 1 << 20

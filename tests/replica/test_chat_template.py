@@ -51,3 +51,16 @@ def test_a_template_refusal_is_a_400_and_the_sandbox_holds():
 def test_smollm2s_own_template_gives_its_chatml(smollm2_dir):
     tpl = load_chat_template(smollm2_dir)
     assert tpl.render([{"role": "user", "content": "Hi"}]) == chat_prompt("Hi")
+
+
+@pytest.mark.parametrize("source", [
+    "{{ 1 / 0 }}",                                   # ZeroDivisionError
+    "{{ messages[0].content + 1 }}",                 # TypeError
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",  # RecursionError
+])
+def test_a_template_failing_with_a_python_error_is_a_400_naming_messages(source):
+    from agent.errors import ProtocolError
+
+    with pytest.raises(ProtocolError) as err:
+        ChatTemplate(source).render([{"role": "user", "content": "x"}])
+    assert err.value.field == "messages" and err.value.code == 400

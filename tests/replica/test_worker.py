@@ -432,3 +432,21 @@ def test_a_refused_forward_fails_its_requests_and_the_replica_serves_the_next(bo
         assert second[2][-1]["type"] == "done" and second[2][-1]["n_tokens"] == 3
     finally:
         engine.forward = inner
+
+
+def test_stop_lists_past_the_protocol_limits_are_400_at_the_replica_too(texted):
+    # The front door refuses these; a client reaching the replica's port directly must not
+    # make every token cost thousands of string searches on the replica's event loop.
+    from agent.protocol import DEFAULT_LIMITS
+
+    many = ["x%d" % i for i in range(DEFAULT_LIMITS.max_stop + 1)]
+    long = "y" * (DEFAULT_LIMITS.max_stop_bytes + 1)
+    answers = run(Worker(texted), [
+        {"op": "generate", "id": "many", "prompt": "hello", "max_tokens": 2, "stop": many},
+        {"op": "generate", "id": "long", "prompt": "hello", "max_tokens": 2, "stop": [long]},
+        {"op": "generate", "id": "ok", "prompt": "hello", "max_tokens": 2,
+         "stop": many[:DEFAULT_LIMITS.max_stop]}])
+    for rid in ("many", "long"):
+        assert answers[rid][-1]["type"] == "error" and answers[rid][-1]["code"] == 400, rid
+        assert "stop" in answers[rid][-1]["reason"]
+    assert answers["ok"][-1]["type"] == "done"
