@@ -161,11 +161,18 @@ class Worker:
             if extra is not None:
                 extra.close()
             self.state = State.CLOSED
-            for request in list(self._by_seq.values()) + [r for r, _ in self._submits]:
+            held = list(self._by_seq.values())
+            for request in held + [r for r, _ in self._submits]:
                 self._send(request.writer, error_message(request.request_id, 503, "replica shutting down"))
             for task in tasks:
                 task.cancel()
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            if self.loaded is not None and held:
+                # Free their KV slots too: an engine can outlive this server (an in-process
+                # replica, a test's shared model).  Queued on the engine thread, after the step
+                # that may be running; nothing else is queued there once the loop is cancelled.
+                engine, ids = self.loaded.engine, [r.seq_id for r in held if r.seq_id >= 0]
+                self._pool.submit(lambda: [engine.cancel(i) for i in ids])
+            self._pool.shutdown(wait=False)
             if listen.startswith("unix:"):
                 Path(listen[5:]).unlink(missing_ok=True)
 

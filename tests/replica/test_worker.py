@@ -450,3 +450,35 @@ def test_stop_lists_past_the_protocol_limits_are_400_at_the_replica_too(texted):
         assert answers[rid][-1]["type"] == "error" and answers[rid][-1]["code"] == 400, rid
         assert "stop" in answers[rid][-1]["reason"]
     assert answers["ok"][-1]["type"] == "done"
+
+
+def test_stopping_frees_the_kv_slots_of_requests_it_held(booted):
+    # the engine outlives the server (an in-process replica, this module's shared model):
+    # a request answered 503 at shutdown must not keep its slot
+    async def main():
+        worker = Worker(booted)
+        ready = asyncio.get_running_loop().create_future()
+        serving = asyncio.create_task(worker.serve("127.0.0.1:0", ready.set_result))
+        host, port = (await asyncio.wait_for(ready, 10)).rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(pack({"op": "generate", "id": 1, "tokens": [1, 2], "max_tokens": 60}))
+        decoder, seen = Decoder(), []
+        while not seen:
+            seen += decoder.feed(await asyncio.wait_for(reader.read(65536), 30))
+        worker.stop()
+        await asyncio.wait_for(serving, 30)
+        while seen[-1]["type"] == "tokens":
+            data = await asyncio.wait_for(reader.read(65536), 30)
+            if not data:
+                break
+            seen += decoder.feed(data)
+        writer.close()
+        for _ in range(200):
+            if not booted.engine.busy:
+                break
+            await asyncio.sleep(0.01)
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1]["type"] == "error" and seen[-1]["code"] == 503
+    assert not booted.engine.busy and booted.engine.capacity()["active_seqs"] == 0
