@@ -157,7 +157,7 @@ def start_stack(tmp: Path) -> dict:
                    "--metrics-listen", f"127.0.0.1:{ports['agent_m']}"], logs["agent"])
     wait_for(logs["agent"], r"listening on", 120, agent)
     name = "tiny"
-    fd = spawn([*REWARM, "frontdoor", "--port", str(ports["fd"]), "--metrics-port",
+    fd = spawn([*REWARM, "frontdoor", "--port", str(ports["fd"]), "--http-port", "0", "--metrics-port",
                 str(ports["fd_m"]), "--node-agent", f"127.0.0.1:{ports['agent']}",
                 "--model", name], logs["frontdoor"])
     wait_for(logs["frontdoor"], r"front door listening", 60, fd)
@@ -261,7 +261,7 @@ def fd_overload(stack: dict, tmp: Path, connections: int, hang_s: float, nofile:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * connections)), hard))
     port = free_port()
     log = tmp / "fd_frontdoor.log"
-    fd = spawn([*REWARM, "frontdoor", "--port", str(port), "--node-agent", stack["agent_addr"],
+    fd = spawn([*REWARM, "frontdoor", "--port", str(port), "--http-port", "0", "--node-agent", stack["agent_addr"],
                 "--model", stack["model"]], log, prefix=[prlimit, f"--nofile={nofile}:{nofile}"])
     wait_for(log, r"front door listening", 60, fd)
     sel = selectors.DefaultSelector()
