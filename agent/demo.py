@@ -68,11 +68,11 @@ def replay_window(trace: Path, *, minutes: float, max_requests: int = MAX_REPLAY
     Reads the trace with :func:`agent.sim.trace.read_trace` (which validates every field and
     raises InvalidTrace naming the row).  Raises ConfigError for ``minutes`` not > 0 or a
     window that holds no request or more than ``max_requests``."""
-    from agent.errors import InvalidTrace
+    from agent.errors import TraceNotFound
     from agent.sim.trace import read_trace
 
     if not Path(trace).is_file():
-        raise InvalidTrace(f"trace {trace} not found (pass --trace PATH)", path=trace, line=None,
+        raise TraceNotFound(f"trace {trace} not found (pass --trace PATH)", path=trace, line=None,
                            field="path", value=str(trace), limit="an existing file")
     if not (minutes > 0 and math.isfinite(minutes)):
         raise ConfigError(f"minutes={minutes}; limit is > 0", name="minutes", value=minutes,
