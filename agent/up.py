@@ -426,9 +426,10 @@ def run_up(args: argparse.Namespace) -> int:
         from agent.frontdoor.http_conn import http_port_from_env
         try:
             args.http_port = http_port_from_env()
-        except ConfigError as err:
+        except ConfigError as err:   # the environment, as `rewarm frontdoor` says it: 78
+            from agent.exitcodes import exit_code
             print(f"error: {err}", file=sys.stderr)
-            return 2
+            return exit_code(err)
     if args.agent_listen is None:
         from agent.cluster.control import DEFAULT_AGENT
         args.agent_listen = "127.0.0.1:0" if args.demo else DEFAULT_AGENT

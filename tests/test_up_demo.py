@@ -182,3 +182,15 @@ def test_the_demo_front_door_holds_the_first_request_through_a_cold_boot(tmp_pat
     assert config.max_wait_s == COLD_BOOT_DEADLINE_MS / 1000.0
     assert config.models == {"m": stack.deadline_ms} and config.restores_per_model == 1
     assert Stack(tmp_path, tmp_path).max_wait_s == 60.0   # `rewarm up` keeps the default
+
+
+def test_a_bad_http_port_in_the_environment_exits_78_as_rewarm_frontdoor_does(
+        tmp_path, monkeypatch, capsys):
+    from agent import exitcodes
+    from agent.cli import main
+
+    monkeypatch.setenv("REWARM_HTTP_PORT", "abc")
+    assert main(["up", "--state-dir", str(tmp_path)]) == exitcodes.EX_CONFIG
+    assert "REWARM_HTTP_PORT='abc'" in capsys.readouterr().err
+    assert main(["frontdoor", "--port", "0"]) == exitcodes.EX_CONFIG
+    assert "REWARM_HTTP_PORT='abc'" in capsys.readouterr().err
