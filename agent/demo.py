@@ -68,11 +68,11 @@ def replay_window(trace: Path, *, minutes: float, max_requests: int = MAX_REPLAY
     Reads the trace with :func:`agent.sim.trace.read_trace` (which validates every field and
     raises InvalidTrace naming the row).  Raises ConfigError for ``minutes`` not > 0 or a
     window that holds no request or more than ``max_requests``."""
-    from agent.errors import InvalidTrace
+    from agent.errors import TraceNotFound
     from agent.sim.trace import read_trace
 
     if not Path(trace).is_file():
-        raise InvalidTrace(f"trace {trace} not found (pass --trace PATH)", path=trace, line=None,
+        raise TraceNotFound(f"trace {trace} not found (pass --trace PATH)", path=trace, line=None,
                            field="path", value=str(trace), limit="an existing file")
     if not (minutes > 0 and math.isfinite(minutes)):
         raise ConfigError(f"minutes={minutes}; limit is > 0", name="minutes", value=minutes,
@@ -273,6 +273,16 @@ async def _replay(address: str, model: str, plan: list, base: list[int],
     return probe_out, await send_plan(address, model, plan, base)
 
 
+def demo_stack_options() -> dict[str, Any]:
+    """The demo's :class:`~agent.up.Stack` options: the demo policy, one replica, and a front
+    door that holds a request as long as :data:`COLD_BOOT_DEADLINE_MS` (its default
+    ``max_wait_s``, 60 s, would refuse the first request with a 429 on a machine where the
+    cold boot takes longer than that)."""
+    return {"predictor_overrides": demo_policy(), "start_predictor": False,
+            "restores_per_model": 1, "max_replicas": 1,
+            "max_wait_s": COLD_BOOT_DEADLINE_MS / 1000.0}
+
+
 # --- the scenario ----------------------------------------------------------------------------
 
 def default_trace() -> Path:
@@ -350,8 +360,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
     state = Path(args.state_dir)
     _fresh_state(state)
     stack = Stack(state, model_dir, release, host=args.host, port=args.port,
-                  threads=args.threads, predictor_overrides=demo_policy(),
-                  start_predictor=False, restores_per_model=1, max_replicas=1)
+                  threads=args.threads, **demo_stack_options())
     stack.start()
     sampler = Sampler(stack.agent)
     measured: dict[str, Any] = {}

@@ -192,6 +192,11 @@ class InvalidTrace(RewarmError, ValueError):
     """
 
 
+class TraceNotFound(InvalidTrace, FileNotFoundError):
+    """The trace file named does not exist (exit status 66, EX_NOINPUT, like a missing
+    snapshot). Attributes as :class:`InvalidTrace`."""
+
+
 class CudaCheckpointError(RewarmError, OSError):
     """A CUDA checkpoint driver call failed. Attributes: ``call``, ``result``, ``name``."""
 

@@ -171,6 +171,7 @@ class Stack:
     agent_listen: str = "127.0.0.1:0"
     http_port: int | None = None   # the OpenAI-compatible entrance (None: not served)
     deadline_ms: float = 60_000.0   # the front door's per-model deadline (replays: the SLO)
+    max_wait_s: float = 60.0        # the front door's cap on any request's wait (FrontDoorConfig)
 
     def __post_init__(self) -> None:
         self.agent = self.frontdoor = self.predictor = self.http = None
@@ -234,9 +235,20 @@ class Stack:
                 self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._loop.close()
 
+    def frontdoor_config(self):
+        """The embedded front door's :class:`~agent.frontdoor.config.FrontDoorConfig`: this
+        stack's address, the model's deadline, ``max_wait_s`` (a request's own ``deadline_ms``
+        is held at most this long, so a cold boot's request needs it at least that long)."""
+        from agent.frontdoor.server import FrontDoorConfig
+
+        return FrontDoorConfig(host=self.host, port=self.port,
+                               models={self.model: self.deadline_ms}, registry_poll_s=0.2,
+                               restores_per_model=self.restores_per_model,
+                               max_wait_s=self.max_wait_s)
+
     async def _serve(self, ready: threading.Event) -> None:
         from agent.frontdoor.capacity import NodeAgentCapacity
-        from agent.frontdoor.server import FrontDoor, FrontDoorConfig
+        from agent.frontdoor.server import FrontDoor
         from agent.cluster.control import control_token
         from agent.node.control import ControlServer
 
@@ -251,8 +263,7 @@ class Stack:
         self.agent.agent_instance.address, self.agent.agent_instance.port = host, int(port)
         self.agent.registrar.want(self.agent.agent_instance)
         self.frontdoor = FrontDoor(
-            FrontDoorConfig(host=self.host, port=self.port, models={self.model: self.deadline_ms},
-                            registry_poll_s=0.2, restores_per_model=self.restores_per_model),
+            self.frontdoor_config(),
             registry=self.agent.registrar.registry,
             capacity=NodeAgentCapacity(lambda model: [(host, int(port))], timeout_s=600.0))
         try:
@@ -415,9 +426,10 @@ def run_up(args: argparse.Namespace) -> int:
         from agent.frontdoor.http_conn import http_port_from_env
         try:
             args.http_port = http_port_from_env()
-        except ConfigError as err:
+        except ConfigError as err:   # the environment, as `rewarm frontdoor` says it: 78
+            from agent.exitcodes import exit_code
             print(f"error: {err}", file=sys.stderr)
-            return 2
+            return exit_code(err)
     if args.agent_listen is None:
         from agent.cluster.control import DEFAULT_AGENT
         args.agent_listen = "127.0.0.1:0" if args.demo else DEFAULT_AGENT

@@ -52,6 +52,8 @@ if str(REPO) not in sys.path:
 
 import requests  # noqa: E402
 
+from agent.errors import RewarmError  # noqa: E402
+
 MODEL = "tiny"
 REPLICA_JOB = f"rewarm-replica-{MODEL}"
 LOCK_TTL_S = 10.0          # agent/cluster/leader.py's default TTL (Consul's minimum)
@@ -498,7 +500,9 @@ def run_scenario(*, real: bool = False, prefer_netns: bool = True,
         else:
             cluster, door, token, closers, nomad, consul = standin_cast(run, work, prefer_netns)
             scenario(run, cluster, door, token, standin=nomad, consul_standin=consul)
-    except (StepFailed, requests.RequestException, OSError) as exc:
+    except (StepFailed, RewarmError, requests.RequestException, OSError) as exc:
+        # RewarmError: a request refused (429, 503, 504) fails the step it was in, with the
+        # timeline and the JSON still written, instead of a traceback
         error = f"{type(exc).__name__}: {exc}"
         if not run.steps or run.steps[-1]["ok"]:
             run.steps.append({"name": "scenario", "ok": False, "at_s": run.at(), "detail": error})

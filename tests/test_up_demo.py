@@ -165,3 +165,32 @@ def test_json_without_demo_is_refused(capsys):
 
     assert main(["up", "--json", "out.json"]) == 2
     assert "--json" in capsys.readouterr().err and not __import__("os").path.exists("out.json")
+
+
+def test_the_demo_front_door_holds_the_first_request_through_a_cold_boot(tmp_path):
+    """The first request carries COLD_BOOT_DEADLINE_MS; the front door's max_wait_s caps any
+    wait, so the demo's stack must not cap it below that (it did at 60 s: the demo's first
+    request got a 429 on a loaded machine whose cold boot took longer)."""
+    from agent.demo import COLD_BOOT_DEADLINE_MS, demo_stack_options
+    from agent.up import Stack
+
+    options = demo_stack_options()
+    assert options["max_wait_s"] * 1000.0 >= COLD_BOOT_DEADLINE_MS
+    stack = Stack(tmp_path, tmp_path, **options)
+    stack.model = "m"     # set by start() from the model directory
+    config = stack.frontdoor_config()
+    assert config.max_wait_s == COLD_BOOT_DEADLINE_MS / 1000.0
+    assert config.models == {"m": stack.deadline_ms} and config.restores_per_model == 1
+    assert Stack(tmp_path, tmp_path).max_wait_s == 60.0   # `rewarm up` keeps the default
+
+
+def test_a_bad_http_port_in_the_environment_exits_78_as_rewarm_frontdoor_does(
+        tmp_path, monkeypatch, capsys):
+    from agent import exitcodes
+    from agent.cli import main
+
+    monkeypatch.setenv("REWARM_HTTP_PORT", "abc")
+    assert main(["up", "--state-dir", str(tmp_path)]) == exitcodes.EX_CONFIG
+    assert "REWARM_HTTP_PORT='abc'" in capsys.readouterr().err
+    assert main(["frontdoor", "--port", "0"]) == exitcodes.EX_CONFIG
+    assert "REWARM_HTTP_PORT='abc'" in capsys.readouterr().err

@@ -159,5 +159,11 @@ class ControlServer:
             writer.write(pack(error_message(None, exc.code, exc.message)))
         except ConnectionError:
             pass
+        except asyncio.CancelledError:
+            # The server is stopping with this op in flight (rewarm up interrupted mid-restore):
+            # the client sees the connection close.  Ending quietly matters on Python 3.11,
+            # whose streams callback calls task.exception() on a cancelled handler task and
+            # prints that as an "Exception in callback" traceback.
+            pass
         finally:
             writer.close()

@@ -468,6 +468,7 @@ class Engine:
         for i, p in enumerate(prompts):   # every prompt checked before any runs
             self.submit(p, max_tokens, None if seed is None else seed + i)
         seqs, self._waiting = list(self._waiting), collections.deque()
+        self._publish()   # else :attr:`load` keeps counting the prompts as waiting
         out: list[list[int]] = []
         dev, size = self.device, self.kv.max_seqs
         try:

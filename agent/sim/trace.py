@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.errors import InvalidTrace
+from agent.errors import InvalidTrace, TraceNotFound
 
 MAX_TRACE_ROWS = 20_000_000
 MAX_TRACE_BYTES = 2 << 30
@@ -189,7 +189,8 @@ def read_trace(path: Path, *, max_rows: int = MAX_TRACE_ROWS,
         size = path.stat().st_size
         f = open(path, "rb")
     except OSError as exc:
-        raise InvalidTrace(f"trace {path}: cannot read it ({exc.strerror or exc})", path=path,
+        kind = TraceNotFound if isinstance(exc, FileNotFoundError) else InvalidTrace
+        raise kind(f"trace {path}: cannot read it ({exc.strerror or exc})", path=path,
                            line=None, field="path", value=str(path),
                            limit="a readable CSV file") from exc
     if size > max_bytes:

@@ -42,3 +42,31 @@ def test_the_whole_scenario_on_three_hosts(tmp_path, repo_root):
     assert res["restore_s"] > 0 and res["first_token_via_nomad_s"] > 0
     assert res["total_s"] <= res["limit_s"]
     assert "timeline" not in proc.stderr and "at_s" in proc.stdout     # the table is printed
+
+
+def test_a_refused_request_fails_the_scenario_with_the_json_written(repo_root, monkeypatch):
+    """A 429 in a step (seen on a loaded machine at 'next request restores on the caching
+    node') ended the bench with a traceback and no JSON; it is a failed scenario step."""
+    import importlib.util
+
+    from agent.errors import Overloaded
+
+    spec = importlib.util.spec_from_file_location("cluster_e2e_bench",
+                                                  repo_root / "bench" / "cluster_e2e.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)   # its dataclasses look it up
+    spec.loader.exec_module(bench)
+    closed = []
+    monkeypatch.setattr(bench, "standin_cast", lambda run, work, netns: (
+        None, None, "t", [lambda: closed.append(True)], None, None))
+
+    def refused(run, cluster, door, token, **kw):
+        run.step("job submitted at count 0", True)
+        raise Overloaded("429: model 'tiny': cannot start within 4000 ms")
+
+    monkeypatch.setattr(bench, "scenario", refused)
+    out = bench.run_scenario(real=False, prefer_netns=False, work=None)
+    assert out["ok"] is False and out["error"].startswith("Overloaded: 429")
+    assert [(s["name"], s["ok"]) for s in out["steps"]] == [
+        ("job submitted at count 0", True), ("scenario", False)]
+    assert closed == [True]      # the cast is still torn down

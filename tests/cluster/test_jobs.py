@@ -195,3 +195,21 @@ def test_systemd_units_restart_and_read_the_environment_file():
         assert used <= defined, (unit.name, used - defined)
 
 
+
+
+def test_cli_exit_statuses_nomad_unreachable_69_missing_file_66(tmp_path, capsys, monkeypatch):
+    """The README's exit statuses: both exited 2 (usage) before."""
+    import socket
+
+    from agent import exitcodes
+
+    with socket.socket() as s:       # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    monkeypatch.setenv("NOMAD_ADDR", f"http://127.0.0.1:{free}")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["jobs", "render", "--model", "m"])
+    assert args.func(args) == exitcodes.EX_UNAVAILABLE and "nomad" in capsys.readouterr().err
+    args = parser.parse_args(["jobs", "run", str(tmp_path / "nope.nomad.hcl")])
+    assert args.func(args) == exitcodes.EX_NOINPUT and "nope.nomad.hcl" in capsys.readouterr().err

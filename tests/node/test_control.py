@@ -210,3 +210,40 @@ def test_fields_named_like_the_clients_own_arguments_reach_the_agent(monkeypatch
     assert control.control_call("127.0.0.1:1", "drain", timeout_s=5.0,
                                 fields={"replica": "r1", "timeout_s": 30.0}) == {"ok": True}
     assert sent["op"] == "drain" and sent["replica"] == "r1" and sent["timeout_s"] == 30.0
+
+
+def test_stopping_with_an_op_in_flight_logs_no_traceback(tmp_path):
+    """Stopping the loop cancels a connection whose op is still running (rewarm up stopped
+    during a restore); the handler ends quietly instead of the loop's exception handler
+    printing a CancelledError traceback (Python 3.11's streams callback did)."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowAgent:
+        def status(self):
+            entered.set()
+            release.wait(10)
+            return {}
+
+    reported: list[dict] = []
+
+    async def scenario():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: reported.append(ctx))
+        server = ControlServer(SlowAgent(), f"unix:{tmp_path / 'agent.sock'}")
+        address = await server.start()
+        reader, writer = await asyncio.open_unix_connection(address[5:])
+        writer.write(pack({"v": 1, "op": "status", "id": 1}))
+        await writer.drain()
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert pending, "the connection's handler task is running"
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        release.set()
+        assert await reader.read() == b""    # the client sees the connection close
+        writer.close()
+        await server.close()
+        await asyncio.sleep(0)               # the streams done-callback runs
+
+    asyncio.run(scenario())
+    assert reported == []

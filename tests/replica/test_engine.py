@@ -175,3 +175,16 @@ def test_bad_sampling_is_refused_before_queueing(tiny_engine, sampling, field):
     with pytest.raises(ProtocolError) as err:
         tiny_engine.submit([1], 2, 1, sampling=Sampling(**sampling))
     assert err.value.field == field and not tiny_engine.busy
+
+
+def test_generate_lockstep_leaves_no_waiting_sequences_in_the_load(tiny_engine):
+    """A golden check (generate_lockstep) submitted its prompts and took them off the queue
+    without republishing :attr:`load`: a replica restored and never sent a request reported
+    waiting_seqs = the golden prompt count (3), so the front door predicted a queue that was not
+    there and every drain waited its whole grace for 'requests still in flight'."""
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    out = tiny_engine.generate_lockstep(prompts, 3, seed=0)
+    assert [len(o) for o in out] == [3, 3, 3]
+    assert tiny_engine.load.waiting_seqs == 0 and tiny_engine.load.queued_prefill_tokens == 0
+    cap = tiny_engine.capacity()
+    assert (cap["waiting_seqs"], cap["active_seqs"], cap["kv_used_tokens"]) == (0, 0, 0)

@@ -109,6 +109,21 @@ def test_a_missing_trace_is_invalid_trace_naming_the_path(tmp_path):
     assert err.value.field == "path" and "nope.csv" in str(err.value)
 
 
+def test_a_missing_trace_exits_66_and_a_malformed_one_65(tmp_path, capsys):
+    """The README's exit statuses: 66 for an input named on the command line that does not
+    exist, 65 for bad input data (a missing trace exited 65)."""
+    from agent import exitcodes
+    from agent.cli import main
+    from agent.errors import TraceNotFound
+
+    with pytest.raises(TraceNotFound):
+        load_trace(tmp_path / "nope.csv")
+    assert main(["simulate", "--trace", str(tmp_path / "nope.csv")]) == exitcodes.EX_NOINPUT
+    assert "nope.csv" in capsys.readouterr().err
+    bad = write(tmp_path, "TIMESTAMP,ContextTokens,GeneratedTokens\nnot a time,1,1\n")
+    assert main(["simulate", "--trace", str(bad)]) == exitcodes.EX_DATAERR
+
+
 # --- bad input: one InvalidTrace naming the file and the row ------------------------------
 
 HEAD = b"TIMESTAMP,ContextTokens,GeneratedTokens\n"
