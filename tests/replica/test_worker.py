@@ -370,17 +370,24 @@ def test_sampling_fields_reach_the_engine_and_max_tokens_defaults(booted):
     assert answers[6][-1]["code"] == 400 and "top_p" in answers[6][-1]["reason"]
 
 
+async def _streaming(loaded, request_id):
+    """A worker over ``loaded`` on TCP with one 60-token generate sent and its first answer
+    read: ``(worker, serving task, reader, writer, decoder, answers so far)``."""
+    worker = Worker(loaded)
+    ready = asyncio.get_running_loop().create_future()
+    serving = asyncio.create_task(worker.serve("127.0.0.1:0", ready.set_result))
+    host, port = (await asyncio.wait_for(ready, 10)).rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(pack({"op": "generate", "id": request_id, "tokens": [1, 2], "max_tokens": 60}))
+    decoder, seen = Decoder(), []
+    while not seen:
+        seen += decoder.feed(await asyncio.wait_for(reader.read(65536), 30))
+    return worker, serving, reader, writer, decoder, seen
+
+
 def test_cancel_frees_the_slot_and_sends_nothing_more(booted):
     async def main():
-        worker = Worker(booted)
-        ready = asyncio.get_running_loop().create_future()
-        serving = asyncio.create_task(worker.serve("127.0.0.1:0", ready.set_result))
-        host, port = (await asyncio.wait_for(ready, 10)).rsplit(":", 1)
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(pack({"op": "generate", "id": 7, "tokens": [1, 2], "max_tokens": 60}))
-        decoder, seen = Decoder(), []
-        while not seen:
-            seen += decoder.feed(await asyncio.wait_for(reader.read(65536), 30))
+        worker, serving, reader, writer, decoder, seen = await _streaming(booted, 7)
         writer.write(pack({"op": "cancel", "id": 7}) + pack({"op": "cancel", "id": 99}))
         for _ in range(200):                            # the next ticks cancel it
             await asyncio.sleep(0.01)
@@ -456,15 +463,7 @@ def test_stopping_frees_the_kv_slots_of_requests_it_held(booted):
     # the engine outlives the server (an in-process replica, this module's shared model):
     # a request answered 503 at shutdown must not keep its slot
     async def main():
-        worker = Worker(booted)
-        ready = asyncio.get_running_loop().create_future()
-        serving = asyncio.create_task(worker.serve("127.0.0.1:0", ready.set_result))
-        host, port = (await asyncio.wait_for(ready, 10)).rsplit(":", 1)
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(pack({"op": "generate", "id": 1, "tokens": [1, 2], "max_tokens": 60}))
-        decoder, seen = Decoder(), []
-        while not seen:
-            seen += decoder.feed(await asyncio.wait_for(reader.read(65536), 30))
+        worker, serving, reader, writer, decoder, seen = await _streaming(booted, 1)
         worker.stop()
         await asyncio.wait_for(serving, 30)
         while seen[-1]["type"] == "tokens":
