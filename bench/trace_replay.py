@@ -144,7 +144,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
     sampler = None
     try:
         address, model = stack.frontdoor_address, stack.model
-        from agent.node.control import control_call
+        from agent.cluster.control import control_call
 
         t0 = time.monotonic()
         control_call(stack.agent_address, "restore", model=model, timeout_s=900.0)
