@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--state-dir", type=Path, default=REPO / "var" / "replay")
     ap.add_argument("--no-aot", action="store_true")
     ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--records", type=Path, default=None,
+                    help="also write every request's outcome and every predictor decision "
+                         "(JSON lines, one file per load: PATH.<load>.jsonl) for diagnosis")
     return ap.parse_args(argv)
 
 
@@ -244,7 +247,27 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
            "loadavg": os.getloadavg(), "requests_window": len(plan),
            "mean_rps_wall": float(len(plan) / scale.wall_s) if scale.wall_s else None}
     out["verdict"] = verdict(out)
+    if args.records is not None:
+        write_records(args.records, load, plan, outcomes, stack.decisions)
     return out
+
+
+def write_records(path: Path, load: float, plan, outcomes, decisions) -> None:
+    """``--records``: one line per request (plan and outcome) and per predictor decision."""
+    target = path.with_name(f"{path.name}.{load:g}.jsonl")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    t0 = decisions[0].at_s if decisions else 0.0
+    with target.open("w") as f:
+        for r, o in zip(plan, outcomes):
+            f.write(json.dumps({"kind": "request", "at_s": r.at_s, "sent_s": o.sent_s,
+                                "prompt_tokens": r.prompt_tokens,
+                                "output_tokens": r.output_tokens, "code": o.code,
+                                "path": o.path, "ttft_ms": o.ttft_ms,
+                                "answered_ms": o.answered_ms, "reason": o.reason}) + "\n")
+        for d in decisions:
+            f.write(json.dumps({"kind": "decision", "t_s": d.at_s - t0, "action": d.action,
+                                "target": d.target, "desired": d.desired, "reason": d.reason,
+                                "forecast_rps": d.forecast_rps, "idle_s": d.idle_s}) + "\n")
 
 
 def verdict(r: dict) -> dict:
