@@ -22,6 +22,7 @@ document's cost table = 2.80 / 3600 per second).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from agent.errors import ConfigError
@@ -106,3 +107,46 @@ def plan_keepalive(rate_rps: float, costs: KeepAliveCosts) -> KeepAlivePlan:
     suspended = breakeven_keepalive_s(costs.suspended_cost_per_s,
                                       max(0.0, restore_pen - resume_pen), rate_rps)
     return KeepAlivePlan(warm_s=warm, stop_s=max(warm, suspended))
+
+
+class IdleGaps:
+    """Recent idle gaps of one model (seconds between a request and the next, where at least
+    one step in between saw none) and their quantiles: the observed idle-time distribution
+    that an SLO-aware keep-alive is read from, rather than a Poisson assumption.
+
+    Shahrad et al., "Serverless in the Wild" (USENIX ATC 2020, the hybrid histogram policy):
+    keep an instance alive for the 99th percentile of the application's idle times, so that
+    about 1 % of idle periods end in a cold start, whatever the arrival process.  Gaps older
+    than ``window_s`` or beyond the last ``max_gaps`` are forgotten (the distribution follows
+    the traffic); a gap longer than ``window_s`` is kept as ``window_s`` (the histogram's
+    range: no keep-alive is ever longer).  Raises :class:`ConfigError` for a window that is
+    not > 0 or ``max_gaps`` < 1.
+    """
+
+    def __init__(self, window_s: float, max_gaps: int = 512) -> None:
+        if not (window_s > 0 and math.isfinite(window_s)):
+            raise ConfigError(f"IdleGaps: window_s={window_s}; limit is > 0", name="window_s",
+                              value=window_s, limit="> 0")
+        if max_gaps < 1:
+            raise ConfigError(f"IdleGaps: max_gaps={max_gaps}; limit is >= 1",
+                              name="max_gaps", value=max_gaps, limit=1)
+        self.window_s = float(window_s)
+        self._gaps: deque[tuple[float, float]] = deque(maxlen=max_gaps)  # (ended at, gap)
+
+    def __len__(self) -> int:
+        return len(self._gaps)
+
+    def record(self, gap_s: float, now_s: float) -> None:
+        """One idle gap of ``gap_s`` seconds that ended at ``now_s`` (clock seconds)."""
+        if math.isfinite(gap_s) and gap_s > 0:
+            self._gaps.append((now_s, min(float(gap_s), self.window_s)))
+
+    def quantile(self, q: float, now_s: float) -> float | None:
+        """The ``q`` quantile (nearest rank, 0 < q <= 1) of the gaps that ended within
+        ``window_s`` of ``now_s``; None when there are none."""
+        while self._gaps and now_s - self._gaps[0][0] > self.window_s:
+            self._gaps.popleft()
+        if not self._gaps:
+            return None
+        ordered = sorted(g for _, g in self._gaps)
+        return ordered[max(0, math.ceil(q * len(ordered)) - 1)]

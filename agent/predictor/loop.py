@@ -16,8 +16,10 @@ Per model, every tick::
         desired < target ──► low for the cooldown? ──no──► hold ("cooldown")
                                    │ yes
                              idle past the keep-alive? ──no──► hold ("keep-alive")
-                                   │ yes   (to zero: idle since the last request;
-                                   │        otherwise: low for the keep-alive time)
+                                   │ yes   (to zero: idle since the last request, for
+                                   │        the breakeven keep-alive and the 0.99
+                                   │        quantile of observed idle gaps, IdleGaps;
+                                   │        otherwise: low for the breakeven time)
                              snapshot durable? ──no──► hold ("snapshot not durable")
                                    │ yes
                              scale_down (release tier: suspend | stop, keepalive.py)
@@ -54,7 +56,7 @@ from agent.clock import Clock
 from agent.cluster.base import Scaler
 from agent.errors import ClusterError, ConfigError, ModelNotFound
 from agent.predictor.forecast import Forecaster, Holt, build_forecaster
-from agent.predictor.keepalive import KeepAliveCosts, KeepAlivePlan, plan_keepalive
+from agent.predictor.keepalive import IdleGaps, KeepAliveCosts, KeepAlivePlan, plan_keepalive
 from agent.predictor.sizing import replicas_for_rate, seqs_per_replica, target_replicas
 from agent.speed import SpeedProfile
 
@@ -106,6 +108,10 @@ class ModelPolicy:
     mean_context_tokens: float = 900.0
     step_s: float = 1.0
     scale_down_cooldown_s: float = 30.0
+    # SLO-aware keep-alive: the last replica stays warm for this quantile of the model's
+    # observed idle gaps (over rate_window_s), at least the breakeven keep-alive; 0 = the
+    # breakeven alone.  0.99: Shahrad et al., "Serverless in the Wild" (ATC 2020).
+    keepalive_gap_quantile: float = 0.99
     costs: KeepAliveCosts = field(default_factory=KeepAliveCosts)
 
     def __post_init__(self) -> None:
@@ -135,6 +141,11 @@ class ModelPolicy:
                 raise ConfigError(f"ModelPolicy {self.model}: {name}={value}; limit is >= 0",
                                   name=name, value=value, limit=">= 0")
         seqs_per_replica(0, self.mean_context_tokens)   # > 0, else ConfigError
+        if not 0.0 <= self.keepalive_gap_quantile <= 1.0:
+            raise ConfigError(
+                f"ModelPolicy {self.model}: keepalive_gap_quantile="
+                f"{self.keepalive_gap_quantile}; limit is 0 <= q <= 1",
+                name="keepalive_gap_quantile", value=self.keepalive_gap_quantile, limit="[0, 1]")
         if not self.rate_window_s >= self.step_s:
             raise ConfigError(
                 f"ModelPolicy {self.model}: rate_window_s={self.rate_window_s}; limit is "
@@ -150,11 +161,15 @@ class ModelPolicy:
                                 quantile_window=window)
 
 
-def release_after_s(plan: KeepAlivePlan, policy: ModelPolicy) -> float:
+def release_after_s(plan: KeepAlivePlan, policy: ModelPolicy,
+                    gap_quantile_s: float | None = None) -> float:
     """Idle seconds after which a replica is released: the breakeven keep-alive
-    (keepalive.py), but never less than the restore p99 (a replica released for a shorter
-    gap costs more GPU time restoring than the gap saves)."""
-    return max(plan.warm_s, policy.restore_p99_s)
+    (keepalive.py), never less than the restore p99 (a replica released for a shorter gap
+    costs more GPU time restoring than the gap saves), and never less than the policy's
+    quantile of the observed idle gaps (``gap_quantile_s``, :class:`IdleGaps`): a release
+    inside a gap that usually ends sooner sends the next burst to a restore, which an
+    arrival in the middle of a burst may not survive within its TTFT SLO."""
+    return max(plan.warm_s, policy.restore_p99_s, gap_quantile_s or 0.0)
 
 
 def check_lead_time(model: str, lead_time_s: float, restore_p99_s: float,
@@ -212,6 +227,7 @@ class _State:
     acting: bool = False
     acting_since_s: float | None = None
     low_since_s: float | None = None
+    gaps: IdleGaps | None = None
 
 
 class Predictor:
@@ -234,7 +250,8 @@ class Predictor:
             self._models[p.model] = _State(policy=p, forecaster=p.make_forecaster(),
                                            longrun=Holt(min(1.0, p.step_s / p.rate_window_s),
                                                         0.0),
-                                           seqs=p.seqs_per_replica)
+                                           seqs=p.seqs_per_replica,
+                                           gaps=IdleGaps(p.rate_window_s))
 
     @property
     def models(self) -> list[str]:
@@ -270,7 +287,11 @@ class Predictor:
         st.arrivals += int(arrivals)
         st.window_s += float(window_s)
         if arrivals > 0:
-            st.last_arrival_s = self._clock.now()
+            now = self._clock.now()
+            # an idle gap: at least one whole step without a request in between
+            if st.last_arrival_s is not None and now - st.last_arrival_s > 1.5 * st.policy.step_s:
+                st.gaps.record(now - st.last_arrival_s, now)
+            st.last_arrival_s = now
 
     def update_capacity(self, model: str, kv_capacity_tokens: int,
                         mean_context_tokens: float | None = None) -> int:
@@ -378,10 +399,12 @@ class Predictor:
         # idle since the last request, or since this predictor began acting if it saw none
         seen = [t for t in (st.last_arrival_s, st.acting_since_s) if t is not None]
         idle_s = now - max(seen) if seen else math.inf
-        if idle_s >= release_after_s(plan, p):
+        q = p.keepalive_gap_quantile
+        keepalive_s = release_after_s(plan, p, st.gaps.quantile(q, now) if q > 0 else None)
+        if idle_s >= keepalive_s:
             desired = p.min_replicas   # an idle model is released whatever the forecast recalls
         previous = st.target if st.target is not None else 0
-        action, reason = self._decide(st, now, desired, plan, idle_s, act)
+        action, reason = self._decide(st, now, desired, plan, idle_s, act, keepalive_s)
         decision = Decision(p.model, now, actual, forecast, level, desired, previous,
                             st.target if st.target is not None else 0, action, reason,
                             plan, idle_s)
@@ -397,7 +420,7 @@ class Predictor:
         return decision
 
     def _decide(self, st: _State, now: float, desired: int, plan: KeepAlivePlan,
-                idle_s: float, act: bool) -> tuple[str, str]:
+                idle_s: float, act: bool, keepalive_s: float) -> tuple[str, str]:
         p = st.policy
         if not act:
             return "standby", "not the leader"
@@ -410,7 +433,6 @@ class Predictor:
         if st.low_since_s is None:
             st.low_since_s = now
         low_for = now - st.low_since_s
-        keepalive_s = release_after_s(plan, p)
         if desired == p.min_replicas and idle_s >= keepalive_s:
             # idle: no request for the keep-alive time, which is itself the hold (no cooldown)
             if not self._durable(p.model):
@@ -422,9 +444,11 @@ class Predictor:
             return action
         if low_for < p.scale_down_cooldown_s:
             return "hold", f"cooldown: low for {low_for:.1f}s of {p.scale_down_cooldown_s:.1f}s"
-        # keep-alive: the last replica waits for idle time since the last request; excess
-        # replicas wait for the same breakeven time of low demand.
+        # keep-alive: the last replica waits for idle time since the last request (the gap
+        # quantile included); excess replicas wait for the breakeven time of low demand.
         waited = idle_s if desired == 0 else low_for
+        if desired > 0:
+            keepalive_s = release_after_s(plan, p)
         if waited < keepalive_s:
             return "hold", f"keep-alive: {waited:.1f}s of {keepalive_s:.1f}s"
         if not self._durable(p.model):

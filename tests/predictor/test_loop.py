@@ -308,3 +308,69 @@ def test_a_lower_rate_is_not_idle_and_keeps_the_cooldown():
         step(p, clock, 3)
     decisions = [step(p, clock, 1) for _ in range(8)]
     assert all(d.target == 3 for d in decisions)    # low, not idle: the cooldown holds
+
+
+def _bursts_with_gaps(p, clock, gap_steps, bursts):
+    """``bursts`` one-step bursts of 3 requests, each followed by ``gap_steps`` idle steps;
+    the decisions of every step."""
+    out = []
+    for _ in range(bursts):
+        out.append(step(p, clock, 3))
+        out.extend(step(p, clock, 0) for _ in range(gap_steps))
+    return out
+
+
+def test_keepalive_learns_the_idle_gaps_and_holds_through_them():
+    # breakeven alone would release after the restore p99 (3.6 s) inside every 12 s gap
+    cheap = KeepAliveCosts(gpu_cost_per_s=1.0, wait_cost_per_s=0.0, restore_s=1.0)
+    p, clock, scaler, _, _ = make(forecaster="quantile_backstop", costs=cheap,
+                                  occupancy_s=1.0, seqs_per_replica=3, utilisation=1.0)
+    first = _bursts_with_gaps(p, clock, 12, 1)
+    assert any(d.action == "scale_down" and d.target == 0 for d in first)  # nothing learnt yet
+    later = _bursts_with_gaps(p, clock, 12, 6)
+    # after the first gap was seen, the replica is kept through every gap that long
+    assert not any(d.action == "scale_down" and d.target == 0 for d in later)
+    assert all(d.target == 1 for d in later)
+    # a longer gap than any seen is released after the longest seen (the 0.99 quantile)
+    tail = [step(p, clock, 0) for _ in range(40)]
+    released = next(i for i, d in enumerate(tail) if d.action == "scale_down")
+    assert tail[released].target == 0 and tail[released].idle_s == pytest.approx(13.0)
+
+
+def test_keepalive_without_the_gap_quantile_is_the_breakeven_alone():
+    cheap = KeepAliveCosts(gpu_cost_per_s=1.0, wait_cost_per_s=0.0, restore_s=1.0)
+    p, clock, scaler, _, _ = make(forecaster="quantile_backstop", costs=cheap,
+                                  occupancy_s=1.0, seqs_per_replica=3, utilisation=1.0,
+                                  keepalive_gap_quantile=0.0)
+    decisions = _bursts_with_gaps(p, clock, 12, 4)
+    downs = [d for d in decisions if d.action == "scale_down" and d.target == 0]
+    assert len(downs) == 4                        # released inside every gap
+    assert all(d.idle_s < 5.0 for d in downs)     # at the restore p99 floor (3.6 s)
+
+
+def test_gaps_older_than_the_window_are_forgotten():
+    from agent.predictor.keepalive import IdleGaps
+
+    gaps = IdleGaps(window_s=100.0)
+    gaps.record(30.0, now_s=0.0)
+    gaps.record(5.0, now_s=50.0)
+    assert gaps.quantile(0.99, 60.0) == 30.0
+    assert gaps.quantile(0.5, 60.0) == 5.0
+    assert gaps.quantile(0.99, 120.0) == 5.0     # the 30 s gap ended 120 s ago
+    assert gaps.quantile(0.99, 200.0) is None
+    gaps.record(1e9, now_s=200.0)                # longer than the range: kept as the range
+    assert gaps.quantile(0.99, 200.0) == 100.0
+    gaps.record(float("nan"), now_s=200.0)       # no reading
+    assert len(gaps) == 1
+
+
+def test_bad_gap_quantile_and_window_are_refused():
+    from agent.predictor.keepalive import IdleGaps
+
+    with pytest.raises(ConfigError) as err:
+        ModelPolicy("m", keepalive_gap_quantile=1.5)
+    assert err.value.name == "keepalive_gap_quantile"
+    with pytest.raises(ConfigError):
+        IdleGaps(window_s=0.0)
+    with pytest.raises(ConfigError):
+        IdleGaps(window_s=10.0, max_gaps=0)
