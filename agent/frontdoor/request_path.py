@@ -79,6 +79,7 @@ class RequestPath(QueuePlanner, Restores):
                        "replica_429": 0}
         self._shape: dict[str, list[float]] = {}   # model -> [mean prompt, mean max_tokens]
         self._max_seqs: dict[str, int] = {}        # model -> largest replica's slots seen
+        self._max_kv: dict[str, int] = {}          # model -> largest replica's KV seen (tokens)
         self._rechecked_s: dict[str, float] = {}   # model -> when its queue was last re-checked
         self._slot_cache: dict[str, tuple[float, list, float]] = {}
         self._per_replica_cache: dict[str, tuple[float, int]] = {}
@@ -131,8 +132,11 @@ class RequestPath(QueuePlanner, Restores):
                 self._dispatch(flight, found[0], found[1], now)
                 return flight
         warm = self.router.warm(model)
-        if warm and need > max(r.kv_capacity_tokens for r in warm):
-            largest = max(r.kv_capacity_tokens for r in warm)
+        # the largest replica now, or the largest seen (none warm: a restore brings up the
+        # same replicas, so a request that no replica of the model can hold is 413, not 429)
+        largest = max((r.kv_capacity_tokens for r in warm), default=0) or \
+            self._max_kv.get(model, 0)
+        if largest and need > largest:
             self._fail(flight, 413, f"request needs {need} KV tokens; the largest replica of "
                        f"{model!r} holds {largest}")
             return flight
@@ -539,6 +543,8 @@ class RequestPath(QueuePlanner, Restores):
                                              sum(f.prompt_tokens for f in waiting))
         if load.max_seqs > self._max_seqs.get(load.model, 0):
             self._max_seqs[load.model] = load.max_seqs
+        if load.kv_capacity_tokens > self._max_kv.get(load.model, 0):
+            self._max_kv[load.model] = load.kv_capacity_tokens
         self._slot_cache.pop(load.model, None)
         if self.router.get(load.replica_id) is None:
             self._first_seen[load.replica_id] = self.clock.now()

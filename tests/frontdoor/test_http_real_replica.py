@@ -41,7 +41,11 @@ async def _serve(loaded, body):
         "rewarm-replica", "smol", host, int(port), tags=[f"model={loaded.identity.name}"],
         meta={"max_seqs": "4", "active_seqs": "0", "kv_capacity_tokens": str(4 * 256),
               "kv_used_tokens": "0"}), 60)
-    fd = FrontDoor(FrontDoorConfig(models={loaded.identity.name: 60_000.0}), registry=registry)
+    # These tests check what is served, not how fast: SLOs as long as the deadline, so a
+    # loaded machine (the replica predicting a 2.5 s TTFT) does not turn them into 429s.
+    fd = FrontDoor(FrontDoorConfig(models={loaded.identity.name: 60_000.0},
+                                   warm_slo_ms=60_000.0, restore_slo_ms=60_000.0),
+                   registry=registry)
     await fd.start()
     entrance = HttpEntrance(fd.path, HttpConfig(port=0), clock=fd.clock, auth=fd.auth)
     await entrance.start()

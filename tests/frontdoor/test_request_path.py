@@ -231,3 +231,16 @@ def test_the_first_restore_is_awaited_to_the_default_deadline_then_measured_ones
         late = f.submit()
         assert late.code == 429 and late.at_s == t1
     run(main())
+
+
+def test_a_request_no_replica_of_the_model_can_hold_is_413_even_at_zero_replicas():
+    async def main():
+        f = Fleet(max_seqs=2, restore_s=1.0, measured_restores_s=(1.0,))
+        largest = f.replicas[0].load.kv_capacity_tokens
+        f.path.router.remove("r0")                  # scaled to zero: nothing warm
+        too_big = f.submit(prompt_tokens=largest, max_tokens=16)
+        assert too_big.code == 413 and f"holds {largest}" in too_big.final["reason"]
+        assert f.path.counts["shed_429"] == 0 and f.path.gate.total == 0  # no restore for it
+        fits = f.submit(prompt_tokens=8, max_tokens=8)
+        assert fits.final is None                   # held for the restore, as before
+    run(main())
