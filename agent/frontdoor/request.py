@@ -125,7 +125,7 @@ class Flight:
     __slots__ = ("owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
                  "prompt_tokens", "path", "restore_ms", "queue_wait_ms", "replica_id",
                  "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried",
-                 "warm_deadline_s")
+                 "warm_deadline_s", "cold")
 
     def __init__(self, owner: "Canceller", req: GenerateRequest, sink: Sink,
                  arrival_s: float) -> None:
@@ -145,6 +145,7 @@ class Flight:
         self.ttft_s: float | None = None
         self.pending: Pending | None = None
         self.over = False  # answered (done/error) or cancelled
+        self.cold = False  # no warm replica of its model when it arrived
 
     def cancel(self) -> None:
         """The client went away: forget this request (no answer is sent)."""

@@ -90,6 +90,9 @@ class RequestPath(QueuePlanner, Restores):
         self._expired_log = RateLimitedLog(log, "504s (deadline passed while queued)",
                                            clock=clock, interval_s=config.accept_log_interval_s)
         self.arrivals: dict[str, int] = {}  # generate requests per model (predictor input)
+        # per model: [requests that arrived with no warm replica, those of them not served
+        # within their SLO] (predictor input: is a release SLO-safe?)
+        self.cold: dict[str, list[int]] = {}
         self.queued_models: set[str] = set()
         self._upserted: dict[str, float] = {}  # replica id -> when a restore reported it
         self.stopping = False
@@ -114,6 +117,8 @@ class RequestPath(QueuePlanner, Restores):
             self._fail(flight, 404, f"unknown model {model!r}")
             return flight
         self.arrivals[model] = self.arrivals.get(model, 0) + 1
+        if model not in self.cold:
+            self.cold[model] = [0, 0]
         prompt = flight.prompt_tokens = req.prompt_tokens
         need = flight.need_tokens = prompt + req.max_tokens  # KV need
         shape = self._shape.get(model)
@@ -132,6 +137,9 @@ class RequestPath(QueuePlanner, Restores):
                 self._dispatch(flight, found[0], found[1], now)
                 return flight
         warm = self.router.warm(model)
+        if not warm:
+            flight.cold = True
+            self.cold[model][0] += 1
         # the largest replica now, or the largest seen (none warm: a restore brings up the
         # same replicas, so a request that no replica of the model can hold is 413, not 429)
         largest = max((r.kv_capacity_tokens for r in warm), default=0) or \
@@ -304,6 +312,9 @@ class RequestPath(QueuePlanner, Restores):
         flight.over = True
         self._settle_path(flight)
         ttft_ms = None if flight.ttft_s is None else (flight.ttft_s - flight.arrival_s) * 1000.0
+        if flight.cold and (kind != "done" or flight.ttft_s is None
+                            or flight.ttft_s > flight.deadline_s):
+            self.cold[flight.model][1] += 1
         if kind == "done":
             self.counts["done"] += 1
             message["ttft_ms"] = ttft_ms
@@ -401,6 +412,8 @@ class RequestPath(QueuePlanner, Restores):
         flight.over = True
         flight.pending = None
         self.counts["errors"] += 1
+        if flight.cold and code in (429, 503, 504):
+            self.cold[flight.model][1] += 1
         flight.sink.error(code, reason, retry_after_ms)
         self.telemetry.event(flight.req.request_id, flight.model, path, code, 0.0, None, None,
                              code == 504, reason=reason, predicted_ttft_ms=predicted_ttft_ms)
@@ -594,6 +607,7 @@ class RequestPath(QueuePlanner, Restores):
                         "queued": len(self.queues.get(m) or ())}
                     for m in sorted(self.known_models)}
         return {**self.counts, "arrivals": dict(self.arrivals), "connections": connections,
+                "cold": {m: {"arrivals": a, "misses": b} for m, (a, b) in self.cold.items()},
                 "restores_in_flight": self.gate.total,
                 "queued": {m: len(q) for m, q in self.queues.items() if q},
                 "replicas": {r.replica_id: {"model": r.model, "active_seqs": r.active_seqs,

@@ -17,8 +17,9 @@ Per model, every tick::
                                    │ yes
                              idle past the keep-alive? ──no──► hold ("keep-alive")
                                    │ yes   (to zero: idle since the last request, for
-                                   │        the breakeven keep-alive and the 0.99
-                                   │        quantile of observed idle gaps, IdleGaps;
+                                   │        the breakeven keep-alive, and the 0.99
+                                   │        quantile of observed idle gaps once cold
+                                   │        arrivals miss the SLO, IdleGaps;
                                    │        otherwise: low for the breakeven time)
                              snapshot durable? ──no──► hold ("snapshot not durable")
                                    │ yes
@@ -27,6 +28,14 @@ Per model, every tick::
 The keep-alive is computed from the model's long-run arrival rate (an average over
 ``rate_window_s``), not from the forecast: after traffic stops the forecast falls to zero at
 once, but the chance that the next request comes soon is set by the rate the model has had.
+
+The last replica's keep-alive is SLO-aware: a release is only as cheap as its breakeven
+says while the requests that then find no warm replica are served within their SLO (the
+front door counts them, :meth:`Predictor.observe_cold`).  Once more than ``1 -
+slo_attainment`` of them miss it, the replica is kept for the ``keepalive_gap_quantile``
+(0.99) quantile of the model's observed idle gaps (:class:`~agent.predictor.keepalive.IdleGaps`;
+the hybrid policy of Shahrad et al., "Serverless in the Wild", USENIX ATC 2020): releases
+then happen only in the longest gaps, whatever the arrival process.
 
 Scale-up acts at once.  The forecaster is chosen by ``ModelPolicy.forecaster`` among the
 candidates bench/forecast_eval.py judges at the lead time (restore p99 + decision latency):
@@ -49,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Protocol
 
@@ -63,6 +73,7 @@ from agent.speed import SpeedProfile
 log = logging.getLogger(__name__)
 
 MAX_STEPS_PER_TICK = 3600   # a longer gap restarts the forecast instead of replaying it
+COLD_SAMPLES = 64           # cold-arrival readings kept (observe_cold) per model
 
 
 class ForecastSink(Protocol):
@@ -112,6 +123,9 @@ class ModelPolicy:
     # observed idle gaps (over rate_window_s), at least the breakeven keep-alive; 0 = the
     # breakeven alone.  0.99: Shahrad et al., "Serverless in the Wild" (ATC 2020).
     keepalive_gap_quantile: float = 0.99
+    # the SLO attainment the keep-alive protects: the gap quantile applies once more than
+    # 1 - slo_attainment of the requests that found no warm replica missed their SLO
+    slo_attainment: float = 0.99
     costs: KeepAliveCosts = field(default_factory=KeepAliveCosts)
 
     def __post_init__(self) -> None:
@@ -141,6 +155,10 @@ class ModelPolicy:
                 raise ConfigError(f"ModelPolicy {self.model}: {name}={value}; limit is >= 0",
                                   name=name, value=value, limit=">= 0")
         seqs_per_replica(0, self.mean_context_tokens)   # > 0, else ConfigError
+        if not 0.0 < self.slo_attainment <= 1.0:
+            raise ConfigError(f"ModelPolicy {self.model}: slo_attainment={self.slo_attainment}; "
+                              "limit is 0 < a <= 1", name="slo_attainment",
+                              value=self.slo_attainment, limit="(0, 1]")
         if not 0.0 <= self.keepalive_gap_quantile <= 1.0:
             raise ConfigError(
                 f"ModelPolicy {self.model}: keepalive_gap_quantile="
@@ -228,6 +246,7 @@ class _State:
     acting_since_s: float | None = None
     low_since_s: float | None = None
     gaps: IdleGaps | None = None
+    cold: deque = field(default_factory=lambda: deque(maxlen=COLD_SAMPLES))
 
 
 class Predictor:
@@ -292,6 +311,26 @@ class Predictor:
             if st.last_arrival_s is not None and now - st.last_arrival_s > 1.5 * st.policy.step_s:
                 st.gaps.record(now - st.last_arrival_s, now)
             st.last_arrival_s = now
+
+    def observe_cold(self, model: str, arrivals: int, misses: int) -> None:
+        """Record ``arrivals`` requests that found no warm replica of ``model`` and the
+        ``misses`` among them not served within their SLO (the front door's ``cold``
+        counters).  Raises ModelNotFound for an unknown model and ConfigError unless
+        ``0 <= misses <= arrivals``."""
+        st = self._state(model)
+        if not (type(arrivals) is int and type(misses) is int and 0 <= misses <= arrivals):
+            raise ConfigError(f"observe_cold {model}: arrivals={arrivals!r} misses={misses!r}; "
+                              "limit is 0 <= misses <= arrivals", name="misses", value=misses,
+                              limit=arrivals)
+        if arrivals:
+            st.cold.append((arrivals, misses))
+
+    def cold_miss_fraction(self, model: str) -> float | None:
+        """The fraction of recent cold arrivals (:meth:`observe_cold`, the last
+        ``COLD_SAMPLES`` readings) that missed their SLO; None before any."""
+        cold = self._state(model).cold
+        total = sum(a for a, _ in cold)
+        return sum(m for _, m in cold) / total if total else None
 
     def update_capacity(self, model: str, kv_capacity_tokens: int,
                         mean_context_tokens: float | None = None) -> int:
@@ -399,8 +438,7 @@ class Predictor:
         # idle since the last request, or since this predictor began acting if it saw none
         seen = [t for t in (st.last_arrival_s, st.acting_since_s) if t is not None]
         idle_s = now - max(seen) if seen else math.inf
-        q = p.keepalive_gap_quantile
-        keepalive_s = release_after_s(plan, p, st.gaps.quantile(q, now) if q > 0 else None)
+        keepalive_s = release_after_s(plan, p, self._gap_keepalive_s(p.model, now))
         if idle_s >= keepalive_s:
             desired = p.min_replicas   # an idle model is released whatever the forecast recalls
         previous = st.target if st.target is not None else 0
@@ -418,6 +456,18 @@ class Predictor:
             self._catalog.record_forecast(p.model, window_start_s, forecast, actual,
                                           decision.target)
         return decision
+
+    def _gap_keepalive_s(self, model: str, now: float) -> float | None:
+        """The SLO-aware keep-alive (s) of ``model``: the policy's quantile of its observed
+        idle gaps, once requests that found no warm replica are measured to miss their SLO
+        more often than ``1 - slo_attainment`` allows; None otherwise (a release is then
+        SLO-safe and only its cost counts: the breakeven keep-alive alone)."""
+        st = self._models[model]
+        p = st.policy
+        missed = self.cold_miss_fraction(model)
+        if p.keepalive_gap_quantile <= 0 or missed is None or missed <= 1.0 - p.slo_attainment:
+            return None
+        return st.gaps.quantile(p.keepalive_gap_quantile, now)
 
     def _decide(self, st: _State, now: float, desired: int, plan: KeepAlivePlan,
                 idle_s: float, act: bool, keepalive_s: float) -> tuple[str, str]:

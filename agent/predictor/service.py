@@ -5,8 +5,10 @@ One step per second (``tick_s``)::
     front doors' stats ──► CounterRate per (front door, model) ──► Predictor.observe
     LeaderLock.tick() (or always leader when embedded) ──► Predictor.tick(act=leader)
 
-A front door's ``stats`` answer carries ``arrivals: {model: cumulative count}``
-and ``replicas: {id: {model, kv_capacity_tokens, ...}}``; the smallest KV capacity seen per
+A front door's ``stats`` answer carries ``arrivals: {model: cumulative count}``,
+``cold: {model: {arrivals, misses}}`` (requests that found no warm replica, and those of them
+not served within their SLO: fed to ``Predictor.observe_cold``, which makes the keep-alive
+SLO-aware) and ``replicas: {id: {model, kv_capacity_tokens, ...}}``; the smallest KV capacity seen per
 model re-sizes its sequences per replica (``Predictor.update_capacity`` with the policy's
 ``mean_context_tokens``). When the replicas' entries carry their measured speed (``SPEED_META_KEYS`` of agent/speed.py,
 with ``max_seqs``), the slowest replica's profile sizes the model from then on
@@ -60,6 +62,7 @@ class PredictorService:
         self._leader = leader
         self._scaler = scaler
         self._rates: dict[tuple[str, str], CounterRate] = {}
+        self._cold: dict[tuple[str, str], tuple[int, int]] = {}  # last cumulative reading
         self._fetch_failing_since: float | None = None   # clock time stats first failed
         self._fetch_warned_s = float("-inf")
         self.is_leader = False
@@ -121,6 +124,16 @@ class PredictorService:
                 seen[model] = (arrivals + got[0], max(window_s, got[1]))
         for model, (arrivals, window_s) in seen.items():
             self.predictor.observe(model, arrivals, window_s)
+        for door, door_stats in stats.items():
+            for model, (cold, missed) in (door_stats.get("cold") or {}).items():
+                if model not in known:
+                    continue
+                before = self._cold.get((door, model))
+                self._cold[(door, model)] = (cold, missed)
+                if before is None or cold < before[0] or missed < before[1]:
+                    continue          # first reading, or the door restarted: a new baseline
+                if cold > before[0]:
+                    self.predictor.observe_cold(model, cold - before[0], missed - before[1])
         for model, tokens in capacity.items():
             self.predictor.update_capacity(model, tokens)
         for model, (profile, max_seqs, lengths) in _speeds(stats, known).items():
@@ -231,5 +244,11 @@ def _parse_stats(address: str, result: dict) -> dict[str, dict[str, int]]:
                     and math.isfinite(value[k]) and value[k] >= 0}
             if keep:
                 lengths[str(m)] = keep
+    cold: dict[str, tuple[int, int]] = {}
+    reported = result.get("cold")
+    for m, value in (reported.items() if isinstance(reported, dict) else ()):
+        if isinstance(value, dict) and _count(value.get("arrivals")) \
+                and _count(value.get("misses")) and value["misses"] <= value["arrivals"]:
+            cold[str(m)] = (value["arrivals"], value["misses"])
     return {"arrivals": {str(k): v for k, v in counters.items() if _count(v)},
-            "kv_capacity_tokens": capacity, "speed": speed, "lengths": lengths}
+            "kv_capacity_tokens": capacity, "speed": speed, "lengths": lengths, "cold": cold}

@@ -244,3 +244,23 @@ def test_a_request_no_replica_of_the_model_can_hold_is_413_even_at_zero_replicas
         fits = f.submit(prompt_tokens=8, max_tokens=8)
         assert fits.final is None                   # held for the restore, as before
     run(main())
+
+
+def test_requests_that_find_no_warm_replica_are_counted_with_their_misses():
+    async def main():
+        # a restore that makes the SLO: both cold arrivals served in time, no miss
+        f = Fleet(max_seqs=4, warm=0, restore_s=1.0, measured_restores_s=(1.0,))
+        t0 = f.clock.now()
+        a, b = f.submit(), f.submit()
+        await f.timeline.run_until(t0 + 6)
+        assert a.code == b.code == 200
+        assert f.path.info("stats")["cold"] == {"m": {"arrivals": 2, "misses": 0}}
+        warm = f.submit()                           # a replica is warm now: not cold
+        await f.timeline.run_until(t0 + 8)
+        assert warm.code == 200 and f.path.cold["m"] == [2, 0]
+        # restores too slow for the 4 s restore SLO: refused at once, each a cold miss
+        g = Fleet(max_seqs=4, warm=0, restore_s=10.0, measured_restores_s=(10.0,))
+        refused = [g.submit() for _ in range(3)]
+        assert [r.code for r in refused] == [429] * 3
+        assert g.path.info("stats")["cold"] == {"m": {"arrivals": 3, "misses": 3}}
+    run(main())

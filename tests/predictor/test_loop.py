@@ -327,6 +327,7 @@ def test_keepalive_learns_the_idle_gaps_and_holds_through_them():
                                   occupancy_s=1.0, seqs_per_replica=3, utilisation=1.0)
     first = _bursts_with_gaps(p, clock, 12, 1)
     assert any(d.action == "scale_down" and d.target == 0 for d in first)  # nothing learnt yet
+    p.observe_cold("m", 3, 2)      # the front door: 2 of the 3 cold arrivals missed their SLO
     later = _bursts_with_gaps(p, clock, 12, 6)
     # after the first gap was seen, the replica is kept through every gap that long
     assert not any(d.action == "scale_down" and d.target == 0 for d in later)
@@ -337,15 +338,40 @@ def test_keepalive_learns_the_idle_gaps_and_holds_through_them():
     assert tail[released].target == 0 and tail[released].idle_s == pytest.approx(13.0)
 
 
-def test_keepalive_without_the_gap_quantile_is_the_breakeven_alone():
+@pytest.mark.parametrize("quantile, cold", [
+    (0.0, (3, 2)),       # gap quantile off: cold misses change nothing
+    (0.99, (3, 0)),      # every cold arrival served in time: a release is SLO-safe
+    (0.99, None),        # nothing known about cold arrivals yet
+    (0.99, (300, 3)),    # 1 % missed: within slo_attainment 0.99
+])
+def test_keepalive_is_the_breakeven_alone_unless_cold_arrivals_miss_their_slo(quantile, cold):
     cheap = KeepAliveCosts(gpu_cost_per_s=1.0, wait_cost_per_s=0.0, restore_s=1.0)
     p, clock, scaler, _, _ = make(forecaster="quantile_backstop", costs=cheap,
                                   occupancy_s=1.0, seqs_per_replica=3, utilisation=1.0,
-                                  keepalive_gap_quantile=0.0)
+                                  keepalive_gap_quantile=quantile)
+    if cold is not None:
+        p.observe_cold("m", *cold)
     decisions = _bursts_with_gaps(p, clock, 12, 4)
     downs = [d for d in decisions if d.action == "scale_down" and d.target == 0]
     assert len(downs) == 4                        # released inside every gap
     assert all(d.idle_s < 5.0 for d in downs)     # at the restore p99 floor (3.6 s)
+
+
+def test_observe_cold_checks_its_counts_and_keeps_a_window():
+    p, *_ = make()
+    with pytest.raises(ConfigError):
+        p.observe_cold("m", 2, 3)
+    with pytest.raises(ConfigError):
+        p.observe_cold("m", -1, 0)
+    with pytest.raises(ModelNotFound):
+        p.observe_cold("x", 1, 0)
+    assert p.cold_miss_fraction("m") is None
+    p.observe_cold("m", 4, 1)
+    p.observe_cold("m", 0, 0)                     # no reading
+    assert p.cold_miss_fraction("m") == 0.25
+    for _ in range(64):                           # the window forgets the oldest readings
+        p.observe_cold("m", 1, 0)
+    assert p.cold_miss_fraction("m") == 0.0
 
 
 def test_gaps_older_than_the_window_are_forgotten():

@@ -107,10 +107,13 @@ def _serve_once(answer):
         "requests": 9, "arrivals": {"m": 7, "x": -1, "y": True},
         "replicas": {"r1": {"model": "m", "kv_capacity_tokens": 72089},
                      "r2": {"model": "m", "kv_capacity_tokens": 36000},
-                     "r3": {"model": "n", "kv_capacity_tokens": "lots"}}}},
-     {"arrivals": {"m": 7}, "kv_capacity_tokens": {"m": 36000}, "speed": {}, "lengths": {}}),
+                     "r3": {"model": "n", "kv_capacity_tokens": "lots"}},
+        "cold": {"m": {"arrivals": 5, "misses": 2}, "n": {"arrivals": 1, "misses": 2},
+                 "o": "many"}}},
+     {"arrivals": {"m": 7}, "kv_capacity_tokens": {"m": 36000}, "speed": {}, "lengths": {},
+      "cold": {"m": (5, 2)}}),
     ({"type": "result", "result": {"requests": 9}},           # no per-model counters
-     {"arrivals": {}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {}}),
+     {"arrivals": {}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {}, "cold": {}}),
 ])
 def test_frontdoor_stats(answer, expect):
     addr, srv, t = _serve_once(answer)
@@ -244,11 +247,13 @@ def test_reads_the_real_front_doors_stats():
         return before, after, answers
 
     before, after, answers = asyncio.run(main())
-    assert before == {"arrivals": {}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {}}
+    assert before == {"arrivals": {}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {},
+                      "cold": {}}
     codes = {a["id"]: a["code"] for a in answers}
     assert [codes[i] for i in range(3)] == [404, 404, 404]
     assert all(codes[i] in (503, 504) for i in range(3, 6))  # no replica can come for "m"
     assert after["arrivals"] == {"m": 3}
+    assert after["cold"] == {"m": (3, 3)}   # no warm replica for any of them; none served
 
 
 def test_a_front_door_outage_is_logged_when_it_starts_each_minute_and_when_it_ends(caplog):
@@ -329,3 +334,18 @@ def test_service_sizes_from_the_reported_speed():
     st = pred._models["m"]
     assert st.speed == slow and st.max_seqs == 4
     assert st.policy.mean_prompt_tokens == 40.0 and st.policy.mean_gen_tokens == 3.0
+
+
+def test_cold_counters_feed_the_predictor_as_differences_per_door():
+    feed = iter([
+        {"a": {"m": (10, 1)}, "b": {"m": (3, 0)}},
+        {"a": {"m": (14, 3)}, "b": {"m": (3, 0)}, "c": {"x": (9, 9)}},   # x: not a model here
+        {"a": {"m": (2, 0)}, "b": {"m": (5, 0)}},      # a restarted: a new baseline, no sample
+    ])
+    svc, clock = make(lambda: {door: {"arrivals": {}, "cold": c} for door, c in next(feed).items()})
+    svc.sample()                                       # baselines only
+    assert svc.predictor.cold_miss_fraction("m") is None
+    svc.sample()
+    assert svc.predictor.cold_miss_fraction("m") == pytest.approx(2 / 4)
+    svc.sample()
+    assert svc.predictor.cold_miss_fraction("m") == pytest.approx(2 / 6)
