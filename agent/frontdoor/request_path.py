@@ -307,6 +307,7 @@ class RequestPath(QueuePlanner, Restores):
             message["path"] = flight.path
             message["replica"] = link.replica_id
             message["queue_wait_ms"] = flight.queue_wait_ms
+            message["predicted_ttft_ms"] = _ms(flight.predicted_ttft_s)
             code = 200
             flight.sink.done(message)
         else:
