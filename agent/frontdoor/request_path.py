@@ -256,6 +256,8 @@ class RequestPath(QueuePlanner, Restores, Reroute):
             now = self.clock.now()
         flight.replica_id = rid
         flight.predicted_ttft_s = now - flight.arrival_s + predicted_s
+        flight.sent_s, flight.sent_predicted_s = now, predicted_s
+        flight.sent_slowdown = replica.slowdown
         self.router.on_dispatch(rid, flight.need_tokens, flight.prompt_tokens)
         self.counts["dispatched"] += 1
         deadline_s = flight.warm_deadline_s
@@ -342,6 +344,7 @@ class RequestPath(QueuePlanner, Restores, Reroute):
             left = load.queued_prefill_tokens - prompt
             load.queued_prefill_tokens = left if left > 0 else 0
             load.active_ctx_tokens += prompt
+            load.observe_ttft(flight.sent_predicted_s, now - flight.sent_s, flight.sent_slowdown)
         if now > flight.deadline_s:  # a prediction was wrong: say which
             self.counts["late_first_token"] += 1
             self._late_log.warning("request %r for model %r: first token %.0f ms after arrival, past its "
