@@ -206,6 +206,8 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
         outcomes = asyncio.run(replay.send_plan(address, model, plan, base,
                                                 until_s=scale.wall_s))
         span_s = sampler.stop()
+        # the front door's own counts: replica 429s, requests placed again, late first tokens
+        fd_counts = dict(stack.frontdoor.path.counts) if stack.frontdoor is not None else {}
         rows_after = stack.agent.catalog.cold_starts(model)
         restores = len(rows_after) - restores_before
         peak = sampler.peak
@@ -222,7 +224,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
                             always_on_gpu_seconds=pool * span_s, restores=restores)
     live.update(peak_replicas=peak, always_on_replicas=pool,
                 one_replica_gpu_seconds=round(span_s, 2),
-                prediction=prediction_error(outcomes),
+                prediction=prediction_error(outcomes), frontdoor_counts=fd_counts,
                 requests_log=[request_row(o) for o in outcomes])
     sim = simulate_plan(plan, profile, batch=scale.batch, kv_capacity_tokens=max_seqs * max_seq_len,
                         restore_s=restore_s, policy=policy, max_replicas=cap,
