@@ -13,7 +13,8 @@ Each replica's predictions also carry its measured error: after every first toke
 front door compares the TTFT it predicted when it sent the request with the one it saw
 (:meth:`ReplicaLoad.observe_ttft`), and a replica that has been slower than predicted is
 predicted slower by that ratio (``slowdown``: the 99th percentile of the last
-:data:`SLOWDOWN_WINDOW` ratios, at least 1, kept across load reports).  The
+:data:`SLOWDOWN_WINDOW` ratios, at least 1, kept across load reports; a replica new to the
+view starts at its model's, until its own first token).  The
 speed model cannot see everything a replica meets (a neighbour on its CPU, prompts longer
 than any it measured, page faults after a restore); what it misses shows up here, in the
 front door's own observations, within a few requests, so admission stops promising TTFTs
@@ -184,6 +185,7 @@ class Router:
         self._by_model: dict[str, dict[str, ReplicaLoad]] = {}
         self.default_prior = default_prior
         self._slowest: dict[str, SpeedProfile] = {}  # model -> slowest reported (kept)
+        self._last_slowdown: dict[str, float] = {}   # model -> of its last replica removed
 
     def upsert(self, load: ReplicaLoad) -> None:
         """Add a replica or replace its reported load."""
@@ -193,6 +195,9 @@ class Router:
         elif old is not None:
             # the front door's own measurement outlives reports
             load.slowdown, load.ratios = old.slowdown, old.ratios
+        else:  # new: as slow as its model's replicas were, until its own first token says
+            load.slowdown = max([r.slowdown for r in self._by_model.get(load.model, _EMPTY).values()]
+                                + [self._last_slowdown.get(load.model, 1.0)])
         self._replicas[load.replica_id] = load
         self._by_model.setdefault(load.model, {})[load.replica_id] = load
         if load.speed is not None:
@@ -205,6 +210,7 @@ class Router:
         load = self._replicas.pop(replica_id, None)
         if load is not None:
             self._by_model.get(load.model, {}).pop(replica_id, None)
+            self._last_slowdown[load.model] = load.slowdown
 
     def get(self, replica_id: str) -> ReplicaLoad | None:
         return self._replicas.get(replica_id)
