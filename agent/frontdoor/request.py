@@ -122,10 +122,11 @@ class Canceller(Protocol):
 class Flight:
     """One request inside the front door, from submit to its final answer (or cancel)."""
 
-    __slots__ = ("owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
+    __slots__ = ("sent_s", "sent_predicted_s", "sent_slowdown",
+                 "owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
                  "prompt_tokens", "path", "restore_ms", "queue_wait_ms", "replica_id",
                  "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried",
-                 "warm_deadline_s", "sent_s", "sent_predicted_s", "sent_slowdown")
+                 "warm_deadline_s")
 
     def __init__(self, owner: "Canceller", req: GenerateRequest, sink: Sink,
                  arrival_s: float) -> None:
