@@ -54,6 +54,9 @@ class Outcome:
     sent_s: float = 0.0
     tokens: list[int] = field(default_factory=list)
     reason: str = ""
+    predicted_ttft_ms: float | None = None  # the front door's, from arrival (its ``done``)
+    replica: str | None = None
+    queue_wait_ms: float | None = None
 
 
 async def one_request(client, model: str, tokens: list[int], max_tokens: int,
@@ -71,6 +74,8 @@ async def one_request(client, model: str, tokens: list[int], max_tokens: int,
                 out.tokens.extend(msg["tokens"])
             else:
                 out.code, out.path = 200, msg.get("path")
+                out.predicted_ttft_ms = msg.get("predicted_ttft_ms")
+                out.replica, out.queue_wait_ms = msg.get("replica"), msg.get("queue_wait_ms")
     except RewarmError as err:
         out.code, out.reason = int(getattr(err, "code", 500) or 500), str(err)
     except (OSError, asyncio.TimeoutError) as err:

@@ -209,6 +209,8 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
         outcomes = asyncio.run(replay.send_plan(address, model, plan, base,
                                                 until_s=scale.wall_s))
         span_s = sampler.stop()
+        # the front door's own counts: replica 429s, requests placed again, late first tokens
+        fd_counts = dict(stack.frontdoor.path.counts) if stack.frontdoor is not None else {}
         rows_after = stack.agent.catalog.cold_starts(model)
         restores = len(rows_after) - restores_before
         peak = sampler.peak
@@ -224,7 +226,9 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
     live = replay.summarise(outcomes, gpu_seconds=sampler.replica_s,
                             always_on_gpu_seconds=pool * span_s, restores=restores)
     live.update(peak_replicas=peak, always_on_replicas=pool,
-                one_replica_gpu_seconds=round(span_s, 2))
+                one_replica_gpu_seconds=round(span_s, 2),
+                prediction=prediction_error(outcomes), frontdoor_counts=fd_counts,
+                requests_log=[request_row(o) for o in outcomes])
     sim = simulate_plan(plan, profile, batch=scale.batch, kv_capacity_tokens=max_seqs * max_seq_len,
                         restore_s=restore_s, policy=policy, max_replicas=cap,
                         initial_replicas=1,
@@ -302,6 +306,27 @@ def verdict(r: dict) -> dict:
     return out
 
 
+def request_row(o) -> list:
+    """One request of the replay, compact: ``[sent_s, code, answered_ms, ttft_ms,
+    predicted_ttft_ms, path, replica, queue_wait_ms, reason]`` (ms at the client from its
+    send; the prediction at the front door from its arrival)."""
+    r = lambda x: None if x is None else round(x, 1)  # noqa: E731
+    return [round(o.sent_s, 3), o.code, r(o.answered_ms), r(o.ttft_ms), r(o.predicted_ttft_ms),
+            o.path, o.replica, r(o.queue_wait_ms), o.reason[:120]]
+
+
+def prediction_error(outcomes) -> dict:
+    """How the front door's predictions met what the clients saw, over the served requests
+    that carried one: ``count``, and ``actual - predicted`` TTFT (ms) at p50, p99 and max
+    (positive: optimistic)."""
+    from agent.replay import percentile
+
+    errors = [o.ttft_ms - o.predicted_ttft_ms for o in outcomes
+              if o.code == 200 and o.ttft_ms is not None and o.predicted_ttft_ms is not None]
+    return {"count": len(errors), "p50_ms": percentile(errors, 50),
+            "p99_ms": percentile(errors, 99), "max_ms": max(errors, default=None)}
+
+
 def _ms(x) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
@@ -326,6 +351,10 @@ def table(r: dict) -> str:
                  f"{s['always_on_gpu_seconds']:>12.1f}")
     lines.append(f"{'  (replicas; one replica)':<28}{r['always_on_replicas']:>5} "
                  f"{r['one_replica_gpu_seconds']:>6.1f}")
+    pe = r.get("prediction") or {}
+    if pe.get("count"):
+        lines.append(f"{'ttft - predicted p50/p99 ms':<28}{_ms(pe['p50_ms']):>12}"
+                     f"{_ms(pe['p99_ms']):>12}")
     failed = [k for k, v in r["verdict"].items() if not v]
     lines.append("targets: " + ("all met" if not failed else "NOT met: " + ", ".join(failed)))
     return "\n".join(lines)

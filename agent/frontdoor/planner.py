@@ -40,19 +40,25 @@ class QueuePlanner:
                                None if p50 is None else p50 / 1000.0,
                                None if p99 is None else p99 / 1000.0, startable)
 
-    def _slots(self, model: str, now: float) -> tuple[list[tuple[float, float, float]], float]:
+    def _slots(self, model: str, now: float
+               ) -> tuple[list[tuple[float, float, float, str]], float, dict[str, float]]:
         """The slots for ``model``'s queue, soonest first, as ``(time, when its replica was
-        first seen, its decode step)``: the expected end of each request at the warm
-        replicas (dispatch + predicted TTFT + max_tokens decode steps at a full batch, then
-        the step in progress), the free slots now, and the slots of the replicas being
-        restored or that could be (:func:`slot_times_s`; first seen: never, so usable on the
-        restore path).  Also the earliest time, for ``retry_after_ms`` (inf: none).  Cached
-        for ``tick_s`` (a burst of arrivals shares one computation)."""
+        first seen, its decode step, its replica id)``: the expected end of each request at
+        the warm replicas (dispatch + predicted TTFT + max_tokens decode steps at a full
+        batch, then the step in progress), the free slots now, and the slots of the replicas
+        being restored or that could be (:func:`slot_times_s`; first seen: never, so usable
+        on the restore path; replica id "": their prefills one after another are in their
+        times already).  Also the earliest time, for ``retry_after_ms`` (inf: none), and per
+        warm replica when the prefills queued there are done (the step in progress, then the
+        queued prompts: the router's own accounting, as a direct dispatch is predicted): a
+        replica prefills one prompt at a time, so a slot there starts no sooner.  Cached for
+        ``tick_s`` (a burst of arrivals shares one computation)."""
         cached = self._slot_cache.get(model)
         if cached is not None and now - cached[0] < self.config.tick_s:
-            return cached[1], cached[2]
+            return cached[1], cached[2], cached[3]
         prior = self.router.prior(model)
-        slots = []
+        mean_prompt = self._shape.get(model, (1.0, 1.0))[0]
+        slots, busy = [], {}
         for load in self.router.warm(model):
             link = self.links.get(load.replica_id)
             if link is None:
@@ -63,28 +69,29 @@ class QueuePlanner:
             step_s = speed.decode_step_s(load.max_seqs, load.active_ctx_tokens
                                          * max(1, load.max_seqs) // max(1, load.active_seqs))
             seen = self._first_seen.get(load.replica_id, float("-inf"))
+            rid = load.replica_id
+            busy[rid] = now + load.predict_ttft_s(0, prior) - speed.prefill_overhead_s
             idle = load.max_seqs - load.active_seqs
             if idle > 0:  # free now: they start after the step in progress
                 slots.extend([(now + speed.decode_step_s(load.active_seqs,
                                                          load.active_ctx_tokens), seen,
-                               step_s)] * idle)
+                               step_s, rid)] * idle)
             for f in link.in_flight.values():
                 first = f.ttft_s if f.ttft_s is not None else \
                     f.arrival_s + (f.predicted_ttft_s or 0.0)
                 end = first + f.req.max_tokens * step_s
                 if end <= now:  # overdue: the estimate was wrong; expect the overrun again
                     end = now + (now - end)
-                slots.append((end + step_s, seen, step_s))
+                slots.append((end + step_s, seen, step_s, rid))
         per_replica = self._per_replica(model)
-        mean_prompt = self._shape.get(model, (1.0, 1.0))[0]
         fresh_step = prior.decode_step_s(per_replica)
         inf = float("inf")
-        slots.extend((t, inf, fresh_step) for t in slot_times_s(
+        slots.extend((t, inf, fresh_step, "") for t in slot_times_s(
             [], self._etas_s(model, now), per_replica, prior, mean_prompt))
         slots.sort()  # sorted: a valid heap as it is
         first = slots[0][0] if slots else inf
-        self._slot_cache[model] = (now, slots, first)
-        return slots, first
+        self._slot_cache[model] = (now, slots, first, busy)
+        return slots, first, busy
 
     def _assign(self, model: str, flights: list[Flight], now: float,
                 margin_s: float = 0.0, ahead: int = 0) -> tuple[list[float | None], float]:
@@ -92,11 +99,14 @@ class QueuePlanner:
         ``flights`` (earliest deadline first), each taking the soonest slot that those before
         it left and that it can use in time: a slot on a replica up before the request
         arrived within its warm deadline, a new replica's within its restore-path deadline.
+        Its prefill starts when the slot is free and its replica has prefilled the prompts
+        queued there and those placed there before it (one prompt at a time).
         A slot taken frees again once that request's ``max_tokens`` are decoded.  ``ahead``
         more requests (not given one by one: a long queue) are taken to hold the first
         ``ahead`` slots.  The last flight must make its deadlines with ``margin_s`` to spare
         (admission; see :meth:`_hold`).  Also returns the earliest slot's time."""
-        slots, first = self._slots(model, now)
+        slots, first, busy = self._slots(model, now)
+        busy = dict(busy)
         prior = self.router.prior(model)
         if ahead < len(slots):
             heap = slots[ahead:]      # a suffix of a sorted list: still a heap
@@ -105,9 +115,9 @@ class QueuePlanner:
             # request's decode (the model's mean max_tokens, at the slot's step) later
             rounds, start = divmod(ahead, len(slots))
             gen = self._shape.get(model, (1.0, 1.0))[1] + 1.0
-            heap = [(t + rounds * gen * step, seen, step) for t, seen, step in slots[start:]]
-            heap += [(t + (rounds + 1) * gen * step, seen, step)
-                     for t, seen, step in slots[:start]]
+            heap = [(t + rounds * gen * step, seen, step, r) for t, seen, step, r in slots[start:]]
+            heap += [(t + (rounds + 1) * gen * step, seen, step, r)
+                     for t, seen, step, r in slots[:start]]
             heapq.heapify(heap)
         else:
             heap = []
@@ -119,15 +129,19 @@ class QueuePlanner:
             found, passed = None, []
             while heap:
                 slot = heapq.heappop(heap)
-                t, seen, step_s = slot
-                ttft_s = max(0.0, t - now) + own
-                if now + ttft_s + spare > flight.deadline_s:
-                    passed.append(slot)
+                t, seen, step_s, rid = slot
+                if now + max(0.0, t - now) + own + spare > flight.deadline_s:
+                    passed.append(slot)       # no later slot is sooner
                     break
-                if seen > flight.arrival_s or now + ttft_s + spare <= flight.warm_deadline_s:
+                start = max(t, busy.get(rid, t)) if rid else t  # its replica's prefills first
+                ttft_s = max(0.0, start - now) + own
+                if now + ttft_s + spare <= flight.deadline_s and (
+                        seen > flight.arrival_s or now + ttft_s + spare <= flight.warm_deadline_s):
                     found = ttft_s
+                    if rid:
+                        busy[rid] = now + ttft_s
                     heapq.heappush(heap, (now + ttft_s + (flight.req.max_tokens + 1) * step_s,
-                                          seen, step_s))
+                                          seen, step_s, rid))
                     break
                 passed.append(slot)
             for slot in passed:

@@ -122,7 +122,8 @@ class Canceller(Protocol):
 class Flight:
     """One request inside the front door, from submit to its final answer (or cancel)."""
 
-    __slots__ = ("owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
+    __slots__ = ("sent_s", "sent_predicted_s", "sent_slowdown",
+                 "owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
                  "prompt_tokens", "path", "restore_ms", "queue_wait_ms", "replica_id",
                  "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried",
                  "warm_deadline_s", "cold")
@@ -140,6 +141,9 @@ class Flight:
         self.path = "warm_hit"
         self.restore_ms: float | None = None
         self.queue_wait_ms = 0.0
+        self.sent_s = 0.0                 # when it was last sent to a replica
+        self.sent_predicted_s = 0.0       # the router's TTFT for it then, from then
+        self.sent_slowdown = 1.0          # the replica's measured slowdown in that prediction
         self.replica_id = ""
         self.replica_rid = 0
         self.ttft_s: float | None = None

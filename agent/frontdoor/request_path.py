@@ -12,9 +12,12 @@ State machine of one ``generate`` request (deadline from arrival; SLOs per model
     submit ──► 404 / 413 / 503 (answered at once)
        │
        ├─ nobody queued, a warm replica's predicted TTFT within the warm SLO ─► DISPATCHED
-       │      (lowest predicted TTFT; ``deadline_ms`` = time left)   replica 429 ─┐
+       │      (lowest predicted TTFT; ``deadline_ms`` = time left)   nothing streamed:
+       │                                                    │  replica 429, 503 or  │
+       │                                                    │  link lost (reroute.py)┐
        │                                                    ├─ another replica ◄──┤
        │                                                    └─ tokens…, done      │
+       │                                                       (link lost: 503)   │
        └─ else: can capacity arriving (restore ETA p99 per tier, restores in flight  │
           with their remaining ETA, the queue ahead) start it within the restore SLO?◄┘
               no ─► 429 + retry_after_ms at once
@@ -42,6 +45,7 @@ from agent.frontdoor.admission import AdmissionQueue, Pending
 from agent.frontdoor.planner import QueuePlanner
 from agent.frontdoor.ratelog import RateLimitedLog
 from agent.frontdoor.request import SAMPLING_FIELDS, Flight, GenerateRequest, Sink
+from agent.frontdoor.reroute import Reroute
 from agent.frontdoor.restores import Restores
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
@@ -53,7 +57,7 @@ __all__ = ["RequestPath", "GenerateRequest", "Sink", "Flight", "SAMPLING_FIELDS"
 
 log = logging.getLogger(__name__)
 
-class RequestPath(QueuePlanner, Restores):
+class RequestPath(QueuePlanner, Restores, Reroute):
     """Owns the router, the admission queues, the replica links and the capacity requests;
     :meth:`submit` is the one way in."""
 
@@ -76,7 +80,7 @@ class RequestPath(QueuePlanner, Restores):
         self._deadline_ms = dict(config.models)  # model -> default deadline (ms)
         self.counts = {"requests": 0, "dispatched": 0, "done": 0, "errors": 0, "cancelled": 0,
                        "shed_429": 0, "expired_504": 0, "late_first_token": 0,
-                       "replica_429": 0}
+                       "replica_429": 0, "rerouted": 0}
         self._shape: dict[str, list[float]] = {}   # model -> [mean prompt, mean max_tokens]
         self._max_seqs: dict[str, int] = {}        # model -> largest replica's slots seen
         self._max_kv: dict[str, int] = {}          # model -> largest replica's KV seen (tokens)
@@ -97,6 +101,7 @@ class RequestPath(QueuePlanner, Restores):
         self._upserted: dict[str, float] = {}  # replica id -> when a restore reported it
         self.stopping = False
         self._drain_until_s: float | None = None
+        self._restore_tasks: set[asyncio.Task] = set()  # held: the loop keeps weak references
 
     # --- the way in ------------------------------------------------------------------
 
@@ -263,6 +268,8 @@ class RequestPath(QueuePlanner, Restores):
             now = self.clock.now()
         flight.replica_id = rid
         flight.predicted_ttft_s = now - flight.arrival_s + predicted_s
+        flight.sent_s, flight.sent_predicted_s = now, predicted_s
+        flight.sent_slowdown = replica.slowdown
         self.router.on_dispatch(rid, flight.need_tokens, flight.prompt_tokens)
         self.counts["dispatched"] += 1
         deadline_s = flight.warm_deadline_s
@@ -304,8 +311,11 @@ class RequestPath(QueuePlanner, Restores):
         had_first = flight.ttft_s is not None
         self.router.on_complete(link.replica_id, flight.need_tokens, flight.prompt_tokens,
                                 had_first)
-        if kind != "done" and not had_first and message.get("code") == 429:
-            self._replica_refused(link, flight, message)
+        if kind != "done" and not had_first and message.get("code") in (429, 503):
+            if message.get("code") == 429:
+                self._replica_refused(link, flight, message)
+            else:
+                self._replica_leaving(link, flight, message)
             return
         if not had_first and kind == "done":
             self._first_token(flight, now)
@@ -322,6 +332,7 @@ class RequestPath(QueuePlanner, Restores):
             message["path"] = flight.path
             message["replica"] = link.replica_id
             message["queue_wait_ms"] = flight.queue_wait_ms
+            message["predicted_ttft_ms"] = _ms(flight.predicted_ttft_s)
             code = 200
             flight.sink.done(message)
         else:
@@ -348,6 +359,7 @@ class RequestPath(QueuePlanner, Restores):
             left = load.queued_prefill_tokens - prompt
             load.queued_prefill_tokens = left if left > 0 else 0
             load.active_ctx_tokens += prompt
+            load.observe_ttft(flight.sent_predicted_s, now - flight.sent_s, flight.sent_slowdown)
         if now > flight.deadline_s:  # a prediction was wrong: say which
             self.counts["late_first_token"] += 1
             self._late_log.warning("request %r for model %r: first token %.0f ms after arrival, past its "
@@ -356,32 +368,6 @@ class RequestPath(QueuePlanner, Restores):
                         (flight.deadline_s - flight.arrival_s) * 1000,
                         (flight.predicted_ttft_s or 0.0) * 1000, flight.replica_id)
 
-    def _replica_refused(self, link: ReplicaLink, flight: Flight, message: dict) -> None:
-        """The replica predicted it cannot start ``flight`` in time (429, contract point 3):
-        another replica that can, else hold it if capacity can still make its deadline,
-        else 429.  Predictions for that replica carry the difference until its next report."""
-        self.counts["replica_429"] += 1
-        load = self.router.get(link.replica_id)
-        theirs = message.get("predicted_ttft_ms")
-        if load is not None and isinstance(theirs, (int, float)) and flight.predicted_ttft_s:
-            ours_s = flight.predicted_ttft_s - (flight.queue_wait_ms / 1000.0)
-            load.penalty_s = max(load.penalty_s, theirs / 1000.0 - ours_s)
-        flight.tried = (flight.tried or set()) | {link.replica_id}
-        now = self.clock.now()
-        found = self._choose_in_time(flight, now)
-        if found is not None:
-            self._dispatch(flight, found[0], found[1])
-            return
-        if self.capacity is not None:
-            warm_s, restore_s = self._budgets_s(flight.model, flight.req.deadline_ms)
-            flight.deadline_s = flight.arrival_s + restore_s
-            self._hold(flight, None if found is None else found[1])
-            return
-        self.counts["shed_429"] += 1
-        retry = message.get("retry_after_ms")
-        self._fail(flight, 429, str(message.get("reason", "replica refused")),
-                   retry_after_ms=retry if type(retry) is int else None)
-
     def _settle_path(self, flight: Flight) -> None:
         """A request that arrived before the replica serving it was brought up waited for that
         restore: it takes the restore's path.  (The registry may show the new replica, and the
@@ -389,20 +375,6 @@ class RequestPath(QueuePlanner, Restores):
         came_up = self.came_up.get(flight.replica_id)
         if flight.path == "warm_hit" and came_up is not None and flight.arrival_s <= came_up[0]:
             flight.path, flight.restore_ms = came_up[1], came_up[2]
-
-    def replica_failed(self, link: ReplicaLink, reason: str) -> None:
-        """The link broke: its requests get 503 and the replica leaves the view until the
-        registry shows it again."""
-        link.closed = True
-        if self.links.get(link.replica_id) is link:
-            del self.links[link.replica_id]
-        self.router.remove(link.replica_id)
-        self._slot_cache.clear()
-        failed, link.in_flight = list(link.in_flight.values()), {}
-        for flight in failed:
-            self._fail(flight, 503, reason, path=flight.path)
-        if link.transport is not None:
-            link.transport.close()
 
     def _fail(self, flight: Flight, code: int, reason: str, path: str = "refused",
               retry_after_ms: int | None = None, predicted_ttft_ms: float | None = None) -> None:
@@ -538,7 +510,7 @@ class RequestPath(QueuePlanner, Restores):
     def fail_dispatched(self, reason: str) -> None:
         """Answer every request still at a replica 503 with ``reason`` and close the links."""
         for link in list(self.links.values()):
-            self.replica_failed(link, reason.format(replica=link.replica_id))
+            self.replica_failed(link, reason.format(replica=link.replica_id), retry=False)
 
     # --- the replica view ----------------------------------------------------------------
 

@@ -44,7 +44,12 @@ class Restores:
         self._slot_cache.pop(model, None)
         for _ in range(min(n, self.gate.room(model))):
             self.gate.started(model, now)
-            asyncio.get_running_loop().create_task(self._restore(model))
+            # a reference is kept until it ends: the event loop holds tasks weakly, and one
+            # awaiting a future nothing else refers to would be collected mid-restore (its
+            # ``finally`` then ends the restore in the gate's count: capacity vanishes)
+            task = asyncio.get_running_loop().create_task(self._restore(model))
+            self._restore_tasks.add(task)
+            task.add_done_callback(self._restore_tasks.discard)
         self.telemetry.restores_in_flight(self.gate.total)
 
     async def _restore(self, model: str) -> None:

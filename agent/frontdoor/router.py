@@ -9,6 +9,17 @@ Between reports the front door keeps its own accounting: a dispatched request co
 active sequence and, until its first token, its prompt as queued prefill.  A free sequence
 slot and enough KV headroom are the hard limit; equal predictions go to the most headroom.
 
+Each replica's predictions also carry its measured error: after every first token the
+front door compares the TTFT it predicted when it sent the request with the one it saw
+(:meth:`ReplicaLoad.observe_ttft`), and a replica that has been slower than predicted is
+predicted slower by that ratio (``slowdown``: the 99th percentile of the last
+:data:`SLOWDOWN_WINDOW` ratios, at least 1, kept across load reports; a replica new to the
+view starts at its model's, until its own first token).  The
+speed model cannot see everything a replica meets (a neighbour on its CPU, prompts longer
+than any it measured, page faults after a restore); what it misses shows up here, in the
+front door's own observations, within a few requests, so admission stops promising TTFTs
+the replica does not keep.
+
 A replica that has reported no speed is predicted with a conservative prior
 (:meth:`Router.prior`): the slowest profile, field by field, that this model's replicas have
 reported (the same engine, at its worst), else the slowest of any model's, else the
@@ -21,6 +32,8 @@ simulator drives the same class.
 
 from __future__ import annotations
 
+import collections
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -36,6 +49,11 @@ prompt tokens/s, a 100 ms decode step plus 5 ms per sequence and 10 us per cache
 slower than a 135M-parameter model decoding on two CPU cores, so that an unmeasured replica
 is never assumed faster than it is; replicas report a boot-time profile at once (contract
 point 2), so this is only the case before any report."""
+
+SLOWDOWN_WINDOW = 100
+"""First tokens per replica whose measured slowdown is kept: the slowdown applied is their
+99th percentile (the SLO is a p99), so about a hundred requests after a slow spell (a
+restore beside it on the same CPU) the replica is trusted again."""
 
 
 @dataclass
@@ -59,6 +77,28 @@ class ReplicaLoad:
     active_ctx_tokens: int = 0
     penalty_s: float = field(default=0.0, repr=False)
     came_up: str = ""  # the node agent's word for how it came up (meta came_up), "" if unknown
+    slowdown: float = field(default=1.0, repr=False)  # measured TTFT / predicted, >= 1
+    ratios: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=SLOWDOWN_WINDOW), repr=False)
+
+    def observe_ttft(self, predicted_s: float, observed_s: float,
+                     slowdown_then: float = 1.0) -> None:
+        """A request sent here with a predicted TTFT of ``predicted_s`` (the slowdown of
+        then, ``slowdown_then``, included) got its first token ``observed_s`` after it was
+        sent: the ratio of that to the speed model's own prediction joins the window, whose
+        99th percentile (at least 1) is the slowdown (:data:`SLOWDOWN_WINDOW`).  Both are
+        padded with one decode step at this replica's batch (the model's quantum of error;
+        a short prediction off by less says nothing about its rates).  Non-finite or
+        negative values are ignored."""
+        s = self.speed
+        if s is None or not (0.0 <= predicted_s < float("inf")) \
+                or not (0.0 <= observed_s < float("inf")):
+            return
+        pad = s.decode_step_s(max(1, self.active_seqs), self.active_ctx_tokens)
+        model_s = predicted_s / max(1.0, slowdown_then)  # the speed model's own prediction
+        self.ratios.append((observed_s + pad) / (model_s + pad))
+        ordered = sorted(self.ratios)
+        self.slowdown = max(1.0, ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)])
 
     @property
     def headroom_tokens(self) -> int:
@@ -78,7 +118,7 @@ class ReplicaLoad:
                   + s.decode_per_ctx_token_s * self.active_ctx_tokens) if active > 0 else 0.0
         return (step_s + (self.waiting_seqs + 1) * s.prefill_overhead_s
                 + (self.queued_prefill_tokens + prompt_tokens) / s.prefill_tokens_per_s
-                + self.penalty_s)
+                ) * self.slowdown + self.penalty_s
 
     @classmethod
     def from_meta(cls, replica_id: str, model: str, address: str,
@@ -145,12 +185,19 @@ class Router:
         self._by_model: dict[str, dict[str, ReplicaLoad]] = {}
         self.default_prior = default_prior
         self._slowest: dict[str, SpeedProfile] = {}  # model -> slowest reported (kept)
+        self._last_slowdown: dict[str, float] = {}   # model -> of its last replica removed
 
     def upsert(self, load: ReplicaLoad) -> None:
         """Add a replica or replace its reported load."""
         old = self._replicas.get(load.replica_id)
         if old is not None and old.model != load.model:
             self.remove(load.replica_id)
+        elif old is not None:
+            # the front door's own measurement outlives reports
+            load.slowdown, load.ratios = old.slowdown, old.ratios
+        else:  # new: as slow as its model's replicas were, until its own first token says
+            load.slowdown = max([r.slowdown for r in self._by_model.get(load.model, _EMPTY).values()]
+                                + [self._last_slowdown.get(load.model, 1.0)])
         self._replicas[load.replica_id] = load
         self._by_model.setdefault(load.model, {})[load.replica_id] = load
         if load.speed is not None:
@@ -163,6 +210,7 @@ class Router:
         load = self._replicas.pop(replica_id, None)
         if load is not None:
             self._by_model.get(load.model, {}).pop(replica_id, None)
+            self._last_slowdown[load.model] = load.slowdown
 
     def get(self, replica_id: str) -> ReplicaLoad | None:
         return self._replicas.get(replica_id)

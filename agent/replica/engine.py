@@ -330,13 +330,19 @@ class Engine:
         """Admit waiting sequences into free slots (prefill), then one batched decode step."""
         return self.admit() + self.decode()
 
-    def admit(self) -> list[Event]:
-        """The first half of a step: prefill waiting sequences (alone, in chunks) while slots
-        are free; returns their first tokens.  Each prefill is timed for the meter."""
+    @property
+    def can_admit(self) -> bool:
+        """Whether a sequence waits and a slot is free for it (:meth:`admit` would prefill)."""
+        return bool(self._waiting) and self.kv.free_slots > 0
+
+    def admit(self, limit: int | None = None) -> list[Event]:
+        """The first half of a step: prefill waiting sequences (alone, in chunks, oldest
+        first) while slots are free, at most ``limit`` of them (None: all that fit); returns
+        their first tokens.  Each prefill is timed for the meter."""
         events: list[Event] = []
         clock, meter = self.clock, self.meter
         with torch.inference_mode():
-            while self._waiting and self.kv.free_slots:
+            while self._waiting and self.kv.free_slots and (limit is None or len(events) < limit):
                 t0 = clock()
                 seq = self._waiting.popleft()
                 seq.slot = self.kv.allocate(len(seq.prompt) + seq.max_tokens)

@@ -9,9 +9,9 @@ States (a zygote starts in ZYGOTE, a booted replica in SERVING)::
 
 Requests multiplex over one connection by ``id``.  ``generate`` requests from every
 connection feed one batching loop: each tick submits what arrived, then runs one engine step
-on a single worker thread — :meth:`Engine.admit` (prefill of admitted sequences, whose first
-tokens are sent at once) then :meth:`Engine.decode` (one batched decode step for all active
-ones) — so the event loop keeps answering ``health`` and ``stats`` while the model runs.
+on a single worker thread — :meth:`Engine.admit` one sequence at a time (the prefill of each
+admitted sequence, whose first token is sent before the next prefill starts) then
+:meth:`Engine.decode` (one batched decode step for all active ones) — so the event loop keeps answering ``health`` and ``stats`` while the model runs.
 
 Speed: ``stats`` carries the engine's measured speed (agent/speed.py ``SPEED_META_KEYS``,
 once measured), its queue (``QUEUE_META_KEYS``, counting requests accepted but not yet handed
@@ -459,8 +459,9 @@ class Worker:
 
     # --- the batching loop ----------------------------------------------------------------
     def _tick(self, submits: list[tuple[_Request, dict]], cancels: list[int]):
-        """On the engine thread: cancel, submit, then the first half of a step (prefill of
-        what slots admit); the decode half follows once the first tokens are sent."""
+        """On the engine thread: cancel, submit, then the first prefill of the step (if a
+        slot admits one); :meth:`_admit_one` does the rest, one per call, and the decode half
+        follows once their first tokens are sent."""
         engine = self.loaded.engine
         for seq_id in cancels:
             engine.cancel(seq_id)
@@ -470,7 +471,14 @@ class Worker:
                 request.seq_id = engine.submit(**args)
             except RewarmError as exc:
                 failed.append((request, exc))
-        return failed, (engine.admit() if engine.busy else [])
+        return failed, (engine.admit(1) if engine.busy else [])
+
+    def _admit_one(self, cancels: list[int]):
+        """On the engine thread: cancel, then prefill the next waiting sequence (if any)."""
+        engine = self.loaded.engine
+        for seq_id in cancels:
+            engine.cancel(seq_id)
+        return engine.admit(1)
 
     async def _fail_held(self, exc: RewarmError, submitting: list[_Request]) -> None:
         """An engine step raised a typed error (a forward refusing its inputs, e.g.
@@ -519,6 +527,16 @@ class Worker:
                 self._by_seq.pop(seq_id, None)
             self._deliver(events)
             try:
+                # One prefill per call, its first token sent at once: a request's TTFT is
+                # the prefills queued ahead of it and its own (agent/speed.py's model), not
+                # every prefill of the step (the ones behind it too).
+                while self.loaded.engine.can_admit:
+                    cancels, self._cancels = self._cancels, []
+                    for seq_id in cancels:
+                        self._by_seq.pop(seq_id, None)
+                    admitted = await loop.run_in_executor(self._pool, self._admit_one, cancels)
+                    self._deliver(admitted)
+                    events += admitted
                 decoded = await loop.run_in_executor(self._pool, self.loaded.engine.decode)
             except RewarmError as exc:
                 await self._fail_held(exc, [])

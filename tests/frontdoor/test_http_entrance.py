@@ -292,7 +292,6 @@ def test_429_has_retry_after_and_a_bad_deadline_header_is_400():
 
 @pytest.mark.parametrize("code,cls,kind", [
     (504, openai.InternalServerError, "timeout"),
-    (503, openai.InternalServerError, "service_unavailable"),
     (413, openai.APIStatusError, "request_too_large")])
 def test_replica_errors_keep_their_status_and_openai_shape(code, cls, kind):
     async def main():
@@ -308,6 +307,26 @@ def test_replica_errors_keep_their_status_and_openai_shape(code, cls, kind):
     err = run(main())
     assert err.status_code == code and err.response.json()["error"]["code"] == kind
     assert f"stub answers {code}" in err.message
+
+
+def test_a_replica_503_before_any_token_is_placed_again_then_refused_429():
+    # a replica going away (draining) has started nothing: with no other replica and no
+    # capacity this request is refused 429 (retry later), never passed on as a loss
+    async def main():
+        async with http_door(fail_with=503) as (fd, e, _):
+            c = client(e)
+            try:
+                await c.completions.create(model="m", prompt="x", max_tokens=1)
+            except openai.RateLimitError as err:
+                return err, fd.path.counts["rerouted"]
+            finally:
+                await c.close()
+
+    err, rerouted = run(main())
+    body = err.response.json()
+    assert err.status_code == 429 and body["error"]["type"] == "rate_limit_error"
+    assert "not started at replica" in err.message and "stub answers 503" in err.message
+    assert body["retry_after_ms"] > 0 and rerouted == 1
 
 
 def test_a_client_disconnect_cancels_at_the_replica():

@@ -60,3 +60,52 @@ def test_from_instance_accepts_the_unix_prefix_the_node_agent_publishes():
     bare = ServiceInstance("rewarm-replica", "r2", "", 0, tags=["model=m"],
                            meta={**meta, "address": "/run/r2.sock"})
     assert ReplicaLoad.from_instance(bare).address == "/run/r2.sock"
+
+
+def test_measured_slowdown_is_the_p99_ratio_kept_across_reports_and_never_below_one():
+    from agent.frontdoor.router import SLOWDOWN_WINDOW, ReplicaLoad, Router
+    from agent.speed import SpeedProfile
+
+    speed = SpeedProfile(prefill_tokens_per_s=100.0, prefill_overhead_s=0.0,
+                         decode_base_s=0.1, decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0)
+    load = ReplicaLoad("r", "m", "h:1", 4, 0, 1000, 0, speed=speed)
+    router = Router()
+    router.upsert(load)
+    assert load.predict_ttft_s(100, speed) == 1.0
+    load.observe_ttft(0.9, 0.4)                 # faster than predicted: stays 1
+    assert load.slowdown == 1.0
+    load.observe_ttft(0.9, 1.9)                 # (1.9 + 0.1) / (0.9 + 0.1): twice as slow
+    assert load.slowdown == 2.0
+    assert load.predict_ttft_s(100, speed) == 2.0
+    load.observe_ttft(1.8, 1.9, slowdown_then=2.0)   # its prediction already had the 2x
+    assert load.slowdown == 2.0 and load.ratios[-1] == 2.0
+    for bad in (float("nan"), float("inf"), -1.0):
+        load.observe_ttft(bad, 1.0)
+        load.observe_ttft(1.0, bad)
+    assert len(load.ratios) == 3
+    fresh = ReplicaLoad("r", "m", "h:1", 4, 0, 1000, 0, speed=speed)
+    router.upsert(fresh)                         # a new load report keeps the measurement
+    assert fresh.slowdown == 2.0
+    for _ in range(SLOWDOWN_WINDOW):             # a window of on-time first tokens later
+        fresh.observe_ttft(1.0, 1.0)
+    assert fresh.slowdown == 1.0
+
+
+def test_a_new_replica_starts_at_its_models_measured_slowdown():
+    from agent.speed import SpeedProfile
+
+    speed = SpeedProfile(prefill_tokens_per_s=100.0, prefill_overhead_s=0.0,
+                         decode_base_s=0.1, decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0)
+    router = Router()
+    a = ReplicaLoad("a", "m", "h:1", 4, 0, 1000, 0, speed=speed)
+    router.upsert(a)
+    a.observe_ttft(0.9, 2.9)                        # 3x slower than predicted
+    router.upsert(b := ReplicaLoad("b", "m", "h:2", 4, 0, 1000, 0, speed=speed))
+    router.upsert(other := ReplicaLoad("c", "n", "h:3", 4, 0, 1000, 0, speed=speed))
+    assert (b.slowdown, other.slowdown) == (3.0, 1.0)   # its model's, not another's
+    b.observe_ttft(1.0, 1.0)                        # its own first token replaces it
+    assert b.slowdown == 1.0
+    router.remove("a")
+    router.remove("b")
+    router.upsert(d := ReplicaLoad("d", "m", "h:4", 4, 0, 1000, 0, speed=speed))
+    assert d.slowdown == 1.0                        # the last one removed said 1.0

@@ -340,19 +340,22 @@ def test_a_request_cut_at_every_byte_boundary_or_coalesced_gets_the_same_answer(
     run(main())
 
 
-def test_replica_errors_are_forwarded_and_a_crash_answers_503():
-    from agent.errors import MessageTooLarge
+def test_replica_errors_are_forwarded_and_a_crash_before_any_token_is_a_429_not_a_loss():
+    from agent.errors import MessageTooLarge, Overloaded
 
     async def main():
         fd, stubs, host, port = await setup(stub={"fail_with": 413})
-        c = await AsyncClient.connect(host, port)
+        c = await AsyncClient.connect(host, port, max_retries=0)
         with pytest.raises(MessageTooLarge):
             await c.generate("m", tokens=[1], max_tokens=1)
         assert fd.router.get("r0").active_seqs == 0   # completion counted
         stubs[0].fail_with, stubs[0].crash = None, True
-        with pytest.raises(NoCapacity, match="lost"):
+        with pytest.raises(Overloaded, match="not started at replica r0 .connection to "
+                           "replica lost") as err:  # nothing streamed, no other replica
             await c.generate("m", tokens=[1], max_tokens=1)
+        assert err.value.code == 429 and err.value.retry_after_ms > 0
         assert fd.router.get("r0") is None             # out of the view until listed again
+        assert fd.path.counts["rerouted"] == 1
         await c.close()
         await fd.stop()
     run(main())

@@ -93,10 +93,14 @@ class SimReplica:
 
     def __init__(self, path: RequestPath, timeline: Timeline, replica_id: str, model: str,
                  speed: SpeedProfile | None, max_seqs: int = 8, kv_tokens: int = 1 << 16,
-                 report_speed: bool = True, actual: SpeedProfile | None = None) -> None:
-        # ``speed``: what it reports; ``actual``: how fast it really is (default: the same)
+                 report_speed: bool = True, actual: SpeedProfile | None = None,
+                 self_aware: bool = True) -> None:
+        # ``speed``: what it reports; ``actual``: how fast it really is (default: the same);
+        # ``self_aware``: whether its own 429 check knows ``actual`` (else it predicts with
+        # ``speed`` too, as a replica whose meter has not caught up)
         self.path, self.timeline = path, timeline
         self.speed = actual or speed or SLOW
+        self.believed = self.speed if self_aware else (speed or SLOW)
         self.replica_id, self.closed, self.ready, self.transport = replica_id, False, True, None
         self.in_flight: dict[int, object] = {}
         self._ids = itertools.count(1)
@@ -117,11 +121,11 @@ class SimReplica:
         self.in_flight[rid] = flight
         now = self.timeline.clock.now()
         prompt = len(message["tokens"])
-        ttft_s = self.speed.predict_ttft_s(prompt, active_seqs=self.active,
-                                           active_ctx_tokens=self.ctx_tokens,
-                                           waiting_seqs=self.waiting,
-                                           queued_prefill_tokens=self.waiting_tokens)
-        if ttft_s * 1000.0 > message.get("deadline_ms", float("inf")):
+        queue = dict(active_seqs=self.active, active_ctx_tokens=self.ctx_tokens,
+                     waiting_seqs=self.waiting, queued_prefill_tokens=self.waiting_tokens)
+        ttft_s = self.speed.predict_ttft_s(prompt, **queue)
+        if self.believed.predict_ttft_s(prompt, **queue) * 1000.0 > message.get(
+                "deadline_ms", float("inf")):
             self.refused += 1
             self.timeline.at(now, lambda: self._answer(rid, {
                 "type": "error", "code": 429, "reason": "predicted TTFT exceeds deadline_ms",
@@ -203,10 +207,11 @@ class Fleet:
         self.sinks: list[Sink] = []
 
     def add(self, replica_id: str, speed: SpeedProfile | None = None,
-            actual: SpeedProfile | None = None, max_seqs: int | None = None) -> SimReplica:
+            actual: SpeedProfile | None = None, max_seqs: int | None = None,
+            self_aware: bool = True) -> SimReplica:
         replica = SimReplica(self.path, self.timeline, replica_id, "m", speed or self.speed,
                              max_seqs or self.max_seqs, report_speed=self.report_speed,
-                             actual=actual)
+                             actual=actual, self_aware=self_aware)
         self.replicas.append(replica)
         return replica
 

@@ -120,3 +120,33 @@ def test_snapshot_without_a_recorded_speed_restores_with_a_short_profile(booted,
     restored = zygote.restore(tmp_path / "snap")
     assert "profile_s" in restored.phases_s and restored.engine.meter.measured
     assert not restored.engine.meter.measured_prior
+
+
+def test_each_first_token_is_sent_once_its_own_prefill_is_done(booted):
+    """Three prompts arrive in one tick: each one's first token leaves before the next
+    prompt's prefill starts (its TTFT is the prefills ahead of it and its own, as
+    agent/speed.py predicts), not after every prefill of the step."""
+    loaded = with_meter(booted, SpeedMeter(SLOW, measured_prior=True))
+    engine, log = loaded.engine, []
+    forward = engine.forward
+
+    def logged_forward(tokens, input_pos, idx, k, v):
+        if tokens.shape[1] > 1:                      # S > 1: a prefill (decode has S = 1)
+            log.append(("prefill", len(log)))
+        return forward(tokens, input_pos, idx, k, v)
+    engine.forward = logged_forward
+    worker = Worker(loaded)
+    send = worker._send
+
+    def logged_send(writer, message):
+        if message.get("type") == "tokens" and "prompt_tokens" in message:
+            log.append(("first", message["id"]))
+        send(writer, message)
+    worker._send = logged_send
+    answers = asyncio.run(_session(worker, [
+        {"op": "generate", "id": i, "tokens": list(range(1, 6)), "max_tokens": 2}
+        for i in ("a", "b", "c")]))
+    assert all(answers[i][-1]["type"] == "done" for i in ("a", "b", "c"))
+    kinds = [entry[0] if entry[0] == "prefill" else entry for entry in log]
+    assert kinds == ["prefill", ("first", "a"), "prefill", ("first", "b"),
+                     "prefill", ("first", "c")]

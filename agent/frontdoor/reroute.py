@@ -1,0 +1,101 @@
+"""A request that a replica did not start: another replica, a restore, or 429 — never lost.
+
+A mixin of :class:`~agent.frontdoor.request_path.RequestPath` (kept apart to keep each module
+readable); it reads the path's ``router``, ``links``, ``capacity``, ``counts``, ``clock``,
+``stopping`` and ``_slot_cache``, and calls its ``_choose_in_time``, ``_dispatch``,
+``_hold``, ``_fail`` and ``_budgets_s``.
+
+A dispatched request can come back with nothing streamed in three ways:
+
+- the replica refused it (429: it predicts it cannot start it within its ``deadline_ms``,
+  contract point 3); predictions for that replica carry the difference until its next report;
+- the replica is going away (503: it is draining or shutting down — the predictor's
+  scale-in through the node agent, a SIGTERM — while the front door's view, refreshed every
+  registry poll, still listed it); it leaves the view;
+- the link broke (connection lost or refused, a garbled answer); it leaves the view.
+
+Each is placed again as it would be at arrival, with its deadlines still counted from
+arrival: on a replica it has not tried that starts it in time, else held when capacity in
+sight can start it within the restore path's deadline, else refused 429 with
+``retry_after_ms``.  A request whose answer had begun to stream is never sent again (the
+client has part of an answer): it is answered 503.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agent.frontdoor.links import ReplicaLink
+    from agent.frontdoor.request import Flight
+
+RETRY_AFTER_MS = 1000
+"""``retry_after_ms`` of a 429 for a request no capacity could take after its replica went
+away, when the replica named none (about one registry refresh and a restore decision)."""
+
+
+class Reroute:
+    """Placing unstarted requests again (module docstring)."""
+
+    def _replica_refused(self, link: ReplicaLink, flight: Flight, message: dict) -> None:
+        """The replica predicted it cannot start ``flight`` in time (429): predictions for
+        it carry the difference until its next report, and ``flight`` is placed again."""
+        self.counts["replica_429"] += 1
+        load = self.router.get(link.replica_id)
+        theirs = message.get("predicted_ttft_ms")
+        if load is not None and isinstance(theirs, (int, float)) and flight.predicted_ttft_s:
+            ours_s = flight.predicted_ttft_s - (flight.queue_wait_ms / 1000.0)
+            load.penalty_s = max(load.penalty_s, theirs / 1000.0 - ours_s)
+        retry = message.get("retry_after_ms")
+        self._place_again(flight, link.replica_id, str(message.get("reason", "replica refused")),
+                          retry if type(retry) is int else None)
+
+    def _replica_leaving(self, link: ReplicaLink, flight: Flight, message: dict) -> None:
+        """The replica answered 503 before ``flight``'s first token (draining, shutting
+        down): it takes no more requests, so it leaves the view, and ``flight`` is placed
+        again."""
+        self.counts["rerouted"] += 1
+        self.router.remove(link.replica_id)
+        self._slot_cache.clear()
+        retry = message.get("retry_after_ms")
+        self._place_again(flight, link.replica_id,
+                          f"replica {link.replica_id}: {message.get('reason', 'unavailable')}",
+                          retry if type(retry) is int else None)
+
+    def replica_failed(self, link: ReplicaLink, reason: str, retry: bool = True) -> None:
+        """The link broke: the replica leaves the view until the registry shows it again;
+        its requests with nothing streamed yet are placed again (unless ``retry`` is False
+        or this front door is stopping), the others answered 503."""
+        link.closed = True
+        if self.links.get(link.replica_id) is link:
+            del self.links[link.replica_id]
+        self.router.remove(link.replica_id)
+        self._slot_cache.clear()
+        failed, link.in_flight = list(link.in_flight.values()), {}
+        for flight in failed:
+            if retry and not self.stopping and flight.ttft_s is None and not flight.over:
+                self.counts["rerouted"] += 1
+                self._place_again(flight, link.replica_id, reason)
+            else:
+                self._fail(flight, 503, reason, path=flight.path)
+        if link.transport is not None:
+            link.transport.close()
+
+    def _place_again(self, flight: Flight, replica_id: str, reason: str,
+                     retry_after_ms: Any = None) -> None:
+        """Place ``flight`` (not started at ``replica_id``) as at arrival (module
+        docstring): another replica in time, else held, else 429."""
+        flight.tried = (flight.tried or set()) | {replica_id}
+        found = self._choose_in_time(flight, self.clock.now())
+        if found is not None:
+            self._dispatch(flight, found[0], found[1])
+            return
+        if self.capacity is not None:
+            _warm_s, restore_s = self._budgets_s(flight.model, flight.req.deadline_ms)
+            flight.deadline_s = flight.arrival_s + restore_s
+            self._hold(flight, None)
+            return
+        self.counts["shed_429"] += 1
+        self._fail(flight, 429, f"model {flight.model!r}: not started at replica {replica_id} "
+                   f"({reason}) and no other replica can start it in time",
+                   retry_after_ms=retry_after_ms or RETRY_AFTER_MS)

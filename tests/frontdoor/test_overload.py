@@ -1,0 +1,143 @@
+"""Synthetic overload through the request path in virtual time, on prefill-bound replicas
+(long prompts, a token or two out: the regime where queued prefill, not the decode batch,
+sets the TTFT): steady overload and step bursts at a multiple of one replica's capacity
+computed from its profile.  Served requests start within their SLO, every request is
+answered, refusals are 429s at arrival, nothing is lost; a replica that goes away before a
+request's first token does not lose it (tests/frontdoor/virtual_fleet.py)."""
+
+import asyncio
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from virtual_fleet import Fleet  # noqa: E402
+
+from agent.speed import SpeedProfile  # noqa: E402
+
+# prefill-bound: a 200-token prompt costs about eight decode steps
+PREFILL_BOUND = SpeedProfile(prefill_tokens_per_s=300.0, prefill_overhead_s=0.05,
+                             decode_base_s=0.06, decode_per_seq_s=0.01,
+                             decode_per_ctx_token_s=1e-5)
+PROMPT, GEN, SEQS = (20, 400), (1, 4), 8
+
+
+def capacity_rps() -> float:
+    prompt, gen = np.mean(PROMPT), np.mean(GEN)
+    c = PREFILL_BOUND.sustainable_concurrency(2.0, prompt, gen, SEQS)
+    return PREFILL_BOUND.service_rps(prompt, gen, c)
+
+
+def arrivals(shape: str, rng) -> np.ndarray:
+    cap = capacity_rps()
+    if shape == "steady_overload":
+        n = rng.poisson(3.0 * cap * 40.0)
+        return np.sort(rng.uniform(0, 40.0, n))
+    # step bursts: 20 requests within 100 ms every 5 s, over a trickle at 0.3 of capacity
+    out = list(np.sort(rng.uniform(0, 40.0, rng.poisson(0.3 * cap * 40.0))))
+    for k in range(8):
+        out.extend(5.0 * k + np.sort(rng.uniform(0, 0.1, 20)))
+    return np.sort(np.array(out))
+
+
+def outcome(f: Fleet):
+    codes = [s.code for s in f.sinks]
+    served = [s for s in f.sinks if s.code == 200]
+    refused = [s for s in f.sinks if s.code == 429]
+    return codes, served, refused
+
+
+HELD_FOR_RESTORE_MISS = pytest.mark.xfail(strict=True, reason=(
+    "requests held for a restore near their 4 s deadline are refused at a later re-check "
+    "(a few % of the refusals): the slot estimate of a queued request drifts later while "
+    "the prefill ahead of it runs (the front door's accounting is in tokens, not time)"))
+
+
+@pytest.mark.parametrize("shape,restore_s", [
+    ("steady_overload", None), ("steady_overload", 1.0), ("step_bursts", None),
+    pytest.param("step_bursts", 1.0, marks=HELD_FOR_RESTORE_MISS)])
+def test_overload_on_prefill_bound_replicas_refuses_at_arrival(shape, restore_s):
+    rng = np.random.default_rng(7)
+    times = arrivals(shape, rng)
+
+    async def main():
+        kw = {} if restore_s is None else dict(restore_s=restore_s,
+                                               measured_restores_s=(restore_s,))
+        f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=2, restores_per_model=1,
+                  restores_overall=1, **kw)
+        t0 = f.clock.now()
+        for t in times:
+            f.arrive(t0 + t, int(rng.integers(*PROMPT)), int(rng.integers(*GEN)))
+        await f.timeline.run_until(t0 + times[-1] + 30)
+        return f
+
+    f = asyncio.run(main())
+    codes, served, refused = outcome(f)
+    assert len(codes) == len(times) and None not in codes          # every request answered
+    assert set(codes) <= {200, 429}, sorted(set(codes))           # no 504, nothing lost
+    assert f.path.counts["late_first_token"] == 0
+    assert served
+    for s in served:
+        slo_s = 2.0 if s.final["path"] == "warm_hit" else 4.0
+        assert s.first_s - s.arrival_s <= slo_s
+    late = [round(s.at_s - s.arrival_s, 3) for s in refused if s.at_s - s.arrival_s > 0.050]
+    assert len(late) <= 0.05 * len(refused), late                 # issue 12: >= 95 % at once
+
+
+def test_a_replica_slower_than_it_knows_is_predicted_slower_after_its_first_tokens():
+    """Both replicas prefill at half the speed they report and their own 429 check uses
+    too: the front door measures the error from its first tokens and admits by it."""
+    import dataclasses
+
+    half = dataclasses.replace(PREFILL_BOUND,
+                               prefill_tokens_per_s=PREFILL_BOUND.prefill_tokens_per_s / 2)
+    rng = np.random.default_rng(7)
+    times = arrivals("steady_overload", rng)
+
+    async def main():
+        f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=0)
+        for i in range(2):
+            f.path.upsert(f.add(f"r{i}", actual=half, self_aware=False).load)
+        t0 = f.clock.now()
+        for t in times:
+            f.arrive(t0 + t, int(rng.integers(*PROMPT)), int(rng.integers(*GEN)))
+        await f.timeline.run_until(t0 + times[-1] + 30)
+        return f
+
+    f = asyncio.run(main())
+    codes, served, refused = outcome(f)
+    assert set(codes) <= {200, 429} and served
+    late = [s for s in served if s.first_s - s.arrival_s > 2.0]
+    # only what was sent before the error showed: at most a batch per replica
+    assert len(late) <= 2 * SEQS, len(late)
+    assert len(late) <= 0.25 * len(served)
+    for i in range(2):
+        slowdown = f.path.router.get(f"r{i}").slowdown
+        assert 1.5 <= slowdown <= 2.0, slowdown   # prefill 2x slower, decode not
+
+
+def test_a_replica_draining_before_the_first_token_does_not_lose_the_request():
+    async def main():
+        f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=2)
+        going = f.replicas[0]
+
+        def draining(flight, message):            # a scale-in the view has not seen yet
+            rid = going.dispatch_count = getattr(going, "dispatch_count", 0) + 1
+            going.in_flight[rid] = flight
+            f.timeline.at(f.clock.now() + 0.001, lambda: going._answer(rid, {
+                "type": "error", "code": 503, "reason": "replica draining",
+                "retry_after_ms": 1000}))
+            return rid
+        going.dispatch = draining
+        t0 = f.clock.now()
+        sinks = [f.submit(prompt_tokens=50, max_tokens=2) for _ in range(3)]
+        await f.timeline.run_until(t0 + 10)
+        return f, sinks, t0
+
+    f, sinks, t0 = asyncio.run(main())
+    assert [s.code for s in sinks] == [200, 200, 200]
+    assert {s.final["replica"] for s in sinks} == {"r1"}
+    assert f.path.router.get("r0") is None and f.path.counts["rerouted"] >= 1
+    assert all(s.first_s - s.arrival_s <= 2.0 for s in sinks)
