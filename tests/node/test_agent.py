@@ -188,6 +188,13 @@ def test_pool_refill(make_agent):
     assert agent.status()["zygotes"] == {"cpu": 2}
 
 
+def test_the_cpu_device_keeps_a_zygote_per_replica_slot(make_agent):
+    agent = make_agent(max_replicas_per_model=3)          # a CPU-only node: three core groups
+    assert agent.pool_target("cpu") == 3 and agent.pool_target("cuda:0") == 1
+    assert agent.refill_pool() == 3
+    assert agent.status()["zygotes"] == {"cpu": 3}
+
+
 def test_restart_reconciles_pending(make_agent, tmp_path):
     agent = make_agent()
     _, row = first_boot(agent)
