@@ -68,7 +68,11 @@ def load_list(text: str) -> list[float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", type=Path, required=True)
+    ap.add_argument("--trace", type=Path, required=False,
+                    help="the trace CSV (required unless --resim)")
+    ap.add_argument("--resim", type=Path, default=None, metavar="LIVE_JSON",
+                    help="run only the simulator again, on the requests of an earlier run "
+                         "(its --json file and, with --records, its records) and print both")
     ap.add_argument("--load", type=load_list, default=[0.3],
                     help="offered load(s), fraction of one replica's capacity (0.3; 0.3,3)")
     ap.add_argument("--minutes", type=positive_float, default=10.0, help="trace window (min)")
@@ -132,7 +136,6 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
     from agent.demo import Sampler, _fresh_state, _vocabulary, replica_limits, replica_stats
     from agent.replica.config import LlamaConfig
     from agent.sim.replay_scale import always_on_replicas, fit_scale, replay_requests
-    from agent.sim.replay_sim import simulate_plan
     from agent.up import Stack
 
     cores = os.cpu_count() or 1
@@ -225,13 +228,10 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
                             always_on_gpu_seconds=pool * span_s, restores=restores)
     live.update(peak_replicas=peak, always_on_replicas=pool,
                 one_replica_gpu_seconds=round(span_s, 2))
-    sim = simulate_plan(plan, profile, batch=scale.batch, kv_capacity_tokens=max_seqs * max_seq_len,
-                        restore_s=restore_s, policy=policy, max_replicas=cap,
-                        initial_replicas=1,
-                        warm_slo_s=WARM_SLO_MS / 1000.0, restore_slo_s=RESTORE_SLO_MS / 1000.0,
-                        max_seqs=max_seqs, mean_prompt_tokens=scale.mean_prompt_tokens,
-                        mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
-                        always_on_replicas=pool)
+    sim = simulate(plan, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                   restore_s=restore_s, cap=cap, mean_prompt_tokens=scale.mean_prompt_tokens,
+                   mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
+                   always_on_replicas=pool, actual=calibrated)
     codes = {}
     for o in outcomes:
         codes[o.code] = codes.get(o.code, 0) + 1
@@ -242,6 +242,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
            "replica_meter_profile": None if meter is None else meter.to_meta(),
            "calibrated_profile": calibrated.to_meta(),
            "restore_s": restore_s, "max_replicas": cap, "threads": args.threads,
+           "max_seqs": max_seqs, "max_seq_len": max_seq_len,
            "forward": note, "codes": {str(k): v for k, v in sorted(codes.items())},
            "refusal_reasons": reasons, "decisions": decisions[:200], "wall_s_total": time.monotonic() - t_start,
            "loadavg": os.getloadavg(), "requests_window": len(plan),
@@ -249,6 +250,69 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
     out["verdict"] = verdict(out)
     if args.records is not None:
         write_records(args.records, load, plan, outcomes, stack.decisions)
+    return out
+
+
+def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float, cap: int,
+             mean_prompt_tokens: float, mean_gen_tokens: float, span_s: float,
+             always_on_replicas: int, actual=None) -> dict:
+    """The simulator's side (step 5): the same requests through the production request path
+    and predictor, with simulated replicas, node agent and clock
+    (:func:`agent.sim.pathsim.simulate_path`), configured as this replay's stack.  The
+    simulated replicas report ``profile`` (what the live replica's meter reported, which
+    admission predicts with) and serve at ``actual`` (the speed measured through the front
+    door, :func:`agent.replay.calibrate`: what its clients saw; default ``profile``)."""
+    from agent.sim.pathsim import PathSimConfig, simulate_path
+
+    config = PathSimConfig(deadline_ms=RESTORE_SLO_MS, registry_poll_s=0.2, agent_tick_s=0.5,
+                           restores_per_model=cap, max_replicas=cap, warm_slo_ms=WARM_SLO_MS,
+                           restore_slo_ms=RESTORE_SLO_MS)
+    return simulate_path(plan, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                         restore_s=restore_s, policy=predictor_policy(restore_s, cap),
+                         mean_prompt_tokens=mean_prompt_tokens, mean_gen_tokens=mean_gen_tokens,
+                         config=config, initial_replicas=1, span_s=span_s,
+                         always_on_replicas=always_on_replicas, actual=actual)
+
+
+def resimulate(live_json: Path, records: Path) -> list[dict]:
+    """``--resim``: the simulator's side again for each run of an earlier ``--json`` file,
+    its requests read from that run's ``--records`` file (``RECORDS.<load>.jsonl``); the
+    live numbers are kept as they were measured."""
+    from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS
+    from agent.sim.replay_scale import ReplayRequest
+    from agent.speed import SpeedProfile
+
+    try:
+        doc = json.loads(live_json.read_text())
+        runs = doc.get("runs") or [doc]
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resim {live_json}: cannot read it as JSON ({exc})",
+                          name="resim", value=str(live_json), limit="a --json file") from None
+    out = []
+    for run in runs:
+        rec = records.with_name(f"{records.name}.{run['load']:g}.jsonl")
+        try:
+            rows = [json.loads(line) for line in rec.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--resim: records {rec}: cannot read them ({exc})",
+                              name="records", value=str(rec), limit="a --records file") from None
+        plan = [ReplayRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"])
+                for r in rows if r.get("kind") == "request"]
+        profile = SpeedProfile.from_meta(run["profile"])
+        if profile is None:
+            raise ConfigError(f"--resim {live_json}: run at load {run['load']:g} has no profile",
+                              name="profile", value=run.get("profile"), limit=SpeedProfile)
+        scale = run["scale"]
+        run = dict(run)
+        run["sim"] = simulate(plan, profile, max_seqs=run.get("max_seqs") or DEFAULT_MAX_SEQS,
+                              max_seq_len=run.get("max_seq_len") or DEFAULT_MAX_SEQ_LEN,
+                              restore_s=run["restore_s"], cap=run["max_replicas"],
+                              mean_prompt_tokens=scale["mean_prompt_tokens"],
+                              mean_gen_tokens=scale["mean_output_tokens"],
+                              span_s=scale["wall_s"], always_on_replicas=run["always_on_replicas"],
+                              actual=SpeedProfile.from_meta(run.get("calibrated_profile") or {}))
+        run["verdict"] = verdict(run)
+        out.append(run)
     return out
 
 
@@ -334,6 +398,24 @@ def table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.resim is not None:
+        if args.records is None:
+            print("error: --resim needs --records (the earlier run's records)", file=sys.stderr)
+            return 2
+        try:
+            results = resimulate(args.resim, args.records)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        for r in results:
+            say(table(r))
+        args.trace = Path(results[0].get("trace", "trace")) if results else Path("trace")
+        write_json(args, results)
+        say(f"written to {args.json}")
+        return 0
+    if args.trace is None:
+        print("error: --trace is required (or --resim)", file=sys.stderr)
+        return 2
     from agent.sim.trace import read_trace
     from agent.up import prepare_model
 
