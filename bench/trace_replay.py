@@ -20,8 +20,16 @@ SmolLM2-135M, the front door, the node agent and, for the replay, the predictor)
    the warm SLO), the burst shape unchanged;
 4. the predictor starts (its production policy; sizing from the measured speed, lead time
    = restore + decision latency + one step), and the requests are sent at their wall times;
-5. the same requests go through the simulator with the same profile, restore time and
-   predictor policy (:func:`agent.sim.replay_sim.simulate_plan`).
+5. the same requests go through the simulator (:func:`agent.sim.pathsim.simulate_path`): the
+   production front-door request path, predictor service and local scaler on virtual time,
+   with simulated replicas that report the profile the live replica reported and serve at
+   the speed the calibration measured, and a simulated node agent whose restores take the
+   median restore it timed during the live window (the front door starting with the
+   probe's restore measured, as live).
+
+``--resim LIVE.json --records REC`` runs step 5 alone again on an earlier run (its JSON and
+its ``--records`` file) and prints both columns: the simulator can be changed and re-judged
+against one live run without running the stack again.
 
 It prints live and simulated side by side and writes ``--json``: per load the keys of
 :func:`agent.replay.summarise` (``requests, served, shed_429, shed_429_within_50ms,
@@ -214,6 +222,9 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
         span_s = sampler.stop()
         rows_after = stack.agent.catalog.cold_starts(model)
         restores = len(rows_after) - restores_before
+        # each restore of the window, as the node agent timed it (the simulator's restores)
+        replay_restores_s = [float(r["duration_s"]) for r in rows_after[restores_before:]
+                             if r["outcome"] == "ok"]
         peak = sampler.peak
         decisions = [{"t_s": round(d.at_s - stack.decisions[0].at_s, 2), "action": d.action,
                       "target": d.target, "desired": d.desired, "reason": d.reason[:100],
@@ -231,7 +242,8 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
     sim = simulate(plan, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
                    restore_s=restore_s, cap=cap, mean_prompt_tokens=scale.mean_prompt_tokens,
                    mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
-                   always_on_replicas=pool, actual=calibrated)
+                   always_on_replicas=pool, actual=calibrated,
+                   replay_restore_s=_median(replay_restores_s))
     codes = {}
     for o in outcomes:
         codes[o.code] = codes.get(o.code, 0) + 1
@@ -241,7 +253,8 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
            "profile": profile.to_meta(), "profile_source": source,
            "replica_meter_profile": None if meter is None else meter.to_meta(),
            "calibrated_profile": calibrated.to_meta(),
-           "restore_s": restore_s, "max_replicas": cap, "threads": args.threads,
+           "restore_s": restore_s, "replay_restores_s": replay_restores_s,
+           "max_replicas": cap, "threads": args.threads,
            "max_seqs": max_seqs, "max_seq_len": max_seq_len,
            "forward": note, "codes": {str(k): v for k, v in sorted(codes.items())},
            "refusal_reasons": reasons, "decisions": decisions[:200], "wall_s_total": time.monotonic() - t_start,
@@ -255,20 +268,25 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
 
 def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float, cap: int,
              mean_prompt_tokens: float, mean_gen_tokens: float, span_s: float,
-             always_on_replicas: int, actual=None) -> dict:
+             always_on_replicas: int, actual=None,
+             replay_restore_s: float | None = None) -> dict:
     """The simulator's side (step 5): the same requests through the production request path
     and predictor, with simulated replicas, node agent and clock
     (:func:`agent.sim.pathsim.simulate_path`), configured as this replay's stack.  The
     simulated replicas report ``profile`` (what the live replica's meter reported, which
     admission predicts with) and serve at ``actual`` (the speed measured through the front
-    door, :func:`agent.replay.calibrate`: what its clients saw; default ``profile``)."""
+    door, :func:`agent.replay.calibrate`: what its clients saw; default ``profile``).  The
+    front door starts with ``restore_s`` measured (the probe's restore, as live); each
+    simulated restore takes ``replay_restore_s`` (the median restore the node agent timed
+    during the live window; default ``restore_s``)."""
     from agent.sim.pathsim import PathSimConfig, simulate_path
 
     config = PathSimConfig(deadline_ms=RESTORE_SLO_MS, registry_poll_s=0.2, agent_tick_s=0.5,
                            restores_per_model=cap, max_replicas=cap, warm_slo_ms=WARM_SLO_MS,
                            restore_slo_ms=RESTORE_SLO_MS)
     return simulate_path(plan, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
-                         restore_s=restore_s, policy=predictor_policy(restore_s, cap),
+                         restore_s=replay_restore_s or restore_s, measured_restore_s=restore_s,
+                         policy=predictor_policy(restore_s, cap),
                          mean_prompt_tokens=mean_prompt_tokens, mean_gen_tokens=mean_gen_tokens,
                          config=config, initial_replicas=1, span_s=span_s,
                          always_on_replicas=always_on_replicas, actual=actual)
@@ -310,10 +328,17 @@ def resimulate(live_json: Path, records: Path) -> list[dict]:
                               mean_prompt_tokens=scale["mean_prompt_tokens"],
                               mean_gen_tokens=scale["mean_output_tokens"],
                               span_s=scale["wall_s"], always_on_replicas=run["always_on_replicas"],
-                              actual=SpeedProfile.from_meta(run.get("calibrated_profile") or {}))
+                              actual=SpeedProfile.from_meta(run.get("calibrated_profile") or {}),
+                              replay_restore_s=_median(run.get("replay_restores_s") or []))
         run["verdict"] = verdict(run)
         out.append(run)
     return out
+
+
+def _median(values: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(values) if values else None
 
 
 def write_records(path: Path, load: float, plan, outcomes, decisions) -> None:

@@ -104,7 +104,7 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
                   max_seqs: int, max_seq_len: int, restore_s: float, policy: dict[str, Any],
                   mean_prompt_tokens: float, mean_gen_tokens: float, initial_replicas: int,
                   until_s: float, always_on_replicas: int, stats: dict,
-                  actual: SpeedProfile | None) -> dict[str, Any]:
+                  actual: SpeedProfile | None, measured_restore_s: float) -> dict[str, Any]:
     from agent.cluster.local_scaler import LocalScaler
     from agent.frontdoor.config import FrontDoorConfig
     from agent.frontdoor.request import GenerateRequest
@@ -126,7 +126,7 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
                        capacity=node, connector=node.connect)
     # Before the live window the front door restored a replica (the probe after scale to
     # zero): it has that restore measured, and the replica warm.
-    path.restore_times.record(model, restore_s * 1000.0, "snapshot_restore")
+    path.restore_times.record(model, measured_restore_s * 1000.0, "snapshot_restore")
     for _ in range(initial_replicas):
         node.start_warm()
     path.apply_replicas(node.instances())
@@ -202,8 +202,8 @@ def simulate_path(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, max_s
                   mean_prompt_tokens: float, mean_gen_tokens: float,
                   config: PathSimConfig | None = None, initial_replicas: int = 1,
                   span_s: float = 0.0, always_on_replicas: int = 1,
-                  records: dict | None = None,
-                  actual: SpeedProfile | None = None) -> dict[str, Any]:
+                  records: dict | None = None, actual: SpeedProfile | None = None,
+                  measured_restore_s: float | None = None) -> dict[str, Any]:
     """Replay ``plan`` (wall seconds from the window's start) through the production request
     path and predictor with simulated replicas (module docstring); returns
     :func:`agent.replay.summarise`'s keys plus ``peak_replicas``, ``always_on_replicas``,
@@ -211,7 +211,8 @@ def simulate_path(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, max_s
     ``sim_wall_s`` (CPU-bound wall seconds the simulation took).  ``profile``: what the
     replicas report and predict with (their speed meter's); ``actual``: how fast they serve
     (default ``profile``); ``max_seqs`` x ``max_seq_len``: their KV slots;
-    ``restore_s``: a restore's duration; ``policy``: :class:`~agent.predictor.loop.ModelPolicy`
+    ``restore_s``: a restore's duration; ``measured_restore_s``: the restore the front door
+    measured before the window (default ``restore_s``); ``policy``: :class:`~agent.predictor.loop.ModelPolicy`
     fields; the window lasts at least ``span_s``; ``records``, when given, receives the
     predictor's decisions (``decisions``) and the outcomes (``outcomes``)."""
     cfg = config or PathSimConfig()
@@ -223,7 +224,9 @@ def simulate_path(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, max_s
                               mean_gen_tokens=mean_gen_tokens,
                               initial_replicas=initial_replicas, until_s=span_s,
                               always_on_replicas=always_on_replicas, stats=stats,
-                              actual=actual),
+                              actual=actual,
+                              measured_restore_s=(restore_s if measured_restore_s is None
+                                                  else measured_restore_s)),
                       start_s=1000.0)
     out["sim_wall_s"] = round(time.perf_counter() - wall0, 3)
     return out
