@@ -243,7 +243,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
                    restore_s=restore_s, cap=cap, mean_prompt_tokens=scale.mean_prompt_tokens,
                    mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
                    always_on_replicas=pool, actual=calibrated,
-                   replay_restore_s=_median(replay_restores_s))
+                   replay_restores_s=replay_restores_s)
     codes = {}
     for o in outcomes:
         codes[o.code] = codes.get(o.code, 0) + 1
@@ -269,7 +269,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
 def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float, cap: int,
              mean_prompt_tokens: float, mean_gen_tokens: float, span_s: float,
              always_on_replicas: int, actual=None,
-             replay_restore_s: float | None = None) -> dict:
+             replay_restores_s: list[float] | None = None) -> dict:
     """The simulator's side (step 5): the same requests through the production request path
     and predictor, with simulated replicas, node agent and clock
     (:func:`agent.sim.pathsim.simulate_path`), configured as this replay's stack.  The
@@ -277,19 +277,38 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
     admission predicts with) and serve at ``actual`` (the speed measured through the front
     door, :func:`agent.replay.calibrate`: what its clients saw; default ``profile``).  The
     front door starts with ``restore_s`` measured (the probe's restore, as live); each
-    simulated restore takes ``replay_restore_s`` (the median restore the node agent timed
-    during the live window; default ``restore_s``)."""
+    simulated restore takes the median of ``replay_restores_s`` (the restores the node agent
+    timed during the live window; default ``restore_s``), plus the time to start a zygote
+    when none is ready, estimated from the slow ones (:func:`zygote_estimate_s`)."""
     from agent.sim.pathsim import PathSimConfig, simulate_path
 
+    restores = list(replay_restores_s or [])
     config = PathSimConfig(deadline_ms=RESTORE_SLO_MS, registry_poll_s=0.2, agent_tick_s=0.5,
                            restores_per_model=cap, max_replicas=cap, warm_slo_ms=WARM_SLO_MS,
-                           restore_slo_ms=RESTORE_SLO_MS)
+                           restore_slo_ms=RESTORE_SLO_MS, zygote_s=zygote_estimate_s(restores))
     return simulate_path(plan, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
-                         restore_s=replay_restore_s or restore_s, measured_restore_s=restore_s,
+                         restore_s=_median(restores) or restore_s, measured_restore_s=restore_s,
                          policy=predictor_policy(restore_s, cap),
                          mean_prompt_tokens=mean_prompt_tokens, mean_gen_tokens=mean_gen_tokens,
                          config=config, initial_replicas=1, span_s=span_s,
                          always_on_replicas=always_on_replicas, actual=actual)
+
+
+def _median(values: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(values) if values else None
+
+
+def zygote_estimate_s(restores_s: list[float]) -> float:
+    """How long a restore that found no zygote ready waited for one, from a window's restore
+    durations: the median excess over the median restore of those that took more than twice
+    it (the node agent then starts a zygote first); 0 when none did."""
+    typical = _median(restores_s)
+    if typical is None:
+        return 0.0
+    slow = [d - typical for d in restores_s if d > 2.0 * typical]
+    return _median(slow) or 0.0
 
 
 def resimulate(live_json: Path, records: Path) -> list[dict]:
@@ -329,16 +348,10 @@ def resimulate(live_json: Path, records: Path) -> list[dict]:
                               mean_gen_tokens=scale["mean_output_tokens"],
                               span_s=scale["wall_s"], always_on_replicas=run["always_on_replicas"],
                               actual=SpeedProfile.from_meta(run.get("calibrated_profile") or {}),
-                              replay_restore_s=_median(run.get("replay_restores_s") or []))
+                              replay_restores_s=run.get("replay_restores_s"))
         run["verdict"] = verdict(run)
         out.append(run)
     return out
-
-
-def _median(values: list[float]) -> float | None:
-    import statistics
-
-    return statistics.median(values) if values else None
 
 
 def write_records(path: Path, load: float, plan, outcomes, decisions) -> None:

@@ -3,6 +3,9 @@
 :class:`SimNode` stands where the embedded stack's node agent (agent/node/agent.py) and its
 local registry stand, as the front door and the predictor's scaler see them:
 
+- **zygotes**: a restore takes a ready zygote (``zygotes`` kept per node, agent/node/agent.py's
+  ``zygotes_per_device``), which is refilled ``zygote_s`` after the restore; a restore that
+  finds none ready starts its own and takes ``zygote_s`` longer (as the node agent does);
 - **restore** (the front door's :class:`~agent.frontdoor.capacity.CapacityRequester`,
   :meth:`request_restore`, and ``call("restore")`` for
   :class:`~agent.cluster.local_scaler.LocalScaler`): a new replica record in ``restoring``
@@ -78,13 +81,20 @@ class SimNode:
 
     def __init__(self, model: str, speed: SpeedProfile, *, max_seqs: int, max_seq_len: int,
                  restore_s: float, max_replicas: int | None = None,
-                 actual: SpeedProfile | None = None) -> None:
+                 actual: SpeedProfile | None = None, zygote_s: float = 0.0,
+                 zygotes: int = 1) -> None:
         if not restore_s >= 0 or restore_s == float("inf"):
             raise ConfigError(f"SimNode restore_s={restore_s!r} must be a finite number >= 0",
                               name="restore_s", value=restore_s, limit=">= 0")
         self.model, self.speed, self.actual = model, speed, actual or speed
         self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
         self.restore_s = float(restore_s)
+        if not zygote_s >= 0 or zygote_s == float("inf"):
+            raise ConfigError(f"SimNode zygote_s={zygote_s!r} must be a finite number >= 0",
+                              name="zygote_s", value=zygote_s, limit=">= 0")
+        self.zygote_s, self.zygotes = float(zygote_s), zygotes
+        self._pool = zygotes                     # zygotes ready
+        self._refilling = False
         self.max_replicas = max_replicas
         self.records: dict[str, SimRecord] = {}
         self._ids = itertools.count(1)
@@ -163,11 +173,33 @@ class SimNode:
         return (warm or up or [None])[0]
 
     def _restore_later(self, rec: SimRecord, start_s: float) -> float:
-        """Make ``rec`` warm ``restore_s`` after ``start_s``; returns when."""
-        ready_s = max(start_s, self.now()) + self.restore_s
+        """Make ``rec`` warm ``restore_s`` after ``start_s`` (``zygote_s`` more when no
+        zygote is ready: the node agent then starts one for it); returns when."""
+        duration_s = self.restore_s
+        if self.zygote_s > 0:
+            if self._pool > 0:
+                self._pool -= 1
+            else:
+                duration_s += self.zygote_s
+        ready_s = max(start_s, self.now()) + duration_s
         self.restores += 1
-        asyncio.get_running_loop().call_at(ready_s, self._go_warm, rec)
+        loop = asyncio.get_running_loop()
+        loop.call_at(ready_s, self._go_warm, rec)
+        loop.call_at(ready_s, self._refill)
         return ready_s
+
+    def _refill(self) -> None:
+        """After a restore the node agent refills its zygote pool, one zygote at a time
+        (``refill_pool`` on its executor), each ``zygote_s``."""
+        if self.zygote_s <= 0 or self._refilling or self._pool >= self.zygotes:
+            return
+        self._refilling = True
+
+        def ready() -> None:
+            self._pool += 1
+            self._refilling = False
+            self._refill()
+        asyncio.get_running_loop().call_later(self.zygote_s, ready)
 
     async def request_restore(self, model: str) -> RestoreResult:
         """The front door's capacity requester (the node agent's ``restore`` op)."""

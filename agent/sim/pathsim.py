@@ -46,7 +46,9 @@ class PathSimConfig:
     the front door's registry polling (Stack's front door config); ``agent_tick_s`` the
     node agent loop (Stack: 0.5 s); ``predictor_step_s`` the predictor's tick;
     ``restores_per_model`` the front door's cap on restores in flight; ``max_wait_s`` its
-    cap on any wait; ``max_replicas`` the node's replica cap."""
+    cap on any wait; ``max_replicas`` the node's replica cap; ``zygote_s`` how long the node
+    takes to start a zygote (a restore finding none ready waits that much longer; 0: a
+    zygote is always ready)."""
 
     model: str = "m"
     deadline_ms: float = 4000.0
@@ -56,6 +58,7 @@ class PathSimConfig:
     restores_per_model: int = 2
     max_wait_s: float = 60.0
     max_replicas: int = 2
+    zygote_s: float = 0.0
     warm_slo_ms: float = 2000.0
     restore_slo_ms: float = 4000.0
 
@@ -118,7 +121,8 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
     clock = LoopClock(loop)
     model = cfg.model
     node = SimNode(model, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
-                   restore_s=restore_s, max_replicas=cfg.max_replicas, actual=actual)
+                   restore_s=restore_s, max_replicas=cfg.max_replicas, actual=actual,
+                   zygote_s=cfg.zygote_s)
     config = FrontDoorConfig(models={model: cfg.deadline_ms}, registry_poll_s=cfg.registry_poll_s,
                              restores_per_model=cfg.restores_per_model, max_wait_s=cfg.max_wait_s,
                              warm_slo_ms=cfg.warm_slo_ms, restore_slo_ms=cfg.restore_slo_ms)

@@ -129,3 +129,22 @@ def test_node_caps_replicas_drains_after_in_flight_and_bills_every_live_second()
         with pytest.raises(ConfigError):
             node.call("scale", model="m")
     run_virtual(main())
+
+
+def test_a_restore_that_finds_no_zygote_ready_waits_for_one_to_start():
+    async def main():
+        loop = asyncio.get_running_loop()
+        node = SimNode("m", SPEED, max_seqs=4, max_seq_len=512, restore_s=1.0,
+                       max_replicas=4, zygote_s=3.0)
+        first, second = await asyncio.gather(node.request_restore("m"),
+                                             node.request_restore("m"))
+        # the first took the pool's zygote; the second started its own
+        assert sorted([first.restore_ms, second.restore_ms]) == pytest.approx([1000.0, 4000.0])
+        await asyncio.sleep(3.0)                     # the pool refills 3 s after a restore
+        t0 = loop.time()
+        third = await node.request_restore("m")
+        assert third.restore_ms == pytest.approx(1000.0) and loop.time() - t0 == pytest.approx(1.0)
+        with pytest.raises(ConfigError):
+            SimNode("m", SPEED, max_seqs=4, max_seq_len=512, restore_s=1.0,
+                    zygote_s=float("nan"))
+    run_virtual(main())
