@@ -93,14 +93,14 @@ class _Sink:
 
 
 def _frontdoor_stats(path) -> dict[str, dict]:
-    """What the live predictor's ``frontdoor_stats`` reads from the front door's ``stats``
-    answer: the arrivals per model and the smallest KV capacity of each model's replicas."""
-    info = path.info("stats")
-    capacity: dict[str, int] = {}
-    for rep in info["replicas"].values():
-        tokens = rep["kv_capacity_tokens"]
-        capacity[rep["model"]] = min(tokens, capacity.get(rep["model"], tokens))
-    return {"arrivals": dict(info["arrivals"]), "kv_capacity_tokens": capacity}
+    """What the live predictor's ``frontdoor_stats`` returns for this front door: its
+    ``stats`` answer (``RequestPath.info``) read by the same parser, so every counter the
+    live predictor is fed (arrivals, KV capacities, and whatever the front door adds) reaches
+    the simulated one too.  (``_parse_stats`` is the predictor service's own reader of that
+    answer; a public name for it would be better.)"""
+    from agent.predictor.service import _parse_stats
+
+    return _parse_stats("frontdoor", path.info("stats"))
 
 
 async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: PathSimConfig, *,
