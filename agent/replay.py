@@ -266,7 +266,7 @@ def summarise(outcomes: Sequence[Outcome], *, gpu_seconds: float, always_on_gpu_
                 within += o.ttft_ms <= slo_ms.get(path, slo_ms["warm_hit"])
         elif o.code == 429:
             shed += 1
-            fast += (o.answered_ms or math.inf) <= FAST_REFUSAL_MS
+            fast += (math.inf if o.answered_ms is None else o.answered_ms) <= FAST_REFUSAL_MS
         elif o.code == 504:
             expired += 1
         else:

@@ -6,7 +6,8 @@
 Four synthetic 10-minute traces in the Azure format's terms (Poisson arrivals, prompt and
 output lengths drawn like a code-completion trace: lognormal around 1,500 / 20 tokens), each
 scaled exactly as bench/trace_replay.py scales a window (agent/sim/replay_scale.py) and run
-through the simulator with the production predictor (agent/sim/replay_sim.py):
+through the simulator as bench/trace_replay.py runs it (the production request path and
+predictor, simulated replicas: agent/sim/pathsim.py):
 
 - ``steady``: 3 req/s throughout;
 - ``step_bursts``: 1 req/s with four 40 s steps to 15 req/s;
@@ -79,9 +80,8 @@ def synthetic_rows(shape: str, seed: int = 0):
 
 def main(argv: list[str] | None = None) -> int:
     from agent.sim.replay_scale import always_on_replicas, fit_scale, replay_requests
-    from agent.sim.replay_sim import simulate_plan
     from agent.speed import SpeedProfile
-    from trace_replay import RESTORE_SLO_MS, WARM_SLO_MS, predictor_policy, verdict
+    from trace_replay import WARM_SLO_MS, simulate, verdict
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("agent.predictor").setLevel(logging.WARNING)
     restore_s, source = args.restore_s, "stand-in (no measurement given)"
     profile = SpeedProfile(**STAND_IN)
+    actual = None    # the replicas serve at the speed they report, unless a replay measured it
     if args.from_json:
         doc = json.loads(args.from_json.read_text())
         run = (doc.get("runs") or [doc])[0]
         profile = SpeedProfile.from_meta(run["profile"])
+        actual = SpeedProfile.from_meta(run.get("calibrated_profile") or {})
         restore_s, source = float(run["restore_s"]), f"{args.from_json} (live replay)"
     elif args.profile:
         profile, source = SpeedProfile.from_file(args.profile), str(args.profile)
@@ -113,17 +115,13 @@ def main(argv: list[str] | None = None) -> int:
                               wall_s=args.wall_s, ttft_slo_s=WARM_SLO_MS / 1000.0,
                               max_seqs=MAX_SEQS, max_tokens_per_request=MAX_SEQ_LEN)
             plan = replay_requests(arrival, ctx, gen, scale, MAX_SEQ_LEN)
-            sim = simulate_plan(plan, profile, batch=scale.batch,
-                                kv_capacity_tokens=MAX_SEQS * MAX_SEQ_LEN, restore_s=restore_s,
-                                policy=predictor_policy(restore_s, args.max_replicas),
-                                max_replicas=args.max_replicas, initial_replicas=1,
-                                warm_slo_s=WARM_SLO_MS / 1000.0,
-                                restore_slo_s=RESTORE_SLO_MS / 1000.0, max_seqs=MAX_SEQS,
-                                mean_prompt_tokens=scale.mean_prompt_tokens,
-                                mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
-                                always_on_replicas=always_on_replicas(
-                                    [r.at_s for r in plan], scale.capacity_rps,
-                                    args.max_replicas))
+            sim = simulate(plan, profile, max_seqs=MAX_SEQS, max_seq_len=MAX_SEQ_LEN,
+                           restore_s=restore_s, cap=args.max_replicas,
+                           mean_prompt_tokens=scale.mean_prompt_tokens,
+                           mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
+                           always_on_replicas=always_on_replicas(
+                               [r.at_s for r in plan], scale.capacity_rps, args.max_replicas),
+                           actual=actual)
             v = verdict({**sim, "load": load, "sim": sim})
             failed = [k for k, ok in v.items() if not ok and not k.startswith("sim_")]
             w, r = sim["ttft_ms"]["warm_hit"], sim["ttft_ms"]["snapshot_restore"]

@@ -20,8 +20,16 @@ SmolLM2-135M, the front door, the node agent and, for the replay, the predictor)
    the warm SLO), the burst shape unchanged;
 4. the predictor starts (its production policy; sizing from the measured speed, lead time
    = restore + decision latency + one step), and the requests are sent at their wall times;
-5. the same requests go through the simulator with the same profile, restore time and
-   predictor policy (:func:`agent.sim.replay_sim.simulate_plan`).
+5. the same requests go through the simulator (:func:`agent.sim.pathsim.simulate_path`): the
+   production front-door request path, predictor service and local scaler on virtual time,
+   with simulated replicas that report the profile the live replica reported and serve at
+   the speed the calibration measured, and a simulated node agent whose restores take the
+   median restore it timed during the live window (the front door starting with the
+   probe's restore measured, as live).
+
+``--resim LIVE.json --records REC`` runs step 5 alone again on an earlier run (its JSON and
+its ``--records`` file) and prints both columns: the simulator can be changed and re-judged
+against one live run without running the stack again.
 
 It prints live and simulated side by side and writes ``--json``: per load the keys of
 :func:`agent.replay.summarise` (``requests, served, shed_429, shed_429_within_50ms,
@@ -68,7 +76,11 @@ def load_list(text: str) -> list[float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", type=Path, required=True)
+    ap.add_argument("--trace", type=Path, required=False,
+                    help="the trace CSV (required unless --resim)")
+    ap.add_argument("--resim", type=Path, default=None, metavar="LIVE_JSON",
+                    help="run only the simulator again, on the requests of an earlier run "
+                         "(its --json file and, with --records, its records) and print both")
     ap.add_argument("--load", type=load_list, default=[0.3],
                     help="offered load(s), fraction of one replica's capacity (0.3; 0.3,3)")
     ap.add_argument("--minutes", type=positive_float, default=10.0, help="trace window (min)")
@@ -132,7 +144,6 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
     from agent.demo import Sampler, _fresh_state, _vocabulary, replica_limits, replica_stats
     from agent.replica.config import LlamaConfig
     from agent.sim.replay_scale import always_on_replicas, fit_scale, replay_requests
-    from agent.sim.replay_sim import simulate_plan
     from agent.up import Stack
 
     cores = os.cpu_count() or 1
@@ -213,6 +224,9 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
         fd_counts = dict(stack.frontdoor.path.counts) if stack.frontdoor is not None else {}
         rows_after = stack.agent.catalog.cold_starts(model)
         restores = len(rows_after) - restores_before
+        # each restore of the window, as the node agent timed it (the simulator's restores)
+        replay_restores_s = [float(r["duration_s"]) for r in rows_after[restores_before:]
+                             if r["outcome"] == "ok"]
         peak = sampler.peak
         decisions = [{"t_s": round(d.at_s - stack.decisions[0].at_s, 2), "action": d.action,
                       "target": d.target, "desired": d.desired, "reason": d.reason[:100],
@@ -229,13 +243,11 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
                 one_replica_gpu_seconds=round(span_s, 2),
                 prediction=prediction_error(outcomes), frontdoor_counts=fd_counts,
                 requests_log=[request_row(o) for o in outcomes])
-    sim = simulate_plan(plan, profile, batch=scale.batch, kv_capacity_tokens=max_seqs * max_seq_len,
-                        restore_s=restore_s, policy=policy, max_replicas=cap,
-                        initial_replicas=1,
-                        warm_slo_s=WARM_SLO_MS / 1000.0, restore_slo_s=RESTORE_SLO_MS / 1000.0,
-                        max_seqs=max_seqs, mean_prompt_tokens=scale.mean_prompt_tokens,
-                        mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
-                        always_on_replicas=pool)
+    sim = simulate(plan, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                   restore_s=restore_s, cap=cap, mean_prompt_tokens=scale.mean_prompt_tokens,
+                   mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
+                   always_on_replicas=pool, actual=calibrated,
+                   replay_restores_s=replay_restores_s)
     codes = {}
     for o in outcomes:
         codes[o.code] = codes.get(o.code, 0) + 1
@@ -245,7 +257,9 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
            "profile": profile.to_meta(), "profile_source": source,
            "replica_meter_profile": None if meter is None else meter.to_meta(),
            "calibrated_profile": calibrated.to_meta(),
-           "restore_s": restore_s, "max_replicas": cap, "threads": args.threads,
+           "restore_s": restore_s, "replay_restores_s": replay_restores_s,
+           "max_replicas": cap, "threads": args.threads,
+           "max_seqs": max_seqs, "max_seq_len": max_seq_len,
            "forward": note, "codes": {str(k): v for k, v in sorted(codes.items())},
            "refusal_reasons": reasons, "decisions": decisions[:200], "wall_s_total": time.monotonic() - t_start,
            "loadavg": os.getloadavg(), "requests_window": len(plan),
@@ -253,6 +267,94 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
     out["verdict"] = verdict(out)
     if args.records is not None:
         write_records(args.records, load, plan, outcomes, stack.decisions)
+    return out
+
+
+def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float, cap: int,
+             mean_prompt_tokens: float, mean_gen_tokens: float, span_s: float,
+             always_on_replicas: int, actual=None,
+             replay_restores_s: list[float] | None = None) -> dict:
+    """The simulator's side (step 5): the same requests through the production request path
+    and predictor, with simulated replicas, node agent and clock
+    (:func:`agent.sim.pathsim.simulate_path`), configured as this replay's stack.  The
+    simulated replicas report ``profile`` (what the live replica's meter reported, which
+    admission predicts with) and serve at ``actual`` (the speed measured through the front
+    door, :func:`agent.replay.calibrate`: what its clients saw; default ``profile``).  The
+    front door starts with ``restore_s`` measured (the probe's restore, as live); each
+    simulated restore takes the median of ``replay_restores_s`` (the restores the node agent
+    timed during the live window; default ``restore_s``), plus the time to start a zygote
+    when none is ready, estimated from the slow ones (:func:`zygote_estimate_s`)."""
+    from agent.sim.pathsim import PathSimConfig, simulate_path
+
+    restores = list(replay_restores_s or [])
+    config = PathSimConfig(deadline_ms=RESTORE_SLO_MS, registry_poll_s=0.2, agent_tick_s=0.5,
+                           restores_per_model=cap, max_replicas=cap, warm_slo_ms=WARM_SLO_MS,
+                           restore_slo_ms=RESTORE_SLO_MS, zygote_s=zygote_estimate_s(restores))
+    return simulate_path(plan, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                         restore_s=_median(restores) or restore_s, measured_restore_s=restore_s,
+                         policy=predictor_policy(restore_s, cap),
+                         mean_prompt_tokens=mean_prompt_tokens, mean_gen_tokens=mean_gen_tokens,
+                         config=config, initial_replicas=1, span_s=span_s,
+                         always_on_replicas=always_on_replicas, actual=actual)
+
+
+def _median(values: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(values) if values else None
+
+
+def zygote_estimate_s(restores_s: list[float]) -> float:
+    """How long a restore that found no zygote ready waited for one, from a window's restore
+    durations: the median excess over the median restore of those that took more than twice
+    it (the node agent then starts a zygote first); 0 when none did."""
+    typical = _median(restores_s)
+    if typical is None:
+        return 0.0
+    slow = [d - typical for d in restores_s if d > 2.0 * typical]
+    return _median(slow) or 0.0
+
+
+def resimulate(live_json: Path, records: Path) -> list[dict]:
+    """``--resim``: the simulator's side again for each run of an earlier ``--json`` file,
+    its requests read from that run's ``--records`` file (``RECORDS.<load>.jsonl``); the
+    live numbers are kept as they were measured."""
+    from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS
+    from agent.sim.replay_scale import ReplayRequest
+    from agent.speed import SpeedProfile
+
+    try:
+        doc = json.loads(live_json.read_text())
+        runs = doc.get("runs") or [doc]
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resim {live_json}: cannot read it as JSON ({exc})",
+                          name="resim", value=str(live_json), limit="a --json file") from None
+    out = []
+    for run in runs:
+        rec = records.with_name(f"{records.name}.{run['load']:g}.jsonl")
+        try:
+            rows = [json.loads(line) for line in rec.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--resim: records {rec}: cannot read them ({exc})",
+                              name="records", value=str(rec), limit="a --records file") from None
+        plan = [ReplayRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"])
+                for r in rows if r.get("kind") == "request"]
+        profile = SpeedProfile.from_meta(run["profile"])
+        if profile is None:
+            raise ConfigError(f"--resim {live_json}: run at load {run['load']:g} has no profile",
+                              name="profile", value=run.get("profile"), limit=SpeedProfile)
+        scale = run["scale"]
+        run = dict(run)
+        run["sim"] = simulate(plan, profile, max_seqs=run.get("max_seqs") or DEFAULT_MAX_SEQS,
+                              max_seq_len=run.get("max_seq_len") or DEFAULT_MAX_SEQ_LEN,
+                              restore_s=run["restore_s"], cap=run["max_replicas"],
+                              mean_prompt_tokens=scale["mean_prompt_tokens"],
+                              mean_gen_tokens=scale["mean_output_tokens"],
+                              span_s=scale["wall_s"], always_on_replicas=run["always_on_replicas"],
+                              actual=SpeedProfile.from_meta(run.get("calibrated_profile") or {}),
+                              replay_restores_s=run.get("replay_restores_s"))
+        run["verdict"] = verdict(run)
+        out.append(run)
     return out
 
 
@@ -363,6 +465,24 @@ def table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.resim is not None:
+        if args.records is None:
+            print("error: --resim needs --records (the earlier run's records)", file=sys.stderr)
+            return 2
+        try:
+            results = resimulate(args.resim, args.records)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        for r in results:
+            say(table(r))
+        args.trace = Path(results[0].get("trace", "trace")) if results else Path("trace")
+        write_json(args, results)
+        say(f"written to {args.json}")
+        return 0
+    if args.trace is None:
+        print("error: --trace is required (or --resim)", file=sys.stderr)
+        return 2
     from agent.sim.trace import read_trace
     from agent.up import prepare_model
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-from typing import Any, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 import msgpack
 
@@ -135,3 +135,18 @@ class ReplicaLink(Batched):
             return
         self.closed = True
         self.owner.replica_failed(self, f"connection to replica lost ({exc or 'closed'})")
+
+
+Connector = Callable[[ReplicaLink, str], Awaitable[None]]
+"""Connects a new :class:`ReplicaLink` to the replica at an address (raises OSError when it
+cannot): :func:`open_socket` in production; the simulator (agent/sim/) gives its own."""
+
+
+async def open_socket(link: ReplicaLink, address: str) -> None:
+    """Connect ``link`` over TCP (``host:port``) or a Unix socket (a path)."""
+    loop = asyncio.get_running_loop()
+    host, _, port = address.rpartition(":")
+    if host:
+        await loop.create_connection(lambda: link, host, int(port))
+    else:
+        await loop.create_unix_connection(lambda: link, address)

@@ -49,7 +49,7 @@ from agent.frontdoor.reroute import Reroute
 from agent.frontdoor.restores import Restores
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
-from agent.frontdoor.links import ReplicaLink
+from agent.frontdoor.links import Connector, ReplicaLink, open_socket
 from agent.frontdoor.router import ReplicaLoad, Router
 from agent.telemetry import Telemetry
 
@@ -62,8 +62,10 @@ class RequestPath(QueuePlanner, Restores, Reroute):
     :meth:`submit` is the one way in."""
 
     def __init__(self, config: FrontDoorConfig, *, clock: Clock, telemetry: Telemetry,
-                 capacity: CapacityRequester | None = None) -> None:
+                 capacity: CapacityRequester | None = None,
+                 connector: Connector = open_socket) -> None:
         self.config = config
+        self.connector = connector  # opens a replica link (TCP/Unix; the simulator's own)
         self.clock = clock
         self.telemetry = telemetry
         self.capacity = capacity
@@ -284,14 +286,10 @@ class RequestPath(QueuePlanner, Restores, Reroute):
         loop = asyncio.get_running_loop()
         link = ReplicaLink(self, replica.replica_id, self.config.replica_limits)
         self.links[replica.replica_id] = link
-        host, _, port = replica.address.rpartition(":")
 
         async def connect() -> None:
             try:
-                if host:
-                    await loop.create_connection(lambda: link, host, int(port))
-                else:
-                    await loop.create_unix_connection(lambda: link, replica.address)
+                await self.connector(link, replica.address)
             except OSError as exc:
                 link.closed = True
                 self.replica_failed(link, f"cannot connect to replica {replica.address}: {exc}")

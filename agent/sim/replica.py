@@ -22,10 +22,14 @@ from agent.speed import SpeedProfile, slot_wait_steps
 
 
 class SimReplica:
-    """One replica's engine: ``max_seqs`` slots; requests are opaque ids with token counts."""
+    """One replica's engine: ``max_seqs`` slots; requests are opaque ids with token counts.
+    It steps at ``speed``; it reports and predicts with ``reported`` (its speed meter's
+    profile; default ``speed``), which a live replica's meter may get wrong."""
 
-    def __init__(self, speed: SpeedProfile, max_seqs: int) -> None:
+    def __init__(self, speed: SpeedProfile, max_seqs: int,
+                 reported: SpeedProfile | None = None) -> None:
         self.speed = speed
+        self.reported = reported or speed   # what its speed meter says (reports, predictions)
         self.max_seqs = max_seqs
         self._waiting: deque[tuple[int, int, int]] = deque()   # (request, prompt, output)
         self._active: list[list[int]] = []                     # [request, remaining, ctx]
@@ -43,7 +47,7 @@ class SimReplica:
     def reset(self) -> None:
         """Empty it (the replica stopped); a step in flight is ignored when it ends."""
         generation = self.generation + 1
-        self.__init__(self.speed, self.max_seqs)
+        self.__init__(self.speed, self.max_seqs, self.reported)
         self.generation = generation
 
     def submit(self, request: int, prompt_tokens: int, output_tokens: int) -> None:
@@ -94,12 +98,12 @@ class SimReplica:
         """The load report a live replica gives (agent/speed.py's keys), KV left out."""
         return {"max_seqs": self.max_seqs, "active_seqs": len(self._active),
                 "waiting_seqs": len(self._waiting), "queued_prefill_tokens": self._queued_tokens,
-                "active_ctx_tokens": self._ctx, **self.speed.to_dict()}
+                "active_ctx_tokens": self._ctx, **self.reported.to_dict()}
 
     def predict_ttft_s(self, prompt_tokens: int) -> float:
         """What the live replica predicts for a new request (agent/replica/engine.py)."""
         remaining = sorted(seq[1] for seq in self._active)
-        return self.speed.predict_ttft_s(
+        return self.reported.predict_ttft_s(
             prompt_tokens, active_seqs=len(self._active), active_ctx_tokens=self._ctx,
             waiting_seqs=len(self._waiting), queued_prefill_tokens=self._queued_tokens,
             slot_wait_steps=slot_wait_steps(remaining, len(self._waiting),
