@@ -122,7 +122,9 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
     model = cfg.model
     node = SimNode(model, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
                    restore_s=restore_s, max_replicas=cfg.max_replicas, actual=actual,
-                   zygote_s=cfg.zygote_s)
+                   zygote_s=cfg.zygote_s,
+                   # as the node agent's pool_target on a CPU node: one per replica slot
+                   zygotes=max(1, cfg.max_replicas))
     config = FrontDoorConfig(models={model: cfg.deadline_ms}, registry_poll_s=cfg.registry_poll_s,
                              restores_per_model=cfg.restores_per_model, max_wait_s=cfg.max_wait_s,
                              warm_slo_ms=cfg.warm_slo_ms, restore_slo_ms=cfg.restore_slo_ms)

@@ -2,7 +2,7 @@
 
 The live replica's loop (agent/replica/worker.py) runs steps back to back while it has work:
 each step first prefills the waiting sequences that free slots admit, one after another (B=1),
-and sends their first tokens; then one decode step over every active sequence (B=active, S=1).
+each first token sent as its own prefill ends; then one decode step over every active sequence (B=active, S=1).
 A request that arrives during a step waits for the next one.  :class:`SimReplica` is that loop
 on a virtual clock, with every duration from agent/speed.py's :class:`SpeedProfile` (measured
 by bench/engine_profile.py): ``prefill_s(P)`` per admitted prompt, ``decode_step_s(B, C)`` per
@@ -63,13 +63,12 @@ class SimReplica:
             req, p, o = self._waiting.popleft()
             self._queued_tokens -= p
             t += sp.prefill_s(p)
-            firsts.append(req)
+            firsts.append((req, t))     # sent when its own prefill ends (agent/replica/worker.py)
             if o <= 1:
                 self._ending.append(req)
             else:
                 self._active.append([req, o - 1, p])
                 self._ctx += p
-        first_s = t
         if self._active:
             t += sp.decode_step_s(len(self._active), self._ctx)
             still = []
@@ -85,7 +84,7 @@ class SimReplica:
             self._active = still
         self.stepping = True
         self.steps += 1
-        return [(req, first_s) for req in firsts], t
+        return firsts, t
 
     def end_step(self) -> list[int]:
         """The step ended: the requests it finished."""
