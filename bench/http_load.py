@@ -1,8 +1,10 @@
 """HTTP entrance load benchmark: the OpenAI-compatible door beside the msgpack door.
 
 Processes: stub replicas (answer with text over the protocol, after ``service_ms``), one
-front door serving both doors over them, and the load from this process.  Reported (and
-written with ``--json PATH``):
+front door serving both doors over them, and the load from this process: one open-loop
+client for each protocol, alike in everything but the protocol (see the load section; the
+HTTP one on keep-alive connections, as real clients are).  Reported (and written with
+``--json PATH``):
 
 - ``http_cpu_us_per_request`` / ``msgpack_cpu_us_per_request``: the front door process's
   user+system CPU (/proc/<pid>/stat) over a run of the same requests (16 tokens, answered at
@@ -12,7 +14,9 @@ written with ``--json PATH``):
   straight to a stub replica, at half the HTTP door's capacity (``http_capacity_rps``: the
   highest Poisson rate of a ladder rising by half at which every request is answered 200
   with a median under 20 ms; ``http_capacity_by_cpu_rps`` = 1 / CPU per request beside it),
-  in the same run as ``msgpack_p99_added_ms`` at the same rate;
+  in the same run as ``msgpack_p99_added_ms`` at the same rate; ``latency_client``: per
+  latency run, how late the client's writes were against their schedule (p99) and how often
+  the HTTP client had to wait for a free connection, so that a client stall shows;
 - ``overload``: twice the stub replicas' capacity (``slots x replicas / service_ms``) offered
   for ``--overload-s`` through the HTTP door with a deadline: answers by status, and
   ``lost`` (no answer, or a status other than 200, 429, 504);
@@ -36,18 +40,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent.protocol import Decoder, pack  # noqa: E402
+from open_loop import (CLIENT_STATS, MODEL, http_load, msgpack_load, pct,  # noqa: E402
+                       poisson)
 
-MODEL = "bench"
-PROMPT = "Once upon a time there was a small model that answered quickly."
 
 
 # --- role: stub replicas ------------------------------------------------------------------
@@ -151,94 +152,6 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-# --- load: HTTP (aiohttp's client) and msgpack (the protocol, raw) ---------------------------
-
-async def _http_load(port: int, arrivals_s: np.ndarray, *, stream: bool = False,
-                     max_tokens: int = 16, deadline_ms: float | None = None,
-                     conns: int = 64, timeout_s: float = 30.0) -> tuple[np.ndarray, np.ndarray]:
-    """Open-loop: request i is sent at ``arrivals_s[i]``; returns (latency_s, status) per
-    request (status 0: no answer within ``timeout_s``)."""
-    import aiohttp
-
-    n = len(arrivals_s)
-    lat, status = np.full(n, np.nan), np.zeros(n, dtype=np.int32)
-    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
-                       "stream": stream, "temperature": 0}).encode()
-    headers = {"Content-Type": "application/json"}
-    if deadline_ms:
-        headers["x-rewarm-deadline-ms"] = str(deadline_ms)
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conns),
-                                     timeout=timeout) as session:
-        t0 = time.perf_counter()
-
-        async def one(i: int) -> None:
-            delay = t0 + arrivals_s[i] - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            start = time.perf_counter()
-            try:
-                async with session.post(url, data=body, headers=headers) as r:
-                    await r.read()
-                    status[i] = r.status
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                status[i] = 0
-                return
-            lat[i] = time.perf_counter() - start
-
-        await asyncio.gather(*(one(i) for i in range(n)))
-    return lat, status
-
-
-class _MsgConn(asyncio.Protocol):
-    def __init__(self, sent, lat, status):
-        self.sent, self.lat, self.status, self.d = sent, lat, status, Decoder()
-
-    def connection_made(self, transport):
-        self.t = transport
-
-    def data_received(self, data):
-        now = time.perf_counter()
-        for m in self.d.feed(data):
-            kind, rid = m.get("type"), m.get("id")
-            if kind == "done":
-                self.lat[rid], self.status[rid] = now - self.sent[rid], 200
-            elif kind == "error" and rid is not None:
-                self.lat[rid], self.status[rid] = now - self.sent[rid], m["code"]
-
-
-async def _msgpack_load(port: int, arrivals_s: np.ndarray, *, max_tokens: int = 16,
-                        conns: int = 64, model: str = MODEL,
-                        drain_s: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
-    """The same open-loop load over the msgpack protocol (to the front door or a stub)."""
-    loop = asyncio.get_running_loop()
-    n = len(arrivals_s)
-    lat, status, sent = np.full(n, np.nan), np.zeros(n, dtype=np.int32), np.zeros(n)
-    links = [(await loop.create_connection(lambda: _MsgConn(sent, lat, status), "127.0.0.1",
-                                           port))[0] for _ in range(conns)]
-    t0 = time.perf_counter()
-    for i in range(n):
-        delay = t0 + arrivals_s[i] - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        sent[i] = time.perf_counter()
-        links[i % conns].write(pack({"op": "generate", "id": i, "model": model,
-                                     "prompt": PROMPT, "max_tokens": max_tokens}))
-    end = time.perf_counter() + drain_s
-    while (status == 0).any() and time.perf_counter() < end:
-        await asyncio.sleep(0.01)
-    for t in links:
-        t.close()
-    return lat, status
-
-
-def _poisson(rate: float, duration_s: float, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    n = max(1, int(rate * duration_s))
-    return np.cumsum(rng.exponential(1.0 / rate, n))
-
-
 async def _connections(port: int, count: int, concurrency: int = 50) -> int:
     """Open ``count`` connections (``concurrency`` at a time), one GET /health on each, close.
     Returns how many were answered 200."""
@@ -264,17 +177,12 @@ def _ladder(http_port: int, step_s: float, start_rps: float = 50.0) -> float:
     with the median latency under 20 ms (the door keeping up, not queueing)."""
     rate, best = start_rps, 0.0
     while rate < 20_000:
-        arrivals = _poisson(rate, step_s, seed=int(rate))
-        lat, status = asyncio.run(_http_load(http_port, arrivals, timeout_s=step_s + 1))
-        if not (status == 200).all() or _pct(lat, 50) > 20.0:
+        arrivals = poisson(rate, step_s, seed=int(rate))
+        lat, status = asyncio.run(http_load(http_port, arrivals, timeout_s=step_s + 1))
+        if not (status == 200).all() or pct(lat, 50) > 20.0:
             break
         best, rate = rate, rate * 1.5
     return best or start_rps
-
-
-def _pct(values: np.ndarray, q: float) -> float:
-    values = values[~np.isnan(values)]
-    return float(np.percentile(values, q) * 1000.0) if len(values) else float("nan")
 
 
 # --- the real replica through guidellm ------------------------------------------------------
@@ -398,18 +306,18 @@ def main() -> None:
 def run_stubs(args) -> dict:
     """CPU per request (both doors), p99 added at half capacity, 10k connections (instant
     stubs); then overload against slow stubs."""
-    out: dict = {"load_generator": _load_generator()}
+    out: dict = {"load_generator": _load_generator(), "event_loop": _event_loop()}
     stubs, ports = _spawn("--role", "stubs", "--count", "2")
     fd, (msg_port, http_port) = _spawn("--role", "frontdoor",
                                        *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports])
     try:
         msg_port, http_port = int(msg_port), int(http_port)
-        arrivals = _poisson(args.cpu_rate, args.cpu_requests / args.cpu_rate, seed=1)
-        asyncio.run(_http_load(http_port, arrivals[:300]))          # warm up both doors
-        asyncio.run(_msgpack_load(msg_port, arrivals[:300]))
-        for name, run in (("http", lambda: _http_load(http_port, arrivals)),
-                          ("http_sse", lambda: _http_load(http_port, arrivals, stream=True)),
-                          ("msgpack", lambda: _msgpack_load(msg_port, arrivals))):
+        arrivals = poisson(args.cpu_rate, args.cpu_requests / args.cpu_rate, seed=1)
+        asyncio.run(http_load(http_port, arrivals[:300]))          # warm up both doors
+        asyncio.run(msgpack_load(msg_port, arrivals[:300]))
+        for name, run in (("http", lambda: http_load(http_port, arrivals)),
+                          ("http_sse", lambda: http_load(http_port, arrivals, stream=True)),
+                          ("msgpack", lambda: msgpack_load(msg_port, arrivals))):
             cpu0 = _cpu_s(fd.pid)
             _, status = asyncio.run(run())
             cpu = _cpu_s(fd.pid) - cpu0
@@ -420,15 +328,17 @@ def run_stubs(args) -> dict:
         half = capacity / 2
         out["http_capacity_rps"] = round(capacity)
         out["http_capacity_by_cpu_rps"] = round(1e6 / out["http_cpu_us_per_request"])
-        lat_arrivals = _poisson(half, args.latency_s, seed=2)
-        direct, _ = asyncio.run(_msgpack_load(int(ports[0]), lat_arrivals))
-        via_http, _ = asyncio.run(_http_load(http_port, lat_arrivals))
-        via_msg, _ = asyncio.run(_msgpack_load(msg_port, lat_arrivals))
+        lat_arrivals = poisson(half, args.latency_s, seed=2)
+        CLIENT_STATS.clear()
+        direct, _ = asyncio.run(msgpack_load(int(ports[0]), lat_arrivals))
+        via_http, _ = asyncio.run(http_load(http_port, lat_arrivals))
+        via_msg, _ = asyncio.run(msgpack_load(msg_port, lat_arrivals))
+        out["latency_client"] = dict(zip(("direct", "http", "msgpack"), CLIENT_STATS))
         out["half_capacity_rps"] = round(half)
         for q in (50, 99):
-            out[f"http_p{q}_added_ms"] = round(_pct(via_http, q) - _pct(direct, q), 3)
-            out[f"msgpack_p{q}_added_ms"] = round(_pct(via_msg, q) - _pct(direct, q), 3)
-        out["direct_p99_ms"] = round(_pct(direct, 99), 3)
+            out[f"http_p{q}_added_ms"] = round(pct(via_http, q) - pct(direct, q), 3)
+            out[f"msgpack_p{q}_added_ms"] = round(pct(via_msg, q) - pct(direct, q), 3)
+        out["direct_p99_ms"] = round(pct(direct, 99), 3)
         rss0 = None
         asyncio.run(_connections(http_port, 1000))
         rss0 = _rss_bytes(fd.pid)
@@ -454,8 +364,8 @@ def _overload(args) -> dict:
                                 "--deadline-ms", str(deadline_ms), "--queue-depth", "256",
                                 *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports])
     try:
-        arrivals = _poisson(2 * capacity, args.overload_s, seed=3)
-        _, status = asyncio.run(_http_load(int(http_port), arrivals, conns=512,
+        arrivals = poisson(2 * capacity, args.overload_s, seed=3)
+        _, status = asyncio.run(http_load(int(http_port), arrivals, conns=512,
                                            deadline_ms=deadline_ms, timeout_s=30.0))
     finally:
         fd.kill()
@@ -469,8 +379,18 @@ def _overload(args) -> dict:
 
 
 def _load_generator() -> str:
-    return ("guidellm " + _guidellm_version() + " (real replica); open-loop aiohttp/msgpack "
-            "clients in bench/http_load.py (stubs)")
+    return ("guidellm " + _guidellm_version() + " (real replica); open-loop HTTP (httptools, "
+            "keep-alive) and msgpack clients in bench/http_load.py (stubs)")
+
+
+def _event_loop() -> str:
+    """The stubs' and the front door's loop: uvloop when installed (as `rewarm frontdoor`
+    uses it), else asyncio's; the clients run on asyncio's."""
+    try:
+        import uvloop  # noqa: F401
+        return "uvloop"
+    except ImportError:
+        return "asyncio"
 
 
 def _guidellm_version() -> str:
@@ -500,6 +420,11 @@ def _print(out: dict) -> None:
             ("msgpack p50 / p99 added, same load (ms)",
              f"{out['msgpack_p50_added_ms']} / {out['msgpack_p99_added_ms']}"),
             ("RSS growth over 10k connections (bytes)", out["rss_growth_bytes_10k_connections"])]
+    client = out.get("latency_client")
+    if client:   # the clients' own lag in the latency runs: large values void those lines
+        rows.insert(6, ("client send late p99 direct / HTTP / msgpack (ms)", " / ".join(
+            f"{client[k]['send_late_ms_p99']:.3f}" for k in ("direct", "http", "msgpack"))
+            + f"; HTTP waits for a connection {client['http']['waits']}"))
     o = out["overload"]
     rows.append((f"overload {o['offered_rps']} rps: ok / 429 / 504 / lost",
                  f"{o['ok']} / {o['shed_429']} / {o['expired_504']} / {o['lost']}"))
