@@ -3,8 +3,9 @@
 Processes: stub replicas (answer with text over the protocol, after ``service_ms``), one
 front door serving both doors over them, and the load from this process: one open-loop
 client for each protocol, alike in everything but the protocol (see the load section; the
-HTTP one on keep-alive connections, as real clients are).  Reported (and written with
-``--json PATH``):
+HTTP one on keep-alive connections, as real clients are).  In the stub runs the front door
+has a core of its own and the rest hold the stubs and this process (``cpu_pinning``;
+``--no-pin`` to share).  Reported (and written with ``--json PATH``):
 
 - ``http_cpu_us_per_request`` / ``msgpack_cpu_us_per_request``: the front door process's
   user+system CPU (/proc/<pid>/stat) over a run of the same requests (16 tokens, answered at
@@ -125,19 +126,34 @@ async def _frontdoor(replicas: list[str], max_seqs: int, deadline_ms: float,
     await asyncio.Event().wait()
 
 
-def _spawn(*args: str) -> tuple[subprocess.Popen, list[str]]:
+def _spawn(*args: str, cpus: list[int] | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """Start a role of this script (pinned to ``cpus`` when given); returns it and the
+    words after its READY line."""
     try:
         import uvloop  # noqa: F401  (the front door uses it when installed)
         use = ["--uvloop"]
     except ImportError:
         use = []
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     proc = subprocess.Popen([sys.executable, __file__, *args, *use], stdout=subprocess.PIPE,
-                            text=True, cwd=REPO)
+                            text=True, cwd=REPO, preexec_fn=pin)
     line = proc.stdout.readline().split()
     if not line or line[0] != "READY":
         proc.kill()
         raise RuntimeError(f"{args[:2]} did not start: {line}")
     return proc, line[1:]
+
+
+def _pinning(enabled: bool) -> dict[str, list[int]]:
+    """Where the stub runs place their processes: the front door alone on the last core this
+    process may use, the clients (this process) and the stubs on the others, so that the
+    door's latency is not the load generator's CPU time (in a deployment the clients are
+    elsewhere).  Both doors are measured under the same placement.  ``{}`` (no pinning) with
+    ``--no-pin`` or fewer than two cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not enabled or len(cpus) < 2:
+        return {}
+    return {"frontdoor": cpus[-1:], "clients_and_stubs": cpus[:-1]}
 
 
 def _cpu_s(pid: int) -> float:
@@ -275,6 +291,8 @@ def main() -> None:
     ap.add_argument("--real-rate", type=float, default=0.5)
     ap.add_argument("--real-requests", type=int, default=20)
     ap.add_argument("--only-real", action="store_true", help="skip the stub runs")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="stub runs: leave the front door, stubs and clients unpinned")
     ap.add_argument("--role", choices=["stubs", "frontdoor"], help=argparse.SUPPRESS)
     ap.add_argument("--count", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--service-ms", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -307,9 +325,25 @@ def run_stubs(args) -> dict:
     """CPU per request (both doors), p99 added at half capacity, 10k connections (instant
     stubs); then overload against slow stubs."""
     out: dict = {"load_generator": _load_generator(), "event_loop": _event_loop()}
-    stubs, ports = _spawn("--role", "stubs", "--count", "2")
+    pin = out["cpu_pinning"] = _pinning(not args.no_pin)
+    door_cpus, other_cpus = pin.get("frontdoor"), pin.get("clients_and_stubs")
+    all_cpus = os.sched_getaffinity(0)
+    if other_cpus:
+        os.sched_setaffinity(0, other_cpus)
+    try:
+        out.update(_stub_runs(args, door_cpus, other_cpus))
+        out["overload"] = _overload(args, door_cpus, other_cpus)
+    finally:
+        os.sched_setaffinity(0, all_cpus)
+    return out
+
+
+def _stub_runs(args, door_cpus: list[int] | None, other_cpus: list[int] | None) -> dict:
+    out: dict = {}
+    stubs, ports = _spawn("--role", "stubs", "--count", "2", cpus=other_cpus)
     fd, (msg_port, http_port) = _spawn("--role", "frontdoor",
-                                       *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports])
+                                       *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports],
+                                       cpus=door_cpus)
     try:
         msg_port, http_port = int(msg_port), int(http_port)
         arrivals = poisson(args.cpu_rate, args.cpu_requests / args.cpu_rate, seed=1)
@@ -350,19 +384,19 @@ def run_stubs(args) -> dict:
         stubs.kill()
         fd.wait()
         stubs.wait()
-    out["overload"] = _overload(args)
     return out
 
 
-def _overload(args) -> dict:
+def _overload(args, door_cpus: list[int] | None, other_cpus: list[int] | None) -> dict:
     """Twice the stubs' capacity (2 replicas x 4 slots / 20 ms = 400 rps) for overload_s."""
     replicas, slots, service_ms, deadline_ms = 2, 4, 20.0, 500.0
     capacity = replicas * slots / (service_ms / 1000.0)
     stubs, ports = _spawn("--role", "stubs", "--count", str(replicas),
-                          "--service-ms", str(service_ms))
+                          "--service-ms", str(service_ms), cpus=other_cpus)
     fd, (_, http_port) = _spawn("--role", "frontdoor", "--max-seqs", str(slots),
                                 "--deadline-ms", str(deadline_ms), "--queue-depth", "256",
-                                *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports])
+                                *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports],
+                                cpus=door_cpus)
     try:
         arrivals = poisson(2 * capacity, args.overload_s, seed=3)
         _, status = asyncio.run(http_load(int(http_port), arrivals, conns=512,
@@ -436,6 +470,9 @@ def _print(out: dict) -> None:
                  ("real replica output tokens/s", f"{real['tokens_per_s']:.1f}")]
     width = max(len(r[0]) for r in rows)
     print(f"load generator: {out['load_generator']}")
+    if "cpu_pinning" in out:
+        print(f"front door and stubs on {out['event_loop']}; CPUs "
+              f"{out['cpu_pinning'] or 'not pinned'}")
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     print(f"load average {out['loadavg_1m']}")
