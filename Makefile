@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.rewarm-installed
 # Deterministic, small: the demo's and tests' working data lives here (ignored by git).
 VAR    := var
 
-.PHONY: test test-fast demo bench bench-ladder install clean sysdeps
+.PHONY: test test-fast demo bench bench-http bench-ladder install clean sysdeps
 
 install: $(STAMP)
 
@@ -53,6 +53,11 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python bench/restore_throughput.py --size-gib 1 4 --peers --json $(VAR)/bench/restore_throughput.json
+
+# The HTTP door beside the msgpack door on stubs, then guidellm (the bench extra) through the
+# HTTP door in front of a real SmolLM2 replica: the README's load-generator table.
+bench-http: $(BENCH_STAMP)
+	$(BIN)/python bench/http_load.py --json $(VAR)/bench/http_load.json
 
 # The cold-start ladder with the transformers rung.  transformers declares no torch, but its
 # own dependencies would move huggingface-hub/tokenizers: --no-deps (those it imports are

@@ -1,8 +1,11 @@
 """HTTP entrance load benchmark: the OpenAI-compatible door beside the msgpack door.
 
 Processes: stub replicas (answer with text over the protocol, after ``service_ms``), one
-front door serving both doors over them, and the load from this process.  Reported (and
-written with ``--json PATH``):
+front door serving both doors over them, and the load from this process: one open-loop
+client for each protocol, alike in everything but the protocol (see the load section; the
+HTTP one on keep-alive connections, as real clients are).  In the stub runs the front door
+has a core of its own and the rest hold the stubs and this process (``cpu_pinning``;
+``--no-pin`` to share).  Reported (and written with ``--json PATH``):
 
 - ``http_cpu_us_per_request`` / ``msgpack_cpu_us_per_request``: the front door process's
   user+system CPU (/proc/<pid>/stat) over a run of the same requests (16 tokens, answered at
@@ -12,7 +15,9 @@ written with ``--json PATH``):
   straight to a stub replica, at half the HTTP door's capacity (``http_capacity_rps``: the
   highest Poisson rate of a ladder rising by half at which every request is answered 200
   with a median under 20 ms; ``http_capacity_by_cpu_rps`` = 1 / CPU per request beside it),
-  in the same run as ``msgpack_p99_added_ms`` at the same rate;
+  in the same run as ``msgpack_p99_added_ms`` at the same rate; ``latency_client``: per
+  latency run, how late the client's writes were against their schedule (p99) and how often
+  the HTTP client had to wait for a free connection, so that a client stall shows;
 - ``overload``: twice the stub replicas' capacity (``slots x replicas / service_ms``) offered
   for ``--overload-s`` through the HTTP door with a deadline: answers by status, and
   ``lost`` (no answer, or a status other than 200, 429, 504);
@@ -36,18 +41,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent.protocol import Decoder, pack  # noqa: E402
+from open_loop import (CLIENT_STATS, MODEL, http_load, msgpack_load, pct,  # noqa: E402
+                       poisson)
 
-MODEL = "bench"
-PROMPT = "Once upon a time there was a small model that answered quickly."
 
 
 # --- role: stub replicas ------------------------------------------------------------------
@@ -124,19 +126,34 @@ async def _frontdoor(replicas: list[str], max_seqs: int, deadline_ms: float,
     await asyncio.Event().wait()
 
 
-def _spawn(*args: str) -> tuple[subprocess.Popen, list[str]]:
+def _spawn(*args: str, cpus: list[int] | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """Start a role of this script (pinned to ``cpus`` when given); returns it and the
+    words after its READY line."""
     try:
         import uvloop  # noqa: F401  (the front door uses it when installed)
         use = ["--uvloop"]
     except ImportError:
         use = []
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     proc = subprocess.Popen([sys.executable, __file__, *args, *use], stdout=subprocess.PIPE,
-                            text=True, cwd=REPO)
+                            text=True, cwd=REPO, preexec_fn=pin)
     line = proc.stdout.readline().split()
     if not line or line[0] != "READY":
         proc.kill()
         raise RuntimeError(f"{args[:2]} did not start: {line}")
     return proc, line[1:]
+
+
+def _pinning(enabled: bool) -> dict[str, list[int]]:
+    """Where the stub runs place their processes: the front door alone on the last core this
+    process may use, the clients (this process) and the stubs on the others, so that the
+    door's latency is not the load generator's CPU time (in a deployment the clients are
+    elsewhere).  Both doors are measured under the same placement.  ``{}`` (no pinning) with
+    ``--no-pin`` or fewer than two cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not enabled or len(cpus) < 2:
+        return {}
+    return {"frontdoor": cpus[-1:], "clients_and_stubs": cpus[:-1]}
 
 
 def _cpu_s(pid: int) -> float:
@@ -149,94 +166,6 @@ def _rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-# --- load: HTTP (aiohttp's client) and msgpack (the protocol, raw) ---------------------------
-
-async def _http_load(port: int, arrivals_s: np.ndarray, *, stream: bool = False,
-                     max_tokens: int = 16, deadline_ms: float | None = None,
-                     conns: int = 64, timeout_s: float = 30.0) -> tuple[np.ndarray, np.ndarray]:
-    """Open-loop: request i is sent at ``arrivals_s[i]``; returns (latency_s, status) per
-    request (status 0: no answer within ``timeout_s``)."""
-    import aiohttp
-
-    n = len(arrivals_s)
-    lat, status = np.full(n, np.nan), np.zeros(n, dtype=np.int32)
-    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
-                       "stream": stream, "temperature": 0}).encode()
-    headers = {"Content-Type": "application/json"}
-    if deadline_ms:
-        headers["x-rewarm-deadline-ms"] = str(deadline_ms)
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conns),
-                                     timeout=timeout) as session:
-        t0 = time.perf_counter()
-
-        async def one(i: int) -> None:
-            delay = t0 + arrivals_s[i] - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            start = time.perf_counter()
-            try:
-                async with session.post(url, data=body, headers=headers) as r:
-                    await r.read()
-                    status[i] = r.status
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                status[i] = 0
-                return
-            lat[i] = time.perf_counter() - start
-
-        await asyncio.gather(*(one(i) for i in range(n)))
-    return lat, status
-
-
-class _MsgConn(asyncio.Protocol):
-    def __init__(self, sent, lat, status):
-        self.sent, self.lat, self.status, self.d = sent, lat, status, Decoder()
-
-    def connection_made(self, transport):
-        self.t = transport
-
-    def data_received(self, data):
-        now = time.perf_counter()
-        for m in self.d.feed(data):
-            kind, rid = m.get("type"), m.get("id")
-            if kind == "done":
-                self.lat[rid], self.status[rid] = now - self.sent[rid], 200
-            elif kind == "error" and rid is not None:
-                self.lat[rid], self.status[rid] = now - self.sent[rid], m["code"]
-
-
-async def _msgpack_load(port: int, arrivals_s: np.ndarray, *, max_tokens: int = 16,
-                        conns: int = 64, model: str = MODEL,
-                        drain_s: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
-    """The same open-loop load over the msgpack protocol (to the front door or a stub)."""
-    loop = asyncio.get_running_loop()
-    n = len(arrivals_s)
-    lat, status, sent = np.full(n, np.nan), np.zeros(n, dtype=np.int32), np.zeros(n)
-    links = [(await loop.create_connection(lambda: _MsgConn(sent, lat, status), "127.0.0.1",
-                                           port))[0] for _ in range(conns)]
-    t0 = time.perf_counter()
-    for i in range(n):
-        delay = t0 + arrivals_s[i] - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        sent[i] = time.perf_counter()
-        links[i % conns].write(pack({"op": "generate", "id": i, "model": model,
-                                     "prompt": PROMPT, "max_tokens": max_tokens}))
-    end = time.perf_counter() + drain_s
-    while (status == 0).any() and time.perf_counter() < end:
-        await asyncio.sleep(0.01)
-    for t in links:
-        t.close()
-    return lat, status
-
-
-def _poisson(rate: float, duration_s: float, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    n = max(1, int(rate * duration_s))
-    return np.cumsum(rng.exponential(1.0 / rate, n))
 
 
 async def _connections(port: int, count: int, concurrency: int = 50) -> int:
@@ -261,20 +190,17 @@ async def _connections(port: int, count: int, concurrency: int = 50) -> int:
 def _ladder(http_port: int, step_s: float, start_rps: float = 50.0) -> float:
     """The HTTP door's capacity on this machine: the highest offered rate (rising by half
     each step) at which every request is answered 200 within ``step_s`` plus a second,
-    with the median latency under 20 ms (the door keeping up, not queueing)."""
+    with the median latency under 20 ms and no send waiting for a free connection (the
+    door keeping up, not queueing: with its 64 connections busy the client would send
+    late, offering less than the step's rate while its latencies stayed low)."""
     rate, best = start_rps, 0.0
     while rate < 20_000:
-        arrivals = _poisson(rate, step_s, seed=int(rate))
-        lat, status = asyncio.run(_http_load(http_port, arrivals, timeout_s=step_s + 1))
-        if not (status == 200).all() or _pct(lat, 50) > 20.0:
+        arrivals = poisson(rate, step_s, seed=int(rate))
+        lat, status = asyncio.run(http_load(http_port, arrivals, timeout_s=step_s + 1))
+        if not (status == 200).all() or pct(lat, 50) > 20.0 or CLIENT_STATS[-1]["waits"]:
             break
         best, rate = rate, rate * 1.5
     return best or start_rps
-
-
-def _pct(values: np.ndarray, q: float) -> float:
-    values = values[~np.isnan(values)]
-    return float(np.percentile(values, q) * 1000.0) if len(values) else float("nan")
 
 
 # --- the real replica through guidellm ------------------------------------------------------
@@ -367,6 +293,8 @@ def main() -> None:
     ap.add_argument("--real-rate", type=float, default=0.5)
     ap.add_argument("--real-requests", type=int, default=20)
     ap.add_argument("--only-real", action="store_true", help="skip the stub runs")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="stub runs: leave the front door, stubs and clients unpinned")
     ap.add_argument("--role", choices=["stubs", "frontdoor"], help=argparse.SUPPRESS)
     ap.add_argument("--count", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--service-ms", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -398,18 +326,34 @@ def main() -> None:
 def run_stubs(args) -> dict:
     """CPU per request (both doors), p99 added at half capacity, 10k connections (instant
     stubs); then overload against slow stubs."""
-    out: dict = {"load_generator": _load_generator()}
-    stubs, ports = _spawn("--role", "stubs", "--count", "2")
+    out: dict = {"load_generator": _load_generator(), "event_loop": _event_loop()}
+    pin = out["cpu_pinning"] = _pinning(not args.no_pin)
+    door_cpus, other_cpus = pin.get("frontdoor"), pin.get("clients_and_stubs")
+    all_cpus = os.sched_getaffinity(0)
+    if other_cpus:
+        os.sched_setaffinity(0, other_cpus)
+    try:
+        out.update(_stub_runs(args, door_cpus, other_cpus))
+        out["overload"] = _overload(args, door_cpus, other_cpus)
+    finally:
+        os.sched_setaffinity(0, all_cpus)
+    return out
+
+
+def _stub_runs(args, door_cpus: list[int] | None, other_cpus: list[int] | None) -> dict:
+    out: dict = {}
+    stubs, ports = _spawn("--role", "stubs", "--count", "2", cpus=other_cpus)
     fd, (msg_port, http_port) = _spawn("--role", "frontdoor",
-                                       *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports])
+                                       *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports],
+                                       cpus=door_cpus)
     try:
         msg_port, http_port = int(msg_port), int(http_port)
-        arrivals = _poisson(args.cpu_rate, args.cpu_requests / args.cpu_rate, seed=1)
-        asyncio.run(_http_load(http_port, arrivals[:300]))          # warm up both doors
-        asyncio.run(_msgpack_load(msg_port, arrivals[:300]))
-        for name, run in (("http", lambda: _http_load(http_port, arrivals)),
-                          ("http_sse", lambda: _http_load(http_port, arrivals, stream=True)),
-                          ("msgpack", lambda: _msgpack_load(msg_port, arrivals))):
+        arrivals = poisson(args.cpu_rate, args.cpu_requests / args.cpu_rate, seed=1)
+        asyncio.run(http_load(http_port, arrivals[:300]))          # warm up both doors
+        asyncio.run(msgpack_load(msg_port, arrivals[:300]))
+        for name, run in (("http", lambda: http_load(http_port, arrivals)),
+                          ("http_sse", lambda: http_load(http_port, arrivals, stream=True)),
+                          ("msgpack", lambda: msgpack_load(msg_port, arrivals))):
             cpu0 = _cpu_s(fd.pid)
             _, status = asyncio.run(run())
             cpu = _cpu_s(fd.pid) - cpu0
@@ -420,15 +364,17 @@ def run_stubs(args) -> dict:
         half = capacity / 2
         out["http_capacity_rps"] = round(capacity)
         out["http_capacity_by_cpu_rps"] = round(1e6 / out["http_cpu_us_per_request"])
-        lat_arrivals = _poisson(half, args.latency_s, seed=2)
-        direct, _ = asyncio.run(_msgpack_load(int(ports[0]), lat_arrivals))
-        via_http, _ = asyncio.run(_http_load(http_port, lat_arrivals))
-        via_msg, _ = asyncio.run(_msgpack_load(msg_port, lat_arrivals))
+        lat_arrivals = poisson(half, args.latency_s, seed=2)
+        CLIENT_STATS.clear()
+        direct, _ = asyncio.run(msgpack_load(int(ports[0]), lat_arrivals))
+        via_http, _ = asyncio.run(http_load(http_port, lat_arrivals))
+        via_msg, _ = asyncio.run(msgpack_load(msg_port, lat_arrivals))
+        out["latency_client"] = dict(zip(("direct", "http", "msgpack"), CLIENT_STATS))
         out["half_capacity_rps"] = round(half)
         for q in (50, 99):
-            out[f"http_p{q}_added_ms"] = round(_pct(via_http, q) - _pct(direct, q), 3)
-            out[f"msgpack_p{q}_added_ms"] = round(_pct(via_msg, q) - _pct(direct, q), 3)
-        out["direct_p99_ms"] = round(_pct(direct, 99), 3)
+            out[f"http_p{q}_added_ms"] = round(pct(via_http, q) - pct(direct, q), 3)
+            out[f"msgpack_p{q}_added_ms"] = round(pct(via_msg, q) - pct(direct, q), 3)
+        out["direct_p99_ms"] = round(pct(direct, 99), 3)
         rss0 = None
         asyncio.run(_connections(http_port, 1000))
         rss0 = _rss_bytes(fd.pid)
@@ -440,22 +386,22 @@ def run_stubs(args) -> dict:
         stubs.kill()
         fd.wait()
         stubs.wait()
-    out["overload"] = _overload(args)
     return out
 
 
-def _overload(args) -> dict:
+def _overload(args, door_cpus: list[int] | None, other_cpus: list[int] | None) -> dict:
     """Twice the stubs' capacity (2 replicas x 4 slots / 20 ms = 400 rps) for overload_s."""
     replicas, slots, service_ms, deadline_ms = 2, 4, 20.0, 500.0
     capacity = replicas * slots / (service_ms / 1000.0)
     stubs, ports = _spawn("--role", "stubs", "--count", str(replicas),
-                          "--service-ms", str(service_ms))
+                          "--service-ms", str(service_ms), cpus=other_cpus)
     fd, (_, http_port) = _spawn("--role", "frontdoor", "--max-seqs", str(slots),
                                 "--deadline-ms", str(deadline_ms), "--queue-depth", "256",
-                                *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports])
+                                *[f"--replica={MODEL}@127.0.0.1:{p}" for p in ports],
+                                cpus=door_cpus)
     try:
-        arrivals = _poisson(2 * capacity, args.overload_s, seed=3)
-        _, status = asyncio.run(_http_load(int(http_port), arrivals, conns=512,
+        arrivals = poisson(2 * capacity, args.overload_s, seed=3)
+        _, status = asyncio.run(http_load(int(http_port), arrivals, conns=512,
                                            deadline_ms=deadline_ms, timeout_s=30.0))
     finally:
         fd.kill()
@@ -469,8 +415,18 @@ def _overload(args) -> dict:
 
 
 def _load_generator() -> str:
-    return ("guidellm " + _guidellm_version() + " (real replica); open-loop aiohttp/msgpack "
-            "clients in bench/http_load.py (stubs)")
+    return ("guidellm " + _guidellm_version() + " (real replica); open-loop HTTP (httptools, "
+            "keep-alive) and msgpack clients in bench/http_load.py (stubs)")
+
+
+def _event_loop() -> str:
+    """The stubs' and the front door's loop: uvloop when installed (as `rewarm frontdoor`
+    uses it), else asyncio's; the clients run on asyncio's."""
+    try:
+        import uvloop  # noqa: F401
+        return "uvloop"
+    except ImportError:
+        return "asyncio"
 
 
 def _guidellm_version() -> str:
@@ -500,6 +456,11 @@ def _print(out: dict) -> None:
             ("msgpack p50 / p99 added, same load (ms)",
              f"{out['msgpack_p50_added_ms']} / {out['msgpack_p99_added_ms']}"),
             ("RSS growth over 10k connections (bytes)", out["rss_growth_bytes_10k_connections"])]
+    client = out.get("latency_client")
+    if client:   # the clients' own lag in the latency runs: large values void those lines
+        rows.insert(6, ("client send late p99 direct / HTTP / msgpack (ms)", " / ".join(
+            f"{client[k]['send_late_ms_p99']:.3f}" for k in ("direct", "http", "msgpack"))
+            + f"; HTTP waits for a connection {client['http']['waits']}"))
     o = out["overload"]
     rows.append((f"overload {o['offered_rps']} rps: ok / 429 / 504 / lost",
                  f"{o['ok']} / {o['shed_429']} / {o['expired_504']} / {o['lost']}"))
@@ -511,6 +472,9 @@ def _print(out: dict) -> None:
                  ("real replica output tokens/s", f"{real['tokens_per_s']:.1f}")]
     width = max(len(r[0]) for r in rows)
     print(f"load generator: {out['load_generator']}")
+    if "cpu_pinning" in out:
+        print(f"front door and stubs on {out['event_loop']}; CPUs "
+              f"{out['cpu_pinning'] or 'not pinned'}")
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     print(f"load average {out['loadavg_1m']}")

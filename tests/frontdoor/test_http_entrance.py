@@ -467,3 +467,43 @@ def test_vllm_extensions_ignore_eos_and_continuous_usage():
     counted = [ch.usage.completion_tokens for ch in chunks if ch.choices]
     assert counted[-1] == 3 and counted == sorted(counted) and counted[0] >= 1
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+def test_answered_requests_leave_no_cycle_for_the_collector():
+    """Each request's sink, flight and request are freed by reference counting when its
+    handler returns (no garbage for the collector: its pauses were the HTTP door's tail)."""
+    import gc
+
+    from agent.frontdoor.http_entrance import HttpSink
+    from agent.frontdoor.request import Flight
+
+    async def main():
+        async with http_door() as (fd, e, stubs):
+            c = client(e)
+            await c.completions.create(model="m", prompt="warm up", max_tokens=2)
+            gc.collect()
+            gc.disable()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                for stream in (False, True, False, True):
+                    r = await c.completions.create(model="m", prompt="x", max_tokens=3,
+                                                   stream=stream)
+                    if stream:
+                        async for _ in r:
+                            pass
+                await c.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+                refused = await raw_http(e, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                         b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+                gc.collect()
+                left = [o for o in gc.garbage if isinstance(o, (HttpSink, Flight))]
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+                gc.enable()
+            await c.close()
+            return left, e.counts["requests"], refused
+
+    left, requests, refused = run(main())
+    assert requests == 7 and b" 400 " in refused.split(b"\r\n")[0]
+    assert left == []
