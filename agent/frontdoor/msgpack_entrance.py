@@ -292,6 +292,7 @@ class ClientConn(Batched):
     def finished(self, sink: "MsgpackSink") -> None:
         """One request in flight got its final answer (done or error)."""
         self.sinks.discard(sink)
+        sink.flight = None   # the flight holds the sink: no cycle left for the collector
         if self.ending and not self.sinks:
             self._loop.call_soon(self._close_gracefully)  # after this turn's answers
 

@@ -523,3 +523,36 @@ def test_a_request_dispatched_before_the_restore_answer_still_counts_as_that_res
         await c.close()
         await fd.stop()
     run(main())
+
+
+def test_answered_msgpack_requests_leave_no_cycle_for_the_collector():
+    """As on the HTTP door: each request's sink and flight are freed by reference counting
+    once answered (no garbage for the collector, whose pauses are a door's latency tail)."""
+    import gc
+
+    from agent.frontdoor.msgpack_entrance import MsgpackSink
+    from agent.frontdoor.request import Flight
+
+    async def main():
+        fd, stubs, host, port = await setup(replicas=1)
+        await raw_until(host, port, pack({"op": "generate", "id": 0, "model": "m",
+                                          "tokens": [1], "max_tokens": 1}), 2)  # warm up
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            data = b"".join(pack({"op": "generate", "id": i, "model": "m", "tokens": [1],
+                                  "max_tokens": 2}) for i in range(20))
+            msgs, _ = await asyncio.wait_for(raw_until(host, port, data, 40), 10)
+            gc.collect()
+            left = [o for o in gc.garbage if isinstance(o, (MsgpackSink, Flight))]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        await fd.stop()
+        return msgs, left
+
+    msgs, left = run(main())
+    assert sum(m["type"] == "done" for m in msgs) == 20
+    assert left == []
