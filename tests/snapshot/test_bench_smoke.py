@@ -61,5 +61,9 @@ def test_benchmark_runs_and_writes_its_keys(tmp_path, repo_root):
     assert res["fresh_process"]["rewarm_fresh/cold"]["mode"] == "map"
     assert res["fresh_process"]["rewarm_fresh_copy/cold"]["mode"] == "copy"
     assert res["fresh_process"]["rewarm_zygote/cold"]["mode"] == "buffer"
+    for name in ("rewarm_fresh", "rewarm_fresh_copy", "rewarm_zygote"):   # one round: min = median = max
+        p = res["cold_over_round_limit"][name]
+        assert p["median"] > 0 and p["min"] == p["median"] == p["max"], (name, p)
+    assert "rewarm_fresh cold / same round's O_DIRECT" in proc.stdout
     assert "| rewarm_fresh [map]" in proc.stdout and "target:" in proc.stdout
     assert "fresh verified cold >= 1.5 x best peer cold" in proc.stdout
