@@ -27,7 +27,8 @@ every loader cold then warm; medians and min–max), each load followed by the s
 touch pass (every byte read) inside the clock:
 
 - rewarm_fresh: restore_snapshot(path) as a fresh process calls it (the locked private map);
-  rewarm_fresh_copy: the safe copy into fresh anonymous memory; rewarm_fresh_noverify;
+  rewarm_fresh_copy: the safe copy into fresh anonymous memory (4 KiB pages);
+  rewarm_fresh_copy_huge: the same copy into transparent huge pages; rewarm_fresh_noverify;
   rewarm_zygote: into a buffer prefaulted in that process before the clock;
 - first_touch: faulting fresh 4 KiB anonymous memory in, one thread; odirect_raw: the limit
   again, once per round;
@@ -240,7 +241,8 @@ def torch_load_time(path: Path, repeat: int) -> float:
 
 
 PEERS_PY = REPO / "bench" / "restore_peers.py"
-REWARM_LOADERS = ["rewarm_fresh", "rewarm_fresh_copy", "rewarm_fresh_noverify", "rewarm_zygote"]
+REWARM_LOADERS = ["rewarm_fresh", "rewarm_fresh_copy", "rewarm_fresh_copy_huge", "rewarm_fresh_noverify",
+                  "rewarm_zygote"]
 
 
 def child(*args: str) -> dict:
@@ -371,6 +373,7 @@ def measure(root: Path, size_bytes: int, repeat: int, rounds: int, peers: bool) 
             res[f"rewarm_{path}_{mode}_gbps"] = f[f"rewarm_{path}/{mode}"]["gbps"]
     for mode in ("cold", "warm"):
         res[f"rewarm_fresh_copy_{mode}_gbps"] = f[f"rewarm_fresh_copy/{mode}"]["gbps"]
+        res[f"rewarm_fresh_copy_huge_{mode}_gbps"] = f[f"rewarm_fresh_copy_huge/{mode}"]["gbps"]
         res[f"rewarm_fresh_noverify_{mode}_gbps"] = f[f"rewarm_fresh_noverify/{mode}"]["gbps"]
     sys.path.insert(0, str(REPO / "bench"))
     from restore_peers import LOADERS
@@ -435,7 +438,7 @@ def _rows(res: dict, f: dict, checks: list, missing: dict) -> list[tuple[str, st
         rows.append((name + (f" [{c.get('mode')}]" if c.get("mode") else ""),
                      f"{fmt(c)} | {fmt(w)} | {LOADERS[name][3] or 'no'} | {rss} MiB"))
     rows += [(f"not measured: {k}", v) for k, v in missing.items()]
-    for name in ("rewarm_fresh", "rewarm_fresh_copy", "rewarm_zygote"):
+    for name in ("rewarm_fresh", "rewarm_fresh_copy", "rewarm_fresh_copy_huge", "rewarm_zygote"):
         p = res.get("cold_over_round_limit", {}).get(name, {})
         if p.get("median") is not None:
             rows.append((f"{name} cold / same round's O_DIRECT (not the target's ratio)",
@@ -477,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 PATH_OF = {"rewarm_fresh": "fresh process (locked map)", "rewarm_fresh_copy": "fresh process (copy)",
+           "rewarm_fresh_copy_huge": "fresh process (copy, huge pages)",
            "rewarm_fresh_noverify": "fresh process (locked map)", "rewarm_zygote": "zygote (prefaulted buffer)"}
 
 
