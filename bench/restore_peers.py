@@ -39,10 +39,10 @@ SNAPSHOT, SAFETENSORS, TENSORIZER, TORCH_SAVE = "snapshot", "model.safetensors",
 DATA_FILE = "data-00000.bin"   # agent.snapshot.writer.DATA_NAME (not imported: the peers' processes stay lean)
 
 
-def _rewarm_fresh(d: Path, copy, verify: bool = True):
+def _rewarm_fresh(d: Path, copy, verify: bool = True, huge: bool = False):
     from agent.snapshot.reader import restore_snapshot
-    r = restore_snapshot(d / SNAPSHOT, copy=copy, verify=verify)
-    return r.tensors, r, r.stats.mode
+    r = restore_snapshot(d / SNAPSHOT, copy=copy, verify=verify, huge=huge)
+    return r.tensors, r, r.stats.mode + (" huge" if huge else "")
 
 
 def _rewarm_zygote_setup(d: Path):
@@ -97,6 +97,7 @@ def _torch_load(d: Path, _):
 LOADERS = {
     "rewarm_fresh": (f"{SNAPSHOT}/{DATA_FILE}", None, lambda d, _: _rewarm_fresh(d, "auto"), "XXH3-64"),
     "rewarm_fresh_copy": (f"{SNAPSHOT}/{DATA_FILE}", None, lambda d, _: _rewarm_fresh(d, True), "XXH3-64"),
+    "rewarm_fresh_copy_huge": (f"{SNAPSHOT}/{DATA_FILE}", None, lambda d, _: _rewarm_fresh(d, True, huge=True), "XXH3-64"),
     "rewarm_fresh_noverify": (f"{SNAPSHOT}/{DATA_FILE}", None, lambda d, _: _rewarm_fresh(d, "auto", False), ""),
     "rewarm_zygote": (f"{SNAPSHOT}/{DATA_FILE}", _rewarm_zygote_setup, _rewarm_zygote, "XXH3-64"),
     "runai_model_streamer": (SAFETENSORS, None, _runai, ""),

@@ -27,7 +27,8 @@ every loader cold then warm; medians and min–max), each load followed by the s
 touch pass (every byte read) inside the clock:
 
 - rewarm_fresh: restore_snapshot(path) as a fresh process calls it (the locked private map);
-  rewarm_fresh_copy: the safe copy into fresh anonymous memory; rewarm_fresh_noverify;
+  rewarm_fresh_copy: the safe copy into fresh anonymous memory (4 KiB pages);
+  rewarm_fresh_copy_huge: the same copy into transparent huge pages; rewarm_fresh_noverify;
   rewarm_zygote: into a buffer prefaulted in that process before the clock;
 - first_touch: faulting fresh 4 KiB anonymous memory in, one thread; odirect_raw: the limit
   again, once per round;
@@ -240,7 +241,8 @@ def torch_load_time(path: Path, repeat: int) -> float:
 
 
 PEERS_PY = REPO / "bench" / "restore_peers.py"
-REWARM_LOADERS = ["rewarm_fresh", "rewarm_fresh_copy", "rewarm_fresh_noverify", "rewarm_zygote"]
+REWARM_LOADERS = ["rewarm_fresh", "rewarm_fresh_copy", "rewarm_fresh_copy_huge", "rewarm_fresh_noverify",
+                  "rewarm_zygote"]
 
 
 def child(*args: str) -> dict:
@@ -297,7 +299,17 @@ def fresh_rounds(d: Path, nbytes: int, loaders: list[str], rounds: int, block: i
         print(f"  round {r + 1}/{rounds} done, load average {loads[-1]:.2f}", file=sys.stderr, flush=True)
     out = {k: _summary(v, nbytes) for k, v in runs.items()}
     out["_load_average"] = loads
+    out["_cold_over_round_limit"] = {name: _paired(runs[f"{name}/cold"], runs["odirect_raw"]) for name in loaders}
     return out
+
+
+def _paired(loads: list[dict], raws: list[dict]) -> dict:
+    """Each round's cold load GB/s over the raw O_DIRECT read of the same round (the disk's
+    speed drifts between rounds on a shared machine; a ratio within one round sees one speed):
+    median and min-max over the rounds where both ran."""
+    r = sorted(raw["seconds"] / load["seconds"] for load, raw in zip(loads, raws)
+               if "error" not in load and "error" not in raw)
+    return {"median": statistics.median(r), "min": r[0], "max": r[-1]} if r else {"median": None}
 
 
 def in_process(snap: Path, st_path: Path, pt_path: Path, repeat: int, classic: bool) -> dict:
@@ -354,12 +366,14 @@ def measure(root: Path, size_bytes: int, repeat: int, rounds: int, peers: bool) 
     limit = max([res["odirect_limit_gbps"]] + [f["odirect_raw"][k] for k in ("max_gbps",) if f["odirect_raw"]["max_gbps"]])
     res["odirect_limit_gbps"] = limit
     res["load_average"] = f.pop("_load_average")
+    res["cold_over_round_limit"] = f.pop("_cold_over_round_limit")
     res["first_touch_gbps"] = f["first_touch"]["gbps"]
     for path in ("fresh", "zygote"):
         for mode in ("cold", "warm"):
             res[f"rewarm_{path}_{mode}_gbps"] = f[f"rewarm_{path}/{mode}"]["gbps"]
     for mode in ("cold", "warm"):
         res[f"rewarm_fresh_copy_{mode}_gbps"] = f[f"rewarm_fresh_copy/{mode}"]["gbps"]
+        res[f"rewarm_fresh_copy_huge_{mode}_gbps"] = f[f"rewarm_fresh_copy_huge/{mode}"]["gbps"]
         res[f"rewarm_fresh_noverify_{mode}_gbps"] = f[f"rewarm_fresh_noverify/{mode}"]["gbps"]
     sys.path.insert(0, str(REPO / "bench"))
     from restore_peers import LOADERS
@@ -424,6 +438,11 @@ def _rows(res: dict, f: dict, checks: list, missing: dict) -> list[tuple[str, st
         rows.append((name + (f" [{c.get('mode')}]" if c.get("mode") else ""),
                      f"{fmt(c)} | {fmt(w)} | {LOADERS[name][3] or 'no'} | {rss} MiB"))
     rows += [(f"not measured: {k}", v) for k, v in missing.items()]
+    for name in ("rewarm_fresh", "rewarm_fresh_copy", "rewarm_fresh_copy_huge", "rewarm_zygote"):
+        p = res.get("cold_over_round_limit", {}).get(name, {})
+        if p.get("median") is not None:
+            rows.append((f"{name} cold / same round's O_DIRECT (not the target's ratio)",
+                         f"{p['median']:.2f} ({p['min']:.2f}-{p['max']:.2f})"))
     if res.get("fresh_verify_overhead_pct") is not None:
         rows.append(("fresh process: verification overhead (cold)", f"{res['fresh_verify_overhead_pct']:.1f} %"))
     rows.append(("page cache drop effective", f"{res['cache_drop_effective']} (resident after drop "
@@ -461,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 PATH_OF = {"rewarm_fresh": "fresh process (locked map)", "rewarm_fresh_copy": "fresh process (copy)",
+           "rewarm_fresh_copy_huge": "fresh process (copy, huge pages)",
            "rewarm_fresh_noverify": "fresh process (locked map)", "rewarm_zygote": "zygote (prefaulted buffer)"}
 
 

@@ -312,7 +312,7 @@ def tensor_views(manifest: Manifest, base: torch.Tensor) -> dict[str, torch.Tens
 
 def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, verify: bool = True,
                      key: bytes | None = None, machine: Pins | None = None, threads: int = 2,
-                     direct: bool | str = "auto", copy: bool | str = "auto",
+                     direct: bool | str = "auto", copy: bool | str = "auto", huge: bool = False,
                      accept: Callable[[Manifest], object] | None = None) -> Restored:
     """Restore the snapshot at ``path`` into host memory; tensors are views into one buffer.
 
@@ -324,6 +324,10 @@ def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, veri
     ``copy`` (only without ``buffer``): "auto" restores into a locked private map of the data
     file where it can (module docstring: a fresh process's fastest verified path), else copies
     into fresh anonymous memory; True always copies, and so does an explicit ``direct``.
+    ``huge``: the copy's fresh buffer asks for transparent huge pages (HostBuffer.allocate);
+    off by default: measured both faster (2.23 against 1.95 GB/s cold, 1 GiB, load 2-4) and
+    far slower (0.29 against 1.10, load 7-8) than 4 KiB pages on the development VM, so the
+    benchmark measures it (bench/restore_peers.py rewarm_fresh_copy_huge) before it is chosen.
     ``accept(manifest)``: the caller's own check of the manifest, run after the pins and
     before any file is opened or memory allocated; what it raises propagates.  Raises SnapshotNotFound,
     SnapshotTampered, SnapshotIncompatible (before any data is read), SnapshotCorrupt (bad or
@@ -353,7 +357,7 @@ def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, veri
             _add_direct(path, fds)
         fresh = buffer is None
         if fresh:
-            buffer = HostBuffer.allocate(total)
+            buffer = HostBuffer.allocate(total, huge=huge)
         jobs = [(*fds[c.file], c.offset, c.length, c.buffer_offset, c.checksum) for c in manifest.chunks]
         piece = DIRECT_PIECE_BYTES if direct else BUFFERED_PIECE_BYTES
         workers = max(threads, DIRECT_IO_DEPTH) if direct else threads

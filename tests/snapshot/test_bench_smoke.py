@@ -60,6 +60,12 @@ def test_benchmark_runs_and_writes_its_keys(tmp_path, repo_root):
         assert PEER_KEYS <= set(p) and p["cold_gbps"] > 0 and p["warm_gbps"] > 0, (name, p)
     assert res["fresh_process"]["rewarm_fresh/cold"]["mode"] == "map"
     assert res["fresh_process"]["rewarm_fresh_copy/cold"]["mode"] == "copy"
+    assert res["fresh_process"]["rewarm_fresh_copy_huge/cold"]["mode"] == "copy huge"
+    assert res["rewarm_fresh_copy_huge_cold_gbps"] > 0 and res["rewarm_fresh_copy_huge_warm_gbps"] > 0
     assert res["fresh_process"]["rewarm_zygote/cold"]["mode"] == "buffer"
+    for name in ("rewarm_fresh", "rewarm_fresh_copy", "rewarm_zygote"):   # one round: min = median = max
+        p = res["cold_over_round_limit"][name]
+        assert p["median"] > 0 and p["min"] == p["median"] == p["max"], (name, p)
+    assert "rewarm_fresh cold / same round's O_DIRECT" in proc.stdout
     assert "| rewarm_fresh [map]" in proc.stdout and "target:" in proc.stdout
     assert "fresh verified cold >= 1.5 x best peer cold" in proc.stdout

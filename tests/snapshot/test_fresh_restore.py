@@ -99,6 +99,26 @@ def test_layout_other_than_one_identity_file_is_copied(make_snapshot, monkeypatc
     assert restore_snapshot(path, direct=False).stats.mode == "copy"   # an explicit direct reads
 
 
+@pytest.mark.parametrize("huge", [False, True])
+def test_copy_into_huge_or_small_pages_restores_the_same_bytes(make_snapshot, tensors, monkeypatch, huge):
+    path, manifest = make_snapshot()
+    asked = []
+    real = HostBuffer.allocate.__func__
+
+    def allocate(cls, nbytes, **kw):
+        asked.append(kw.get("huge"))
+        return real(cls, nbytes, **kw)
+    monkeypatch.setattr(HostBuffer, "allocate", classmethod(allocate))
+    _drop(path / DATA_NAME)
+    r = restore_snapshot(path, copy=True, huge=huge)
+    assert r.stats.mode == "copy" and r.stats.verified and asked == [huge]
+    assert all(torch.equal(r.tensors[k], v) for k, v in tensors.items())
+    _flip(path / DATA_NAME, manifest.chunks[-1].offset + 7)
+    with pytest.raises(SnapshotCorrupt) as err:
+        restore_snapshot(path, copy=True, huge=huge)
+    assert err.value.chunk == len(manifest.chunks) - 1
+
+
 def test_buffer_given_is_read_into_as_before(make_snapshot, tensors):
     path, manifest = make_snapshot()
     buf = HostBuffer.allocate(manifest.total_bytes, prefault=True)
