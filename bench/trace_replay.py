@@ -138,8 +138,6 @@ def predictor_policy(restore_s: float, max_replicas: int) -> dict:
 
 def run_one(args, load: float, rows, window_s: float, model_dir, release, note) -> dict:
     """One replay at ``load`` on a fresh stack: live, then simulated (module docstring)."""
-    import numpy as np
-
     from agent import replay
     from agent.demo import Sampler, _fresh_state, _vocabulary, replica_limits, replica_stats
     from agent.replica.config import LlamaConfig
