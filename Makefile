@@ -69,8 +69,12 @@ $(LADDER_STAMP): $(STAMP)
 	$(BIN)/python -c "import torch, transformers; v = torch.__version__; assert v.startswith('2.13.0'), f'torch replaced: {v}'"
 	touch $@
 
+# RELEASE=DIR reuses a release built by `rewarm build` (its check costs minutes); the
+# benchmark holds the shared bench lock, so nothing else heavy runs beside it.
 bench-ladder: $(LADDER_STAMP)
-	$(BIN)/python bench/cold_start.py --trials 3 --rungs transformers_eager,eager,aot,restore,zygote_restore --json $(VAR)/bench/cold_start.json
+	flock /tmp/rewarm-bench.lock $(BIN)/python bench/cold_start.py --trials 3 \
+	  --rungs transformers_eager,eager,aot,restore,zygote_restore \
+	  $(if $(RELEASE),--release $(RELEASE)) --json $(VAR)/bench/cold_start.json
 
 clean:
 	rm -rf $(VENV) build $(VAR) agent/*.so ext/*.c

@@ -35,6 +35,7 @@ import torch
 from agent.errors import ProtocolError
 from agent.replica.config import LlamaConfig
 from agent.replica.kv import KVPlan, KVSlotAllocator, plan_kv
+from agent.replica.lockstep import Lockstep
 from agent.replica.model import Transformer, new_kv_caches
 from agent.replica.speedmeter import SpeedMeter
 from agent.speed import slot_wait_steps
@@ -123,8 +124,9 @@ class Event:
     done: bool
 
 
-class Engine:
-    """Serve one model: ``generate`` for whole batches, ``submit``/``step`` for a server loop.
+class Engine(Lockstep):
+    """Serve one model: ``generate`` for whole batches, ``submit``/``step`` for a server loop,
+    ``generate_lockstep`` / ``teacher_forced`` for prompt sets run together (agent/replica/lockstep.py).
 
     ``weights`` are runtime-layout tensors (adopted without a copy); they may be None when
     ``forward`` is given and carries its own weights.  ``max_seqs`` slots of ``max_seq_len``
@@ -451,61 +453,4 @@ class Engine:
         out: list[list[int]] = [[] for _ in prompts]
         for i, token in self.generate_stream(prompts, max_tokens, seed, stop):
             out[i].append(token)
-        return out
-
-    def generate_lockstep(self, prompts: list[list[int]], max_tokens: int,
-                          seed: int | None = None) -> list[list[int]]:
-        """Exactly ``max_tokens`` tokens for each prompt (no stop tokens), the prompts run
-        together: one prefill call for a group (B = prompts in it, S = its longest prompt;
-        shorter prompts are padded at the end and read at their own last position), then one
-        decode call per further token (B = the group, S = 1).  Sampling as :meth:`generate`
-        (prompt ``i`` with seed ``seed + i``).  Groups hold at most ``max_seqs`` prompts, so a
-        whole golden check (agent/replica/golden.py) costs ``max_tokens`` forward calls per
-        group, whatever the number of prompts.
-
-        Padding is safe: the padded rows a sequence writes into its slot lie beyond its prompt,
-        the causal mask hides them, and its own decode overwrites each one before reading it.
-        Needs an idle engine (ProtocolError otherwise); raises as :meth:`submit` for a prompt.
-        """
-        if self.busy:
-            raise ProtocolError("generate_lockstep needs an idle engine", field="active_seqs",
-                                value=len(self._active) + len(self._waiting), limit=0)
-        prompts = [[int(t) for t in p] for p in prompts]
-        for i, p in enumerate(prompts):   # every prompt checked before any runs
-            self.submit(p, max_tokens, None if seed is None else seed + i)
-        seqs, self._waiting = list(self._waiting), collections.deque()
-        self._publish()   # else :attr:`load` keeps counting the prompts as waiting
-        out: list[list[int]] = []
-        dev, size = self.device, self.kv.max_seqs
-        try:
-            with torch.inference_mode():
-                for start in range(0, len(seqs), size):
-                    group = seqs[start:start + size]
-                    for seq in group:
-                        seq.slot = self.kv.allocate(len(seq.prompt) + seq.max_tokens)
-                    width = max(len(s.prompt) for s in group)
-                    tokens = torch.tensor([s.prompt + [0] * (width - len(s.prompt)) for s in group],
-                                          dtype=torch.int64, device=dev)
-                    pos = torch.arange(width, device=dev).repeat(len(group), 1)
-                    idx = torch.tensor([s.slot for s in group], dtype=torch.int64, device=dev)
-                    last = torch.tensor([len(s.prompt) - 1 for s in group], device=dev)
-                    logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)
-                    logits = logits[torch.arange(len(group), device=dev), last]      # [B, V]
-                    got = [[] for _ in group]
-                    for step in range(max_tokens):
-                        if step:
-                            tokens = torch.tensor([[g[-1]] for g in got], dtype=torch.int64, device=dev)
-                            pos = torch.tensor([[len(s.prompt) + step - 1] for s in group],
-                                               dtype=torch.int64, device=dev)
-                            logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)[:, -1]
-                        for row, seq in enumerate(group):
-                            got[row].append(self._sample(seq, logits[row]))
-                    for seq in group:
-                        self.kv.free(seq.slot)
-                        seq.slot = -1
-                    out += got
-        finally:
-            for seq in seqs:
-                if seq.slot >= 0:
-                    self.kv.free(seq.slot)
         return out

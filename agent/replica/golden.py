@@ -2,60 +2,131 @@
 
 At first boot :func:`record_golden` runs fixed prompts with a fixed seed and keeps the tokens;
 the snapshot stores them (``Manifest.golden``).  Before a restored replica may serve,
-:func:`verify_golden` runs the same prompts and raises :class:`~agent.errors.GoldenMismatch`
-at the first differing token (fail closed: a replica that does not match never serves).
+:func:`verify_golden` replays them and raises :class:`~agent.errors.GoldenMismatch` at the
+first differing token (fail closed: a replica that does not match never serves).
 
-Both run the prompts in lockstep (``Engine.generate_lockstep``): one batched prefill of every
-prompt, then one batched decode call per token, so a check of P prompts x N tokens costs N
-forward calls, not P prefills plus N - 1 decodes.  Recording and verifying take the same path,
-so the same kernels at the same shapes produce the tokens both times; every token of every
-prompt is still sampled by the model and compared.
+The check is teacher-forced (``Engine.teacher_forced``, agent/replica/lockstep.py): every
+prompt followed by its recorded tokens goes through one batched prefill, and the token the
+model samples at each position (given the prompt and the recorded tokens before it) is
+compared with the recorded one; the last position comes from one batched decode step through
+the KV cache that prefill wrote, so the decode kernels served requests use are checked too.
+Two forward calls for P prompts x N tokens, where decoding them one by one costs N; every
+token of every prompt is still sampled by the model (same seeds, same draws in the same order)
+and compared.  Given that every earlier token matched, position ``k`` sees exactly the prefix
+sequential generation would have fed it, so the check accepts exactly the tokens generation
+would produce with the check's kernels.
+
+Near-ties: prefill (S > 1) and decode (S = 1) kernels may round differently in the last bits,
+so a token decided by such a difference could come out one way in sequential decoding and the
+other in the check.  The record is therefore made with the check's own procedure
+(:func:`record_golden` iterates to the fixed point where the teacher-forced replay reproduces
+the tokens it is fed), and the check accepts only exact matches: a restore whose kernels flip a
+near-tie fails closed (GoldenMismatch), never the other way.  ``GoldenCheck.method`` records
+the procedure; a record made by any other (the lockstep decode of earlier releases) is refused
+with SnapshotIncompatible, so such snapshots are recaptured, never served unchecked.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
-from agent.errors import GoldenMismatch
+from agent.errors import GoldenMismatch, SnapshotIncompatible
 from agent.snapshot.format import GoldenCheck
 
 DEFAULT_SEED = 1234
 DEFAULT_MAX_TOKENS = 8
 GOLDEN_TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time")
 """Prompts a text model's golden check uses (tokenized by the model's own tokenizer)."""
+GOLDEN_METHOD = "teacher_forced/1"
+"""``GoldenCheck.method`` of a record this module made and the only one it verifies."""
 
 
 class Generates(Protocol):
-    """What the check needs from an engine (agent.replica.engine.Engine satisfies it):
-    exactly ``max_tokens`` sampled tokens per prompt, prompt ``i`` seeded with ``seed + i``."""
+    """What the check needs from an engine (agent.replica.engine.Engine satisfies it): prompt
+    ``i`` sampled with seed ``seed + i``; ``generate_lockstep`` gives exactly ``max_tokens``
+    new tokens per prompt, ``teacher_forced`` what is sampled at each position of ``tokens``."""
 
     def generate_lockstep(self, prompts: list[list[int]], max_tokens: int,
                           seed: int | None = None) -> list[list[int]]: ...
 
+    def teacher_forced(self, prompts: list[list[int]], tokens: list[list[int]],
+                       seed: int | None = None) -> list[list[int]]: ...
+
 
 def record_golden(engine: Generates, prompts: Sequence[Sequence[int]], seed: int = DEFAULT_SEED,
                   max_tokens: int = DEFAULT_MAX_TOKENS) -> GoldenCheck:
-    """Run ``prompts`` (token ids) sampled with ``seed`` and keep exactly ``max_tokens`` each
-    (no stop tokens, so the length is fixed)."""
+    """Record exactly ``max_tokens`` tokens per prompt (token ids), sampled with ``seed``, that
+    the teacher-forced check reproduces.  Starts from sequential generation and replays until
+    the replay gives back what it was fed.  Each replay fixes at least the first differing
+    position of every prompt (that position saw the same prefix as the next replay will), so
+    after ``max_tokens`` replays the record is consistent and one more confirms it; in practice
+    one replay, two where a near-tie split the kernels.  Raises GoldenMismatch when it does not
+    settle (a forward that is not deterministic)."""
     prompts = [list(map(int, p)) for p in prompts]
-    expected = engine.generate_lockstep(prompts, max_tokens, seed=seed)
-    return GoldenCheck(prompts=prompts, seed=seed, max_tokens=max_tokens, expected=expected)
+    tokens = engine.generate_lockstep(prompts, max_tokens, seed=seed)
+    previous = tokens
+    for _ in range(max_tokens + 1):
+        replayed = engine.teacher_forced(prompts, tokens, seed=seed)
+        if replayed == tokens:
+            return GoldenCheck(prompts=prompts, seed=seed, max_tokens=max_tokens,
+                               expected=tokens, method=GOLDEN_METHOD)
+        previous, tokens = tokens, replayed
+    i, pos, want, got = _first_difference(previous, tokens)
+    raise GoldenMismatch(f"golden record did not settle after {max_tokens + 1} replays: prompt {i}, "
+                         f"token {pos} alternates ({want} then {got}); the forward is not "
+                         "deterministic", prompt_index=i, position=pos, expected=want, actual=got)
 
 
-def verify_golden(engine: Generates, golden: GoldenCheck) -> None:
-    """Raise GoldenMismatch (``prompt_index``, ``position``, ``expected``, ``actual``) at the
-    first token that differs from ``golden.expected``; return None when all match."""
-    actual = engine.generate_lockstep([list(p) for p in golden.prompts], golden.max_tokens,
-                                      seed=golden.seed)
-    for i, (want, got) in enumerate(zip(golden.expected, actual)):
-        if want == got:
-            continue
-        pos = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-        exp = want[pos] if pos < len(want) else None
-        act = got[pos] if pos < len(got) else None
-        raise GoldenMismatch(f"golden check failed: prompt {i}, token {pos}: expected {exp}, got {act}",
-                             prompt_index=i, position=pos, expected=exp, actual=act)
-    if len(actual) != len(golden.expected):
-        raise GoldenMismatch(f"golden check failed: {len(actual)} outputs for "
-                             f"{len(golden.expected)} prompts", prompt_index=len(actual),
-                             position=0, expected=len(golden.expected), actual=len(actual))
+def check_method(golden: GoldenCheck, where: Any = None) -> None:
+    """Raise SnapshotIncompatible unless ``golden`` was recorded by :data:`GOLDEN_METHOD` (a
+    record made otherwise cannot be checked exactly by this procedure: recapture it)."""
+    if golden.method != GOLDEN_METHOD:
+        raise SnapshotIncompatible(
+            f"{where}: golden check recorded by {golden.method or 'lockstep decode (no method)'!r}; "
+            f"this rewarm verifies only {GOLDEN_METHOD!r} records: capture the snapshot again",
+            path=where, mismatches={"golden.method": (golden.method, GOLDEN_METHOD)})
+
+
+def verify_golden(engine: Generates, golden: GoldenCheck, where: Any = None) -> None:
+    """Replay ``golden`` teacher-forced and raise GoldenMismatch (``prompt_index``,
+    ``position``, ``expected``, ``actual``) at the first token that differs; return None when
+    every token of every prompt matches.  A record of the wrong shape (not one row of
+    ``max_tokens`` ids per prompt, or an id the model cannot produce) is a mismatch too.
+    Raises SnapshotIncompatible (:func:`check_method`) before running anything."""
+    check_method(golden, where)
+    n = golden.max_tokens
+    bad_row = next((i for i, row in enumerate(golden.expected) if len(row) != n), None)
+    if len(golden.expected) != len(golden.prompts) or bad_row is not None or n < 1:
+        i = bad_row if bad_row is not None else min(len(golden.expected), len(golden.prompts))
+        raise GoldenMismatch(f"golden check malformed: {len(golden.expected)} rows of "
+                             f"{[len(r) for r in golden.expected][:8]} tokens for "
+                             f"{len(golden.prompts)} prompts x {n}", prompt_index=i, position=0,
+                             expected=n, actual=None)
+    vocab = getattr(getattr(engine, "config", None), "vocab_size", None)
+    for i, row in enumerate(golden.expected):
+        pos = next((j for j, t in enumerate(row) if vocab is not None and not 0 <= t < vocab), None)
+        if pos is not None:
+            raise GoldenMismatch(f"golden check failed: prompt {i}, token {pos}: expected "
+                                 f"{row[pos]}, outside the model's vocabulary of {vocab}",
+                                 prompt_index=i, position=pos, expected=row[pos], actual=None)
+    actual = engine.teacher_forced([list(p) for p in golden.prompts],
+                                   [list(r) for r in golden.expected], seed=golden.seed)
+    found = _first_difference(golden.expected, actual)
+    if found is not None:
+        i, pos, want, got = found
+        raise GoldenMismatch(f"golden check failed: prompt {i}, token {pos}: expected {want}, "
+                             f"got {got}", prompt_index=i, position=pos, expected=want, actual=got)
+
+
+def _first_difference(want: list[list[int]], got: list[list[int]]):
+    """``(prompt, position, wanted, got)`` of the first differing token, or None."""
+    for i, (a, b) in enumerate(zip(want, got)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return i, j, x, y
+        if len(a) != len(b):
+            j = min(len(a), len(b))
+            return i, j, a[j] if j < len(a) else None, b[j] if j < len(b) else None
+    if len(want) != len(got):
+        return min(len(want), len(got)), 0, None, None
+    return None

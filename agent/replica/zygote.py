@@ -113,13 +113,15 @@ def warm_zygote(buffer, snapshot: Path) -> Warmed | None:
     """Pay, before the clock, the first-call costs a restore of ``snapshot`` into ``buffer``
     would otherwise pay inside its golden check: the AOT package loaded and bound to views of
     ``buffer`` at the snapshot's tensor offsets (the very memory the restore fills), the
-    engine and KV cache built, and the golden check's exact calls run once (the lockstep
-    prefill at its prompts' length and every decode step) on whatever the buffer holds.
+    engine and KV cache built, and the golden check's exact calls run once (its teacher-forced
+    prefill and decode step at the recorded shapes, and its sampling) on whatever the buffer
+    holds (zeros in a fresh zygote).
     Nothing is verified here and nothing from it is trusted: :func:`restore` still reads and
     checksums every byte into the buffer and replays the golden check on the real weights, and
     reuses this engine only for the same manifest (digest) in the same buffer.  Reads the
     manifest only.  Returns None (logged) when the snapshot cannot be warmed for (unreadable
-    manifest, too large for the buffer, package unusable here): the restore then does it all."""
+    manifest, too large for the buffer, package unusable here, a golden record it cannot
+    check): the restore then does it all."""
     from agent.errors import RewarmError
     from agent.snapshot.reader import read_manifest, tensor_views
 
@@ -141,8 +143,9 @@ def warm_zygote(buffer, snapshot: Path) -> Warmed | None:
                         max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
                         forward=forward)
         golden = manifest.golden
-        engine.generate_lockstep([list(p) for p in golden.prompts], golden.max_tokens, seed=golden.seed)
-    except (RewarmError, OSError, ValueError) as exc:
+        engine.teacher_forced([list(p) for p in golden.prompts],
+                              [list(r) for r in golden.expected], seed=golden.seed)
+    except (RewarmError, OSError, ValueError, RuntimeError) as exc:
         log.warning("zygote: cannot warm for %s (%s); the restore will do it all", snapshot, exc)
         return None
     warmed = Warmed(str(snapshot), _layout(manifest), engine, forward, time.perf_counter() - t)
@@ -231,7 +234,7 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     a package that is missing or built for another target falls back to eager, which the golden
     check still guards).  Raises SnapshotIncompatible before reading any data when the snapshot
     is not a captured replica snapshot (:func:`check_replica_manifest`: e.g. a weights-only
-    ``rewarm import``), what restore_snapshot raises (SnapshotIncompatible,
+    ``rewarm import``, or one whose golden check was recorded by another method), what restore_snapshot raises (SnapshotIncompatible,
     SnapshotCorrupt, ...), InvalidCheckpoint (package digest differs) and GoldenMismatch."""
     from agent.errors import TargetMismatch
     from agent.replica.golden import verify_golden
@@ -285,7 +288,7 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     phases["package_s"] = time.perf_counter() - t
     t = time.perf_counter()
     golden = restored.manifest.golden
-    verify_golden(engine, golden)
+    verify_golden(engine, golden, snapshot)
     phases["golden_s"] = time.perf_counter() - t
     if recorded is None:
         t = time.perf_counter()
@@ -328,7 +331,9 @@ def check_replica_manifest(manifest: Manifest, where: Any) -> dict[str, Any]:
     absent/None or a string.  A weights-only snapshot (``rewarm import``: HF-layout tensors,
     ``extra`` = ``config`` + ``source_files``, no golden check) is not one: nothing proves its
     tokens right, so it must not serve.  Raises SnapshotIncompatible naming the snapshot, the
-    missing or malformed keys (``missing``; ``mismatches``: ``{key: (found, expected)}``).
+    missing or malformed keys (``missing``; ``mismatches``: ``{key: (found, expected)}``),
+    and when its golden check was recorded by a method this rewarm does not verify
+    (agent/replica/golden.py, ``check_method``: a snapshot of an earlier release is recaptured).
     """
     from agent.errors import SnapshotIncompatible
 
@@ -336,6 +341,10 @@ def check_replica_manifest(manifest: Manifest, where: Any) -> dict[str, Any]:
     missing = [k for k in REPLICA_EXTRA_KEYS if extra.get(k) is None]
     if manifest.golden is None:
         missing.append("golden")
+    if not missing:
+        from agent.replica.golden import check_method
+
+        check_method(manifest.golden, where)   # a record this rewarm cannot check: recapture
     if missing:
         kind = ("a weights-only snapshot made by `rewarm import`, "
                 if "source_files" in extra and "model_config" not in extra else "")

@@ -45,6 +45,7 @@ MANIFEST_NAME = "manifest.msgpack"
 MAX_MANIFEST_BYTES = 64 << 20    # a 100k-tensor model's table is a few MiB
 MAX_ENTRIES = 1 << 20            # tensors or chunks in one manifest
 MAX_NDIM = 16
+MAX_METHOD_CHARS = 64            # golden.method: a short name
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
 
 # The dtypes a weight can have, by the name the manifest stores (str(dtype) without "torch.").
@@ -91,12 +92,17 @@ class ModelIdentity:
 
 @dataclass(frozen=True)
 class GoldenCheck:
-    """Token ids a restored replica must reproduce: prompts [P][S_p], expected [P][max_tokens]."""
+    """Token ids a restored replica must reproduce: prompts [P][S_p], expected [P][max_tokens].
+
+    ``method`` names how ``expected`` was recorded, and so how it must be checked (the replica
+    decides which it accepts: agent/replica/golden.py); ``""`` is what a manifest written
+    before the field existed decodes to."""
 
     prompts: list[list[int]]
     seed: int
     max_tokens: int
     expected: list[list[int]]
+    method: str = ""
 
 
 @dataclass(frozen=True)
@@ -203,11 +209,18 @@ def manifest_from_dict(d: Any, path: Any = None) -> Manifest:
     model = ModelIdentity(**{k: _typed(path, f"model.{k}", v, str) for k, v in m.items()})
     golden = None
     if d["golden"] is not None:
-        g = _record(path, "golden", d["golden"], GoldenCheck)
+        g = d["golden"]
+        if isinstance(g, dict) and "method" not in g:      # written before the field existed
+            g = {**g, "method": ""}
+        g = _record(path, "golden", g, GoldenCheck)
+        method = _typed(path, "golden.method", g["method"], str)
+        if len(method) > MAX_METHOD_CHARS:
+            raise _bad(path, "golden.method", f"at most {MAX_METHOD_CHARS} characters", len(method))
         lists = {k: [[_int(path, f"golden.{k}", x, 0, 1 << 31) for x in _list(path, f"golden.{k}", row)]
                      for row in _list(path, f"golden.{k}", g[k], 4096)] for k in ("prompts", "expected")}
         golden = GoldenCheck(seed=_int(path, "golden.seed", g["seed"], -(1 << 63), (1 << 64) - 1),
-                             max_tokens=_int(path, "golden.max_tokens", g["max_tokens"]), **lists)
+                             max_tokens=_int(path, "golden.max_tokens", g["max_tokens"]),
+                             method=method, **lists)
     total = _int(path, "total_bytes", d["total_bytes"])
     tensors, names, prev = [], set(), None     # prev: the last tensor with bytes
     for i, row in enumerate(_list(path, "tensors", d["tensors"])):

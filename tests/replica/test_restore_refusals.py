@@ -122,6 +122,28 @@ def test_a_malformed_manifest_key_is_refused_naming_key_and_value(booted, captur
     assert f"{key}=" in str(err.value) and str(snap) in str(err.value)
 
 
+def test_a_golden_record_of_an_earlier_method_is_refused_before_any_data_is_read(
+        booted, captured, tmp_path, caplog):
+    """A snapshot whose golden tokens were recorded by the lockstep decode of earlier releases
+    (no ``method``) cannot be checked exactly by the teacher-forced replay: refused as
+    incompatible (the node agent drops it as stale and captures again), never served."""
+    import dataclasses
+
+    old = dataclasses.replace(booted.golden, method="")
+    snap = _rewrite(booted, captured, tmp_path / "s", golden=old)
+    with open(snap / DATA_NAME, "r+b") as f:     # reading the data first would say corrupt
+        f.write(b"\xff" * 16)
+    buffer = HostBuffer.allocate(1 << 20)
+    buffer.as_tensor(4096).fill_(0xAB)
+    with pytest.raises(SnapshotIncompatible) as err:
+        zygote.restore(snap, buffer=buffer)
+    assert err.value.mismatches == {"golden.method": ("", "teacher_forced/1")}
+    assert "capture the snapshot again" in str(err.value) and str(snap) in str(err.value)
+    assert bool(buffer.as_tensor(4096).eq(0xAB).all())
+    assert zygote.warm_zygote(buffer, snap) is None     # nor warmed for
+    assert "teacher_forced/1" in caplog.text and "cannot warm" in caplog.text
+
+
 def test_optional_keys_absent_still_restore(booted, captured, tmp_path):
     snap = _rewrite(booted, captured, tmp_path / "s", aot_package=None, tokenizer_dir=None)
     loaded = zygote.restore(snap)

@@ -193,3 +193,28 @@ def test_snapshot_path_that_is_a_file_is_not_found(tmp_path):
     with pytest.raises(SnapshotNotFound, match="not a directory") as err:
         read_manifest(path)
     assert err.value.path == path
+
+
+def _with_golden(good, **golden):
+    good["golden"] = {"prompts": [[1, 2]], "seed": 3, "max_tokens": 1, "expected": [[4]], **golden}
+    return good
+
+
+def test_golden_method_round_trips_and_an_old_record_decodes_without_one(good):
+    m = decode_manifest(_envelope(_with_golden(good, method="teacher_forced/1")), "m")
+    assert m.golden.method == "teacher_forced/1" and m.golden.expected == [[4]]
+    old = _with_golden(good)              # written before the field existed: no "method" key
+    assert "method" not in old["golden"]
+    assert decode_manifest(_envelope(old), "m").golden.method == ""
+
+
+def test_golden_method_limit_at_and_over_and_wrong_type(good):
+    at = "x" * fmt.MAX_METHOD_CHARS
+    assert decode_manifest(_envelope(_with_golden(good, method=at)), "m").golden.method == at
+    with pytest.raises(SnapshotCorrupt) as err:
+        decode_manifest(_envelope(_with_golden(good, method=at + "x")), "m")
+    assert "golden.method" in str(err.value) and err.value.actual == fmt.MAX_METHOD_CHARS + 1
+    with pytest.raises(SnapshotCorrupt, match="golden.method"):
+        decode_manifest(_envelope(_with_golden(good, method=1)), "m")
+    with pytest.raises(SnapshotCorrupt, match="golden"):       # an unknown key is still refused
+        decode_manifest(_envelope(_with_golden(good, method="m", other=1)), "m")
