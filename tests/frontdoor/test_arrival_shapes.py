@@ -13,16 +13,14 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from virtual_fleet import FAST, Fleet  # noqa: E402
+from virtual_fleet import capacity_rps as fleet_capacity_rps, FAST, Fleet  # noqa: E402
 
 PROMPT, GEN, SEQS = (16, 128), (8, 64), 8
 
 
 def capacity_rps() -> float:
     """One replica's request rate at its sustainable concurrency within the warm SLO."""
-    prompt, gen = np.mean(PROMPT), np.mean(GEN)
-    c = FAST.sustainable_concurrency(2.0, prompt, gen, SEQS)
-    return FAST.service_rps(prompt, gen, c)
+    return fleet_capacity_rps(FAST, PROMPT, GEN, SEQS)
 
 
 def arrivals(shape: str, rng) -> np.ndarray:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from virtual_fleet import Fleet  # noqa: E402
+from virtual_fleet import capacity_rps as fleet_capacity_rps, Fleet  # noqa: E402
 
 from agent.speed import SpeedProfile  # noqa: E402
 
@@ -25,9 +25,8 @@ PROMPT, GEN, SEQS = (20, 400), (1, 4), 8
 
 
 def capacity_rps() -> float:
-    prompt, gen = np.mean(PROMPT), np.mean(GEN)
-    c = PREFILL_BOUND.sustainable_concurrency(2.0, prompt, gen, SEQS)
-    return PREFILL_BOUND.service_rps(prompt, gen, c)
+    """One replica's request rate at its sustainable concurrency within the warm SLO."""
+    return fleet_capacity_rps(PREFILL_BOUND, PROMPT, GEN, SEQS)
 
 
 def arrivals(shape: str, rng) -> np.ndarray:

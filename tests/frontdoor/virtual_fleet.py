@@ -29,6 +29,14 @@ SLOW = SpeedProfile(prefill_tokens_per_s=400.0, prefill_overhead_s=0.02,
                     decode_base_s=0.08, decode_per_seq_s=0.01, decode_per_ctx_token_s=1e-5)
 
 
+def capacity_rps(speed: SpeedProfile, prompt: tuple[int, int], gen: tuple[int, int],
+                 seqs: int, slo_s: float = 2.0) -> float:
+    """One replica's request rate at ``speed``, at its sustainable concurrency within the
+    warm SLO, for prompts and outputs drawn uniformly from ``prompt`` and ``gen`` (tokens)."""
+    p, g = sum(prompt) / 2.0, sum(gen) / 2.0
+    return speed.service_rps(p, g, speed.sustainable_concurrency(slo_s, p, g, seqs))
+
+
 class Sink:
     """Records a request's answers and the clock time of its final one."""
 
