@@ -313,16 +313,17 @@ class Predictor:
             st.last_arrival_s = now
 
     def observe_cold(self, model: str, arrivals: int, misses: int) -> None:
-        """Record ``arrivals`` requests that found no warm replica of ``model`` and the
-        ``misses`` among them not served within their SLO (the front door's ``cold``
-        counters).  Raises ModelNotFound for an unknown model and ConfigError unless
-        ``0 <= misses <= arrivals``."""
+        """Record, since the last reading, ``arrivals`` requests that found no warm replica
+        of ``model`` and ``misses`` such requests answered outside their SLO (the front
+        door's ``cold`` counters; a miss may be counted a reading after its arrival, so one
+        reading may hold more misses than arrivals).  Raises ModelNotFound for an unknown
+        model and ConfigError unless both are integers >= 0."""
         st = self._state(model)
-        if not (type(arrivals) is int and type(misses) is int and 0 <= misses <= arrivals):
+        if not (type(arrivals) is int and type(misses) is int and arrivals >= 0
+                and misses >= 0):
             raise ConfigError(f"observe_cold {model}: arrivals={arrivals!r} misses={misses!r}; "
-                              "limit is 0 <= misses <= arrivals", name="misses", value=misses,
-                              limit=arrivals)
-        if arrivals:
+                              "limit is >= 0 each", name="misses", value=misses, limit=0)
+        if arrivals or misses:
             st.cold.append((arrivals, misses))
 
     def cold_miss_fraction(self, model: str) -> float | None:
@@ -330,7 +331,7 @@ class Predictor:
         ``COLD_SAMPLES`` readings) that missed their SLO; None before any."""
         cold = self._state(model).cold
         total = sum(a for a, _ in cold)
-        return sum(m for _, m in cold) / total if total else None
+        return min(1.0, sum(m for _, m in cold) / total) if total else None
 
     def update_capacity(self, model: str, kv_capacity_tokens: int,
                         mean_context_tokens: float | None = None) -> int:

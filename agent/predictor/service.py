@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Protocol
 from prometheus_client import CollectorRegistry, Gauge
 
 from agent.clock import Clock
+from agent.errors import ConfigError
 from agent.predictor.forecast import CounterRate
 from agent.predictor.loop import Decision, Predictor
 
@@ -132,8 +133,12 @@ class PredictorService:
                 self._cold[(door, model)] = (cold, missed)
                 if before is None or cold < before[0] or missed < before[1]:
                     continue          # first reading, or the door restarted: a new baseline
-                if cold > before[0]:
-                    self.predictor.observe_cold(model, cold - before[0], missed - before[1])
+                if (cold, missed) != before:
+                    try:
+                        self.predictor.observe_cold(model, cold - before[0],
+                                                    missed - before[1])
+                    except ConfigError as exc:   # one bad reading must not stop the ticks
+                        log.warning("predictor: cold counters of %s ignored: %s", door, exc)
         for model, tokens in capacity.items():
             self.predictor.update_capacity(model, tokens)
         for model, (profile, max_seqs, lengths) in _speeds(stats, known).items():

@@ -360,7 +360,7 @@ def test_keepalive_is_the_breakeven_alone_unless_cold_arrivals_miss_their_slo(qu
 def test_observe_cold_checks_its_counts_and_keeps_a_window():
     p, *_ = make()
     with pytest.raises(ConfigError):
-        p.observe_cold("m", 2, 3)
+        p.observe_cold("m", 1, -1)
     with pytest.raises(ConfigError):
         p.observe_cold("m", -1, 0)
     with pytest.raises(ModelNotFound):
@@ -369,9 +369,13 @@ def test_observe_cold_checks_its_counts_and_keeps_a_window():
     p.observe_cold("m", 4, 1)
     p.observe_cold("m", 0, 0)                     # no reading
     assert p.cold_miss_fraction("m") == 0.25
+    p.observe_cold("m", 0, 2)                     # misses counted a reading after arrival
+    assert p.cold_miss_fraction("m") == 0.75
     for _ in range(64):                           # the window forgets the oldest readings
         p.observe_cold("m", 1, 0)
     assert p.cold_miss_fraction("m") == 0.0
+    p.observe_cold("m", 0, 200)                   # never above 1
+    assert p.cold_miss_fraction("m") == 1.0
 
 
 def test_gaps_older_than_the_window_are_forgotten():

@@ -341,6 +341,7 @@ def test_cold_counters_feed_the_predictor_as_differences_per_door():
         {"a": {"m": (10, 1)}, "b": {"m": (3, 0)}},
         {"a": {"m": (14, 3)}, "b": {"m": (3, 0)}, "c": {"x": (9, 9)}},   # x: not a model here
         {"a": {"m": (2, 0)}, "b": {"m": (5, 0)}},      # a restarted: a new baseline, no sample
+        {"a": {"m": (2, 1)}, "b": {"m": (5, 0)}},      # a miss counted after its arrival
     ])
     svc, clock = make(lambda: {door: {"arrivals": {}, "cold": c} for door, c in next(feed).items()})
     svc.sample()                                       # baselines only
@@ -349,3 +350,5 @@ def test_cold_counters_feed_the_predictor_as_differences_per_door():
     assert svc.predictor.cold_miss_fraction("m") == pytest.approx(2 / 4)
     svc.sample()
     assert svc.predictor.cold_miss_fraction("m") == pytest.approx(2 / 6)
+    svc.sample()
+    assert svc.predictor.cold_miss_fraction("m") == pytest.approx(3 / 6)
