@@ -305,10 +305,20 @@ def scenario(run: Run, cluster: Cluster, fd_address, token: str, *, standin=None
     allocs = cluster.running(REPLICA_JOB)
     node = allocs[0]["NodeName"] if allocs else "-"
     restore_s = None
-    if standin is not None:
-        lines = [h for h in hold_lines(standin, REPLICA_JOB) if h["alloc_id"] == allocs[0]["ID"]]
+    if standin is not None and allocs:
+        # `rewarm hold` prints its line once the node agent's restore op has answered, which
+        # may be after the replica registered and served this request: wait for it
+        def hold_line():
+            return [h for h in hold_lines(standin, REPLICA_JOB)
+                    if h["alloc_id"] == allocs[0]["ID"]]
+        try:
+            lines = wait_for("the restored allocation's hold line", hold_line, 20.0)
+        except StepFailed:
+            lines = []
         restore_s = lines[0]["restore_s"] if lines else None
         path = lines[0]["path"] if lines else None
+    elif standin is not None:
+        path = None
     else:
         path = warm["done"].get("path")
     run.results["first_token_via_nomad_s"] = round(warm["first_token_s"], 3)
