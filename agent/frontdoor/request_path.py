@@ -45,7 +45,7 @@ from agent.frontdoor.admission import AdmissionQueue, Pending
 from agent.frontdoor.planner import QueuePlanner
 from agent.frontdoor.ratelog import RateLimitedLog
 from agent.frontdoor.request import SAMPLING_FIELDS, Flight, GenerateRequest, Sink
-from agent.frontdoor.reroute import Reroute
+from agent.frontdoor.reroute import Reroute, _retry_ms
 from agent.frontdoor.restores import Restores
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
@@ -339,7 +339,7 @@ class RequestPath(QueuePlanner, Restores, Reroute):
             if type(code) is not int:
                 code = 500
             flight.sink.error(code, str(message.get("reason", "replica error")),
-                              message.get("retry_after_ms"))
+                              _retry_ms(message.get("retry_after_ms")))
         self.telemetry.event(flight.req.request_id, flight.model, flight.path, code,
                              flight.queue_wait_ms, flight.restore_ms, ttft_ms if code == 200 else None,
                              flight.ttft_s is None or flight.ttft_s > flight.deadline_s,

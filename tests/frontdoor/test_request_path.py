@@ -264,3 +264,50 @@ def test_requests_that_find_no_warm_replica_are_counted_with_their_misses():
         assert [r.code for r in refused] == [429] * 3
         assert g.path.info("stats")["cold"] == {"m": {"arrivals": 3, "misses": 3}}
     run(main())
+
+
+def test_a_replicas_garbage_retry_after_or_prediction_never_reaches_the_client_or_router():
+    """A replica's 503/429 before the first token whose ``retry_after_ms`` is not a positive
+    integer within RETRY_AFTER_MAX_MS, or whose ``predicted_ttft_ms`` is not a finite number
+    >= 0, is answered with the front door's own default (and no penalty from it)."""
+    from agent.frontdoor.reroute import RETRY_AFTER_MAX_MS, RETRY_AFTER_MS
+
+    for code, retry, predicted in ((503, -5, None), (429, 0, float("inf")),
+                                   (429, RETRY_AFTER_MAX_MS + 1, float("nan")),
+                                   (429, True, -1e9), (503, 2.5, None)):
+        async def main():
+            f = Fleet(warm=1)
+            replica = f.replicas[0]
+            s = f.submit()
+            rid, flight = next(iter(replica.in_flight.items()))
+            message = {"id": rid, "type": "error", "code": code, "reason": "x",
+                       "retry_after_ms": retry}
+            if predicted is not None:
+                message["predicted_ttft_ms"] = predicted
+            f.path.on_answer(replica, flight, message)
+            assert s.code == 429 and s.final["retry_after_ms"] == RETRY_AFTER_MS, (code, retry)
+            load = f.path.router.get("r0")
+            assert load is None or load.penalty_s == 0.0, (predicted, load.penalty_s)
+        run(main())
+    async def fine():
+        f = Fleet(warm=1)
+        replica = f.replicas[0]
+        s = f.submit()
+        rid, flight = next(iter(replica.in_flight.items()))
+        f.path.on_answer(replica, flight, {"id": rid, "type": "error", "code": 429,
+                                           "retry_after_ms": RETRY_AFTER_MAX_MS})
+        assert s.final["retry_after_ms"] == RETRY_AFTER_MAX_MS       # at the limit: kept
+    run(fine())
+
+
+def test_a_garbage_retry_after_on_a_begun_answer_is_not_passed_on():
+    async def main():
+        f = Fleet(warm=1)
+        replica = f.replicas[0]
+        s = f.submit()
+        rid, flight = next(iter(replica.in_flight.items()))
+        f.path.on_answer(replica, flight, {"id": rid, "type": "tokens", "tokens": [1]})
+        f.path.on_answer(replica, flight, {"id": rid, "type": "error", "code": 503,
+                                           "reason": "draining", "retry_after_ms": -5})
+        assert s.code == 503 and s.final["retry_after_ms"] is None
+    run(main())
