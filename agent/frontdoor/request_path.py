@@ -576,8 +576,13 @@ class RequestPath(QueuePlanner, Restores, Reroute):
             return {m: {"warm": len(self.router.warm(m)),
                         "queued": len(self.queues.get(m) or ())}
                     for m in sorted(self.known_models)}
-        return {**self.counts, "arrivals": dict(self.arrivals), "connections": connections,
-                "cold": {m: {"arrivals": a, "misses": b} for m, (a, b) in self.cold.items()},
+        # every known model from 0: a reader's first reading is its baseline, so a counter
+        # that first appeared at 1 would hide the model's first request (and cold arrival)
+        models = sorted(self.known_models | set(self.arrivals))
+        return {**self.counts, "arrivals": {m: self.arrivals.get(m, 0) for m in models},
+                "connections": connections,
+                "cold": {m: dict(zip(("arrivals", "misses"), self.cold.get(m, (0, 0))))
+                         for m in models},
                 "restores_in_flight": self.gate.total,
                 "queued": {m: len(q) for m, q in self.queues.items() if q},
                 "replicas": {r.replica_id: {"model": r.model, "active_seqs": r.active_seqs,

@@ -311,3 +311,16 @@ def test_a_garbage_retry_after_on_a_begun_answer_is_not_passed_on():
                                            "reason": "draining", "retry_after_ms": -5})
         assert s.code == 503 and s.final["retry_after_ms"] is None
     run(main())
+
+
+def test_stats_count_every_known_model_from_zero():
+    """A reader (the predictor's CounterRate, its cold baseline) takes its first reading as a
+    baseline: a model's counters must be there at 0 before its first request, or that request
+    and its cold arrival are never counted."""
+    f = Fleet(warm=0)
+    stats = f.path.info("stats")
+    assert stats["arrivals"] == {"m": 0}
+    assert stats["cold"] == {"m": {"arrivals": 0, "misses": 0}}
+    f.submit()
+    stats = f.path.info("stats")
+    assert stats["arrivals"] == {"m": 1} and stats["cold"]["m"]["arrivals"] == 1

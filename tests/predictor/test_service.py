@@ -247,8 +247,9 @@ def test_reads_the_real_front_doors_stats():
         return before, after, answers
 
     before, after, answers = asyncio.run(main())
-    assert before == {"arrivals": {}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {},
-                      "cold": {}}
+    # the known model counted from 0 before its first request (the first reading is a baseline)
+    assert before == {"arrivals": {"m": 0}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {},
+                      "cold": {"m": (0, 0)}}
     codes = {a["id"]: a["code"] for a in answers}
     assert [codes[i] for i in range(3)] == [404, 404, 404]
     assert all(codes[i] in (503, 504) for i in range(3, 6))  # no replica can come for "m"

@@ -175,3 +175,13 @@ def test_plans_at_the_edges_end_and_answer_every_request():
     burst = run([ReplayRequest(1.0, 40, 8)] * 50)          # all at one instant
     assert burst["requests"] == 50 and burst["lost"] == 0
     assert burst["served"] + burst["shed_429"] == 50
+
+
+def test_a_lone_request_after_scale_to_zero_is_served_by_one_restore():
+    """The front door's stats count the model from 0, so the predictor sees the first request
+    (it took the counter's first appearance as its baseline, kept scaling to zero and drained
+    each restored replica under the held request: 4 restores, then a 429 three seconds late)."""
+    records: dict = {}
+    out = run([ReplayRequest(5.0, 40, 8)], span_s=10.0, records=records)
+    assert out["served"] == 1 and out["lost"] == 0 and out["shed_429"] == 0
+    assert out["restores"] == 1 and out["counts"].get("rerouted", 0) == 0
