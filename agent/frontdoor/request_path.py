@@ -144,9 +144,6 @@ class RequestPath(QueuePlanner, Restores, Reroute):
                 self._dispatch(flight, found[0], found[1], now)
                 return flight
         warm = self.router.warm(model)
-        if not warm:
-            flight.cold = True
-            self.cold[model][0] += 1
         # the largest replica now, or the largest seen (none warm: a restore brings up the
         # same replicas, so a request that no replica of the model can hold is 413, not 429)
         largest = max((r.kv_capacity_tokens for r in warm), default=0) or \
@@ -155,6 +152,9 @@ class RequestPath(QueuePlanner, Restores, Reroute):
             self._fail(flight, 413, f"request needs {need} KV tokens; the largest replica of "
                        f"{model!r} holds {largest}")
             return flight
+        if not warm:   # (after the 413: one no replica can hold says nothing of keep-alive)
+            flight.cold = True
+            self.cold[model][0] += 1
         if self.capacity is None and not warm:
             self._fail(flight, 503, f"model {model!r}: no warm replica and no capacity "
                        f"requester configured")

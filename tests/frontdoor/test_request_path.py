@@ -324,3 +324,18 @@ def test_stats_count_every_known_model_from_zero():
     f.submit()
     stats = f.path.info("stats")
     assert stats["arrivals"] == {"m": 1} and stats["cold"]["m"]["arrivals"] == 1
+
+
+def test_a_413_at_zero_replicas_is_no_cold_arrival():
+    """A request no replica can hold is answered 413 whatever is warm: it says nothing about
+    keep-alive, so it must not count as a cold arrival that met its SLO (a client sending
+    oversized requests at zero replicas would dilute the measured cold miss fraction)."""
+    async def main():
+        f = Fleet(max_seqs=2, restore_s=1.0, measured_restores_s=(1.0,))
+        largest = f.replicas[0].load.kv_capacity_tokens
+        f.path.router.remove("r0")
+        for _ in range(3):
+            assert f.submit(prompt_tokens=largest, max_tokens=16).code == 413
+        assert f.path.info("stats")["cold"]["m"] == {"arrivals": 0, "misses": 0}
+        assert f.path.info("stats")["arrivals"]["m"] == 3      # still arrivals of the model
+    run(main())
