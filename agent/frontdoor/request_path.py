@@ -45,7 +45,7 @@ from agent.frontdoor.admission import AdmissionQueue, Pending
 from agent.frontdoor.planner import QueuePlanner
 from agent.frontdoor.ratelog import RateLimitedLog
 from agent.frontdoor.request import SAMPLING_FIELDS, Flight, GenerateRequest, Sink
-from agent.frontdoor.reroute import Reroute, _retry_ms
+from agent.frontdoor.reroute import Reroute, _client_error, _retry_ms
 from agent.frontdoor.restores import Restores
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
@@ -320,8 +320,11 @@ class RequestPath(QueuePlanner, Restores, Reroute):
         flight.over = True
         self._settle_path(flight)
         ttft_ms = None if flight.ttft_s is None else (flight.ttft_s - flight.arrival_s) * 1000.0
-        if flight.cold and (kind != "done" or flight.ttft_s is None
-                            or flight.ttft_s > flight.deadline_s):
+        late = flight.ttft_s is None or flight.ttft_s > flight.deadline_s
+        if kind != "done":   # an error misses the SLO, unless it is the client's (4xx, not 429)
+            c = message.get("code")
+            late = late and flight.ttft_s is not None if _client_error(c) else True
+        if flight.cold and late:
             self.cold[flight.model][1] += 1
         if kind == "done":
             self.counts["done"] += 1

@@ -38,6 +38,11 @@ RETRY_AFTER_MAX_MS = 3_600_000
 that is not an integer in [1, this] is garbage and the front door's own default is sent."""
 
 
+def _client_error(code: Any) -> bool:
+    """Whether a replica's error ``code`` is the client's (4xx but 429): no SLO was missed."""
+    return type(code) is int and 400 <= code < 500 and code != 429
+
+
 def _retry_ms(value: Any) -> int | None:
     """A replica's ``retry_after_ms`` if it is an integer in [1, RETRY_AFTER_MAX_MS], else None."""
     return value if type(value) is int and 1 <= value <= RETRY_AFTER_MAX_MS else None

@@ -339,3 +339,22 @@ def test_a_413_at_zero_replicas_is_no_cold_arrival():
         assert f.path.info("stats")["cold"]["m"] == {"arrivals": 0, "misses": 0}
         assert f.path.info("stats")["arrivals"]["m"] == 3      # still arrivals of the model
     run(main())
+
+
+def test_a_replicas_client_error_on_a_cold_request_is_no_slo_miss():
+    """A cold request the restored replica refuses as malformed (400: prompt + max_tokens over
+    its max_seq_len) failed no SLO; a 500 or a late first token did."""
+    async def main():
+        for code, misses in ((400, 0), (422, 0), (500, 1), (429, 1)):
+            f = Fleet(warm=1)
+            replica = f.replicas[0]
+            f.submit()
+            rid, flight = next(iter(replica.in_flight.items()))
+            flight.cold = True                 # as if it had found no warm replica
+            f.path.cold["m"] = [1, 0]
+            f.path.on_answer(replica, flight, {"id": rid, "type": "tokens", "tokens": [1]}) \
+                if code == 500 else None
+            f.path.on_answer(replica, flight, {"id": rid, "type": "error", "code": code,
+                                               "reason": "prompt 600 + max_tokens 8 exceeds"})
+            assert f.path.cold["m"] == [1, misses], code
+    run(main())
