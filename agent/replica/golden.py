@@ -97,9 +97,15 @@ def verify_golden(engine: Generates, golden: GoldenCheck, where: Any = None) -> 
     check_method(golden, where)
     n = golden.max_tokens
     bad_row = next((i for i, row in enumerate(golden.expected) if len(row) != n), None)
+    what = where or "the snapshot"
     if not golden.prompts:     # a record that checks nothing must not pass as checked
-        raise GoldenMismatch(f"golden check failed: {where or 'the snapshot'}: its record holds 0 prompts; "
-                             "limit is >= 1", prompt_index=0, position=0, expected=1, actual=0)
+        raise GoldenMismatch(f"golden check failed: {what}: its record holds 0 prompts; limit "
+                             "is >= 1", prompt_index=0, position=0, expected=1, actual=0)
+    empty = next((i for i, p in enumerate(golden.prompts) if not p), None)
+    if empty is not None:
+        raise GoldenMismatch(f"golden check failed: {what}: prompt {empty} of its record holds "
+                             "0 tokens; limit is >= 1", prompt_index=empty, position=0,
+                             expected=1, actual=0)
     if len(golden.expected) != len(golden.prompts) or bad_row is not None or n < 1:
         i = bad_row if bad_row is not None else min(len(golden.expected), len(golden.prompts))
         raise GoldenMismatch(f"golden check failed: malformed: {len(golden.expected)} rows of "

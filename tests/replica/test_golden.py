@@ -144,7 +144,7 @@ def test_a_record_of_no_prompts_is_a_mismatch_not_a_pass():
     golden = GoldenCheck(prompts=[], seed=0, max_tokens=2, expected=[], method=GOLDEN_METHOD)
     with pytest.raises(GoldenMismatch) as err:
         verify_golden(engine, golden, "snap-x")
-    assert str(err.value).startswith("golden check failed") and "snap-x: its record holds 0 prompts" in str(err.value)
+    assert str(err.value).startswith("golden check failed: snap-x: its record holds 0 prompts")
     assert err.value.expected == 1 and err.value.actual == 0 and engine.replays == 0
 
 
@@ -157,3 +157,13 @@ def test_a_malformed_record_reads_as_a_failed_check_across_the_worker_boundary()
         verify_golden(_Rule(), golden)
     with pytest.raises(GoldenMismatch):       # the worker answers the message as its reason
         _raise_for("restore", {"reason": str(err.value), "code": 500})
+
+
+def test_a_record_with_an_empty_prompt_is_a_mismatch_before_anything_runs():
+    engine = _Rule()
+    golden = GoldenCheck(prompts=[[1], []], seed=0, max_tokens=2, expected=[[1, 2], [3, 4]],
+                         method=GOLDEN_METHOD)
+    with pytest.raises(GoldenMismatch) as err:
+        verify_golden(engine, golden, "snap-x")
+    assert "snap-x: prompt 1 of its record holds 0 tokens" in str(err.value)
+    assert err.value.prompt_index == 1 and engine.replays == 0
