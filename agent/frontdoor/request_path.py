@@ -45,7 +45,7 @@ from agent.frontdoor.admission import AdmissionQueue, Pending
 from agent.frontdoor.planner import QueuePlanner
 from agent.frontdoor.ratelog import RateLimitedLog
 from agent.frontdoor.request import SAMPLING_FIELDS, Flight, GenerateRequest, Sink
-from agent.frontdoor.reroute import Reroute
+from agent.frontdoor.reroute import Reroute, _client_error, _retry_ms
 from agent.frontdoor.restores import Restores
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
@@ -144,9 +144,6 @@ class RequestPath(QueuePlanner, Restores, Reroute):
                 self._dispatch(flight, found[0], found[1], now)
                 return flight
         warm = self.router.warm(model)
-        if not warm:
-            flight.cold = True
-            self.cold[model][0] += 1
         # the largest replica now, or the largest seen (none warm: a restore brings up the
         # same replicas, so a request that no replica of the model can hold is 413, not 429)
         largest = max((r.kv_capacity_tokens for r in warm), default=0) or \
@@ -155,6 +152,9 @@ class RequestPath(QueuePlanner, Restores, Reroute):
             self._fail(flight, 413, f"request needs {need} KV tokens; the largest replica of "
                        f"{model!r} holds {largest}")
             return flight
+        if not warm:   # (after the 413: one no replica can hold says nothing of keep-alive)
+            flight.cold = True
+            self.cold[model][0] += 1
         if self.capacity is None and not warm:
             self._fail(flight, 503, f"model {model!r}: no warm replica and no capacity "
                        f"requester configured")
@@ -320,8 +320,11 @@ class RequestPath(QueuePlanner, Restores, Reroute):
         flight.over = True
         self._settle_path(flight)
         ttft_ms = None if flight.ttft_s is None else (flight.ttft_s - flight.arrival_s) * 1000.0
-        if flight.cold and (kind != "done" or flight.ttft_s is None
-                            or flight.ttft_s > flight.deadline_s):
+        late = flight.ttft_s is None or flight.ttft_s > flight.deadline_s
+        if kind != "done":   # an error misses the SLO, unless it is the client's (4xx, not 429)
+            c = message.get("code")
+            late = late and flight.ttft_s is not None if _client_error(c) else True
+        if flight.cold and late:
             self.cold[flight.model][1] += 1
         if kind == "done":
             self.counts["done"] += 1
@@ -339,7 +342,7 @@ class RequestPath(QueuePlanner, Restores, Reroute):
             if type(code) is not int:
                 code = 500
             flight.sink.error(code, str(message.get("reason", "replica error")),
-                              message.get("retry_after_ms"))
+                              _retry_ms(message.get("retry_after_ms")))
         self.telemetry.event(flight.req.request_id, flight.model, flight.path, code,
                              flight.queue_wait_ms, flight.restore_ms, ttft_ms if code == 200 else None,
                              flight.ttft_s is None or flight.ttft_s > flight.deadline_s,
@@ -576,8 +579,13 @@ class RequestPath(QueuePlanner, Restores, Reroute):
             return {m: {"warm": len(self.router.warm(m)),
                         "queued": len(self.queues.get(m) or ())}
                     for m in sorted(self.known_models)}
-        return {**self.counts, "arrivals": dict(self.arrivals), "connections": connections,
-                "cold": {m: {"arrivals": a, "misses": b} for m, (a, b) in self.cold.items()},
+        # every known model from 0: a reader's first reading is its baseline, so a counter
+        # that first appeared at 1 would hide the model's first request (and cold arrival)
+        models = sorted(self.known_models | set(self.arrivals))
+        return {**self.counts, "arrivals": {m: self.arrivals.get(m, 0) for m in models},
+                "connections": connections,
+                "cold": {m: dict(zip(("arrivals", "misses"), self.cold.get(m, (0, 0))))
+                         for m in models},
                 "restores_in_flight": self.gate.total,
                 "queued": {m: len(q) for m, q in self.queues.items() if q},
                 "replicas": {r.replica_id: {"model": r.model, "active_seqs": r.active_seqs,

@@ -23,6 +23,7 @@ client has part of an answer): it is answered 503.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,6 +33,19 @@ if TYPE_CHECKING:  # pragma: no cover
 RETRY_AFTER_MS = 1000
 """``retry_after_ms`` of a 429 for a request no capacity could take after its replica went
 away, when the replica named none (about one registry refresh and a restore decision)."""
+RETRY_AFTER_MAX_MS = 3_600_000
+"""The longest ``retry_after_ms`` a replica's answer may pass on to a client (an hour); one
+that is not an integer in [1, this] is garbage and the front door's own default is sent."""
+
+
+def _client_error(code: Any) -> bool:
+    """Whether a replica's error ``code`` is the client's (4xx but 429): no SLO was missed."""
+    return type(code) is int and 400 <= code < 500 and code != 429
+
+
+def _retry_ms(value: Any) -> int | None:
+    """A replica's ``retry_after_ms`` if it is an integer in [1, RETRY_AFTER_MAX_MS], else None."""
+    return value if type(value) is int and 1 <= value <= RETRY_AFTER_MAX_MS else None
 
 
 class Reroute:
@@ -43,12 +57,12 @@ class Reroute:
         self.counts["replica_429"] += 1
         load = self.router.get(link.replica_id)
         theirs = message.get("predicted_ttft_ms")
-        if load is not None and isinstance(theirs, (int, float)) and flight.predicted_ttft_s:
+        if (load is not None and type(theirs) in (int, float) and math.isfinite(theirs)
+                and theirs >= 0 and flight.predicted_ttft_s):
             ours_s = flight.predicted_ttft_s - (flight.queue_wait_ms / 1000.0)
             load.penalty_s = max(load.penalty_s, theirs / 1000.0 - ours_s)
-        retry = message.get("retry_after_ms")
         self._place_again(flight, link.replica_id, str(message.get("reason", "replica refused")),
-                          retry if type(retry) is int else None)
+                          _retry_ms(message.get("retry_after_ms")))
 
     def _replica_leaving(self, link: ReplicaLink, flight: Flight, message: dict) -> None:
         """The replica answered 503 before ``flight``'s first token (draining, shutting
@@ -57,10 +71,9 @@ class Reroute:
         self.counts["rerouted"] += 1
         self.router.remove(link.replica_id)
         self._slot_cache.clear()
-        retry = message.get("retry_after_ms")
         self._place_again(flight, link.replica_id,
                           f"replica {link.replica_id}: {message.get('reason', 'unavailable')}",
-                          retry if type(retry) is int else None)
+                          _retry_ms(message.get("retry_after_ms")))
 
     def replica_failed(self, link: ReplicaLink, reason: str, retry: bool = True) -> None:
         """The link broke: the replica leaves the view until the registry shows it again;

@@ -137,16 +137,21 @@ class IdleGaps:
         return len(self._gaps)
 
     def record(self, gap_s: float, now_s: float) -> None:
-        """One idle gap of ``gap_s`` seconds that ended at ``now_s`` (clock seconds)."""
-        if math.isfinite(gap_s) and gap_s > 0:
-            self._gaps.append((now_s, min(float(gap_s), self.window_s)))
+        """One idle gap of ``gap_s`` seconds that ended at ``now_s`` (clock seconds); a gap or
+        an end time that is not a finite number (NaN, a bool) is no reading and is dropped."""
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+               for v in (gap_s, now_s)) and gap_s > 0:
+            self._gaps.append((float(now_s), min(float(gap_s), self.window_s)))
 
     def quantile(self, q: float, now_s: float) -> float | None:
         """The ``q`` quantile (nearest rank, 0 < q <= 1) of the gaps that ended within
-        ``window_s`` of ``now_s``; None when there are none."""
-        while self._gaps and now_s - self._gaps[0][0] > self.window_s:
-            self._gaps.popleft()
-        if not self._gaps:
+        ``window_s`` of ``now_s``; None when there are none.  Gaps are forgotten by when they
+        ended, not by arrival order, so a clock that jumped forward and back keeps none past
+        the window; one that ended after ``now_s`` is kept but not yet counted."""
+        old = [i for i, (end, _) in enumerate(self._gaps) if now_s - end > self.window_s]
+        for i in reversed(old):
+            del self._gaps[i]
+        ordered = sorted(g for end, g in self._gaps if end <= now_s)
+        if not ordered:
             return None
-        ordered = sorted(g for _, g in self._gaps)
         return ordered[max(0, math.ceil(q * len(ordered)) - 1)]

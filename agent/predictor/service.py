@@ -252,8 +252,15 @@ def _parse_stats(address: str, result: dict) -> dict[str, dict[str, int]]:
     cold: dict[str, tuple[int, int]] = {}
     reported = result.get("cold")
     for m, value in (reported.items() if isinstance(reported, dict) else ()):
+        # cold arrivals are some of the model's arrivals, and misses some of the cold ones
+        limit = counters.get(m) if _count(counters.get(m)) else None
         if isinstance(value, dict) and _count(value.get("arrivals")) \
-                and _count(value.get("misses")) and value["misses"] <= value["arrivals"]:
+                and _count(value.get("misses")) and value["misses"] <= value["arrivals"] \
+                and (limit is None or value["arrivals"] <= limit):
             cold[str(m)] = (value["arrivals"], value["misses"])
+        else:
+            log.warning("predictor: cold counters of %s for %r ignored: %r; limit is integers "
+                        "with misses <= arrivals <= the model's arrivals (%s)", address, m,
+                        value, limit)
     return {"arrivals": {str(k): v for k, v in counters.items() if _count(v)},
             "kv_capacity_tokens": capacity, "speed": speed, "lengths": lengths, "cold": cold}

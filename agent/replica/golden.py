@@ -90,15 +90,25 @@ def check_method(golden: GoldenCheck, where: Any = None) -> None:
 def verify_golden(engine: Generates, golden: GoldenCheck, where: Any = None) -> None:
     """Replay ``golden`` teacher-forced and raise GoldenMismatch (``prompt_index``,
     ``position``, ``expected``, ``actual``) at the first token that differs; return None when
-    every token of every prompt matches.  A record of the wrong shape (not one row of
-    ``max_tokens`` ids per prompt, or an id the model cannot produce) is a mismatch too.
+    every token of every prompt matches.  A record of the wrong shape (no prompts, not one row
+    of ``max_tokens`` ids per prompt, or an id the model cannot produce) is a mismatch too,
+    its message starting "golden check failed" as the node agent reads a worker's answer.
     Raises SnapshotIncompatible (:func:`check_method`) before running anything."""
     check_method(golden, where)
     n = golden.max_tokens
     bad_row = next((i for i, row in enumerate(golden.expected) if len(row) != n), None)
+    what = where or "the snapshot"
+    if not golden.prompts:     # a record that checks nothing must not pass as checked
+        raise GoldenMismatch(f"golden check failed: {what}: its record holds 0 prompts; limit "
+                             "is >= 1", prompt_index=0, position=0, expected=1, actual=0)
+    empty = next((i for i, p in enumerate(golden.prompts) if not p), None)
+    if empty is not None:
+        raise GoldenMismatch(f"golden check failed: {what}: prompt {empty} of its record holds "
+                             "0 tokens; limit is >= 1", prompt_index=empty, position=0,
+                             expected=1, actual=0)
     if len(golden.expected) != len(golden.prompts) or bad_row is not None or n < 1:
         i = bad_row if bad_row is not None else min(len(golden.expected), len(golden.prompts))
-        raise GoldenMismatch(f"golden check malformed: {len(golden.expected)} rows of "
+        raise GoldenMismatch(f"golden check failed: malformed: {len(golden.expected)} rows of "
                              f"{[len(r) for r in golden.expected][:8]} tokens for "
                              f"{len(golden.prompts)} prompts x {n}", prompt_index=i, position=0,
                              expected=n, actual=None)

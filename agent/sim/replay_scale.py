@@ -36,6 +36,7 @@ mean lengths; ``1 / service_s`` is ``SpeedProfile.service_rps``).  Then:
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -46,11 +47,25 @@ from agent.speed import SpeedProfile
 
 @dataclass(frozen=True)
 class ReplayRequest:
-    """One request to send ``at_s`` wall seconds after the replay starts."""
+    """One request to send ``at_s`` wall seconds after the replay starts.  Raises
+    :class:`ConfigError` (the field, the value, the limit) for an ``at_s`` that is not a finite
+    number >= 0 or token counts that are not integers >= 0 (a plan read from a file)."""
 
     at_s: float
     prompt_tokens: int
     output_tokens: int
+
+    def __post_init__(self) -> None:
+        at = self.at_s
+        if isinstance(at, bool) or not isinstance(at, numbers.Real) or not (
+                math.isfinite(at) and at >= 0):
+            raise ConfigError(f"ReplayRequest.at_s={at!r}; limit is a finite number >= 0",
+                              name="at_s", value=at, limit=0)
+        for name in ("prompt_tokens", "output_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise ConfigError(f"ReplayRequest.{name}={v!r}; limit is an integer >= 0",
+                                  name=name, value=v, limit=0)
 
 
 @dataclass(frozen=True)

@@ -264,3 +264,97 @@ def test_requests_that_find_no_warm_replica_are_counted_with_their_misses():
         assert [r.code for r in refused] == [429] * 3
         assert g.path.info("stats")["cold"] == {"m": {"arrivals": 3, "misses": 3}}
     run(main())
+
+
+def test_a_replicas_garbage_retry_after_or_prediction_never_reaches_the_client_or_router():
+    """A replica's 503/429 before the first token whose ``retry_after_ms`` is not a positive
+    integer within RETRY_AFTER_MAX_MS, or whose ``predicted_ttft_ms`` is not a finite number
+    >= 0, is answered with the front door's own default (and no penalty from it)."""
+    from agent.frontdoor.reroute import RETRY_AFTER_MAX_MS, RETRY_AFTER_MS
+
+    for code, retry, predicted in ((503, -5, None), (429, 0, float("inf")),
+                                   (429, RETRY_AFTER_MAX_MS + 1, float("nan")),
+                                   (429, True, -1e9), (503, 2.5, None)):
+        async def main():
+            f = Fleet(warm=1)
+            replica = f.replicas[0]
+            s = f.submit()
+            rid, flight = next(iter(replica.in_flight.items()))
+            message = {"id": rid, "type": "error", "code": code, "reason": "x",
+                       "retry_after_ms": retry}
+            if predicted is not None:
+                message["predicted_ttft_ms"] = predicted
+            f.path.on_answer(replica, flight, message)
+            assert s.code == 429 and s.final["retry_after_ms"] == RETRY_AFTER_MS, (code, retry)
+            load = f.path.router.get("r0")
+            assert load is None or load.penalty_s == 0.0, (predicted, load.penalty_s)
+        run(main())
+    async def fine():
+        f = Fleet(warm=1)
+        replica = f.replicas[0]
+        s = f.submit()
+        rid, flight = next(iter(replica.in_flight.items()))
+        f.path.on_answer(replica, flight, {"id": rid, "type": "error", "code": 429,
+                                           "retry_after_ms": RETRY_AFTER_MAX_MS})
+        assert s.final["retry_after_ms"] == RETRY_AFTER_MAX_MS       # at the limit: kept
+    run(fine())
+
+
+def test_a_garbage_retry_after_on_a_begun_answer_is_not_passed_on():
+    async def main():
+        f = Fleet(warm=1)
+        replica = f.replicas[0]
+        s = f.submit()
+        rid, flight = next(iter(replica.in_flight.items()))
+        f.path.on_answer(replica, flight, {"id": rid, "type": "tokens", "tokens": [1]})
+        f.path.on_answer(replica, flight, {"id": rid, "type": "error", "code": 503,
+                                           "reason": "draining", "retry_after_ms": -5})
+        assert s.code == 503 and s.final["retry_after_ms"] is None
+    run(main())
+
+
+def test_stats_count_every_known_model_from_zero():
+    """A reader (the predictor's CounterRate, its cold baseline) takes its first reading as a
+    baseline: a model's counters must be there at 0 before its first request, or that request
+    and its cold arrival are never counted."""
+    f = Fleet(warm=0)
+    stats = f.path.info("stats")
+    assert stats["arrivals"] == {"m": 0}
+    assert stats["cold"] == {"m": {"arrivals": 0, "misses": 0}}
+    f.submit()
+    stats = f.path.info("stats")
+    assert stats["arrivals"] == {"m": 1} and stats["cold"]["m"]["arrivals"] == 1
+
+
+def test_a_413_at_zero_replicas_is_no_cold_arrival():
+    """A request no replica can hold is answered 413 whatever is warm: it says nothing about
+    keep-alive, so it must not count as a cold arrival that met its SLO (a client sending
+    oversized requests at zero replicas would dilute the measured cold miss fraction)."""
+    async def main():
+        f = Fleet(max_seqs=2, restore_s=1.0, measured_restores_s=(1.0,))
+        largest = f.replicas[0].load.kv_capacity_tokens
+        f.path.router.remove("r0")
+        for _ in range(3):
+            assert f.submit(prompt_tokens=largest, max_tokens=16).code == 413
+        assert f.path.info("stats")["cold"]["m"] == {"arrivals": 0, "misses": 0}
+        assert f.path.info("stats")["arrivals"]["m"] == 3      # still arrivals of the model
+    run(main())
+
+
+def test_a_replicas_client_error_on_a_cold_request_is_no_slo_miss():
+    """A cold request the restored replica refuses as malformed (400: prompt + max_tokens over
+    its max_seq_len) failed no SLO; a 500 or a late first token did."""
+    async def main():
+        for code, misses in ((400, 0), (422, 0), (500, 1), (429, 1)):
+            f = Fleet(warm=1)
+            replica = f.replicas[0]
+            f.submit()
+            rid, flight = next(iter(replica.in_flight.items()))
+            flight.cold = True                 # as if it had found no warm replica
+            f.path.cold["m"] = [1, 0]
+            f.path.on_answer(replica, flight, {"id": rid, "type": "tokens", "tokens": [1]}) \
+                if code == 500 else None
+            f.path.on_answer(replica, flight, {"id": rid, "type": "error", "code": code,
+                                               "reason": "prompt 600 + max_tokens 8 exceeds"})
+            assert f.path.cold["m"] == [1, misses], code
+    run(main())

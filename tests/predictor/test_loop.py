@@ -394,6 +394,27 @@ def test_gaps_older_than_the_window_are_forgotten():
     assert len(gaps) == 1
 
 
+def test_a_clock_jump_or_a_bad_end_time_never_keeps_stale_gaps():
+    """Gaps are forgotten by when they ended, not by the order they came in: after the clock
+    went forward and back, or a NaN end time, a gap older than the window is not counted."""
+    from agent.predictor.keepalive import IdleGaps
+
+    gaps = IdleGaps(window_s=100.0)
+    gaps.record(10.0, now_s=1000.0)              # the clock jumped forward...
+    gaps.record(20.0, now_s=5.0)                 # ...and back
+    gaps.record(30.0, now_s=6.0)
+    assert gaps.quantile(0.99, 50.0) == 30.0     # the gap "ending at 1000" has not ended yet
+    assert gaps.quantile(0.99, 200.0) is None    # 5 and 6 are 194 s old: forgotten
+    assert gaps.quantile(0.99, 1050.0) == 10.0
+    gaps = IdleGaps(window_s=100.0)
+    gaps.record(40.0, now_s=float("nan"))        # no reading of the clock
+    gaps.record(50.0, now_s=float("inf"))
+    gaps.record(True, now_s=5.0)                 # not a gap in seconds
+    gaps.record(20.0, now_s=5.0)
+    assert len(gaps) == 1 and gaps.quantile(0.99, 50.0) == 20.0
+    assert gaps.quantile(0.99, 500.0) is None and len(gaps) == 0
+
+
 def test_bad_gap_quantile_and_window_are_refused():
     from agent.predictor.keepalive import IdleGaps
 

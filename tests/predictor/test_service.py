@@ -2,6 +2,7 @@
 stats client against a tiny msgpack server; the ``rewarm predictor`` command."""
 
 import json
+import logging
 import socket
 import threading
 
@@ -247,8 +248,9 @@ def test_reads_the_real_front_doors_stats():
         return before, after, answers
 
     before, after, answers = asyncio.run(main())
-    assert before == {"arrivals": {}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {},
-                      "cold": {}}
+    # the known model counted from 0 before its first request (the first reading is a baseline)
+    assert before == {"arrivals": {"m": 0}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {},
+                      "cold": {"m": (0, 0)}}
     codes = {a["id"]: a["code"] for a in answers}
     assert [codes[i] for i in range(3)] == [404, 404, 404]
     assert all(codes[i] in (503, 504) for i in range(3, 6))  # no replica can come for "m"
@@ -352,3 +354,22 @@ def test_cold_counters_feed_the_predictor_as_differences_per_door():
     assert svc.predictor.cold_miss_fraction("m") == pytest.approx(2 / 6)
     svc.sample()
     assert svc.predictor.cold_miss_fraction("m") == pytest.approx(3 / 6)
+
+
+def test_cold_counters_a_front_door_cannot_have_are_ignored_and_logged(caplog):
+    """Cold arrivals are some of the model's arrivals and misses some of those: a reading
+    outside that (a door that lies, a garbled answer) never reaches the predictor."""
+    from agent.predictor.service import _parse_stats
+
+    good = {"arrivals": 5, "misses": 2}
+    for value in ({"arrivals": 6, "misses": 0}, {"arrivals": 2, "misses": 3},
+                  {"arrivals": -1, "misses": 0}, {"arrivals": True, "misses": 0},
+                  {"arrivals": 1.5, "misses": 0}, {"arrivals": "1", "misses": 0},
+                  {"arrivals": float("nan"), "misses": 0}, [1, 0], None):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="agent.predictor.service"):
+            got = _parse_stats("door:1", {"arrivals": {"m": 5}, "cold": {"m": value}})
+        assert got["cold"] == {}, value
+        assert "door:1" in caplog.text and repr(value) in caplog.text
+    assert _parse_stats("door:1", {"arrivals": {"m": 5},
+                                   "cold": {"m": good}})["cold"] == {"m": (5, 2)}   # at the limit

@@ -135,3 +135,35 @@ def test_a_recorded_token_outside_the_vocabulary_is_a_mismatch(tiny_engine):
     with pytest.raises(GoldenMismatch, match="vocabulary") as err:
         verify_golden(tiny_engine, dataclasses.replace(golden, expected=expected))
     assert (err.value.prompt_index, err.value.position, err.value.expected) == (2, 1, 256)
+
+
+def test_a_record_of_no_prompts_is_a_mismatch_not_a_pass():
+    """A manifest whose golden record holds no prompts checks nothing: refused by name (as the
+    node agent reads it: 'golden check failed'), before the engine is asked anything."""
+    engine = _Rule()
+    golden = GoldenCheck(prompts=[], seed=0, max_tokens=2, expected=[], method=GOLDEN_METHOD)
+    with pytest.raises(GoldenMismatch) as err:
+        verify_golden(engine, golden, "snap-x")
+    assert str(err.value).startswith("golden check failed: snap-x: its record holds 0 prompts")
+    assert err.value.expected == 1 and err.value.actual == 0 and engine.replays == 0
+
+
+def test_a_malformed_record_reads_as_a_failed_check_across_the_worker_boundary():
+    from agent.node.processes import _raise_for
+
+    golden = GoldenCheck(prompts=[[1], [2]], seed=0, max_tokens=2, expected=[[1, 2]],
+                         method=GOLDEN_METHOD)
+    with pytest.raises(GoldenMismatch) as err:
+        verify_golden(_Rule(), golden)
+    with pytest.raises(GoldenMismatch):       # the worker answers the message as its reason
+        _raise_for("restore", {"reason": str(err.value), "code": 500})
+
+
+def test_a_record_with_an_empty_prompt_is_a_mismatch_before_anything_runs():
+    engine = _Rule()
+    golden = GoldenCheck(prompts=[[1], []], seed=0, max_tokens=2, expected=[[1, 2], [3, 4]],
+                         method=GOLDEN_METHOD)
+    with pytest.raises(GoldenMismatch) as err:
+        verify_golden(engine, golden, "snap-x")
+    assert "snap-x: prompt 1 of its record holds 0 tokens" in str(err.value)
+    assert err.value.prompt_index == 1 and engine.replays == 0

@@ -155,3 +155,33 @@ def test_agrees_with_the_old_simulator_on_a_warm_steady_replay():
     for q in ("p50", "p99"):
         a, b = new["ttft_ms"]["warm_hit"][q], old["ttft_ms"]["warm_hit"][q]
         assert abs(a - b) <= 0.25 * b, (q, a, b)
+
+
+@pytest.mark.parametrize("at_s, prompt, output, field", [
+    (float("nan"), 40, 8, "at_s"), (-1.0, 40, 8, "at_s"), (float("inf"), 40, 8, "at_s"),
+    ("3", 40, 8, "at_s"), (True, 40, 8, "at_s"), (0.0, -1, 8, "prompt_tokens"),
+    (0.0, 40, 2.5, "output_tokens"), (0.0, True, 8, "prompt_tokens")])
+def test_a_plan_request_that_is_no_time_or_count_is_refused_by_name(at_s, prompt, output, field):
+    with pytest.raises(ConfigError) as err:
+        ReplayRequest(at_s, prompt, output)
+    assert err.value.name == field and repr(getattr(err.value, "value")) in str(err.value)
+
+
+def test_plans_at_the_edges_end_and_answer_every_request():
+    assert run([])["requests"] == 0
+    assert ReplayRequest(0, 0, 0).at_s == 0               # at the limits: accepted
+    one = run([ReplayRequest(0.0, 40, 8)])
+    assert one["served"] == 1 and one["lost"] == 0
+    burst = run([ReplayRequest(1.0, 40, 8)] * 50)          # all at one instant
+    assert burst["requests"] == 50 and burst["lost"] == 0
+    assert burst["served"] + burst["shed_429"] == 50
+
+
+def test_a_lone_request_after_scale_to_zero_is_served_by_one_restore():
+    """The front door's stats count the model from 0, so the predictor sees the first request
+    (it took the counter's first appearance as its baseline, kept scaling to zero and drained
+    each restored replica under the held request: 4 restores, then a 429 three seconds late)."""
+    records: dict = {}
+    out = run([ReplayRequest(5.0, 40, 8)], span_s=10.0, records=records)
+    assert out["served"] == 1 and out["lost"] == 0 and out["shed_429"] == 0
+    assert out["restores"] == 1 and out["counts"].get("rerouted", 0) == 0
