@@ -84,10 +84,11 @@ class QueuePlanner:
                     end = now + (now - end)
                 slots.append((end + step_s, seen, step_s, rid))
         per_replica = self._per_replica(model)
-        fresh_step = prior.decode_step_s(per_replica)
+        held = self.router.held_prior(model)   # new replicas: the model's measured error too
+        fresh_step = held.decode_step_s(per_replica)
         inf = float("inf")
         slots.extend((t, inf, fresh_step, "") for t in slot_times_s(
-            [], self._etas_s(model, now), per_replica, prior, mean_prompt))
+            [], self._etas_s(model, now), per_replica, held, mean_prompt))
         slots.sort()  # sorted: a valid heap as it is
         first = slots[0][0] if slots else inf
         self._slot_cache[model] = (now, slots, first, busy)
@@ -107,7 +108,7 @@ class QueuePlanner:
         (admission; see :meth:`_hold`).  Also returns the earliest slot's time."""
         slots, first, busy = self._slots(model, now)
         busy = dict(busy)
-        prior = self.router.prior(model)
+        held = self.router.held_prior(model)
         if ahead < len(slots):
             heap = slots[ahead:]      # a suffix of a sorted list: still a heap
         elif slots:
@@ -124,7 +125,7 @@ class QueuePlanner:
         out: list[float | None] = []
         last = len(flights) - 1
         for k, flight in enumerate(flights):
-            own = prior.prefill_s(flight.prompt_tokens)
+            own = held.prefill_s(flight.prompt_tokens)
             spare = margin_s if k == last else 0.0
             found, passed = None, []
             while heap:

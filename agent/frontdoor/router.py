@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import collections
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
 from agent.cluster.base import LOAD_META_KEYS as META_KEYS  # the registry meta schema
@@ -222,6 +222,26 @@ class Router:
         if mine is not None:
             return mine
         return slowest(self._slowest.values()) or self.default_prior
+
+    def model_slowdown(self, model: str) -> float:
+        """The front door's measured slowdown for a replica of ``model`` not yet in the view
+        (one being restored): as for a new replica in :meth:`upsert`, the largest of its
+        replicas', else that of its last replica removed; 1 when none was measured."""
+        return max([r.slowdown for r in self._by_model.get(model, _EMPTY).values()]
+                   + [self._last_slowdown.get(model, 1.0)])
+
+    def held_prior(self, model: str) -> SpeedProfile:
+        """:meth:`prior` slowed by :meth:`model_slowdown`: the speed a request held for
+        capacity is planned with, so held predictions carry the same measured error as the
+        warm ones (``ReplicaLoad.predict_ttft_s``)."""
+        prior, k = self.prior(model), self.model_slowdown(model)
+        if k <= 1.0:
+            return prior
+        return replace(prior, prefill_tokens_per_s=prior.prefill_tokens_per_s / k,
+                                   prefill_overhead_s=prior.prefill_overhead_s * k,
+                                   decode_base_s=prior.decode_base_s * k,
+                                   decode_per_seq_s=prior.decode_per_seq_s * k,
+                                   decode_per_ctx_token_s=prior.decode_per_ctx_token_s * k)
 
     def choose_predicted(self, model: str, need_tokens: int, prompt_tokens: int,
                          exclude: frozenset | set = frozenset()
