@@ -83,13 +83,9 @@ class _Stub(asyncio.Protocol):
 
 
 async def _replicas(count: int) -> None:
-    loop = asyncio.get_running_loop()
-    ports = []
-    for _ in range(count):
-        server = await loop.create_server(_Stub, "127.0.0.1", 0)
-        ports.append(server.sockets[0].getsockname()[1])
-    print("READY", *ports, flush=True)
-    await asyncio.Event().wait()
+    from open_loop import serve_stubs   # bench/ is this script's directory (sys.path[0])
+
+    await serve_stubs(_Stub, count)
 
 
 # --- role: front door --------------------------------------------------------------------

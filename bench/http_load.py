@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from agent.protocol import Decoder, pack  # noqa: E402
 from open_loop import (CLIENT_STATS, MODEL, http_load, msgpack_load, pct,  # noqa: E402
-                       poisson)
+                       poisson, serve_stubs)
 
 
 
@@ -87,13 +87,7 @@ class _Stub(asyncio.Protocol):
 
 async def _stubs(count: int, service_ms: float) -> None:
     _Stub.service_s = service_ms / 1000.0
-    loop = asyncio.get_running_loop()
-    ports = []
-    for _ in range(count):
-        server = await loop.create_server(_Stub, "127.0.0.1", 0)
-        ports.append(server.sockets[0].getsockname()[1])
-    print("READY", *ports, flush=True)
-    await asyncio.Event().wait()
+    await serve_stubs(_Stub, count)
 
 
 # --- role: the front door with both doors ---------------------------------------------------

@@ -186,6 +186,18 @@ async def msgpack_load(port: int, arrivals_s: np.ndarray, *, max_tokens: int = 1
     return run.lat, run.status
 
 
+async def serve_stubs(protocol, count: int) -> None:
+    """Listen with ``count`` servers of ``protocol`` on loopback, print ``READY port...`` (the
+    parent process reads it) and serve until killed."""
+    loop = asyncio.get_running_loop()
+    ports = []
+    for _ in range(count):
+        server = await loop.create_server(protocol, "127.0.0.1", 0)
+        ports.append(server.sockets[0].getsockname()[1])
+    print("READY", *ports, flush=True)
+    await asyncio.Event().wait()
+
+
 def poisson(rate: float, duration_s: float, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     n = max(1, int(rate * duration_s))
