@@ -196,8 +196,7 @@ class Router:
             # the front door's own measurement outlives reports
             load.slowdown, load.ratios = old.slowdown, old.ratios
         else:  # new: as slow as its model's replicas were, until its own first token says
-            load.slowdown = max([r.slowdown for r in self._by_model.get(load.model, _EMPTY).values()]
-                                + [self._last_slowdown.get(load.model, 1.0)])
+            load.slowdown = self.model_slowdown(load.model)
         self._replicas[load.replica_id] = load
         self._by_model.setdefault(load.model, {})[load.replica_id] = load
         if load.speed is not None:
