@@ -15,7 +15,11 @@ has a core of its own and the rest hold the stubs and this process (``cpu_pinnin
   straight to a stub replica, at half the HTTP door's capacity (``http_capacity_rps``: the
   highest Poisson rate of a ladder rising by half at which every request is answered 200
   with a median under 20 ms; ``http_capacity_by_cpu_rps`` = 1 / CPU per request beside it),
-  in the same run as ``msgpack_p99_added_ms`` at the same rate; ``latency_client``: per
+  in the same run as ``msgpack_p99_added_ms`` at the same rate, and how busy the door's
+  core was meanwhile (``half_capacity_http_door_cpu_fraction``: its CPU seconds over the
+  run's wall seconds; CPU per request falls with the rate, as the event loop answers more
+  requests per wake-up, so the ladder, not the CPU runs at 400 rps, says where it saturates);
+  ``latency_client``: per
   latency run, how late the client's writes were against their schedule (p99) and how often
   the HTTP client had to wait for a free connection, so that a client stall shows;
 - ``overload``: twice the stub replicas' capacity (``slots x replicas / service_ms``) offered
@@ -41,6 +45,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -153,6 +158,14 @@ def _pinning(enabled: bool) -> dict[str, list[int]]:
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _busy(pid: int, run) -> tuple:
+    """Run the load ``run()`` makes; returns its latencies and the share of one core the
+    process ``pid`` was busy over the run's wall time (its CPU seconds / wall seconds)."""
+    cpu0, wall0 = _cpu_s(pid), time.perf_counter()
+    lat, _ = asyncio.run(run())
+    return lat, (_cpu_s(pid) - cpu0) / (time.perf_counter() - wall0)
 
 
 def _rss_bytes(pid: int) -> int:
@@ -361,8 +374,9 @@ def _stub_runs(args, door_cpus: list[int] | None, other_cpus: list[int] | None) 
         lat_arrivals = poisson(half, args.latency_s, seed=2)
         CLIENT_STATS.clear()
         direct, _ = asyncio.run(msgpack_load(int(ports[0]), lat_arrivals))
-        via_http, _ = asyncio.run(http_load(http_port, lat_arrivals))
+        via_http, busy = _busy(fd.pid, lambda: http_load(http_port, lat_arrivals))
         via_msg, _ = asyncio.run(msgpack_load(msg_port, lat_arrivals))
+        out["half_capacity_http_door_cpu_fraction"] = round(busy, 3)
         out["latency_client"] = dict(zip(("direct", "http", "msgpack"), CLIENT_STATS))
         out["half_capacity_rps"] = round(half)
         for q in (50, 99):
@@ -447,12 +461,14 @@ def _print(out: dict) -> None:
                                          / out["msgpack_cpu_us_per_request"], 2)),
             (f"HTTP p50 / p99 added at {out['half_capacity_rps']} rps (ms)",
              f"{out['http_p50_added_ms']} / {out['http_p99_added_ms']}"),
+            ("HTTP door busy at that rate (share of its core)",
+             out.get("half_capacity_http_door_cpu_fraction", float("nan"))),
             ("msgpack p50 / p99 added, same load (ms)",
              f"{out['msgpack_p50_added_ms']} / {out['msgpack_p99_added_ms']}"),
             ("RSS growth over 10k connections (bytes)", out["rss_growth_bytes_10k_connections"])]
     client = out.get("latency_client")
     if client:   # the clients' own lag in the latency runs: large values void those lines
-        rows.insert(6, ("client send late p99 direct / HTTP / msgpack (ms)", " / ".join(
+        rows.insert(7, ("client send late p99 direct / HTTP / msgpack (ms)", " / ".join(
             f"{client[k]['send_late_ms_p99']:.3f}" for k in ("direct", "http", "msgpack"))
             + f"; HTTP waits for a connection {client['http']['waits']}"))
     o = out["overload"]

@@ -182,7 +182,7 @@ def _serve(args) -> int:
                 await fd.stop()
 
     try:
-        import uvloop  # optional: pip install 'rewarm[fast]'
+        import uvloop  # a dependency on every platform it builds for (pyproject.toml)
         uvloop.install()
     except ImportError:
         pass
