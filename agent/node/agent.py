@@ -14,8 +14,8 @@ start, never wrong tokens)::
     (agent/node/capture.py) when no ready snapshot of this version remains
 
 Zygotes per device are kept at ``zygotes_per_device`` per replica the device hosts
-(:meth:`NodeAgent.pool_target`) by :meth:`NodeAgent.refill_pool`, run on
-the background executor after each restore.  :meth:`tick` (the agent loop, clock-injected)
+(:meth:`NodeAgent.pool_target`) by :meth:`NodeAgent.refill_pool` (agent/node/pool.py), run
+on the background executor after each restore and each capture.  :meth:`tick` (the agent loop, clock-injected)
 keeps registrations and TTLs current.  Replica states move only through
 :class:`~agent.node.lifecycle.Lifecycle`.
 """
@@ -35,10 +35,11 @@ from agent.errors import (ConfigError, CudaCheckpointError, DiskFull, GoldenMism
                           ModelNotFound, NoCapacity, ReplicaNotFound, RewarmError,
                           SnapshotCorrupt, SnapshotError, SnapshotIncompatible)
 from agent.node import capture as cap
-from agent.node.backend import Backend, ModelSpec, Replica, Zygote, new_replica_id
+from agent.node.backend import Backend, ModelSpec, Replica, new_replica_id
 from agent.node.inventory import Inventory
 from agent.node.lifecycle import Lifecycle, ReplicaState as S
 from agent.node.metrics import NodeMetrics, restores_in_flight
+from agent.node.pool import ZygotePool
 from agent.node.registration import Registrar
 from agent.node.snapshots import SnapshotOps
 from agent.node.suspend import Suspender, SuspendOps, _bounded
@@ -191,7 +192,9 @@ class NodeAgent(SnapshotOps, SuspendOps):
         self._sleep = sleep or time.sleep
         self._lock = threading.RLock()
         self.replicas: dict[str, ReplicaRecord] = {}
-        self.pool: dict[str, list[Zygote]] = {d: [] for d in inventory.devices}
+        self.zygotes = ZygotePool(backend, list(inventory.devices), target=self.pool_target,
+                                  warm_for=self.warm_for)
+        self.pool = self.zygotes.ready      # device -> ready zygotes
         self.captures: dict[str, Future] = {}
         self.staging: dict[str, tuple[int, int]] = {}   # snapshot id -> (bytes done, total)
         self.store.on_evict = self._evicted
@@ -224,25 +227,31 @@ class NodeAgent(SnapshotOps, SuspendOps):
         return self.config.zygotes_per_device * slots
 
     def refill_pool(self) -> int:
-        """Start zygotes until each device has :meth:`pool_target`; returns how many started."""
-        started = 0
-        for device in self.inventory.devices:
-            want = self.pool_target(device)
-            while True:
-                with self._lock:
-                    if len(self.pool[device]) >= want:
-                        break
-                zygote = self.backend.zygote(device)
-                with self._lock:
-                    self.pool[device].append(zygote)
-                started += 1
-        return started
+        """Refill the zygote pool (agent/node/pool.py); returns how many zygotes started."""
+        return self.zygotes.refill()
 
-    def _take_zygote(self, device: str) -> Zygote:
-        with self._lock:
-            if self.pool.get(device):
-                return self.pool[device].pop(0)
-        return self.backend.zygote(device)  # pool empty: start one now (slower)
+    def _refill_later(self) -> None:
+        """:meth:`refill_pool` on the background executor, unless the agent is closing."""
+        if self.closing:
+            return
+        try:
+            self.executor.submit(self.refill_pool)
+        except RuntimeError:   # the executor shut down meanwhile (close): no refill
+            pass
+
+    def warm_for(self, device: str) -> Path | None:
+        """The snapshot a new zygote on ``device`` pays its first-call costs for
+        (agent/replica/zygote.py ``warm_zygote``; nothing of it is trusted by the restore):
+        the newest ready local snapshot of the model last restored there, else of the only
+        model this agent serves; None when there is none."""
+        name = self.zygotes.last_model.get(device)
+        spec = self.models.get(name) if name else None
+        if spec is None and len(self.models) == 1:
+            spec = next(iter(self.models.values()))
+        row = None if spec is None else self.catalog.newest_ready(spec.name, spec.version)
+        if row is None or not self.store.has(row.snapshot_id):
+            return None
+        return self.store.path(row.snapshot_id)
 
     # -- restore -----------------------------------------------------------------------------
     def spec(self, model: str) -> ModelSpec:
@@ -296,7 +305,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
             raise
         finally:
             self._phase(rec, None)
-            self.executor.submit(self.refill_pool)
+            self._refill_later()
         took_s = self.clock.now() - start
         self.catalog.record_cold_start(spec.name, rec.path, "ok", took_s, rid)
         self._go_warm(rec)
@@ -354,7 +363,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
         rec.lifecycle.move(S.RESTORING, f"{path} {row.snapshot_id}")
         self._phase(rec, "restore")
         self._record(rec, row.snapshot_id)
-        zygote = self._take_zygote(rec.device)
+        zygote = self.zygotes.take(rec.device, rec.spec.name)
         try:
             with self.store.reading(row.snapshot_id) as snap:
                 try:
@@ -457,6 +466,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
                                          store=self.store, backend=self.backend,
                                          device=rec.device, remote_root=self.config.remote_root)
             self.publish(row.snapshot_id)
+            self._refill_later()   # zygotes warmed for the new snapshot
             return row
         except (DiskFull, SnapshotError, OSError, RewarmError, RuntimeError) as exc:
             log.error("capture of %s failed; it keeps serving and the next cold boot tries "
@@ -569,7 +579,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
         with self._lock:
             replicas = [r.describe() for r in self.replicas.values()
                         if r.lifecycle.state is not S.DEAD]
-            pool = {d: len(z) for d, z in self.pool.items()}
+            pool = self.zygotes.counts()
             captures = sorted(k for k, f in self.captures.items() if not f.done())
             staging = {k: {"done_bytes": d, "total_bytes": t} for k, (d, t) in self.staging.items()}
             in_flight = restores_in_flight(self.replicas.values(), self.clock.now())
@@ -593,11 +603,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
                 list(pool.map(lambda rid: self.drain(rid, force=True), live))
         self.registrar.drop(self.agent_instance.id)
         self.executor.shutdown(wait=True)
-        with self._lock:
-            for zygotes in self.pool.values():
-                for z in zygotes:
-                    z.kill()
-                zygotes.clear()
+        self.zygotes.close()
 
     def _record(self, rec: ReplicaRecord, snapshot_id: str | None = None) -> None:
         self.catalog.upsert_replica(

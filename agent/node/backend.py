@@ -69,13 +69,19 @@ class Replica(Protocol):
 class Zygote(Protocol):
     device: str
     pid: int | None
+    warm: Path | None     # the snapshot it was asked to warm for (None: not warmed)
 
     def restore(self, snapshot: Path, replica_id: str) -> Replica: ...
     def kill(self) -> None: ...
 
 
 class Backend(Protocol):
-    def zygote(self, device: str) -> Zygote: ...
+    def zygote(self, device: str, *, warm: Path | None = None,
+               background: bool = True) -> Zygote:
+        """A zygote on ``device``, warmed for the snapshot ``warm`` when given; started
+        ``background`` (ahead of need: at background priority where the backend has one) or
+        for a restore waiting on it."""
+        ...
     def cold_boot(self, spec: ModelSpec, device: str, replica_id: str) -> Replica: ...
 
 
@@ -138,6 +144,7 @@ class InProcessZygote:
     """A restore buffer allocated ahead of need (``buffer_bytes``, page-aligned)."""
 
     pid = None
+    warm: Path | None = None
 
     def __init__(self, device: str, buffer_bytes: int) -> None:
         from agent.snapshot.reader import HostBuffer
@@ -172,8 +179,13 @@ class InProcessBackend:
     buffer_bytes: int = 64 << 20
     cold_boots: list[str] = field(default_factory=list)
 
-    def zygote(self, device: str) -> InProcessZygote:
-        return InProcessZygote(device, self.buffer_bytes)
+    def zygote(self, device: str, *, warm: Path | None = None,
+               background: bool = True) -> InProcessZygote:
+        """In the agent's process: no priority of its own, and no warm-up (a restore here
+        builds its engine anew)."""
+        zygote = InProcessZygote(device, self.buffer_bytes)
+        zygote.warm = warm
+        return zygote
 
     def cold_boot(self, spec: ModelSpec, device: str, replica_id: str) -> InProcessReplica:
         """Full boot from the checkpoint (+ AOT package). Raises InvalidCheckpoint, TargetMismatch."""

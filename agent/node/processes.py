@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import selectors
 import signal
@@ -22,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import GoldenMismatch, RewarmError
+from agent.node import priority
 from agent.node.backend import ModelSpec
 
+log = logging.getLogger(__name__)
 _seq = itertools.count(1)
 EXIT_GRACE_S = 10.0   # how long a worker that stopped answering may take to exit
 
@@ -45,7 +48,8 @@ class WorkerProcess:
 
     def __init__(self, run_dir: Path, argv_extra: list[str], *, ready_timeout_s: float,
                  threads: int | None = None, env: dict[str, str] | None = None,
-                 fsize_limit_bytes: int | None = None, data_host: str | None = None) -> None:
+                 fsize_limit_bytes: int | None = None, data_host: str | None = None,
+                 nice: int = 0) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         n = next(_seq)
         self.socket_path = run_dir / f"w{os.getpid()}-{n}.sock"
@@ -62,9 +66,9 @@ class WorkerProcess:
             # if the agent dies (agent/replica/worker.py die_with_parent).
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log,
                                          env={**os.environ, **(env or {})},
-                                         preexec_fn=_fsize_limit(fsize_limit_bytes),
+                                         preexec_fn=_limits(fsize_limit_bytes, nice),
                                          process_group=0)
-        self.pid = self.proc.pid
+        self.pid, self.nice = self.proc.pid, nice
         self.ready = self._wait_ready(ready_timeout_s)
         self.address = self.ready["ready"]
         self.data_address = self.ready.get("data")   # TCP, for other hosts (None: unix only)
@@ -126,15 +130,19 @@ def device_env(device: str) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def _fsize_limit(limit_bytes: int | None):
-    """preexec_fn capping the files a worker may write (RLIMIT_FSIZE), or None."""
-    if limit_bytes is None:
+def _limits(fsize_limit_bytes: int | None, nice: int):
+    """preexec_fn capping the files a worker may write (RLIMIT_FSIZE) and lowering its CPU
+    priority by ``nice`` (agent/node/priority.py), or None when neither applies."""
+    if fsize_limit_bytes is None and nice <= 0:
         return None
 
     def apply() -> None:
         import resource
 
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+        if fsize_limit_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit_bytes, fsize_limit_bytes))
+        if nice > 0:
+            os.nice(nice)
     return apply
 
 
@@ -193,12 +201,17 @@ class ProcessReplica:
 
 
 class ProcessZygote:
-    def __init__(self, device: str, worker: WorkerProcess, timeout_s: float) -> None:
+    def __init__(self, device: str, worker: WorkerProcess, timeout_s: float,
+                 warm: Path | None = None) -> None:
         self.device, self.worker, self.timeout_s = device, worker, timeout_s
-        self.pid = worker.pid
+        self.pid, self.warm = worker.pid, warm
 
     def restore(self, snapshot: Path, replica_id: str) -> ProcessReplica:
-        """Raises GoldenMismatch, WorkerError, ConnectionError (the process died), TimeoutError."""
+        """Back to normal priority if it waited at background priority (agent/node/priority.py),
+        then restore.  Raises GoldenMismatch, WorkerError, ConnectionError (the process died),
+        TimeoutError."""
+        if self.worker.nice:
+            priority.to_normal(self.pid)
         self.worker.call({"op": "restore", "snapshot": str(snapshot)}, self.timeout_s)
         return ProcessReplica(replica_id, self.worker, self.timeout_s)
 
@@ -217,13 +230,28 @@ class ProcessBackend:
     request_timeout_s: float = 600.0
     fsize_limit_bytes: int | None = None   # RLIMIT_FSIZE for new workers (fault injection)
     data_host: str | None = None   # workers also listen on DATA_HOST:0 (TCP) for other hosts
+    # a waiting zygote's nice value (agent/node/priority.py); 0 where it could not be undone
+    zygote_nice: int = priority.ZYGOTE_NICE
 
-    def zygote(self, device: str) -> ProcessZygote:
-        worker = WorkerProcess(Path(self.run_dir), ["--zygote", "--buffer-mib", str(self.buffer_mib)],
+    def __post_init__(self) -> None:
+        if self.zygote_nice > 0 and not priority.can_restore_normal():
+            log.info("zygotes start at normal priority: setting a zygote back to nice 0 for "
+                     "its restore needs CAP_SYS_NICE or RLIMIT_NICE >= 20")
+            self.zygote_nice = 0
+
+    def zygote(self, device: str, *, warm: Path | None = None,
+               background: bool = True) -> ProcessZygote:
+        """A ``rewarm replica --zygote`` process; ``warm``: ``--warm SNAPSHOT`` (its first-call
+        costs paid before it is ready); ``background``: at nice ``zygote_nice``."""
+        extra = ["--zygote", "--buffer-mib", str(self.buffer_mib)]
+        if warm is not None:
+            extra += ["--warm", str(warm)]
+        worker = WorkerProcess(Path(self.run_dir), extra,
                                ready_timeout_s=self.ready_timeout_s, threads=self.threads,
                                env=device_env(device), fsize_limit_bytes=self.fsize_limit_bytes,
-                               data_host=self.data_host)
-        return ProcessZygote(device, worker, self.request_timeout_s)
+                               data_host=self.data_host,
+                               nice=max(0, self.zygote_nice) if background else 0)
+        return ProcessZygote(device, worker, self.request_timeout_s, warm)
 
     def cold_boot(self, spec: ModelSpec, device: str, replica_id: str) -> ProcessReplica:
         extra = ["--model-dir", str(spec.model_dir), "--replica-id", replica_id]

@@ -188,6 +188,23 @@ def test_pool_refill(make_agent):
     assert agent.status()["zygotes"] == {"cpu": 2}
 
 
+def test_zygotes_warm_for_the_snapshot_they_will_restore(make_agent):
+    agent = make_agent(zygotes_per_device=2)
+    assert agent.warm_for("cpu") is None                 # nothing captured yet
+    assert agent.refill_pool() == 2
+    unwarmed = list(agent.pool["cpu"])
+    assert [z.warm for z in unwarmed] == [None, None]
+    _, row = first_boot(agent)                           # the capture refills too
+    snap = agent.store.path(row.snapshot_id)
+    assert agent.warm_for("cpu") == snap
+    agent.refill_pool()
+    assert [z.warm for z in agent.pool["cpu"]] == [snap, snap]
+    assert all(z.spent for z in unwarmed)                # the replaced ones were killed
+    assert agent.refill_pool() == 0                      # warmed for it already: none again
+    taken = agent.zygotes.take("cpu", "tiny")
+    assert taken.warm == snap and len(agent.pool["cpu"]) == 1
+
+
 def test_the_cpu_device_keeps_a_zygote_per_replica_slot(make_agent):
     agent = make_agent(max_replicas_per_model=3)          # a CPU-only node: three core groups
     assert agent.pool_target("cpu") == 3 and agent.pool_target("cuda:0") == 1

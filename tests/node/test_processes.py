@@ -18,6 +18,7 @@ from agent.node.backend import ModelSpec
 from agent.node.lifecycle import IllegalTransition
 from agent.node.cuda_checkpoint import CudaCheckpointDriver
 from agent.node.inventory import Inventory
+from agent.node.priority import thread_nices
 from agent.node.processes import ProcessBackend
 from agent.node.suspend import Suspender
 from agent.snapshot.catalog import Catalog
@@ -47,10 +48,16 @@ def test_process_replicas_end_to_end(tmp_path, tiny_dir, cuda_ffi, fake_libcuda_
         cold_pid = agent.replicas[first["replica"]].handle.pid
         want = agent.replicas[first["replica"]].handle.generate(PROMPTS, 5, seed=1)
 
+        # a waiting zygote runs at background priority; restored, it serves at nice 0
+        agent.refill_pool()
+        waiting = agent.pool["cpu"][0]      # warmed for the snapshot it will restore
+        assert waiting.worker.proc.args[-4:-2] == ["--warm", str(agent.store.path(row.snapshot_id))]
+        assert set(thread_nices(waiting.pid).values()) == {backend.zygote_nice} != {0}
         second = agent.restore("tiny")
         assert (second["path"], second["snapshot"]) == ("restore", row.snapshot_id)
         handle = agent.replicas[second["replica"]].handle
-        assert handle.pid != cold_pid
+        assert handle.pid == waiting.pid != cold_pid
+        assert set(thread_nices(handle.pid).values()) == {0}
         assert handle.generate(PROMPTS, 5, seed=1) == want
 
         # suspend/resume with the fake driver: the registry stops routing while suspended

@@ -1,0 +1,91 @@
+"""The node agent's zygote pool: processes started ahead of need, one set per replica slot.
+
+A restore takes a ready zygote (:meth:`ZygotePool.take`) instead of starting a process on the
+request's path, and the pool is refilled in the background (:meth:`ZygotePool.refill`, on the
+agent's executor) to ``target(device)`` zygotes per device (the agent's ``pool_target``).
+Each refill starts zygotes at background CPU priority where the backend has one
+(agent/node/priority.py: a refill beside serving replicas took their cores), warmed for the
+snapshot ``warm_for(device)`` names (agent/replica/zygote.py ``warm_zygote``: the package
+loaded and the golden check's calls run once before it is ready; nothing of it is trusted by
+the restore), and replaces, the new one first, zygotes warmed for another snapshot (started
+before the first capture, or for an older version).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Callable
+
+from agent.node.backend import Backend, Zygote
+
+
+class ZygotePool:
+    """Ready zygotes per device (``ready``: device -> zygotes, oldest first)."""
+
+    def __init__(self, backend: Backend, devices: list[str], *, target: Callable[[str], int],
+                 warm_for: Callable[[str], Path | None]) -> None:
+        self.backend, self.target, self.warm_for = backend, target, warm_for
+        self.ready: dict[str, list[Zygote]] = {d: [] for d in devices}
+        self.last_model: dict[str, str] = {}   # device -> model of its last restore
+        self._lock = threading.Lock()
+        self._refilling = threading.Lock()      # one refill at a time: two would overshoot
+
+    def refill(self) -> int:
+        """Start zygotes until each device has ``target(device)``, warmed for
+        ``warm_for(device)``; returns how many started."""
+        started = 0
+        with self._refilling:
+            for device, zygotes in self.ready.items():
+                want, snap = self.target(device), self.warm_for(device)
+                started += self._rewarm(device, snap)
+                while True:
+                    with self._lock:
+                        if len(zygotes) >= want:
+                            break
+                    zygote = self.backend.zygote(device, warm=snap)
+                    with self._lock:
+                        zygotes.append(zygote)
+                    started += 1
+        return started
+
+    def _rewarm(self, device: str, snap: Path | None) -> int:
+        """Replace, one at a time and the new one first, the zygotes of ``device`` warmed for
+        another snapshot than ``snap``; returns how many started."""
+        started, zygotes = 0, self.ready[device]
+        while snap is not None:
+            with self._lock:
+                stale = next((z for z in zygotes if z.warm != snap), None)
+            if stale is None:
+                break
+            fresh = self.backend.zygote(device, warm=snap)
+            started += 1
+            with self._lock:
+                mine = stale in zygotes      # not taken by a restore meanwhile
+                if mine:
+                    zygotes.remove(stale)
+                zygotes.append(fresh)
+            if mine:
+                stale.kill()
+        return started
+
+    def take(self, device: str, model: str) -> Zygote:
+        """A ready zygote of ``device`` for a restore of ``model``; when none is ready, one
+        started now, on the request's path (slower; at normal priority)."""
+        with self._lock:
+            self.last_model[device] = model
+            if self.ready.get(device):
+                return self.ready[device].pop(0)
+        return self.backend.zygote(device, background=False)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {d: len(z) for d, z in self.ready.items()}
+
+    def close(self) -> None:
+        """Kill every ready zygote (after the refills have stopped)."""
+        with self._lock:
+            for zygotes in self.ready.values():
+                for z in zygotes:
+                    z.kill()
+                zygotes.clear()

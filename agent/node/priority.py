@@ -1,0 +1,82 @@
+"""Background CPU priority for a zygote that waits: serving first, the next restore after.
+
+A zygote (agent/node/agent.py's pool) is started ahead of need: a Python process importing
+torch, allocating and faulting in its restore buffer, seconds of CPU on a CPU node.  Started
+beside replicas that serve, it took their cores: in the live trace replay (bench/trace_replay.py
+at load 0.3, records of one run) two warm replicas answered 8-11 requests/s in the seconds
+after two restores, while both zygotes were refilled, against 38-53 requests/s later with no
+refill running, and the front door refused the difference.  So a waiting zygote runs at
+``nice`` :data:`ZYGOTE_NICE`: the kernel's CFS gives a nice-10 thread a weight of 110 against
+1024 at nice 0 (``sched_prio_to_weight`` in kernel/sched/core.c), about a tenth of a contended
+core, and all of an idle one.  When a zygote is taken for a restore, which is on a request's
+path, every thread of it goes back to nice 0 first (:func:`to_normal`).
+
+Going back to nice 0 needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` of at least 20
+(sched(7), setpriority(2)); where neither holds (:func:`can_restore_normal` is False) zygotes
+start at normal priority, since a restore at nice 10 would pay for the refill instead.
+Linux keeps nice per thread: setpriority(PRIO_PROCESS, pid) changes one thread, so
+:func:`to_normal` walks ``/proc/PID/task``; threads started later inherit their creator's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+
+log = logging.getLogger(__name__)
+
+ZYGOTE_NICE = 10
+_CAP_SYS_NICE = 23   # bit in CapEff (linux/capability.h)
+
+
+def can_restore_normal() -> bool:
+    """Whether this process may set a child's threads back to nice 0 (module docstring)."""
+    if os.geteuid() == 0:
+        return True
+    if resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20:
+        return True
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_NICE & 1)
+    except OSError:
+        pass
+    return False
+
+
+def thread_nices(pid: int) -> dict[int, int]:
+    """Each thread of ``pid`` -> its nice value (``/proc/PID/task/TID/stat`` field 19).
+    Raises ProcessLookupError when the process is gone."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:    # the thread ended meanwhile
+            continue
+        out[int(tid)] = int(fields[16])
+    return out
+
+
+def to_normal(pid: int) -> None:
+    """Set every thread of ``pid`` to nice 0.  A process already gone is left to the restore
+    call that follows (it fails with ConnectionError, as a dead zygote does); a thread that
+    ended meanwhile is skipped.  Raises PermissionError where the caller lacks the right
+    (:func:`can_restore_normal`)."""
+    try:
+        tids = thread_nices(pid)
+    except ProcessLookupError:
+        return
+    for tid, nice in tids.items():
+        if nice == 0:
+            continue
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except ProcessLookupError:
+            continue
