@@ -4,7 +4,7 @@ A mixin of :class:`~agent.frontdoor.request_path.RequestPath` (the queue-side ha
 admission, kept apart to keep each module readable); it reads the path's ``router``,
 ``links``, ``gate``, ``restore_times``, ``queues``, ``config``, ``capacity`` and the
 per-model ``_shape`` (mean prompt, mean max_tokens), ``_max_seqs``, ``_first_seen`` (when
-each replica entered the view) and ``_capped_until``.  The pure arithmetic is in
+each replica entered the view), and calls ``_at_cap``.  The pure arithmetic is in
 :mod:`agent.frontdoor.admission` (:func:`capacity_etas_s`, :func:`slot_times_s`).
 """
 
@@ -29,10 +29,14 @@ class QueuePlanner:
     def _etas_s(self, model: str, now: float) -> list[float]:
         """When new replicas of ``model`` are expected, soonest first
         (:func:`capacity_etas_s`): the restores in flight, and those :meth:`_maybe_restore`
-        would start for the queue with one more request in it."""
+        would start for the queue with one more request in it; none while the model's node
+        is at its replica cap (:meth:`_at_cap`: an ask in flight then is a probe, most likely
+        answered by a replica already counted)."""
+        if self._at_cap(model):
+            return []
         p99, p50 = self.restore_times.p99_ms(model), self.restore_times.p50_ms(model)
         startable = 0
-        if self.capacity is not None and now >= self._capped_until.get(model, 0.0):
+        if self.capacity is not None:
             queue = self.queues.get(model)
             startable = self.gate.wanted(model, (len(queue) if queue else 0) + 1,
                                          self._per_replica(model))

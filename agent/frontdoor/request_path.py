@@ -78,6 +78,7 @@ class RequestPath(QueuePlanner, Restores, Reroute):
         self.last_restore: dict[str, tuple[float, str, float | None]] = {}
         self.came_up: dict[str, tuple[float, str, float | None]] = {}  # replica -> restore
         self._capped_until: dict[str, float] = {}  # model -> clock time to ask for capacity again
+        self._capped: dict[str, int] = {}   # model -> warm replicas when a node answered at cap
         self.restore_times = RestoreTimes()
         self._deadline_ms = dict(config.models)  # model -> default deadline (ms)
         self.counts = {"requests": 0, "dispatched": 0, "done": 0, "errors": 0, "cancelled": 0,

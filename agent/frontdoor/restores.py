@@ -3,7 +3,7 @@
 A mixin of :class:`~agent.frontdoor.request_path.RequestPath`; it reads and updates the
 path's ``capacity`` (the :class:`~agent.frontdoor.capacity.CapacityRequester`), ``gate``,
 ``restore_times``, ``queues``, ``router``, ``last_restore``, ``came_up``, ``known_models``,
-``_deadline_ms``, ``_max_seqs``, ``_upserted`` and ``_capped_until``, and calls its
+``_deadline_ms``, ``_max_seqs``, ``_upserted``, ``_capped_until`` and ``_capped``, and calls its
 ``_drain``, ``_recheck``, ``_fail``, ``_per_replica`` and ``upsert``.  The number asked for
 comes from the queue over one replica's measured sustainable concurrency at the SLO (issue 12
 contract point 7), not from KV slots.
@@ -65,6 +65,7 @@ class Restores:
             now = self.clock.now()
             self.last_restore[model] = (now, result.path, result.restore_ms)
             if result.path != "warm_hit":  # an existing replica's answer measures nothing
+                self._capped.pop(model, None)
                 self._restore_measured(model, result.restore_ms or (now - started) * 1000.0,
                                        result.path)
             if result.replica is not None:
@@ -91,9 +92,12 @@ class Restores:
         self._drain(model)
         self._recheck(model)
         if ok:
+            if result.path == "warm_hit":
+                # The node is at its replica cap: until a warm replica leaves, admission
+                # counts no capacity that could be restored (:meth:`_at_cap`).
+                self._capped[model] = len(self.router.warm(model))
             if queue and result.path == "warm_hit":
-                # The node is at its replica cap and answered with a replica it already had:
-                # asking again at once would spin; queued requests go as it frees slots.
+                # Asking again at once would spin; queued requests go as it frees slots.
                 backoff_s = self.config.at_capacity_backoff_s
                 self._capped_until[model] = self.clock.now() + backoff_s
                 asyncio.get_running_loop().call_later(backoff_s, self._probe_restore, model)
@@ -102,6 +106,24 @@ class Restores:
         elif not self.gate.in_flight.get(model) and not self.router.warm(model):
             # nothing can succeed now: say so promptly
             self.refuse_queued(model, f"model {model!r}: no capacity can be restored: {reason}")
+
+    def _at_cap(self, model: str) -> bool:
+        """Whether ``model``'s last restore was answered by an existing replica (its node at
+        the replica cap) and no warm replica of it has left since (the most seen while capped).  Then a request that the
+        warm replicas cannot start in time is refused at arrival: admitting it on a restore
+        the node cannot make would only refuse it at the next re-check (measured at 3x
+        load: most late 429s were such requests).  Asking again (at most every
+        ``at_capacity_backoff_s``, while demand is seen) still finds capacity that returns;
+        a restore that makes a replica ends it."""
+        most = self._capped.get(model)
+        if most is None:
+            return False
+        warm = len(self.router.warm(model))
+        if warm < most:          # one left (drained, died): its slot may be free now
+            del self._capped[model]
+            return False
+        self._capped[model] = warm   # the most seen while capped (one restoring came up)
+        return True
 
     def refuse_queued(self, model: str, reason: str) -> None:
         """Answer every request queued for ``model`` 503 with ``reason`` (never dispatched)."""

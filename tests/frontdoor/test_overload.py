@@ -54,15 +54,17 @@ HELD_FOR_RESTORE_MISS = pytest.mark.xfail(strict=True, reason=(
     "the prefill ahead of it runs (the front door's accounting is in tokens, not time)"))
 
 
-@pytest.mark.parametrize("shape,restore_s", [
-    ("steady_overload", None), ("steady_overload", 1.0), ("step_bursts", None),
-    pytest.param("step_bursts", 1.0, marks=HELD_FOR_RESTORE_MISS)])
-def test_overload_on_prefill_bound_replicas_refuses_at_arrival(shape, restore_s):
+@pytest.mark.parametrize("shape,restore_s,max_replicas", [
+    ("steady_overload", None, None), ("steady_overload", 1.0, None), ("step_bursts", None, None),
+    pytest.param("step_bursts", 1.0, None, marks=HELD_FOR_RESTORE_MISS),
+    # the node at its replica cap (as a CPU node is): no restore can help, refuse at once
+    ("steady_overload", 1.0, 2), ("step_bursts", 1.0, 2)])
+def test_overload_on_prefill_bound_replicas_refuses_at_arrival(shape, restore_s, max_replicas):
     rng = np.random.default_rng(7)
     times = arrivals(shape, rng)
 
     async def main():
-        kw = {} if restore_s is None else dict(restore_s=restore_s,
+        kw = {} if restore_s is None else dict(restore_s=restore_s, max_replicas=max_replicas,
                                                measured_restores_s=(restore_s,))
         f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=2, restores_per_model=1,
                   restores_overall=1, **kw)

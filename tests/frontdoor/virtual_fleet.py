@@ -170,22 +170,31 @@ class SimReplica:
 
 class SimCapacity:
     """Restores that take ``restore_s`` on the timeline and bring up a :class:`SimReplica`
-    (``hang``: never finish; ``fail``: raise after ``restore_s``)."""
+    (``hang``: never finish; ``fail``: raise after ``restore_s``; ``max_replicas``: a node
+    at that many replicas answers at once with one it has, ``warm_hit``, as the node agent
+    does at its cap)."""
+
+    AT_CAP_ANSWER_S = 0.1
 
     def __init__(self, fleet: "Fleet", restore_s: float, *, hang: bool = False,
-                 fail: bool = False) -> None:
+                 fail: bool = False, max_replicas: int | None = None) -> None:
         self.fleet, self.restore_s, self.hang, self.fail = fleet, restore_s, hang, fail
+        self.max_replicas = max_replicas
         self.calls = 0
 
     async def request_restore(self, model: str) -> RestoreResult:
         from agent.errors import NoCapacity
 
         self.calls += 1
+        at_cap = self.max_replicas is not None and len(self.fleet.replicas) >= self.max_replicas
         fut = asyncio.get_running_loop().create_future()
-        if not self.hang:
-            self.fleet.timeline.at(self.fleet.clock.now() + self.restore_s,
+        if not self.hang:   # at the cap: the node's answer, a control round trip later
+            took_s = self.AT_CAP_ANSWER_S if at_cap else self.restore_s
+            self.fleet.timeline.at(self.fleet.clock.now() + took_s,
                                    lambda: fut.done() or fut.set_result(None))
         await fut
+        if at_cap:
+            return RestoreResult(self.fleet.replicas[0].load, "warm_hit", None)
         if self.fail:
             raise NoCapacity(f"no node for {model}", model=model)
         replica = self.fleet.add(f"restored-{self.calls}")
@@ -197,7 +206,7 @@ class Fleet:
 
     def __init__(self, *, speed: SpeedProfile = FAST, max_seqs: int = 8, warm: int = 1,
                  restore_s: float | None = None, measured_restores_s: tuple = (),
-                 report_speed: bool = True, **cfg) -> None:
+                 report_speed: bool = True, max_replicas: int | None = None, **cfg) -> None:
         self.clock = ManualClock(1000.0)
         self.speed, self.max_seqs, self.report_speed = speed, max_seqs, report_speed
         config = FrontDoorConfig(**{"models": {"m": 60_000.0}, "restores_per_model": 2,
@@ -206,7 +215,7 @@ class Fleet:
         self.timeline = Timeline(self.clock, self.path, config.tick_s)
         self.replicas: list[SimReplica] = []
         if restore_s is not None:
-            self.capacity = SimCapacity(self, restore_s)
+            self.capacity = SimCapacity(self, restore_s, max_replicas=max_replicas)
             self.path.capacity = self.capacity
         for t in measured_restores_s:
             self.path.restore_times.record("m", t * 1000.0, "snapshot_restore")
