@@ -371,7 +371,9 @@ def write_records(path: Path, load: float, plan, outcomes, decisions) -> None:
         for d in decisions:
             f.write(json.dumps({"kind": "decision", "t_s": d.at_s - t0, "action": d.action,
                                 "target": d.target, "desired": d.desired, "reason": d.reason,
-                                "forecast_rps": d.forecast_rps, "idle_s": d.idle_s}) + "\n")
+                                "forecast_rps": d.forecast_rps, "idle_s": d.idle_s,
+                                "keepalive_s": d.keepalive_s, "cold_miss": d.cold_miss})
+                    + "\n")
 
 
 def verdict(r: dict) -> dict:

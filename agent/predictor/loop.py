@@ -209,6 +209,9 @@ class Decision:
     ``action``: ``scale_up``, ``scale_down``, ``hold``, ``standby`` (not the leader) or
     ``error`` (the scaler refused; retried next tick). ``actual_rps`` is None for a missing
     sample. ``release_tier`` says where released replicas go (``suspend`` or ``stop``).
+    ``keepalive_s``: the idle time after which the last replica was to be released this tick
+    (:func:`release_after_s`), and ``cold_miss``: the cold-miss fraction it was chosen by
+    (:meth:`Predictor.cold_miss_fraction`; None before any cold arrival).
     """
 
     model: str
@@ -223,6 +226,8 @@ class Decision:
     reason: str
     keepalive: KeepAlivePlan
     idle_s: float
+    keepalive_s: float | None = None
+    cold_miss: float | None = None
 
     @property
     def release_tier(self) -> str:
@@ -446,7 +451,7 @@ class Predictor:
         action, reason = self._decide(st, now, desired, plan, idle_s, act, keepalive_s)
         decision = Decision(p.model, now, actual, forecast, level, desired, previous,
                             st.target if st.target is not None else 0, action, reason,
-                            plan, idle_s)
+                            plan, idle_s, keepalive_s, self.cold_miss_fraction(p.model))
         # A tick that changes nothing is DEBUG: an idle fleet would log every second otherwise.
         log.log(logging.INFO if decision.target != previous else logging.DEBUG,
                 "predictor %s: %s %d->%d (%s) actual=%s forecast=%.3f level=%.3f desired=%d "
