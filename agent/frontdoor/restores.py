@@ -64,7 +64,11 @@ class Restores:
             self.telemetry.restore_outcome(model, True)
             now = self.clock.now()
             self.last_restore[model] = (now, result.path, result.restore_ms)
-            if result.path != "warm_hit":  # an existing replica's answer measures nothing
+            if result.path == "warm_hit":
+                # The node is at its replica cap: until a warm replica leaves, admission
+                # counts no capacity that could be restored (:meth:`_at_cap`).
+                self._capped[model] = len(self.router.warm(model))
+            else:   # an existing replica's answer measures nothing; a new one ends the cap
                 self._capped.pop(model, None)
                 self._restore_measured(model, result.restore_ms or (now - started) * 1000.0,
                                        result.path)
@@ -92,10 +96,6 @@ class Restores:
         self._drain(model)
         self._recheck(model)
         if ok:
-            if result.path == "warm_hit":
-                # The node is at its replica cap: until a warm replica leaves, admission
-                # counts no capacity that could be restored (:meth:`_at_cap`).
-                self._capped[model] = len(self.router.warm(model))
             if queue and result.path == "warm_hit":
                 # Asking again at once would spin; queued requests go as it frees slots.
                 backoff_s = self.config.at_capacity_backoff_s
@@ -109,12 +109,12 @@ class Restores:
 
     def _at_cap(self, model: str) -> bool:
         """Whether ``model``'s last restore was answered by an existing replica (its node at
-        the replica cap) and no warm replica of it has left since (the most seen while capped).  Then a request that the
-        warm replicas cannot start in time is refused at arrival: admitting it on a restore
-        the node cannot make would only refuse it at the next re-check (measured at 3x
-        load: most late 429s were such requests).  Asking again (at most every
-        ``at_capacity_backoff_s``, while demand is seen) still finds capacity that returns;
-        a restore that makes a replica ends it."""
+        the replica cap) and no warm replica of it has left since (of the most seen while
+        capped).  Then a request that the warm replicas cannot start in time is refused at
+        arrival: admitted on a restore the node cannot make, it would be refused at the
+        next re-check (most late 429s of the live replay at 3x load were such requests).
+        Asking again (at most every ``at_capacity_backoff_s``, while demand is seen) still
+        finds capacity that returns; a restore that makes a replica ends it."""
         most = self._capped.get(model)
         if most is None:
             return False

@@ -142,3 +142,20 @@ def test_a_replica_draining_before_the_first_token_does_not_lose_the_request():
     assert {s.final["replica"] for s in sinks} == {"r1"}
     assert f.path.router.get("r0") is None and f.path.counts["rerouted"] >= 1
     assert all(s.first_s - s.arrival_s <= 2.0 for s in sinks)
+
+
+def test_a_node_at_its_cap_counts_no_restorable_capacity_until_a_replica_leaves():
+    """An ask answered by an existing replica (``warm_hit``), with nothing queued (the probe
+    a refusal sends), caps the model: no ETA of capacity that a restore would bring, until
+    a warm replica leaves; then an ask may restore again."""
+    async def main():
+        f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=2, restore_s=1.0, max_replicas=2,
+                  measured_restores_s=(1.0,))
+        now = f.clock.now()
+        assert f.path._etas_s("m", now) and not f.path._at_cap("m")
+        f.path._restore_for("m", 1)
+        await f.timeline.run_until(now + 0.5)
+        assert f.path._at_cap("m") and f.path._etas_s("m", f.clock.now()) == []
+        f.path.router.remove("r1")                  # scaled in: its slot may be free
+        assert not f.path._at_cap("m") and f.path._etas_s("m", f.clock.now())
+    asyncio.run(main())
