@@ -246,6 +246,7 @@ class _State:
     window_s: float = 0.0
     fed_until_s: float | None = None
     last_arrival_s: float | None = None
+    last_busy_s: float | None = None    # last tick a front door had its requests queued or running
     target: int | None = None
     acting: bool = False
     acting_since_s: float | None = None
@@ -330,6 +331,12 @@ class Predictor:
                               "limit is >= 0 each", name="misses", value=misses, limit=0)
         if arrivals or misses:
             st.cold.append((arrivals, misses))
+
+    def observe_busy(self, model: str) -> None:
+        """Record that ``model`` has requests queued at a front door or running at a replica
+        now: it is not idle (its keep-alive counts from the last such tick).  Raises
+        ModelNotFound for an unknown model."""
+        self._state(model).last_busy_s = self._clock.now()
 
     def cold_miss_fraction(self, model: str) -> float | None:
         """The fraction of recent cold arrivals (:meth:`observe_cold`, the last
@@ -441,8 +448,11 @@ class Predictor:
             if held != st.target:
                 st.target = held
         st.acting = act
-        # idle since the last request, or since this predictor began acting if it saw none
-        seen = [t for t in (st.last_arrival_s, st.acting_since_s) if t is not None]
+        # idle since the last request or the last tick that saw one queued or running (a
+        # release then would strand requests held for a restore: the live replay refused 12
+        # held for the replica it was restoring), or since this predictor began acting
+        seen = [t for t in (st.last_arrival_s, st.last_busy_s, st.acting_since_s)
+                if t is not None]
         idle_s = now - max(seen) if seen else math.inf
         keepalive_s = release_after_s(plan, p, self._gap_keepalive_s(p.model, now))
         if idle_s >= keepalive_s:

@@ -125,6 +125,8 @@ class PredictorService:
                 seen[model] = (arrivals + got[0], max(window_s, got[1]))
         for model, (arrivals, window_s) in seen.items():
             self.predictor.observe(model, arrivals, window_s)
+        for model in set().union(*(d.get("busy") or () for d in stats.values())) & known:
+            self.predictor.observe_busy(model)
         for door, door_stats in stats.items():
             for model, (cold, missed) in (door_stats.get("cold") or {}).items():
                 if model not in known:
@@ -262,5 +264,14 @@ def _parse_stats(address: str, result: dict) -> dict[str, dict[str, int]]:
             log.warning("predictor: cold counters of %s for %r ignored: %r; limit is integers "
                         "with misses <= arrivals <= the model's arrivals (%s)", address, m,
                         value, limit)
+    # busy: requests queued at the front door or sequences running at a replica (a model
+    # that is serving or waiting for capacity is not idle, whatever its arrivals say)
+    queued = result.get("queued")
+    busy = {m for m, n in queued.items() if isinstance(m, str) and _count(n) and n > 0} \
+        if isinstance(queued, dict) else set()
+    busy |= {rep["model"] for rep in replicas.values() if isinstance(rep, dict)
+             and isinstance(rep.get("model"), str) and _count(rep.get("active_seqs"))
+             and rep["active_seqs"] > 0}
     return {"arrivals": {str(k): v for k, v in counters.items() if _count(v)},
-            "kv_capacity_tokens": capacity, "speed": speed, "lengths": lengths, "cold": cold}
+            "kv_capacity_tokens": capacity, "speed": speed, "lengths": lengths, "cold": cold,
+            "busy": busy}

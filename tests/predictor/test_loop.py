@@ -291,6 +291,28 @@ def test_the_default_forecaster_releases_after_a_burst_and_an_idle_gap():
     assert all(d.target == 3 for d in decisions[:released])
 
 
+def test_a_model_with_requests_queued_or_running_is_not_idle():
+    """No arrival for many keep-alives, but the front door holds requests for the model (a
+    restore in progress) or a replica runs them: not released until that ends."""
+    p, clock, scaler, _, _ = make(forecaster="quantile_backstop", scale_down_cooldown_s=10.0,
+                                  occupancy_s=1.0, seqs_per_replica=1, utilisation=1.0,
+                                  costs=KeepAliveCosts(gpu_cost_per_s=1.0, wait_cost_per_s=0.0,
+                                                       restore_s=1.0))
+    step(p, clock, 1)
+    assert scaler.targets["m"] == 1
+    for _ in range(20):                    # 20 s without an arrival, busy all along
+        p.observe_busy("m")
+        assert step(p, clock, 0).target == 1
+    decisions = [step(p, clock, 0) for _ in range(10)]
+    assert decisions[0].idle_s == 2.0       # two steps since the last busy tick, not 22 s
+    released = next(i for i, d in enumerate(decisions) if d.target == 0)
+    assert decisions[released].reason.startswith("idle for")
+    assert decisions[released - 1].idle_s < ModelPolicy("m").restore_p99_s <= \
+        decisions[released].idle_s
+    with pytest.raises(ModelNotFound):
+        p.observe_busy("nope")
+
+
 def test_a_predictor_that_saw_no_request_waits_the_keep_alive_from_its_first_tick():
     p, clock, scaler, _, _ = make(forecaster="quantile_backstop",
                                   costs=KeepAliveCosts(restore_s=1.0))

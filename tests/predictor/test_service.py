@@ -112,9 +112,10 @@ def _serve_once(answer):
         "cold": {"m": {"arrivals": 5, "misses": 2}, "n": {"arrivals": 1, "misses": 2},
                  "o": "many"}}},
      {"arrivals": {"m": 7}, "kv_capacity_tokens": {"m": 36000}, "speed": {}, "lengths": {},
-      "cold": {"m": (5, 2)}}),
+      "cold": {"m": (5, 2)}, "busy": set()}),
     ({"type": "result", "result": {"requests": 9}},           # no per-model counters
-     {"arrivals": {}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {}, "cold": {}}),
+     {"arrivals": {}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {}, "cold": {},
+      "busy": set()}),
 ])
 def test_frontdoor_stats(answer, expect):
     addr, srv, t = _serve_once(answer)
@@ -250,7 +251,7 @@ def test_reads_the_real_front_doors_stats():
     before, after, answers = asyncio.run(main())
     # the known model counted from 0 before its first request (the first reading is a baseline)
     assert before == {"arrivals": {"m": 0}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {},
-                      "cold": {"m": (0, 0)}}
+                      "cold": {"m": (0, 0)}, "busy": set()}
     codes = {a["id"]: a["code"] for a in answers}
     assert [codes[i] for i in range(3)] == [404, 404, 404]
     assert all(codes[i] in (503, 504) for i in range(3, 6))  # no replica can come for "m"
@@ -373,3 +374,30 @@ def test_cold_counters_a_front_door_cannot_have_are_ignored_and_logged(caplog):
         assert "door:1" in caplog.text and repr(value) in caplog.text
     assert _parse_stats("door:1", {"arrivals": {"m": 5},
                                    "cold": {"m": good}})["cold"] == {"m": (5, 2)}   # at the limit
+
+
+def test_requests_queued_or_running_make_a_model_busy():
+    from agent.predictor.service import _parse_stats
+
+    got = _parse_stats("door:1", {
+        "arrivals": {"m": 5, "n": 1, "q": 2}, "queued": {"n": 3, "q": 0, 7: 1, "bad": "x"},
+        "replicas": {"r1": {"model": "m", "active_seqs": 2},
+                     "r2": {"model": "q", "active_seqs": 0},
+                     "r3": {"model": "z", "active_seqs": True}, "r4": "junk"}})
+    assert got["busy"] == {"m", "n"}
+    assert _parse_stats("door:1", {"arrivals": {}, "queued": [1]})["busy"] == set()
+
+
+def test_a_busy_reading_keeps_the_model_from_idling():
+    clock = ManualClock()
+    pred = Predictor([ModelPolicy("m")], clock=clock, scaler=Scaler(),
+                     snapshot_durable=lambda m: True)
+    stats = {"d": {"arrivals": {"m": 0}, "busy": {"m", "elsewhere"}}}
+    svc = PredictorService(pred, clock=clock, fetch=lambda: stats)
+    clock.advance(5.0)
+    svc.sample()
+    assert pred._models["m"].last_busy_s == clock.now()
+    stats["d"]["busy"] = set()
+    clock.advance(5.0)
+    svc.sample()
+    assert pred._models["m"].last_busy_s == clock.now() - 5.0
