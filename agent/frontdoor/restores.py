@@ -64,12 +64,8 @@ class Restores:
             self.telemetry.restore_outcome(model, True)
             now = self.clock.now()
             self.last_restore[model] = (now, result.path, result.restore_ms)
-            if result.path == "warm_hit":
-                # The node is at its replica cap: until a warm replica leaves, admission
-                # counts no capacity that could be restored (:meth:`_at_cap`).
-                self._capped[model] = len(self.router.warm(model))
-            else:   # an existing replica's answer measures nothing; a new one ends the cap
-                self._capped.pop(model, None)
+            if result.path != "warm_hit":  # an existing replica's answer measures nothing
+                self._capped.pop(model, None)  # and a new replica ends the cap
                 self._restore_measured(model, result.restore_ms or (now - started) * 1000.0,
                                        result.path)
             if result.replica is not None:
@@ -82,6 +78,13 @@ class Restores:
                         del self.came_up[next(iter(self.came_up))]
                 self.known_models.add(model)
                 self._upserted[result.replica.replica_id] = self.clock.now()
+            warm = len(self.router.warm(model))
+            if result.path == "warm_hit" and warm:
+                # The node is at its replica cap: until one of the ``warm`` replicas (the
+                # answer's included) leaves, admission counts no capacity that could be
+                # restored (:meth:`_at_cap`).  None in view (a scale-in raced the answer):
+                # no cap, or it could never be seen to lift.
+                self._capped[model] = warm
         except Exception as exc:  # the requester's failure, whatever it is, ends this restore
             log.warning("restore of %s failed: %s", model, exc)
             reason = exc.message if isinstance(exc, RewarmError) else str(exc)

@@ -159,3 +159,21 @@ def test_a_node_at_its_cap_counts_no_restorable_capacity_until_a_replica_leaves(
         f.path.router.remove("r1")                  # scaled in: its slot may be free
         assert not f.path._at_cap("m") and f.path._etas_s("m", f.clock.now())
     asyncio.run(main())
+
+
+def test_an_at_cap_answer_with_no_replica_in_view_does_not_cap():
+    """A scale-in raced the answer (no warm replica in view, none in the answer): a cap set
+    then could never be seen to lift, so none is set."""
+    from agent.frontdoor.capacity import RestoreResult
+
+    class Racing:
+        async def request_restore(self, model):
+            return RestoreResult(None, "warm_hit", None)
+
+    async def main():
+        f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=0, measured_restores_s=(1.0,))
+        f.path.capacity = Racing()
+        f.path._restore_for("m", 1)
+        await f.timeline.run_until(f.clock.now() + 0.1)
+        assert not f.path._at_cap("m") and f.path._etas_s("m", f.clock.now())
+    asyncio.run(main())
