@@ -16,7 +16,9 @@ that each run OpenMP regions make two OpenMP teams in one process).
 
 Spans are taken by wrapping, in the child process only, the functions the restore calls
 (``restore_snapshot``, ``verify_golden``, ``Engine.teacher_forced``, ``_lockstep_seqs``,
-``_slots``, ``PackagedForward.__call__`` per input shape, ``Engine._sample``); ``golden other``
+``_slots``, the forward calls per input shape — ``_prefill_rows``, ``_decode_rows`` and
+``Engine._prefill_chunks``, each with its few input tensors' set-up —, ``Engine._sample``, and
+Python's cyclic garbage collector); ``golden other``
 is what golden_s holds beyond them (validation, slicing, comparison).  Each figure is the median
 over the trials, in ms, printed as a table and written to ``--json``.
 """
@@ -45,7 +47,7 @@ def child(snapshot: Path, threads_mode: str, torch_threads: int) -> dict:
 
     import torch
 
-    from agent.replica import aot, golden, lockstep, zygote
+    from agent.replica import golden, lockstep, zygote
     from agent.replica.engine import Engine
     from agent.snapshot import reader
 
@@ -71,7 +73,11 @@ def child(snapshot: Path, threads_mode: str, torch_threads: int) -> dict:
     timed(golden, "verify_golden")
     timed(lockstep.Lockstep, "teacher_forced")
     timed(lockstep.Lockstep, "_lockstep_seqs", "submit seqs")
-    timed(aot.PackagedForward, "__call__", lambda a: "forward B,S=%d,%d" % tuple(a[1].shape))
+    # the forward calls, by input shape (eager or packaged alike), tensor set-up included
+    timed(lockstep.Lockstep, "_prefill_rows",
+          lambda a: "forward B,S=%d,%d" % (len(a[1]), max(len(r) for r in a[1])))
+    timed(lockstep.Lockstep, "_decode_rows", lambda a: "forward B,S=%d,1" % len(a[1]))
+    timed(Engine, "_prefill_chunks", lambda a: "forward B,S=1,%d" % len(a[1].prompt))
     timed(Engine, "_sample", "sample")
     slots = lockstep.Lockstep._slots
 
@@ -83,6 +89,15 @@ def child(snapshot: Path, threads_mode: str, torch_threads: int) -> dict:
             yield idx
     lockstep.Lockstep._slots = timed_slots
 
+    import gc
+
+    def collected(phase, info):   # Python's cyclic collector, per generation, while timed
+        if phase == "start":
+            collected.t = time.perf_counter()
+        elif stage[0] in ("restore", "first token"):
+            add(f"gc gen{info['generation']}", time.perf_counter() - collected.t)
+    gc.callbacks.append(collected)
+
     from agent.snapshot.reader import read_manifest
     manifest = read_manifest(snapshot)
     torch.set_num_threads(torch_threads)
@@ -93,7 +108,7 @@ def child(snapshot: Path, threads_mode: str, torch_threads: int) -> dict:
                                                    warm=snapshot))
     if zygote._WARMED.get(buffer) is None:
         raise RuntimeError(f"the zygote could not warm for {snapshot} (see the log)")
-    prompt = [504, 3575, 282, 4649, 314]
+    prompt = list(manifest.golden.prompts[0])   # a model without a tokenizer: its first golden prompt
     tok_dir = (manifest.extra or {}).get("tokenizer_dir")
     if tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():
         from agent.replica.tokenizer import load_tokenizer
@@ -110,11 +125,14 @@ def child(snapshot: Path, threads_mode: str, torch_threads: int) -> dict:
         first = engine.admit()[0].token
         t2 = time.perf_counter()
         stage[0] = "steady"
+        engine.submit(prompt, 1)     # the same request again: its steady cost
+        engine.admit()
         g = loaded.golden
         for _ in range(3):
             engine.teacher_forced([list(p) for p in g.prompts], [list(r) for r in g.expected], seed=g.seed)
         for key in [k for k in spans if k.startswith("steady: ")]:
-            spans[key] /= 3
+            if not key.startswith(f"steady: forward B,S=1,{len(prompt)}"):
+                spans[key] /= 3         # three replays of the check
         return {"restore_ms": (t1 - t0) * 1e3, "first_token_ms": (t2 - t1) * 1e3,
                 "phases_ms": {k: v * 1e3 for k, v in loaded.phases_s.items()}, "first": first}
 
@@ -133,7 +151,9 @@ def derived(trial: dict) -> dict[str, float]:
             "first token (B=1 prefill + sample)": trial["first_token_ms"]}
     for key in sorted(s):
         stage, _, name = key.partition(": ")
-        if stage == "restore" and name not in ("restore_snapshot", "verify_golden", "teacher_forced"):
+        if stage == "restore" and name.startswith("gc "):
+            rows[f"restore: {name} (any phase)"] = s[key]
+        elif stage == "restore" and name not in ("restore_snapshot", "verify_golden", "teacher_forced"):
             rows[f"  golden: {name}"] = s[key]
         elif stage == "first token" or (stage in ("warm", "steady") and name.startswith("forward")):
             rows[key] = s[key]
