@@ -70,6 +70,14 @@ def child(snapshot: Path, threads_mode: str, torch_threads: int) -> dict:
         setattr(owner, attr, wrapper)
 
     timed(reader, "restore_snapshot")
+    read_stats: list = []
+    restore_snapshot = reader.restore_snapshot
+
+    def keep_stats(*args, **kwargs):   # how the weights were read: page cache or O_DIRECT
+        restored = restore_snapshot(*args, **kwargs)
+        read_stats.append(restored.stats)
+        return restored
+    reader.restore_snapshot = keep_stats
     timed(golden, "verify_golden")
     timed(lockstep.Lockstep, "teacher_forced")
     timed(lockstep.Lockstep, "_lockstep_seqs", "submit seqs")
@@ -138,6 +146,9 @@ def child(snapshot: Path, threads_mode: str, torch_threads: int) -> dict:
 
     out = on_engine(restore_to_first_token)
     out["spans"] = spans
+    stats = read_stats[-1]
+    out["weights_read"] = {"bytes": stats.bytes, "direct_chunks": stats.direct_chunks,
+                           "chunks": stats.chunks, "gbps": stats.bytes / max(stats.seconds, 1e-9) / 1e9}
     out["total_ms"] = out["restore_ms"] + out["first_token_ms"]
     return out
 
@@ -196,16 +207,22 @@ def main(argv: list[str] | None = None) -> int:
         keys = list(dict.fromkeys(k for r in rows for k in r))
         out["modes"][mode] = {k: round(statistics.median(r.get(k, 0.0) for r in rows), 1) for k in keys}
         out["modes"][mode]["first_tokens"] = sorted({t["first"] for t in trials})
+        out["modes"][mode]["weights_read"] = [t["weights_read"] for t in trials]
     out["load_average_end"] = round(os.getloadavg()[0], 2)
     if args.json != "-":
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     print(f"load average (1 min) {out['load_average_start']:.2f} at the start, "
           f"{out['load_average_end']:.2f} at the end; median of {args.trials} fresh processes, ms")
-    keys = list(dict.fromkeys(k for m in modes for k in out["modes"][m] if k != "first_tokens"))
+    keys = list(dict.fromkeys(k for m in modes for k in out["modes"][m]
+                              if k not in ("first_tokens", "weights_read")))
     print(f"{'span':<48}" + "".join(f"{m:>10}" for m in modes))
     for k in keys:
         print(f"{k:<48}" + "".join(f"{out['modes'][m].get(k, 0.0):>10.1f}" for m in modes))
+    for m in modes:
+        reads = out["modes"][m]["weights_read"]
+        print(f"{m}: weights read at " + ", ".join(f"{r['gbps']:.1f}" for r in reads) + " GB/s, "
+              + ", ".join(f"{r['direct_chunks']}/{r['chunks']}" for r in reads) + " chunks O_DIRECT")
     return 0
 
 

@@ -37,7 +37,9 @@ def test_the_profile_accounts_for_the_golden_phase_span_by_span(snapshot, tmp_pa
     prompts = booted.golden.prompts
     width = max(len(p) for p in prompts) + booted.golden.max_tokens - 2   # prefill of all but the last
     for mode in res["modes"].values():
-        rows = {k: v for k, v in mode.items() if k != "first_tokens"}
+        rows = {k: v for k, v in mode.items() if k not in ("first_tokens", "weights_read")}
+        (read,) = mode["weights_read"]
+        assert read["bytes"] > 0 and 0 <= read["direct_chunks"] <= read["chunks"] and read["gbps"] > 0
         assert all(v >= 0 for k, v in rows.items() if "other" not in k)
         golden = rows["golden_s"]
         prefill = rows[f"  golden: forward B,S={len(prompts)},{width}"]
