@@ -361,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         out[key] = round(summary["median_s"], 3)
         out["phases"][key] = summary["phases"]
         out.setdefault("trials_s", {})[key] = summary["trials_s"]
+        out.setdefault("trial_phases", {})[key] = [{k: round(v, 3) for k, v in t["phases"].items()}
+                                                   for t in trials]   # an outlier's phases
 
     # transformers' own kernels may break a near-tie differently: compared on its own line.
     hf = results.pop("transformers_eager", None)

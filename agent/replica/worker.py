@@ -703,6 +703,9 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
     torch.set_num_threads(threads or os.cpu_count() or 1)
 
     def load():   # on the engine thread, which then serves (see make_engine_thread)
+        # OpenMP's thread count is per thread: a new thread starts at the core count until
+        # torch next initialises it, so set it here, where the regions will run.
+        torch.set_num_threads(threads or os.cpu_count() or 1)
         if zygote_mode:
             return None, zygote.prepare_zygote(threads, buffer_bytes or zygote.DEFAULT_BUFFER_BYTES,
                                                warm=Path(warm) if warm else None)
