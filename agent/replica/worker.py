@@ -60,8 +60,14 @@ def make_engine_thread() -> ThreadPoolExecutor:
     (say the warm-up on the main thread, the restore on this one) libgomp counts more threads
     than cores and throttles its spin-wait, so every parallel region's workers sleep and are
     woken through a futex — the same slowdown as ``OMP_WAIT_POLICY=passive``.  Measured
-    (bench/golden_profile.py, 2 cores): the golden check's B=3 decode step 171-190 ms with
-    the warm-up on another thread against 120 ms on the same one."""
+    (bench/golden_profile.py, 2 cores, load 0.4-0.8, median of 5): the zygote's golden check
+    372 ms with the warm-up on another thread, 266 ms on the same one.
+
+    The same spin-wait is a hazard where the cores are shared: beside another process running
+    torch on both cores the one-team check took 3.0 s against 0.83 s for two teams (median of
+    3).  Give replicas that share cores ``--threads 1`` (no OpenMP workers at all, as the trace
+    replay does), or set ``OMP_WAIT_POLICY=passive`` (libgomp then sleeps at once: robust,
+    and as slow as two teams on a quiet machine)."""
     return ThreadPoolExecutor(1, thread_name_prefix="engine")
 
 
