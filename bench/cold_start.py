@@ -12,7 +12,10 @@ reported, broken into phases:
     weights_s      safetensors read (boot) or snapshot restored and verified (restore)
     compile_s      torch.compile / AOT package load (package_s) and engine set-up
     golden_s       golden check recorded (boot) or replayed and verified (restore)
+    profile_s      the short speed profile of a boot (a restore reads the recorded one)
     first_token_s  ready until the first token of the first request
+    other_s        the rest of the total: the ready line or restore op's request and reply,
+                   the hand-off to the engine thread, ``stats`` (the phases sum to the total)
 
 Rungs: ``naive_s`` (safetensors + torch.compile, empty Inductor/Triton/CUDA caches),
 ``jit_cached_s`` (the same with caches warmed by an untimed run; agent/replica/compile_cache.py),
@@ -55,7 +58,8 @@ from agent.replica.worker import call  # noqa: E402
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 PROMPT_IDS: list[int] = []
-PHASES = ("start_s", "imports_s", "weights_s", "compile_s", "package_s", "golden_s", "first_token_s")
+PHASES = ("start_s", "imports_s", "weights_s", "compile_s", "package_s", "golden_s", "profile_s",
+          "first_token_s", "other_s")
 
 
 def replica_cmd(listen: str, *mode: str) -> list[str]:
@@ -256,6 +260,12 @@ def trial_zygote(work: Path, snapshot: Path, buffer_mib: int, env: dict[str, str
     return {"total_s": total_s, "phases": phases, "tokens": tokens, "peak_rss_bytes": rss}
 
 
+def closed(trial: dict) -> dict:
+    """``trial`` with ``other_s``: its total less the phases measured inside it."""
+    phases = {k: v for k, v in trial["phases"].items() if k != "other_s"}
+    return {**trial, "phases": {**phases, "other_s": trial["total_s"] - sum(phases.values())}}
+
+
 def summarise(trials: list[dict]) -> dict:
     keys = sorted({k for t in trials for k in t["phases"]})
     return {"median_s": statistics.median(t["total_s"] for t in trials),
@@ -343,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 trials.append(trial_zygote(work, snapshot, buffer_mib, base_env))
             elif rung == "zygote_unwarmed":
                 trials.append(trial_zygote(work, snapshot, buffer_mib, base_env, warm=False))
+            trials[-1] = closed(trials[-1])
             print(f"{rung} trial {i}: {trials[-1]['total_s']:.2f} s", file=sys.stderr, flush=True)
         results[rung] = trials
         key = "streamed_first_boot_s" if rung == "streamed" else f"{rung}_s"
@@ -350,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         out[key] = round(summary["median_s"], 3)
         out["phases"][key] = summary["phases"]
         out.setdefault("trials_s", {})[key] = summary["trials_s"]
+        out.setdefault("trial_phases", {})[key] = [{k: round(v, 3) for k, v in t["phases"].items()}
+                                                   for t in trials]   # an outlier's phases
 
     # transformers' own kernels may break a near-tie differently: compared on its own line.
     hf = results.pop("transformers_eager", None)

@@ -53,6 +53,24 @@ MAX_TOKENS_LIMIT = 1 << 16
 CONTROL_OPS = frozenset({"restore", "capture", "shutdown"})
 
 
+def make_engine_thread() -> ThreadPoolExecutor:
+    """The one thread that runs every torch call of a replica process: the load (boot, restore,
+    a zygote's warm-up), the restore op and every engine step.  One thread, because each thread
+    that opens OpenMP parallel regions gets its own team of OpenMP workers: with two teams
+    (say the warm-up on the main thread, the restore on this one) libgomp counts more threads
+    than cores and throttles its spin-wait, so every parallel region's workers sleep and are
+    woken through a futex — the same slowdown as ``OMP_WAIT_POLICY=passive``.  Measured
+    (bench/golden_profile.py, 2 cores, load 0.4-0.8, median of 5): the zygote's golden check
+    372 ms with the warm-up on another thread, 266 ms on the same one.
+
+    The same spin-wait is a hazard where the cores are shared: beside another process running
+    torch on both cores the one-team check took 3.0 s against 0.83 s for two teams (median of
+    3).  Give replicas that share cores ``--threads 1`` (no OpenMP workers at all, as the trace
+    replay does), or set ``OMP_WAIT_POLICY=passive`` (libgomp then sleeps at once: robust,
+    and as slow as two teams on a quiet machine)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="engine")
+
+
 class State(enum.Enum):
     ZYGOTE = "zygote"
     RESTORING = "restoring"
@@ -102,7 +120,8 @@ class Worker:
 
     def __init__(self, loaded=None, *, buffer=None, replica_id: str = "replica",
                  parent_pid: int | None = None, watchdog_s: float = 1.0,
-                 tcp_control: bool = True, drain_grace_s: float = 30.0) -> None:
+                 tcp_control: bool = True, drain_grace_s: float = 30.0,
+                 engine_thread: ThreadPoolExecutor | None = None) -> None:
         self.loaded, self.buffer, self.replica_id = loaded, buffer, replica_id
         # restore/capture/shutdown read or write files on this host or end the process: on a
         # TCP listener they are refused unless ``tcp_control`` (a unix socket's file mode
@@ -110,7 +129,8 @@ class Worker:
         self.tcp_control, self._tcp = tcp_control, False
         self.state = State.SERVING if loaded is not None else State.ZYGOTE
         self.parent_pid, self.watchdog_s = parent_pid, watchdog_s
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine")  # the engine's one thread
+        # the engine's one thread (make_engine_thread); pass the one that loaded the model
+        self._pool = engine_thread if engine_thread is not None else make_engine_thread()
         self._submits: list[tuple[_Request, dict]] = []
         self._cancels: list[int] = []
         self._by_seq: dict[int, _Request] = {}
@@ -687,17 +707,24 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
 
     imports_done_unix = time.time()
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    loaded, buffer = None, None
-    if zygote_mode:
-        buffer = zygote.prepare_zygote(threads, buffer_bytes or zygote.DEFAULT_BUFFER_BYTES,
-                                       warm=Path(warm) if warm else None)
-    elif snapshot:
-        loaded = zygote.restore(Path(snapshot), release=Path(release) if release else None)
-    else:
-        loaded = zygote.boot(Path(model_dir), release=Path(release) if release else None,
-                             compile=compile)
+
+    def load():   # on the engine thread, which then serves (see make_engine_thread)
+        # OpenMP's thread count is per thread: a new thread starts at the core count until
+        # torch next initialises it, so set it here, where the regions will run.
+        torch.set_num_threads(threads or os.cpu_count() or 1)
+        if zygote_mode:
+            return None, zygote.prepare_zygote(threads, buffer_bytes or zygote.DEFAULT_BUFFER_BYTES,
+                                               warm=Path(warm) if warm else None)
+        if snapshot:
+            return zygote.restore(Path(snapshot), release=Path(release) if release else None), None
+        return zygote.boot(Path(model_dir), release=Path(release) if release else None,
+                           compile=compile), None
+
+    engine_thread = make_engine_thread()
+    loaded, buffer = engine_thread.submit(load).result()
     worker = Worker(loaded, buffer=buffer, replica_id=replica_id or f"replica-{os.getpid()}",
-                    parent_pid=parent, tcp_control=tcp_control, drain_grace_s=drain_grace_s)
+                    parent_pid=parent, tcp_control=tcp_control, drain_grace_s=drain_grace_s,
+                    engine_thread=engine_thread)
     status = _serve_status(worker, metrics_listen) if metrics_listen else None
 
     def ready(address: str) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ class Warmed:
     engine: Engine
     forward: Any          # the PackagedForward, or None (eager)
     seconds: float
+    thread_id: int = 0    # threading.get_ident() of the thread that warmed it
 
 
 _WARMED: "weakref.WeakKeyDictionary[Any, Warmed]" = weakref.WeakKeyDictionary()
@@ -99,7 +101,9 @@ def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFE
     """Do the zygote's work ahead of need: set torch's intra-op threads (all cores when None)
     and allocate (and touch, with ``prefault``) a page-aligned restore buffer of
     ``buffer_bytes``; with ``warm`` (a snapshot the zygote will likely restore), also
-    :func:`warm_zygote`.  Returns the HostBuffer."""
+    :func:`warm_zygote`.  Call it on the thread that will run the restore and the engine
+    (agent/replica/worker.py ``make_engine_thread``: one OpenMP team per process).  Returns the
+    HostBuffer."""
     from agent.snapshot.reader import HostBuffer
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
@@ -148,7 +152,8 @@ def warm_zygote(buffer, snapshot: Path) -> Warmed | None:
     except (RewarmError, OSError, ValueError, RuntimeError) as exc:
         log.warning("zygote: cannot warm for %s (%s); the restore will do it all", snapshot, exc)
         return None
-    warmed = Warmed(str(snapshot), _layout(manifest), engine, forward, time.perf_counter() - t)
+    warmed = Warmed(str(snapshot), _layout(manifest), engine, forward, time.perf_counter() - t,
+                    threading.get_ident())
     _WARMED[buffer] = warmed
     log.info("zygote warmed for %s in %.2f s", snapshot, warmed.seconds)
     return warmed
@@ -258,6 +263,10 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
                                or (release is not None and warmed.forward is not None)):
         warmed = None     # warmed for another snapshot (or told to look elsewhere): start over
     if warmed is not None:
+        if warmed.thread_id != threading.get_ident():
+            log.warning("%s: restored on another thread than the zygote's warm-up: two OpenMP "
+                        "teams in one process slow every forward call (run both on the engine "
+                        "thread, agent/replica/worker.py make_engine_thread)", snapshot)
         forward = warmed.forward
         if forward is not None:
             digest, package_dir = ref["digest"], str(forward.path)
