@@ -31,19 +31,31 @@ _CAP_SYS_NICE = 23   # bit in CapEff (linux/capability.h)
 
 
 def can_restore_normal() -> bool:
-    """Whether this process may set a child's threads back to nice 0 (module docstring)."""
-    if os.geteuid() == 0:
+    """Whether this process may set a child's threads back to nice 0 (module docstring):
+    ``CAP_SYS_NICE`` in its effective set, or an ``RLIMIT_NICE`` soft limit of at least 20
+    (or unlimited).  Being uid 0 is not enough: a container's root commonly lacks
+    ``CAP_SYS_NICE`` (Docker's default capability set drops it), and setpriority back to 0
+    is then refused with EACCES on every restore."""
+    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    if soft == resource.RLIM_INFINITY or soft >= 20:
         return True
-    if resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20:
-        return True
+    cap_eff = _cap_eff()
+    if cap_eff is None:      # no /proc status to read: only uid 0 is a sign
+        return os.geteuid() == 0
+    return bool(cap_eff >> _CAP_SYS_NICE & 1)
+
+
+def _cap_eff() -> int | None:
+    """This process's effective capability bits (``CapEff`` of /proc/self/status, proc(5));
+    None where it cannot be read."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> _CAP_SYS_NICE & 1)
-    except OSError:
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
         pass
-    return False
+    return None
 
 
 def thread_nices(pid: int) -> dict[int, int]:

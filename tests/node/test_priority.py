@@ -58,3 +58,24 @@ def test_unprivileged_needs_rlimit_or_capability(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr(priority.resource, "getrlimit", lambda which: (20, 20))
     assert priority.can_restore_normal()
+
+
+def test_root_without_cap_sys_nice_cannot_restore_normal(monkeypatch):
+    # uid 0 in a container that dropped CAP_SYS_NICE (Docker's default set): setpriority
+    # back to 0 is EACCES there, so zygotes must not start at nice 10
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(priority.resource, "getrlimit", lambda which: (0, 0))
+    monkeypatch.setattr(priority, "_cap_eff", lambda: 0x1fffeffffff & ~(1 << 23))
+    assert not priority.can_restore_normal()
+    monkeypatch.setattr(priority, "_cap_eff", lambda: 1 << 23)
+    assert priority.can_restore_normal()
+
+
+def test_an_unlimited_rlimit_nice_is_enough(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(priority, "_cap_eff", lambda: 0)
+    inf = priority.resource.RLIM_INFINITY
+    monkeypatch.setattr(priority.resource, "getrlimit", lambda which: (inf, inf))
+    assert priority.can_restore_normal()
+    monkeypatch.setattr(priority.resource, "getrlimit", lambda which: (19, 19))
+    assert not priority.can_restore_normal()
