@@ -79,3 +79,30 @@ def test_an_unlimited_rlimit_nice_is_enough(monkeypatch):
     assert priority.can_restore_normal()
     monkeypatch.setattr(priority.resource, "getrlimit", lambda which: (19, 19))
     assert not priority.can_restore_normal()
+
+
+class _Worker:
+    """A zygote's worker that records its calls (no process)."""
+
+    pid, nice, address, data_address = 4242, priority.ZYGOTE_NICE, "unix:w.sock", None
+
+    def __init__(self):
+        self.calls = []
+
+    def call(self, msg, timeout_s):
+        self.calls.append(msg["op"])
+        return {}
+
+
+def test_a_zygote_that_cannot_go_back_to_nice_zero_still_restores(tmp_path, monkeypatch, caplog):
+    # refused (EPERM/EACCES: a capability dropped after start, a seccomp filter): the restore
+    # runs at nice 10, slower, instead of failing and having its valid snapshot discarded
+    from agent.node.processes import ProcessZygote
+
+    def refuse(pid):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(priority, "to_normal", refuse)
+    worker = _Worker()
+    replica = ProcessZygote("cpu", worker, 5.0).restore(tmp_path / "snap", "r-1")
+    assert worker.calls == ["restore"] and replica.replica_id == "r-1"
+    assert "nice 10" in caplog.text and "4242" in caplog.text
