@@ -27,6 +27,7 @@ import resource
 log = logging.getLogger(__name__)
 
 ZYGOTE_NICE = 10
+RENICE_PASSES = 8   # listings of /proc/PID/task before to_normal gives up (threads keep starting)
 _CAP_SYS_NICE = 23   # bit in CapEff (linux/capability.h)
 
 
@@ -76,19 +77,31 @@ def thread_nices(pid: int) -> dict[int, int]:
     return out
 
 
-def to_normal(pid: int) -> None:
-    """Set every thread of ``pid`` to nice 0.  A process already gone is left to the restore
-    call that follows (it fails with ConnectionError, as a dead zygote does); a thread that
-    ended meanwhile is skipped.  Raises PermissionError where the caller lacks the right
-    (:func:`can_restore_normal`)."""
-    try:
-        tids = thread_nices(pid)
-    except ProcessLookupError:
-        return
-    for tid, nice in tids.items():
-        if nice == 0:
-            continue
+def to_normal(pid: int) -> bool:
+    """Set every thread of ``pid`` to nice 0; returns whether all were seen at 0.  A thread
+    the process starts while this runs inherits nice 10 from its creator after the
+    ``/proc/PID/task`` listing, so the listing is read again until a pass finds nothing to
+    change, at most :data:`RENICE_PASSES` times (then logged: the restore goes on, slower).
+    A process already gone is left to the restore call that follows (it fails with
+    ConnectionError, as a dead zygote does); a thread that ended meanwhile is skipped.
+    Raises PermissionError where the caller lacks the right (:func:`can_restore_normal`)."""
+    for _ in range(RENICE_PASSES):
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, 0)
+            tids = thread_nices(pid)
         except ProcessLookupError:
-            continue
+            return True
+        changed = False
+        for tid, nice in tids.items():
+            if nice == 0:
+                continue
+            changed = True
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+            except ProcessLookupError:
+                continue
+        if not changed:
+            return True
+    log.warning("process %d: threads still at background priority after %d passes over "
+                "/proc/%d/task (it keeps starting threads); the restore goes on", pid,
+                RENICE_PASSES, pid)
+    return False

@@ -106,3 +106,24 @@ def test_a_zygote_that_cannot_go_back_to_nice_zero_still_restores(tmp_path, monk
     replica = ProcessZygote("cpu", worker, 5.0).restore(tmp_path / "snap", "r-1")
     assert worker.calls == ["restore"] and replica.replica_id == "r-1"
     assert "nice 10" in caplog.text and "4242" in caplog.text
+
+
+def test_a_thread_started_during_the_renice_is_set_back_too(monkeypatch):
+    # thread 1 (nice 10) starts thread 2 after /proc/PID/task was listed: it inherits nice 10
+    readings = iter([{1: 10}, {1: 0, 2: 10}, {1: 0, 2: 0}])
+    monkeypatch.setattr(priority, "thread_nices", lambda pid: next(readings))
+    set_to = []
+    monkeypatch.setattr(priority.os, "setpriority", lambda which, tid, n: set_to.append((tid, n)))
+    priority.to_normal(77)
+    assert set_to == [(1, 0), (2, 0)]
+
+
+def test_threads_that_keep_appearing_end_after_bounded_passes(monkeypatch, caplog):
+    # a zygote starting threads without end must not hold its restore forever: after
+    # RENICE_PASSES the restore goes on (logged), as it does when the renice is refused
+    tids = iter(range(1, 10_000))
+    monkeypatch.setattr(priority, "thread_nices", lambda pid: {next(tids): 10})
+    monkeypatch.setattr(priority.os, "setpriority", lambda which, tid, n: None)
+    assert priority.to_normal(77) is False
+    assert next(tids) == priority.RENICE_PASSES + 1
+    assert "77" in caplog.text and f"{priority.RENICE_PASSES} passes" in caplog.text
