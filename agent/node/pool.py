@@ -38,6 +38,7 @@ class ZygotePool:
         with self._refilling:
             for device, zygotes in self.ready.items():
                 want, snap = self.target(device), self.warm_for(device)
+                self._drop_dead(device)
                 started += self._rewarm(device, snap)
                 while True:
                     with self._lock:
@@ -74,9 +75,21 @@ class ZygotePool:
         started now, on the request's path (slower; at normal priority)."""
         with self._lock:
             self.last_model[device] = model
+        self._drop_dead(device)
+        with self._lock:
             if self.ready.get(device):
                 return self.ready[device].pop(0)
         return self.backend.zygote(device, background=False)
+
+    def _drop_dead(self, device: str) -> None:
+        """Take out (and reap) the zygotes of ``device`` that died while they waited: a
+        restore from one fails, and the failure would be blamed on the snapshot."""
+        with self._lock:
+            zygotes = self.ready.get(device, [])
+            dead = [z for z in zygotes if not _alive(z)]
+            zygotes[:] = [z for z in zygotes if z not in dead]
+        for z in dead:
+            z.kill()
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -89,3 +102,9 @@ class ZygotePool:
                 for z in zygotes:
                     z.kill()
                 zygotes.clear()
+
+
+def _alive(zygote: Zygote) -> bool:
+    """``zygote.alive()``; a backend's zygote without it counts as alive."""
+    alive = getattr(zygote, "alive", None)
+    return True if alive is None else bool(alive())

@@ -219,6 +219,9 @@ class ProcessZygote:
         self.worker.call({"op": "restore", "snapshot": str(snapshot)}, self.timeout_s)
         return ProcessReplica(replica_id, self.worker, self.timeout_s)
 
+    def alive(self) -> bool:
+        return self.worker.alive()
+
     def kill(self) -> None:
         self.worker.kill()
 

@@ -205,6 +205,25 @@ def test_zygotes_warm_for_the_snapshot_they_will_restore(make_agent):
     assert taken.warm == snap and len(agent.pool["cpu"]) == 1
 
 
+def test_a_zygote_that_died_while_it_waited_is_not_used(make_agent):
+    # a dead zygote (OOM-killed, crashed) says nothing about the snapshot: a restore must not
+    # take it, fail, and mark a sound local snapshot stale; a refill replaces it
+    agent = make_agent(zygotes_per_device=2)
+    _, row = first_boot(agent)
+    agent.refill_pool()
+    dead, alive = agent.pool["cpu"]
+    dead.kill()                                          # died while it waited
+    assert agent.refill_pool() == 1                      # replaced, not counted as ready
+    assert dead not in agent.pool["cpu"] and len(agent.pool["cpu"]) == 2
+    agent.pool["cpu"].insert(0, dead)                    # and one that dies after the refill
+    info = agent.restore("tiny")
+    assert (info["path"], info["snapshot"]) == ("restore", row.snapshot_id)
+    assert info["attempts"] == []                        # no failed attempt before it
+    assert agent.store.has(row.snapshot_id)
+    assert agent.catalog.snapshot(row.snapshot_id).status == "ready"
+    assert dead not in agent.pool["cpu"]
+
+
 def test_the_cpu_device_keeps_a_zygote_per_replica_slot(make_agent):
     agent = make_agent(max_replicas_per_model=3)          # a CPU-only node: three core groups
     assert agent.pool_target("cpu") == 3 and agent.pool_target("cuda:0") == 1
