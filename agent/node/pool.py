@@ -13,11 +13,14 @@ before the first capture, or for an older version).
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Callable
 
 from agent.node.backend import Backend, Zygote
+
+log = logging.getLogger(__name__)
 
 
 class ZygotePool:
@@ -33,21 +36,33 @@ class ZygotePool:
 
     def refill(self) -> int:
         """Start zygotes until each device has ``target(device)``, warmed for
-        ``warm_for(device)``; returns how many started."""
+        ``warm_for(device)``; returns how many started.  A device whose zygote cannot be
+        started (the backend raised) is logged and left short until the next refill: the
+        other devices are still refilled."""
         started = 0
         with self._refilling:
-            for device, zygotes in self.ready.items():
-                want, snap = self.target(device), self.warm_for(device)
-                self._drop_dead(device)
-                started += self._rewarm(device, snap)
-                while True:
-                    with self._lock:
-                        if len(zygotes) >= want:
-                            break
-                    zygote = self.backend.zygote(device, warm=snap)
-                    with self._lock:
-                        zygotes.append(zygote)
-                    started += 1
+            for device in self.ready:
+                try:
+                    started += self._refill_device(device)
+                except Exception as exc:   # whatever the backend raised: the next device
+                    log.warning("zygote pool: refill of %s stopped at %d of %s ready: "
+                                "%s: %s", device, len(self.ready[device]),
+                                self.target(device), type(exc).__name__, exc)
+        return started
+
+    def _refill_device(self, device: str) -> int:
+        zygotes = self.ready[device]
+        want, snap = self.target(device), self.warm_for(device)
+        self._drop_dead(device)
+        started = self._rewarm(device, snap)
+        while True:
+            with self._lock:
+                if len(zygotes) >= want:
+                    break
+            zygote = self.backend.zygote(device, warm=snap)
+            with self._lock:
+                zygotes.append(zygote)
+            started += 1
         return started
 
     def _rewarm(self, device: str, snap: Path | None) -> int:
