@@ -33,6 +33,7 @@ class ZygotePool:
         self.last_model: dict[str, str] = {}   # device -> model of its last restore
         self._lock = threading.Lock()
         self._refilling = threading.Lock()      # one refill at a time: two would overshoot
+        self.closed = False                     # after close(): nothing more is started
 
     def refill(self) -> int:
         """Start zygotes until each device has ``target(device)``, warmed for
@@ -57,13 +58,23 @@ class ZygotePool:
         started = self._rewarm(device, snap)
         while True:
             with self._lock:
-                if len(zygotes) >= want:
+                if self.closed or len(zygotes) >= want:
                     break
             zygote = self.backend.zygote(device, warm=snap)
-            with self._lock:
-                zygotes.append(zygote)
+            if not self._keep(zygotes, zygote):
+                break
             started += 1
         return started
+
+    def _keep(self, zygotes: list[Zygote], zygote: Zygote) -> bool:
+        """Add a zygote just started to ``zygotes``; after close() (it ran while the zygote
+        started) kill it instead, since nothing would later.  Returns whether it was kept."""
+        with self._lock:
+            if not self.closed:
+                zygotes.append(zygote)
+                return True
+        zygote.kill()
+        return False
 
     def _rewarm(self, device: str, snap: Path | None) -> int:
         """Replace, one at a time and the new one first, the zygotes of ``device`` warmed for
@@ -71,18 +82,21 @@ class ZygotePool:
         started, zygotes = 0, self.ready[device]
         while snap is not None:
             with self._lock:
-                stale = next((z for z in zygotes if z.warm != snap), None)
+                stale = None if self.closed else next((z for z in zygotes if z.warm != snap),
+                                                      None)
             if stale is None:
                 break
             fresh = self.backend.zygote(device, warm=snap)
-            started += 1
             with self._lock:
-                mine = stale in zygotes      # not taken by a restore meanwhile
+                mine = stale in zygotes      # not taken by a restore (nor close) meanwhile
                 if mine:
                     zygotes.remove(stale)
-                zygotes.append(fresh)
+            kept = self._keep(zygotes, fresh)
             if mine:
                 stale.kill()
+            if not kept:
+                break
+            started += 1
         return started
 
     def take(self, device: str, model: str) -> Zygote:
@@ -113,6 +127,7 @@ class ZygotePool:
     def close(self) -> None:
         """Kill every ready zygote (after the refills have stopped)."""
         with self._lock:
+            self.closed = True
             for zygotes in self.ready.values():
                 for z in zygotes:
                     z.kill()

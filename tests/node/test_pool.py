@@ -52,3 +52,20 @@ def test_a_target_of_zero_starts_nothing():
     assert pool.refill() == 0 and backend.started == []
     taken = pool.take("cpu", "m")             # a restore still gets one, started for it
     assert taken.device == "cpu" and pool.counts() == {"cpu": 0}
+
+
+def test_a_refill_after_close_starts_nothing_and_one_under_way_kills_what_it_made():
+    backend = _Backend()
+    pool = ZygotePool(backend, ["cpu"], target=lambda d: 2, warm_for=lambda d: None)
+    pool.close()
+    assert pool.refill() == 0 and backend.started == []      # nobody would kill them
+    made = []
+
+    class Closing(_Backend):        # close() runs while the refill's zygote starts
+        def zygote(self, device, *, warm=None, background=True):
+            made.append(_Zygote(device, warm))
+            pool2.close()
+            return made[-1]
+    pool2 = ZygotePool(Closing(), ["cpu"], target=lambda d: 2, warm_for=lambda d: None)
+    assert pool2.refill() == 0
+    assert [z.killed for z in made] == [True] and pool2.counts() == {"cpu": 0}
