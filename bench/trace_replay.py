@@ -49,6 +49,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -363,17 +364,24 @@ def write_records(path: Path, load: float, plan, outcomes, decisions) -> None:
     t0 = decisions[0].at_s if decisions else 0.0
     with target.open("w") as f:
         for r, o in zip(plan, outcomes):
-            f.write(json.dumps({"kind": "request", "at_s": r.at_s, "sent_s": o.sent_s,
+            f.write(_json_line({"kind": "request", "at_s": r.at_s, "sent_s": o.sent_s,
                                 "prompt_tokens": r.prompt_tokens,
                                 "output_tokens": r.output_tokens, "code": o.code,
                                 "path": o.path, "ttft_ms": o.ttft_ms,
-                                "answered_ms": o.answered_ms, "reason": o.reason}) + "\n")
+                                "answered_ms": o.answered_ms, "reason": o.reason}))
         for d in decisions:
-            f.write(json.dumps({"kind": "decision", "t_s": d.at_s - t0, "action": d.action,
+            f.write(_json_line({"kind": "decision", "t_s": d.at_s - t0, "action": d.action,
                                 "target": d.target, "desired": d.desired, "reason": d.reason,
                                 "forecast_rps": d.forecast_rps, "idle_s": d.idle_s,
-                                "keepalive_s": d.keepalive_s, "cold_miss": d.cold_miss})
-                    + "\n")
+                                "keepalive_s": d.keepalive_s, "cold_miss": d.cold_miss}))
+
+
+def _json_line(row: dict) -> str:
+    """One strict JSON line (RFC 8259 has no Infinity or NaN): a non-finite number, such as
+    the idle time of a model that has seen no request yet, is written null."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+             for k, v in row.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
 
 
 def verdict(r: dict) -> dict:

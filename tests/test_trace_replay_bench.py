@@ -84,3 +84,24 @@ def test_a_bad_trace_exits_2_before_any_stack(bench, tmp_path, capsys):
     bad.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,1,\xff\n")
     assert bench.main(["--trace", str(bad), "--json", str(tmp_path / "o.json")]) == 2
     assert "line 2" in capsys.readouterr().err
+
+
+def test_records_are_strict_json_when_a_decision_never_saw_a_request(bench, tmp_path):
+    # idle_s is inf before a model's first request (agent/predictor/loop.py): json.dumps
+    # wrote the bare word Infinity, which no strict JSON reader (jq, JSON.parse) accepts
+    import json
+    import math
+    from types import SimpleNamespace
+
+    d = SimpleNamespace(at_s=5.0, action="hold", target=0, desired=0, reason="idle",
+                        forecast_rps=float("nan"), idle_s=math.inf, keepalive_s=30.0,
+                        cold_miss=None)
+    bench.write_records(tmp_path / "rec", 1.0, [], [], [d])
+
+    def refuse(word):
+        raise ValueError(f"not JSON: {word}")
+    lines = (tmp_path / "rec.1.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert rows == [{"kind": "decision", "t_s": 0.0, "action": "hold", "target": 0,
+                     "desired": 0, "reason": "idle", "forecast_rps": None, "idle_s": None,
+                     "keepalive_s": 30.0, "cold_miss": None}]

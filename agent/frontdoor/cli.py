@@ -139,6 +139,12 @@ def _serve(args) -> int:
                              restore_slo_ms=args.restore_slo_ms, slos=_slos(args.slo))
 
     async def run() -> None:
+        # Handlers first: the door listens (and is announced) from fd.start() on, and a
+        # SIGTERM before them killed it outright, unflushed and still registered.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         fd = FrontDoor(config, registry=registry, capacity=capacity,
                        telemetry=telemetry, auth=auth, announcer=announcer)
         holder.append(fd)
@@ -166,10 +172,6 @@ def _serve(args) -> int:
         if http is not None:
             print(f"OpenAI-compatible HTTP entrance on {http.url}/v1", flush=True)
         sdnotify.ready(f"listening on {host}:{port}")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         try:
             await stop.wait()
         finally:

@@ -201,6 +201,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
         self.metrics = metrics or NodeMetrics(config.node_id)
         self.last_tick_s: float | None = None
         self.closing = False
+        self._restoring = 0                     # restore() calls bringing a replica up
+        self._restores_done = threading.Condition(self._lock)
         self._reconcile()
         self.agent_instance = ServiceInstance(
             "rewarm-agent", f"rewarm-agent-{config.node_id}", config.control_address,
@@ -286,12 +288,24 @@ class NodeAgent(SnapshotOps, SuspendOps):
         rid = new_replica_id(self.config.node_id)
         rec = ReplicaRecord(Lifecycle(rid, clock=self.clock), spec, device)
         with self._lock:
+            if self.closing:
+                raise self._closing_error(model)
             if self._at_cap(model):
                 rec = None
             else:
                 self.replicas[rid] = rec
+                self._restoring += 1
         if rec is None:
             return self._wait_warm(model)
+        try:
+            return self._bring_up(rec, spec)
+        finally:
+            with self._lock:
+                self._restoring -= 1
+                self._restores_done.notify_all()
+
+    def _bring_up(self, rec: ReplicaRecord, spec: ModelSpec) -> dict[str, Any]:
+        rid = rec.lifecycle.replica_id
         self._record(rec)
         start = self.clock.now()
         try:
@@ -309,9 +323,16 @@ class NodeAgent(SnapshotOps, SuspendOps):
         took_s = self.clock.now() - start
         self.catalog.record_cold_start(spec.name, rec.path, "ok", took_s, rid)
         self._go_warm(rec)
+        if self.closing:     # close() began while it came up, and waits for it: stop it
+            self.drain(rid, force=True)
+            raise self._closing_error(spec.name)
         out = rec.describe(load=True)      # keeps the stats it read in rec.last_stats
         self.metrics.restore_finished(rec, took_s, True, self.catalog)
         return out
+
+    def _closing_error(self, model: str) -> NoCapacity:
+        return NoCapacity(f"model {model!r}: node {self.config.node_id} is closing; no "
+                          f"replica starts on it", model=model)
 
     def _at_cap(self, model: str) -> bool:
         """Whether ``model`` has ``max_replicas_per_model`` replicas coming up or warm (call
@@ -596,7 +617,13 @@ class NodeAgent(SnapshotOps, SuspendOps):
     def close(self) -> None:
         """Drain everything (forced, all replicas at once so the whole drain takes at most
         ``drain_timeout_s``), deregister, stop the executor."""
-        self.closing = True
+        with self._lock:
+            self.closing = True    # no restore starts now; those under way are waited for
+            if not self._restores_done.wait_for(lambda: self._restoring == 0,
+                                                timeout=self.config.restore_timeout_s):
+                log.warning("node %s closing: %d restores still under way after %.0f s; "
+                            "each stops its replica when it comes up", self.config.node_id,
+                            self._restoring, self.config.restore_timeout_s)
         live = [r.lifecycle.replica_id for r in self.live_replicas_all()]
         if live:
             with ThreadPoolExecutor(max_workers=len(live), thread_name_prefix="drain") as pool:

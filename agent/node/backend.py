@@ -73,6 +73,9 @@ class Zygote(Protocol):
 
     def restore(self, snapshot: Path, replica_id: str) -> Replica: ...
     def kill(self) -> None: ...
+    def alive(self) -> bool:
+        """Whether it can still restore (its process runs; not used or killed)."""
+        ...
 
 
 class Backend(Protocol):
@@ -170,6 +173,9 @@ class InProcessZygote:
     def kill(self) -> None:
         self.spent = True
         self.buffer = None
+
+    def alive(self) -> bool:
+        return not self.spent
 
 
 @dataclass

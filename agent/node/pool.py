@@ -13,11 +13,14 @@ before the first capture, or for an older version).
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Callable
 
 from agent.node.backend import Backend, Zygote
+
+log = logging.getLogger(__name__)
 
 
 class ZygotePool:
@@ -30,24 +33,48 @@ class ZygotePool:
         self.last_model: dict[str, str] = {}   # device -> model of its last restore
         self._lock = threading.Lock()
         self._refilling = threading.Lock()      # one refill at a time: two would overshoot
+        self.closed = False                     # after close(): nothing more is started
 
     def refill(self) -> int:
         """Start zygotes until each device has ``target(device)``, warmed for
-        ``warm_for(device)``; returns how many started."""
+        ``warm_for(device)``; returns how many started.  A device whose zygote cannot be
+        started (the backend raised) is logged and left short until the next refill: the
+        other devices are still refilled."""
         started = 0
         with self._refilling:
-            for device, zygotes in self.ready.items():
-                want, snap = self.target(device), self.warm_for(device)
-                started += self._rewarm(device, snap)
-                while True:
-                    with self._lock:
-                        if len(zygotes) >= want:
-                            break
-                    zygote = self.backend.zygote(device, warm=snap)
-                    with self._lock:
-                        zygotes.append(zygote)
-                    started += 1
+            for device in self.ready:
+                try:
+                    started += self._refill_device(device)
+                except Exception as exc:   # whatever the backend raised: the next device
+                    log.warning("zygote pool: refill of %s stopped at %d of %s ready: "
+                                "%s: %s", device, len(self.ready[device]),
+                                self.target(device), type(exc).__name__, exc)
         return started
+
+    def _refill_device(self, device: str) -> int:
+        zygotes = self.ready[device]
+        want, snap = self.target(device), self.warm_for(device)
+        self._drop_dead(device)
+        started = self._rewarm(device, snap)
+        while True:
+            with self._lock:
+                if self.closed or len(zygotes) >= want:
+                    break
+            zygote = self.backend.zygote(device, warm=snap)
+            if not self._keep(zygotes, zygote):
+                break
+            started += 1
+        return started
+
+    def _keep(self, zygotes: list[Zygote], zygote: Zygote) -> bool:
+        """Add a zygote just started to ``zygotes``; after close() (it ran while the zygote
+        started) kill it instead, since nothing would later.  Returns whether it was kept."""
+        with self._lock:
+            if not self.closed:
+                zygotes.append(zygote)
+                return True
+        zygote.kill()
+        return False
 
     def _rewarm(self, device: str, snap: Path | None) -> int:
         """Replace, one at a time and the new one first, the zygotes of ``device`` warmed for
@@ -55,18 +82,21 @@ class ZygotePool:
         started, zygotes = 0, self.ready[device]
         while snap is not None:
             with self._lock:
-                stale = next((z for z in zygotes if z.warm != snap), None)
+                stale = None if self.closed else next((z for z in zygotes if z.warm != snap),
+                                                      None)
             if stale is None:
                 break
             fresh = self.backend.zygote(device, warm=snap)
-            started += 1
             with self._lock:
-                mine = stale in zygotes      # not taken by a restore meanwhile
+                mine = stale in zygotes      # not taken by a restore (nor close) meanwhile
                 if mine:
                     zygotes.remove(stale)
-                zygotes.append(fresh)
+            kept = self._keep(zygotes, fresh)
             if mine:
                 stale.kill()
+            if not kept:
+                break
+            started += 1
         return started
 
     def take(self, device: str, model: str) -> Zygote:
@@ -74,9 +104,21 @@ class ZygotePool:
         started now, on the request's path (slower; at normal priority)."""
         with self._lock:
             self.last_model[device] = model
+        self._drop_dead(device)
+        with self._lock:
             if self.ready.get(device):
                 return self.ready[device].pop(0)
         return self.backend.zygote(device, background=False)
+
+    def _drop_dead(self, device: str) -> None:
+        """Take out (and reap) the zygotes of ``device`` that died while they waited: a
+        restore from one fails, and the failure would be blamed on the snapshot."""
+        with self._lock:
+            zygotes = self.ready.get(device, [])
+            dead = [z for z in zygotes if not _alive(z)]
+            zygotes[:] = [z for z in zygotes if z not in dead]
+        for z in dead:
+            z.kill()
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -85,7 +127,14 @@ class ZygotePool:
     def close(self) -> None:
         """Kill every ready zygote (after the refills have stopped)."""
         with self._lock:
+            self.closed = True
             for zygotes in self.ready.values():
                 for z in zygotes:
                     z.kill()
                 zygotes.clear()
+
+
+def _alive(zygote: Zygote) -> bool:
+    """``zygote.alive()``; a backend's zygote without it counts as alive."""
+    alive = getattr(zygote, "alive", None)
+    return True if alive is None else bool(alive())

@@ -27,23 +27,36 @@ import resource
 log = logging.getLogger(__name__)
 
 ZYGOTE_NICE = 10
+RENICE_PASSES = 8   # listings of /proc/PID/task before to_normal gives up (threads keep starting)
 _CAP_SYS_NICE = 23   # bit in CapEff (linux/capability.h)
 
 
 def can_restore_normal() -> bool:
-    """Whether this process may set a child's threads back to nice 0 (module docstring)."""
-    if os.geteuid() == 0:
+    """Whether this process may set a child's threads back to nice 0 (module docstring):
+    ``CAP_SYS_NICE`` in its effective set, or an ``RLIMIT_NICE`` soft limit of at least 20
+    (or unlimited).  Being uid 0 is not enough: a container's root commonly lacks
+    ``CAP_SYS_NICE`` (Docker's default capability set drops it), and setpriority back to 0
+    is then refused with EACCES on every restore."""
+    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    if soft == resource.RLIM_INFINITY or soft >= 20:
         return True
-    if resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20:
-        return True
+    cap_eff = _cap_eff()
+    if cap_eff is None:      # no /proc status to read: only uid 0 is a sign
+        return os.geteuid() == 0
+    return bool(cap_eff >> _CAP_SYS_NICE & 1)
+
+
+def _cap_eff() -> int | None:
+    """This process's effective capability bits (``CapEff`` of /proc/self/status, proc(5));
+    None where it cannot be read."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> _CAP_SYS_NICE & 1)
-    except OSError:
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
         pass
-    return False
+    return None
 
 
 def thread_nices(pid: int) -> dict[int, int]:
@@ -64,19 +77,31 @@ def thread_nices(pid: int) -> dict[int, int]:
     return out
 
 
-def to_normal(pid: int) -> None:
-    """Set every thread of ``pid`` to nice 0.  A process already gone is left to the restore
-    call that follows (it fails with ConnectionError, as a dead zygote does); a thread that
-    ended meanwhile is skipped.  Raises PermissionError where the caller lacks the right
-    (:func:`can_restore_normal`)."""
-    try:
-        tids = thread_nices(pid)
-    except ProcessLookupError:
-        return
-    for tid, nice in tids.items():
-        if nice == 0:
-            continue
+def to_normal(pid: int) -> bool:
+    """Set every thread of ``pid`` to nice 0; returns whether all were seen at 0.  A thread
+    the process starts while this runs inherits nice 10 from its creator after the
+    ``/proc/PID/task`` listing, so the listing is read again until a pass finds nothing to
+    change, at most :data:`RENICE_PASSES` times (then logged: the restore goes on, slower).
+    A process already gone is left to the restore call that follows (it fails with
+    ConnectionError, as a dead zygote does); a thread that ended meanwhile is skipped.
+    Raises PermissionError where the caller lacks the right (:func:`can_restore_normal`)."""
+    for _ in range(RENICE_PASSES):
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, 0)
+            tids = thread_nices(pid)
         except ProcessLookupError:
-            continue
+            return True
+        changed = False
+        for tid, nice in tids.items():
+            if nice == 0:
+                continue
+            changed = True
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+            except ProcessLookupError:
+                continue
+        if not changed:
+            return True
+    log.warning("process %d: threads still at background priority after %d passes over "
+                "/proc/%d/task (it keeps starting threads); the restore goes on", pid,
+                RENICE_PASSES, pid)
+    return False

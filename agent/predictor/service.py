@@ -267,8 +267,17 @@ def _parse_stats(address: str, result: dict) -> dict[str, dict[str, int]]:
     # busy: requests queued at the front door or sequences running at a replica (a model
     # that is serving or waiting for capacity is not idle, whatever its arrivals say)
     queued = result.get("queued")
-    busy = {m for m, n in queued.items() if isinstance(m, str) and _count(n) and n > 0} \
-        if isinstance(queued, dict) else set()
+    busy: set[str] = set()
+    if queued is not None and not isinstance(queued, dict):
+        log.warning("predictor: queued counts of %s ignored: %r; limit is a map of model to "
+                    "a non-negative integer", address, queued)
+    for m, n in (queued.items() if isinstance(queued, dict) else ()):
+        if isinstance(m, str) and _count(n):
+            if n > 0:
+                busy.add(m)
+        else:
+            log.warning("predictor: queued count of %s for %r ignored: %r; limit is a "
+                        "non-negative integer", address, m, n)
     busy |= {rep["model"] for rep in replicas.values() if isinstance(rep, dict)
              and isinstance(rep.get("model"), str) and _count(rep.get("active_seqs"))
              and rep["active_seqs"] > 0}

@@ -133,3 +133,36 @@ def test_slo_flags_parse_and_refuse_nonsense():
     for bad in ("m=1500", "m=0,3000", "=1,2", "m=a,b"):
         with pytest.raises(ConfigError, match="--slo"):
             _slos([bad])
+
+
+SIGTERM_IN_START = """
+import os, signal, sys
+import agent.frontdoor.server as server
+
+class Door(server.FrontDoor):
+    async def start(self):
+        out = await super().start()
+        os.kill(os.getpid(), signal.SIGTERM)   # the supervisor stops it while it starts
+        return out
+
+    async def stop(self):
+        await super().stop()
+        print("stopped", flush=True)
+
+server.FrontDoor = Door
+from agent.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_sigterm_while_the_door_starts_stops_it_cleanly(tmp_path):
+    # the door listens (and is announced) before its signal handlers were installed: a
+    # SIGTERM then killed it outright (rc -15), its events unflushed and its Consul
+    # registration left behind
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_IN_START, "frontdoor", "--port", "0",
+                           "--no-http", "--model", "demo=2000",
+                           "--events", str(tmp_path / "events.jsonl")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (proc.returncode, "Traceback" in proc.stderr) == (0, False), proc.stderr[-2000:]
+    assert "stopped" in proc.stdout

@@ -177,3 +177,29 @@ def test_an_at_cap_answer_with_no_replica_in_view_does_not_cap():
         await f.timeline.run_until(f.clock.now() + 0.1)
         assert not f.path._at_cap("m") and f.path._etas_s("m", f.clock.now())
     asyncio.run(main())
+
+
+def test_capacity_is_found_again_when_a_node_joins_while_capped():
+    """Overload while the only node is at its cap of 2 (requests refused at arrival, with
+    nothing queued), then a node with room joins: the asks the refusals send find it, the
+    cap ends, requests are served by the new replica, and none is left unanswered."""
+    async def main():
+        f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=2, restore_s=1.0, max_replicas=2,
+                  measured_restores_s=(1.0,), models={"m": 4000.0})
+        t0 = f.clock.now()
+        rng = np.random.default_rng(3)
+        for t in np.sort(rng.uniform(0, 8.0, int(3 * capacity_rps() * 8.0))):
+            f.arrive(t0 + t, int(rng.integers(*PROMPT)), int(rng.integers(*GEN)))
+        await f.timeline.run_until(t0 + 2.0)
+        assert f.path._at_cap("m") and len(f.path.router.warm("m")) == 2
+        f.capacity.max_replicas = 3                  # a node with room joins
+        await f.timeline.run_until(t0 + 20.0)
+        warm = {r.replica_id for r in f.path.router.warm("m")}
+        assert len(warm) == 3 and any(r.startswith("restored-") for r in warm)
+        # capped again only at the new total (the joined node filled too), not at the old 2
+        assert f.path._capped.get("m") in (None, 3)
+        codes, served, refused = outcome(f)
+        assert None not in codes and set(codes) <= {200, 429}
+        assert any(s.final["replica"].startswith("restored-") for s in served)
+        assert sum(len(q) for q in f.path.queues.values()) == 0
+    asyncio.run(main())

@@ -205,6 +205,57 @@ def test_zygotes_warm_for_the_snapshot_they_will_restore(make_agent):
     assert taken.warm == snap and len(agent.pool["cpu"]) == 1
 
 
+def test_a_zygote_that_died_while_it_waited_is_not_used(make_agent):
+    # a dead zygote (OOM-killed, crashed) says nothing about the snapshot: a restore must not
+    # take it, fail, and mark a sound local snapshot stale; a refill replaces it
+    agent = make_agent(zygotes_per_device=2)
+    _, row = first_boot(agent)
+    agent.refill_pool()
+    dead, alive = agent.pool["cpu"]
+    dead.kill()                                          # died while it waited
+    assert agent.refill_pool() == 1                      # replaced, not counted as ready
+    assert dead not in agent.pool["cpu"] and len(agent.pool["cpu"]) == 2
+    agent.pool["cpu"].insert(0, dead)                    # and one that dies after the refill
+    info = agent.restore("tiny")
+    assert (info["path"], info["snapshot"]) == ("restore", row.snapshot_id)
+    assert info["attempts"] == []                        # no failed attempt before it
+    assert agent.store.has(row.snapshot_id)
+    assert agent.catalog.snapshot(row.snapshot_id).status == "ready"
+    assert dead not in agent.pool["cpu"]
+
+
+def test_a_restore_racing_close_leaves_no_replica_behind(make_agent):
+    # close() drained the replicas warm when it began; one restoring then came up warm
+    # after it returned, with nobody left to stop it (a process left behind)
+    import threading
+
+    from agent.errors import NoCapacity
+
+    agent = make_agent(zygotes_per_device=1)
+    first, _ = first_boot(agent)
+    agent.refill_pool()
+    zygote = agent.pool["cpu"][0]
+    real_restore, closer = zygote.restore, []
+
+    def restore_while_closing(snapshot, replica_id):
+        closer.append(threading.Thread(target=agent.close))
+        closer[0].start()
+        while not agent.closing:                 # close() has begun (it sets this first)
+            threading.Event().wait(0.01)
+        return real_restore(snapshot, replica_id)
+    zygote.restore = restore_while_closing
+    with pytest.raises(NoCapacity) as err:
+        agent.restore("tiny")
+    closer[0].join(timeout=120)
+    assert not closer[0].is_alive()
+    assert "closing" in str(err.value) and "n1" in str(err.value)
+    assert [r.lifecycle.replica_id for r in agent.live_replicas_all()] == []
+    assert agent.replicas[first["replica"]].lifecycle.state.value == "dead"
+    with pytest.raises(NoCapacity):             # and none starts after close
+        agent.restore("tiny")
+    assert agent.live_replicas_all() == [] and agent.status()["zygotes"] == {"cpu": 0}
+
+
 def test_the_cpu_device_keeps_a_zygote_per_replica_slot(make_agent):
     agent = make_agent(max_replicas_per_model=3)          # a CPU-only node: three core groups
     assert agent.pool_target("cpu") == 3 and agent.pool_target("cuda:0") == 1

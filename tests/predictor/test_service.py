@@ -401,3 +401,22 @@ def test_a_busy_reading_keeps_the_model_from_idling():
     clock.advance(5.0)
     svc.sample()
     assert pred._models["m"].last_busy_s == clock.now() - 5.0
+
+
+def test_queued_counts_a_front_door_cannot_have_are_ignored_and_logged(caplog):
+    """A garbled ``queued`` reading (not a count, not a map) does not make a model busy, and
+    is said with the door, the value and the limit, as the cold counters are."""
+    from agent.predictor.service import _parse_stats
+
+    for queued in ({"m": -1}, {"m": True}, {"m": 2.5}, {"m": "3"}, {"m": None}, [["m", 3]],
+                   "m"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="agent.predictor.service"):
+            got = _parse_stats("door:1", {"arrivals": {"m": 5}, "queued": queued})
+        assert got["busy"] == set(), queued
+        assert "door:1" in caplog.text and "queued" in caplog.text, queued
+        assert "non-negative integer" in caplog.text, queued
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="agent.predictor.service"):
+        got = _parse_stats("door:1", {"arrivals": {"m": 5}, "queued": {"m": 0, "n": 2}})
+    assert got["busy"] == {"n"} and caplog.text == ""
