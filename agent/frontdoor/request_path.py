@@ -204,8 +204,10 @@ class RequestPath(QueuePlanner, Restores, Reroute):
         ttft_s = predicted[-1]
         if ttft_s is None:
             left_ms = (flight.deadline_s - now) * 1000.0
+            # a replica already warm must make the warm-hit budget, not this one (planner)
             warm = ("no warm replica with a free slot" if warm_pred_s is None else
-                    f"best warm replica predicted {warm_pred_s * 1000:.0f} ms")
+                    f"best warm replica predicted {warm_pred_s * 1000:.0f} ms, past the "
+                    f"warm-hit budget of {(flight.warm_deadline_s - now) * 1000:.0f} ms")
             cap = "no capacity in sight can start it in time"
             retry_ms = max(1, round(((first if first < float("inf") else now + 1.0) - now)
                                     * 1000))

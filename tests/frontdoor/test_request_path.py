@@ -31,6 +31,24 @@ def test_a_request_no_capacity_can_start_within_its_slo_is_refused_at_arrival():
     run(main())
 
 
+def test_a_refusal_past_the_warm_budget_names_that_budget_not_the_restore_paths():
+    async def main():
+        # A warm, idle replica that prefills 1,000 tokens in ~2.5 s: past the warm-hit SLO
+        # (2 s), and restores take 10 s: refused, and the reason says which budget it missed
+        # (it read "cannot start within 4000 ms: best warm replica predicted 2520 ms").
+        import re
+        f = Fleet(speed=SLOW, restore_s=10.0, measured_restores_s=(10.0,))
+        late = f.submit(prompt_tokens=1000)
+        assert late.code == 429
+        reason = late.final["reason"]
+        assert "cannot start within 4000 ms" in reason
+        got = re.search(r"best warm replica predicted (\d+) ms, past the warm-hit budget "
+                        r"of (\d+) ms", reason)
+        assert got is not None, reason
+        assert int(got.group(2)) == 2000 and int(got.group(1)) > 2000
+    run(main())
+
+
 def test_a_queued_request_that_can_make_it_waits_for_the_restore_and_is_served():
     async def main():
         f = Fleet(max_seqs=1, restore_s=1.0, measured_restores_s=(1.0,))
