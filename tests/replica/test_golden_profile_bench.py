@@ -45,8 +45,10 @@ def test_the_profile_accounts_for_the_golden_phase_span_by_span(snapshot, tmp_pa
         prefill = rows[f"  golden: forward B,S={len(prompts)},{width}"]
         decode = rows[f"  golden: forward B,S={len(prompts)},1"]
         assert rows["  golden: sample"] > 0 and prefill > 0 and decode > 0
-        parts = sum(v for k, v in rows.items() if k.startswith("  golden: "))
-        assert parts == pytest.approx(golden, abs=0.2)      # "other" closes the sum
+        spans = [v for k, v in rows.items() if k.startswith("  golden: ")]
+        # "other" closes the sum in each trial; the JSON rounds each median to 0.1 ms, so the
+        # rounded parts may differ from the rounded whole by half a unit each
+        assert sum(spans) == pytest.approx(golden, abs=0.05 * (len(spans) + 1) + 1e-9)
         assert prefill + decode <= golden
         assert rows["zygote_restore (restore + first token)"] >= golden + rows["weights_s (restore_snapshot)"]
         assert rows[f"warm: forward B,S={len(prompts)},1"] > 0       # the zygote ran the check's calls
