@@ -41,6 +41,16 @@ def arrivals(shape: str, rng) -> np.ndarray:
     return np.sort(np.array(out))
 
 
+async def replay(f: Fleet, times: np.ndarray, rng) -> Fleet:
+    """Send one request per arrival time (prompt and output lengths drawn from ``PROMPT`` and
+    ``GEN``) and run the fleet's timeline 30 s past the last."""
+    t0 = f.clock.now()
+    for t in times:
+        f.arrive(t0 + t, int(rng.integers(*PROMPT)), int(rng.integers(*GEN)))
+    await f.timeline.run_until(t0 + times[-1] + 30)
+    return f
+
+
 def outcome(f: Fleet):
     codes = [s.code for s in f.sinks]
     served = [s for s in f.sinks if s.code == 200]
@@ -68,11 +78,7 @@ def test_overload_on_prefill_bound_replicas_refuses_at_arrival(shape, restore_s,
                                                measured_restores_s=(restore_s,))
         f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=2, restores_per_model=1,
                   restores_overall=1, **kw)
-        t0 = f.clock.now()
-        for t in times:
-            f.arrive(t0 + t, int(rng.integers(*PROMPT)), int(rng.integers(*GEN)))
-        await f.timeline.run_until(t0 + times[-1] + 30)
-        return f
+        return await replay(f, times, rng)
 
     f = asyncio.run(main())
     codes, served, refused = outcome(f)
@@ -101,11 +107,7 @@ def test_a_replica_slower_than_it_knows_is_predicted_slower_after_its_first_toke
         f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=0)
         for i in range(2):
             f.path.upsert(f.add(f"r{i}", actual=half, self_aware=False).load)
-        t0 = f.clock.now()
-        for t in times:
-            f.arrive(t0 + t, int(rng.integers(*PROMPT)), int(rng.integers(*GEN)))
-        await f.timeline.run_until(t0 + times[-1] + 30)
-        return f
+        return await replay(f, times, rng)
 
     f = asyncio.run(main())
     codes, served, refused = outcome(f)
