@@ -2,10 +2,12 @@
 
 A zygote (agent/node/agent.py's pool) is started ahead of need: a Python process importing
 torch, allocating and faulting in its restore buffer, seconds of CPU on a CPU node.  Started
-beside replicas that serve, it took their cores: in the live trace replay (bench/trace_replay.py
+beside replicas that serve, it takes their cores: in the live trace replay (bench/trace_replay.py
 at load 0.3, records of one run) two warm replicas answered 8-11 requests/s in the seconds
-after two restores, while both zygotes were refilled, against 38-53 requests/s later with no
-refill running, and the front door refused the difference.  So a waiting zygote runs at
+after two restores, when by the timing both zygotes were being refilled (the refill was not
+logged), against 38-53 requests/s later, and the front door refused the difference; with
+refills at this priority the next run refused 5 requests where that one refused 93.
+So a waiting zygote runs at
 ``nice`` :data:`ZYGOTE_NICE`: the kernel's CFS gives a nice-10 thread a weight of 110 against
 1024 at nice 0 (``sched_prio_to_weight`` in kernel/sched/core.c), about a tenth of a contended
 core, and all of an idle one.  When a zygote is taken for a restore, which is on a request's
