@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -46,7 +46,7 @@ class StatusServer(ThreadingHTTPServer):
         self._thread = threading.Thread(target=self.serve_forever, daemon=True,
                                         name=f"{component}-status")
 
-    def start(self) -> "StatusServer":
+    def start(self) -> StatusServer:
         self._thread.start()
         return self
 

@@ -23,7 +23,8 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from agent.errors import RewarmError
 from agent.sim.replay_scale import ReplayRequest
@@ -78,7 +79,7 @@ async def one_request(client, model: str, tokens: list[int], max_tokens: int,
                 out.replica, out.queue_wait_ms = msg.get("replica"), msg.get("queue_wait_ms")
     except RewarmError as err:
         out.code, out.reason = int(getattr(err, "code", 500) or 500), str(err)
-    except (OSError, asyncio.TimeoutError) as err:
+    except (TimeoutError, OSError) as err:
         out.code, out.reason = 599, f"{type(err).__name__}: {err}"
     if out.code == 0:
         out.code, out.reason = 598, "no done message"
@@ -229,10 +230,10 @@ def _fit_line(xs: list[float], ys: list[float], relative: bool = False) -> tuple
     set the intercept rather than the long ones' absolute noise)."""
     w = [1.0 / (y * y) if relative and y > 0 else 1.0 for y in ys]
     sw = sum(w)
-    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
-    my = sum(wi * y for wi, y in zip(w, ys)) / sw
-    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
-    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx if sxx > 0 else 0.0
+    mx = sum(wi * x for wi, x in zip(w, xs, strict=True)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys, strict=True)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs, strict=True))
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
     if slope < 0:   # noise on a flat curve: no per-token cost resolved, the mean is overhead
         return 0.0, my
     return slope, my - slope * mx

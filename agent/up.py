@@ -185,7 +185,7 @@ class Stack:
         self._closed = False
         self._failure: Exception | None = None
 
-    def start(self, timeout_s: float = 60.0) -> "Stack":
+    def start(self, timeout_s: float = 60.0) -> Stack:
         from agent.node.backend import ModelSpec
         from agent.node.processes import ProcessBackend
         from agent.node.service import build_agent

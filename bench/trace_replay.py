@@ -363,7 +363,7 @@ def write_records(path: Path, load: float, plan, outcomes, decisions) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     t0 = decisions[0].at_s if decisions else 0.0
     with target.open("w") as f:
-        for r, o in zip(plan, outcomes):
+        for r, o in zip(plan, outcomes, strict=True):
             f.write(_json_line({"kind": "request", "at_s": r.at_s, "sent_s": o.sent_s,
                                 "prompt_tokens": r.prompt_tokens,
                                 "output_tokens": r.output_tokens, "code": o.code,

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def nomad_scaler(max_replicas: int = 8, **job_variables: object):

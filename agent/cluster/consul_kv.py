@@ -12,7 +12,8 @@ cannot move a status backwards between a read and a write.
 from __future__ import annotations
 
 import json
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 import consul
 import consul.exceptions

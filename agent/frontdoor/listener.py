@@ -25,7 +25,7 @@ import logging
 import os
 import resource
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 from agent.clock import Clock
 

@@ -80,7 +80,7 @@ class Inventory:
         self.cpu_reason = cpu_reason
 
     @classmethod
-    def detect(cls, nvml: Any = None, *, announce: bool = True) -> "Inventory":
+    def detect(cls, nvml: Any = None, *, announce: bool = True) -> Inventory:
         """Read NVML; with no GPU, log once per process that replicas run on the CPU."""
         global _said_cpu_only
         gpus, reason = read_gpus(nvml)

@@ -15,9 +15,9 @@ import json
 import logging
 import threading
 
-log = logging.getLogger(__name__)
-
 from agent.argtypes import host_port, port, positive_float, positive_int
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:

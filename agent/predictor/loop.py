@@ -60,7 +60,8 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
+from collections.abc import Callable, Iterable
 
 from agent.clock import Clock
 from agent.cluster.base import Scaler

@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Callable, Mapping, Protocol
+from typing import Protocol
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Gauge
 

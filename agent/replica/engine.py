@@ -28,7 +28,7 @@ import collections
 import dataclasses
 import secrets
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -162,7 +162,7 @@ class Engine(Lockstep):
 
     @classmethod
     def sized(cls, config: LlamaConfig, weights, *, budget_bytes: int, max_seq_len: int,
-              max_seqs_limit: int | None = None, **kwargs) -> "Engine":
+              max_seqs_limit: int | None = None, **kwargs) -> Engine:
         """An engine with as many slots as ``budget_bytes`` holds (see agent/replica/kv.py)."""
         plan = plan_kv(config, budget_bytes, max_seq_len, max_seqs_limit)
         engine = cls(config, weights, max_seqs=plan.max_seqs, max_seq_len=max_seq_len, **kwargs)

@@ -39,7 +39,8 @@ another thread than the restore the same check took 372 ms (agent/replica/worker
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Sequence
 
 from agent.errors import GoldenMismatch, SnapshotIncompatible
 from agent.snapshot.format import GoldenCheck
@@ -141,8 +142,8 @@ def verify_golden(engine: Generates, golden: GoldenCheck, where: Any = None) -> 
 
 def _first_difference(want: list[list[int]], got: list[list[int]]):
     """``(prompt, position, wanted, got)`` of the first differing token, or None."""
-    for i, (a, b) in enumerate(zip(want, got)):
-        for j, (x, y) in enumerate(zip(a, b)):
+    for i, (a, b) in enumerate(zip(want, got, strict=False)):
+        for j, (x, y) in enumerate(zip(a, b, strict=False)):
             if x != y:
                 return i, j, x, y
         if len(a) != len(b):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -137,7 +137,7 @@ class Lockstep:
         seqs = self._lockstep_seqs([[int(t) for t in p] for p in prompts], n, seed)
         out: list[list[int]] = []
         with torch.inference_mode():
-            for start, group in zip(range(0, len(seqs), self.kv.max_seqs), self._groups(seqs)):
+            for start, group in zip(range(0, len(seqs), self.kv.max_seqs), self._groups(seqs), strict=True):
                 inputs = [s.prompt + tokens[start + row][:n - 1] for row, s in enumerate(group)]
                 with self._slots(group) as idx:
                     out += self._replay_group(group, idx, inputs, n)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

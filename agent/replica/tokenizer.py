@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 

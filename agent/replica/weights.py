@@ -18,7 +18,7 @@ import math
 import re
 import struct
 from pathlib import Path
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 

@@ -37,13 +37,13 @@ from agent.replica.config import LlamaConfig
 from agent.replica.engine import Engine
 from agent.replica.speedmeter import SpeedMeter, boot_profile
 from agent.speed import SpeedProfile
+from agent.replica.golden import DEFAULT_MAX_TOKENS as GOLDEN_MAX_TOKENS
+from agent.replica.golden import DEFAULT_SEED as GOLDEN_SEED
+from agent.replica.golden import GOLDEN_TEXTS
 from agent.snapshot.format import GoldenCheck, Manifest, ModelIdentity
 
 log = logging.getLogger(__name__)
 
-from agent.replica.golden import DEFAULT_MAX_TOKENS as GOLDEN_MAX_TOKENS
-from agent.replica.golden import DEFAULT_SEED as GOLDEN_SEED
-from agent.replica.golden import GOLDEN_TEXTS
 DEFAULT_BUFFER_BYTES = 1 << 30
 MAX_SEQS_LIMIT = 4096
 """Most KV slots a snapshot may ask for (the design document sizes ~80 sequences per A100)."""
@@ -83,7 +83,7 @@ class Warmed:
     thread_id: int = 0    # threading.get_ident() of the thread that warmed it
 
 
-_WARMED: "weakref.WeakKeyDictionary[Any, Warmed]" = weakref.WeakKeyDictionary()
+_WARMED: weakref.WeakKeyDictionary[Any, Warmed] = weakref.WeakKeyDictionary()
 
 
 def _layout(manifest: Manifest) -> tuple:
@@ -307,7 +307,7 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
                   package_dir, extra.get("tokenizer_dir"), ranges, phases, keepalive=restored.buffer)
 
 
-def check_package_fits(forward: "aot.PackagedForward", engine: dict[str, int],
+def check_package_fits(forward: aot.PackagedForward, engine: dict[str, int],
                        recorded: Any, where: Any) -> None:
     """The engine a snapshot describes must be one the package was compiled for: ``max_seqs``
     slots within the batch and cache-batch ranges, slots of exactly the package's T positions,

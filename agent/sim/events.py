@@ -50,7 +50,7 @@ PATH_WARM, PATH_QUEUED = 0, 1
 class Controller(Protocol):
     """Sizes the fleet once per tick (a baseline policy or the production predictor)."""
 
-    def tick(self, now_s: float, arrivals: int, sim: "Simulation") -> None:
+    def tick(self, now_s: float, arrivals: int, sim: Simulation) -> None:
         ...
 
 

@@ -28,7 +28,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -56,7 +56,7 @@ class StartupTimes:
     naive_s: tuple[float, float] = (60.0, 90.0)
 
     @classmethod
-    def from_json(cls, path: Path, base: "StartupTimes | None" = None) -> "StartupTimes":
+    def from_json(cls, path: Path, base: StartupTimes | None = None) -> StartupTimes:
         """Override tiers from a benchmark JSON with keys ``restore_s`` (or
         ``zygote_restore_s``, preferred), ``suspended_s``/``resume_s`` and ``naive_s``:
         each a number or a ``[low, high]`` pair.  Raises :class:`ConfigError` on negative or
@@ -72,7 +72,7 @@ class StartupTimes:
 
     @classmethod
     def from_dict(cls, data: dict, where: object = "start-up times",
-                  base: "StartupTimes | None" = None) -> "StartupTimes":
+                  base: StartupTimes | None = None) -> StartupTimes:
         """:meth:`from_json` on an object already read (``where`` names it in errors)."""
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: start-up times must be an object, not "

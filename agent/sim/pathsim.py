@@ -30,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from agent.replay import Outcome, summarise
 from agent.sim.replay_scale import ReplayRequest

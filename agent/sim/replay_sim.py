@@ -20,7 +20,8 @@ front door's ``snapshot_restore`` when it waited for a replica to come up.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -24,7 +24,8 @@ it, on a virtual-time loop (agent/sim/vloop.py):
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from agent.errors import Overloaded, ProtocolError, RewarmError
 from agent.protocol import Decoder, error_message, pack
@@ -36,7 +37,7 @@ from agent.speed import SpeedProfile
 class SimTransport(asyncio.Transport):
     """The link's transport: bytes written go to ``worker.receive`` as decoded messages."""
 
-    def __init__(self, worker: "SimWorker") -> None:
+    def __init__(self, worker: SimWorker) -> None:
         super().__init__()
         self.worker = worker
         self.decoder = Decoder()

@@ -259,7 +259,7 @@ def manifest_from_dict(d: Any, path: Any = None) -> Manifest:
         fname = _typed(path, f"{what}.file", row[0], str)
         if not _FILE_NAME.match(fname):
             raise _bad(path, f"{what}.file", "a plain file name", fname)
-        off, length, boff = (_int(path, f"{what}.{k}", v) for k, v in zip(("offset", "length", "buffer_offset"), row[1:4]))
+        off, length, boff = (_int(path, f"{what}.{k}", v) for k, v in zip(("offset", "length", "buffer_offset"), row[1:4], strict=True))
         if off % ALIGN or length % ALIGN or length == 0:
             raise _bad(path, what, f"offset and length multiples of {ALIGN}, length > 0", (off, length))
         if boff != cursor:
