@@ -85,7 +85,8 @@ class AsyncClient:
         try:
             while data := await self._reader.read(65536):
                 for msg in decoder.feed(data):
-                    queue = self._waiting.get(msg.get("id"))
+                    rid: Any = msg.get("id")     # whatever the peer sent; unknown ids are dropped
+                    queue = self._waiting.get(rid)
                     if queue is not None:
                         queue.put_nowait(msg)
                     elif msg.get("type") == "error":  # not tied to a request: fatal

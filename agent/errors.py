@@ -178,6 +178,7 @@ class Overloaded(RewarmError):
     retry_after_ms: int
     depth: int
     limit: int
+    answer: dict[str, Any]   # a replica's refusal: predicted_ttft_ms, deadline_ms, retry_after_ms
 
     code = 429
 

@@ -199,11 +199,12 @@ async def calibrate(address: str, model: str, base: Sequence[int], *, max_seq_le
             outs = await asyncio.gather(*(one_request(
                 client, model, prompt_tokens(base, i + b, 8), gen,
                 deadline_ms=CALIBRATION_DEADLINE_MS) for b in range(batch)))
+            per_token_s = []
             for o in outs:
-                if o.code != 200 or o.ttft_ms is None:
+                if o.code != 200 or o.ttft_ms is None or o.answered_ms is None:
                     raise RuntimeError(f"calibration request failed: {o.code} {o.reason}")
-            return statistics.median((o.answered_ms - o.ttft_ms) / 1000.0 / max(1, len(o.tokens) - 1)
-                                     for o in outs)
+                per_token_s.append((o.answered_ms - o.ttft_ms) / 1000.0 / max(1, len(o.tokens) - 1))
+            return statistics.median(per_token_s)
 
         for i in range(2):           # warm up the path (connection, replica caches)
             await ttft(8, i)

@@ -80,7 +80,7 @@ class SnapshotKV:
                 if old.get("status") == status and old.get("durable") == new["durable"]:
                     return True
                 if status != old.get("status") and status not in STATUS_MOVES.get(
-                        old.get("status"), frozenset()):
+                        str(old.get("status")), frozenset()):
                     return False
                 if status == old.get("status") and old.get("durable") and not durable:
                     return False                     # durability is not taken back

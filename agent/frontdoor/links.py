@@ -127,7 +127,8 @@ class ReplicaLink(Batched):
             return
         on_answer, in_flight = self.owner.on_answer, self.in_flight
         for message in messages:
-            flight = in_flight.get(message.get("id"))
+            rid: Any = message.get("id")   # whatever the replica sent; unknown ids are dropped
+            flight = in_flight.get(rid)
             if flight is not None:
                 on_answer(self, flight, message)
 

@@ -94,6 +94,8 @@ class MsgpackEntrance:
 
     @property
     def address(self) -> tuple[str, int]:
+        if self._listener is None:
+            raise RuntimeError("msgpack entrance used before start()")
         return self._listener.address
 
     def close_listener(self) -> None:

@@ -406,6 +406,8 @@ class RequestPath(QueuePlanner, Restores, Reroute):
         restored = self.last_restore.get(model)
         while queue:
             head = queue.peek()
+            if head is None:
+                break
             found = self._choose_in_time(head.payload, now)
             if found is None:
                 self._drain_past_heads(queue, now, restored)

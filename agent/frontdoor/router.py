@@ -258,7 +258,7 @@ class Router:
                 continue
             if load.speed is None and prior is None:
                 prior = self.prior(model)
-            ttft_s = load.predict_ttft_s(prompt_tokens, prior)  # type: ignore[arg-type]
+            ttft_s = load.predict_ttft_s(prompt_tokens, prior)
             if best is None or ttft_s < best_s:
                 best, best_s = load, ttft_s
             elif ttft_s == best_s:

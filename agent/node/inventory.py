@@ -50,7 +50,7 @@ def read_gpus(nvml: Any = None) -> tuple[list[Gpu], str | None]:
     """
     if nvml is None:
         try:
-            import pynvml as nvml  # nvidia-ml-py
+            import pynvml as nvml  # type: ignore[no-redef]  # nvidia-ml-py, in place of the injected one
         except ImportError as exc:
             return [], f"pynvml not importable ({exc})"
     try:

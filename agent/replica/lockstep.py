@@ -50,7 +50,8 @@ class Lockstep:
                                 value=len(self._active) + len(self._waiting), limit=0)
         for i, p in enumerate(prompts):
             self.submit(p, max_tokens, None if seed is None else seed + i)
-        seqs, self._waiting = list(self._waiting), collections.deque()
+        empty: collections.deque = collections.deque()
+        seqs, self._waiting = list(self._waiting), empty
         self._publish()   # else :attr:`load` keeps counting the prompts as waiting
         return seqs
 
@@ -156,6 +157,7 @@ class Lockstep:
         tail = self._decode_rows([r[-1] for r in inputs], [len(r) - 1 for r in inputs], idx)
         out = []
         for row, seq in enumerate(group):
-            got = [self._sample(seq, head[row][k]) for k in range(n - 1)]
+            rows = head[row]     # None only when n == 1: nothing before the last position
+            got = [] if rows is None else [self._sample(seq, rows[k]) for k in range(n - 1)]
             out.append(got + [self._sample(seq, tail[row])])
         return out

@@ -49,6 +49,7 @@ class ReplicaMeter:
         if not self._steps:
             self.batch_size = 0
             return 0.0
+        assert self._first_s is not None, "set by the first record()"
         wall_s = min(self.window_s, now - self._first_s)
         return sum(n for _t, n in self._steps) / wall_s if wall_s > 0 else 0.0
 

@@ -29,11 +29,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 from agent.errors import ConfigError
 from agent.frontdoor.router import ReplicaLoad, Router
+from agent.speed import SpeedProfile
 
 OFF, BOOTING, WARM, DRAINING, SUSPENDED = range(5)
 STATE_NAMES = ("off", "booting", "warm", "draining", "suspended")
@@ -100,6 +102,13 @@ class StartupTimes:
         return cls(**values)
 
 
+class Profiled(Protocol):
+    """What :attr:`FleetConfig.replica` gives the fleet (agent.sim.profile.ReplicaProfile)."""
+
+    @property
+    def speed(self) -> SpeedProfile: ...
+
+
 @dataclass
 class FleetConfig:
     """One model's replicas.  ``seqs_per_replica`` concurrent sequences (KV slots) and
@@ -116,7 +125,7 @@ class FleetConfig:
     suspended_ttl_s: float = 3600.0
     max_concurrent_starts: int = 0
     max_replicas: int = 10_000
-    replica: object = None   # agent.sim.profile.ReplicaProfile: replicas step at its speed
+    replica: Profiled | None = None   # agent.sim.profile.ReplicaProfile: replicas step at its speed
 
     def __post_init__(self) -> None:
         for name in ("seqs_per_replica", "kv_capacity_tokens", "max_replicas"):
@@ -132,7 +141,7 @@ class Fleet:
     ``router`` is the production :class:`Router` the simulation dispatches through.
     """
 
-    def __init__(self, cfg: FleetConfig, *, router: Router, clock, schedule: Callable,
+    def __init__(self, cfg: FleetConfig, *, router: Router, clock, schedule: Callable | None,
                  rng: np.random.Generator) -> None:
         self.cfg = cfg
         self.router = router
@@ -241,6 +250,7 @@ class Fleet:
             self._set(i, BOOTING)
             self._booting += 1
             self.gen[i] += 1
+            assert self._schedule is not None, "the Simulation gives the fleet its schedule"
             self._schedule(self.clock.now() + dt, READY, i, self.gen[i])
 
     def start_warm(self, n: int) -> None:

@@ -15,6 +15,7 @@ prefill time.
 from __future__ import annotations
 
 import csv
+from typing import Any
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,6 +310,7 @@ def synthetic(rate_rps: np.ndarray, *, step_s: float, occupancy_s: float, prefil
     """
     arrival = poisson_arrivals(rate_rps, step_s=step_s, rng=rng)
     n = arrival.shape[0]
+    occ: Any
     if occupancy_cv > 0:
         shape = 1.0 / occupancy_cv ** 2
         occ = rng.gamma(shape, occupancy_s / shape, n)

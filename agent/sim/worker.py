@@ -42,11 +42,12 @@ class SimTransport(asyncio.Transport):
         self.worker = worker
         self.decoder = Decoder()
         self.closed = False
+        self.link: Any = None    # the front door's ReplicaLink, set by SimWorker.connect
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         if self.closed:
             return
-        for message in self.decoder.feed(data):
+        for message in self.decoder.feed(bytes(data)):
             self.worker.receive(self, message)
 
     def close(self) -> None:
@@ -72,7 +73,7 @@ class _Loaded:
         waiting_seqs = 0
 
     class _Engine:
-        pass
+        load: Any
 
     def __init__(self, model: str) -> None:
         self.identity = _Identity(model)
@@ -138,7 +139,7 @@ class SimWorker:
                 raise ProtocolError(f"prompt {prompt} + max_tokens {max_tokens} exceeds "
                                     f"max_seq_len {self.max_seq_len}", field="max_tokens",
                                     value=prompt + max_tokens, limit=self.max_seq_len)
-            Worker._check_deadline(self, message.get("deadline_ms"), prompt)
+            Worker._check_deadline(self, message.get("deadline_ms"), prompt)  # type: ignore[arg-type]  # the replica's own check, over the same attributes
         except Overloaded as exc:
             self.refused += 1
             self._send(transport, error_message(rid, exc.code, exc.message, **exc.answer))

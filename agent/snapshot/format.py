@@ -183,7 +183,7 @@ def _list(path: Any, what: str, value: Any, limit: int | None = None) -> list:
     return value
 
 
-def _record(path: Any, what: str, value: Any, cls: type) -> dict:
+def _record(path: Any, what: str, value: Any, cls: Any) -> dict:
     value = _typed(path, what, value, dict)
     names = set(cls.__dataclass_fields__)
     if set(value) != names:
@@ -251,7 +251,8 @@ def manifest_from_dict(d: Any, path: Any = None) -> Manifest:
         tensors.append(TensorEntry(name, dt, shape, strides, off, nbytes))
         if nbytes:
             prev = tensors[-1]
-    chunks, cursor, file_end = [], 0, {}      # file_end: file -> (end of its last chunk, index)
+    chunks, cursor = [], 0
+    file_end: dict[str, tuple[int, int]] = {}   # file -> (end of its last chunk, index)
     for i, row in enumerate(_list(path, "chunks", d["chunks"])):
         what = f"chunks[{i}]"
         if not isinstance(row, list) or len(row) != 7:

@@ -141,7 +141,7 @@ class Restored:
     tensors: dict[str, torch.Tensor]   # views into ``buffer``, in manifest order
     manifest: Manifest
     stats: RestoreStats
-    buffer: HostBuffer
+    buffer: HostBuffer | None   # None: restored into device memory (agent/snapshot/gpu.py)
 
 
 # pread sizes.  Direct reads: large requests keep the device queue full.  Buffered reads (a
@@ -174,7 +174,7 @@ def page_cache_share(path: Path, manifest: Manifest, fds: dict[str, tuple[int, i
     as not cached: this is only the heuristic that picks direct or buffered reads.
     """
     own = fds is None
-    if own:
+    if fds is None:
         try:
             fds = _open_files(path, manifest, direct=False)
         except SnapshotError:
@@ -278,7 +278,7 @@ def _close(fds: dict[str, tuple[int, int]]) -> None:
 
 def _check_results(path: Path, manifest: Manifest, indices: list[int], results: list, verify: bool) -> int:
     """Raise SnapshotCorrupt naming the first bad chunk (and how many were bad); return direct count."""
-    bad = []
+    bad: list[tuple[int, str, object, object]] = []   # (chunk, what, expected, actual)
     for i, (err, short, _direct, actual) in zip(indices, results, strict=True):
         c = manifest.chunks[i]
         if err:
@@ -356,7 +356,7 @@ def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, veri
         if direct:
             _add_direct(path, fds)
         fresh = buffer is None
-        if fresh:
+        if buffer is None:
             buffer = HostBuffer.allocate(total, huge=huge)
         jobs = [(*fds[c.file], c.offset, c.length, c.buffer_offset, c.checksum) for c in manifest.chunks]
         piece = DIRECT_PIECE_BYTES if direct else BUFFERED_PIECE_BYTES
