@@ -1,6 +1,6 @@
 """A live trace replay against a running front door, and what its clients saw.
 
-Used by ``bench/trace_replay.py`` (the judge of issue 12) and ``rewarm up --demo``: requests
+Used by ``bench/trace_replay.py`` and ``rewarm up --demo``: requests
 of a scaled trace window (:mod:`agent.sim.replay_scale`) are sent at their wall times over
 one msgpack/TCP connection (no client retries: a 429 is an outcome, not something to hide),
 and every answer is recorded as a client sees it.
