@@ -118,11 +118,11 @@ class QueuePlanner:
         elif slots:
             # deeper than one slot each: the slots are reused in rounds, each round one
             # request's decode (the model's mean max_tokens, at the slot's step) later
-            rounds, first = divmod(ahead, len(slots))
+            rounds, start = divmod(ahead, len(slots))
             gen = self._shape.get(model, (1.0, 1.0))[1] + 1.0
-            heap = [(t + rounds * gen * step, seen, step, r) for t, seen, step, r in slots[first:]]
+            heap = [(t + rounds * gen * step, seen, step, r) for t, seen, step, r in slots[start:]]
             heap += [(t + (rounds + 1) * gen * step, seen, step, r)
-                     for t, seen, step, r in slots[:first]]
+                     for t, seen, step, r in slots[:start]]
             heapq.heapify(heap)
         else:
             heap = []
@@ -138,8 +138,8 @@ class QueuePlanner:
                 if now + max(0.0, t - now) + own + spare > flight.deadline_s:
                     passed.append(slot)       # no later slot is sooner
                     break
-                start = max(t, busy.get(rid, t)) if rid else t  # its replica's prefills first
-                ttft_s = max(0.0, start - now) + own
+                begin_s = max(t, busy.get(rid, t)) if rid else t  # its replica's prefills first
+                ttft_s = max(0.0, begin_s - now) + own
                 if now + ttft_s + spare <= flight.deadline_s and (
                         seen > flight.arrival_s or now + ttft_s + spare <= flight.warm_deadline_s):
                     found = ttft_s
