@@ -284,9 +284,13 @@ def demo_stack_options() -> dict[str, Any]:
 
 # --- the scenario ----------------------------------------------------------------------------
 
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "bench" / "traces" / "azure_llm_2023_code.csv"
+"""The Azure LLM code trace kept in the repository (bench/traces/README.md: source, licence)."""
+
+
 def default_trace() -> Path:
-    """``<repo>/../shared/traces/azure_llm_2023_code.csv``."""
-    return Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_code.csv"
+    """:data:`DEFAULT_TRACE` (``bench/traces/azure_llm_2023_code.csv``)."""
+    return DEFAULT_TRACE
 
 
 def trace_path(args: argparse.Namespace) -> Path:
