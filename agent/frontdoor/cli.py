@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import gc
 import signal
 import sys
 
 from agent.argtypes import host_port, port, positive_float, positive_int
-from agent.cluster import ClusterChoice, add_flags, choice_from_args, choose
+from agent.cluster import (ClusterChoice, add_flags, catalog_watcher, choice_from_args, choose,
+                           consul_client)
 from agent.cluster.base import Registry
 from agent.errors import ConfigError, RewarmError, Unreachable
 
@@ -123,14 +123,12 @@ def _serve(args) -> int:
         capacity = NodeAgentCapacity((lambda model: list(nodes)) if nodes
                                      else nodes_from_registry(registry))
     # Consul: a client each for the announcers and the catalog watch (one call at a time per
-    # client, agent/cluster/consul_registry.py).
-    consul = None
+    # client).
+    consul = choice.registry == "consul"
     announcer = None
-    if choice.registry == "consul":
-        from agent.cluster.consul_http import consul_client
+    if consul:
         from agent.frontdoor.announce import ConsulTcpAnnouncer
-        consul = functools.partial(consul_client, choice.consul)
-        announcer = ConsulTcpAnnouncer(consul())
+        announcer = ConsulTcpAnnouncer(consul_client(choice))
     if not args.no_http:
         from agent.frontdoor.http_conn import http_port_from_env
         http_port = args.http_port if args.http_port is not None else http_port_from_env()
@@ -151,18 +149,16 @@ def _serve(args) -> int:
                        telemetry=telemetry, auth=auth, announcer=announcer)
         holder.append(fd)
         catalog = None
-        if consul is not None:   # models and their policies from the catalog in Consul KV
-            from agent.cluster.model_catalog import CatalogWatcher, ModelCatalog
-            catalog = CatalogWatcher(ModelCatalog(consul()),
-                                     _learn_models(fd, asyncio.get_running_loop())).start()
+        # models and their policies from the catalog in Consul KV (None: local registry)
+        catalog = catalog_watcher(choice, _learn_models(fd, asyncio.get_running_loop()))
         host, port = await fd.start()
         http = None
         if not args.no_http:
             from agent.frontdoor.http_entrance import HttpConfig, start_http
             http_announcer = None
-            if consul is not None:
+            if consul:
                 from agent.frontdoor.announce import ConsulHttpAnnouncer
-                http_announcer = ConsulHttpAnnouncer(consul())
+                http_announcer = ConsulHttpAnnouncer(consul_client(choice))
             try:
                 http = await start_http(fd, HttpConfig(host=args.host, port=http_port,
                                                        max_connections=args.max_connections),
