@@ -147,7 +147,8 @@ class Queues:
         restored = state.last_restore
         while queue:
             head = queue.peek()
-            assert head is not None   # the queue is not empty
+            if head is None:
+                break
             found = self.planner.choose_in_time(head.payload, now)
             if found is None:
                 self._drain_past_heads(queue, now, restored)

@@ -93,9 +93,9 @@ class Reroute:
         it carry the difference until its next report, and ``flight`` is placed again."""
         self.counts["replica_429"] += 1
         load = self.router.get(link.replica_id)
-        theirs = message.get("predicted_ttft_ms")
-        if (load is not None and isinstance(theirs, (int, float)) and type(theirs) is not bool
-                and math.isfinite(theirs) and theirs >= 0 and flight.predicted_ttft_s):
+        theirs: Any = message.get("predicted_ttft_ms")   # the replica's number, checked here
+        if (load is not None and type(theirs) in (int, float) and math.isfinite(theirs)
+                and theirs >= 0 and flight.predicted_ttft_s):
             ours_s = flight.predicted_ttft_s - (flight.queue_wait_ms / 1000.0)
             load.penalty_s = max(load.penalty_s, theirs / 1000.0 - ours_s)
         self._place_again(flight, link.replica_id, str(message.get("reason", "replica refused")),
