@@ -105,8 +105,8 @@ class RestoreTimes:
     """Recent restore durations per model and tier (path) and their p99 and p50 (nearest
     rank over the last ``window`` restores).  The design document sets admission deadlines
     from the restore latency's p99, not its mean ("Deadline-Aware Admission Control").
-    ``last_path(model)`` is the tier the model's last restore took, cold boots aside: the
-    next restore most likely takes it too, and a cold boot predicts nothing about the next
+    Without a ``path``, :meth:`p99_ms` and :meth:`p50_ms` are of the tier the model's last
+    restore took, cold boots aside: the next restore most likely takes it too, and a cold boot predicts nothing about the next
     one (it happens once per model version; every later start is a snapshot restore,
     ARCHITECTURE.md), so a model measured only cold-booting has no default p99."""
 
@@ -126,9 +126,6 @@ class RestoreTimes:
                         ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)])
         if path != "cold_boot":
             self._last[model] = path
-
-    def last_path(self, model: str) -> str | None:
-        return self._last.get(model)
 
     def p99_ms(self, model: str, path: str | None = None) -> float | None:
         """p99 (ms) of ``model``'s restores on ``path`` (default: its last restore's)."""

@@ -126,7 +126,7 @@ class Worker:
         # restore/capture/shutdown read or write files on this host or end the process: on a
         # TCP listener they are refused unless ``tcp_control`` (a unix socket's file mode
         # already says who may connect).
-        self.tcp_control, self._tcp = tcp_control, False
+        self.tcp_control = tcp_control
         self.state = State.SERVING if loaded is not None else State.ZYGOTE
         self.parent_pid, self.watchdog_s = parent_pid, watchdog_s
         # the engine's one thread (make_engine_thread); pass the one that loaded the model
@@ -147,7 +147,6 @@ class Worker:
         once listening (port 0 picks a free port).  ``data_listen`` (``HOST:PORT``) is a second,
         TCP listener for other hosts' front doors (a node agent keeps ``listen`` a unix socket
         for its control ops); its address is ``self.data_address``."""
-        self._tcp = not listen.startswith("unix:")
         self.data_address = None
         extra = None
         if data_listen:

@@ -38,7 +38,6 @@ from agent.frontdoor.router import ReplicaLoad, Router
 from agent.speed import SpeedProfile
 
 OFF, BOOTING, WARM, DRAINING, SUSPENDED = range(5)
-STATE_NAMES = ("off", "booting", "warm", "draining", "suspended")
 READY = 1  # event kind the simulation hands back to :meth:`Fleet.on_ready`
 
 
