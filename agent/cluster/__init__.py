@@ -67,6 +67,9 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
 SCALER_ALIASES = {"agents": "local"}
 """Former ``--scaler`` spellings, still accepted."""
 
+DEFAULT_MAX_REPLICAS = 8
+"""``--max-replicas``: the scaling max of a Nomad replica job registered on first use."""
+
 CONTROL_TIMEOUT_S = 600.0
 """How long the local scaler waits for one node-agent call (a cold boot takes minutes)."""
 
@@ -100,7 +103,7 @@ class ClusterChoice:
     scaler: str = "local"
     consul: str | None = None
     node_agents: tuple[str, ...] = ()
-    max_replicas: int = 8
+    max_replicas: int = DEFAULT_MAX_REPLICAS
 
     def __post_init__(self) -> None:
         for kind in ("registry", "scaler"):
@@ -129,7 +132,7 @@ def add_flags(parser: argparse.ArgumentParser, *, scaler: bool = True,
                             metavar="HOST:PORT",
                             help="node agent control API the local scaler asks (repeatable)")
     if max_replicas:
-        parser.add_argument("--max-replicas", type=positive_int, default=8,
+        parser.add_argument("--max-replicas", type=positive_int, default=DEFAULT_MAX_REPLICAS,
                             help="with --scaler nomad: the scaling max of a replica job it "
                                  "registers")
 
@@ -145,7 +148,7 @@ def choice_from_args(args: argparse.Namespace) -> ClusterChoice:
         scaler = SCALER_ALIASES[scaler]
     return ClusterChoice(registry=registry, scaler=scaler, consul=consul,
                          node_agents=tuple(getattr(args, "node_agent", None) or ()),
-                         max_replicas=getattr(args, "max_replicas", 8))
+                         max_replicas=getattr(args, "max_replicas", DEFAULT_MAX_REPLICAS))
 
 
 @overload
