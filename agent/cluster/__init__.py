@@ -130,7 +130,9 @@ def add_flags(parser: argparse.ArgumentParser, *, scaler: bool = True,
     if node_agents:
         parser.add_argument("--node-agent", action="append", default=[], type=host_port,
                             metavar="HOST:PORT",
-                            help="node agent control API the local scaler asks (repeatable)")
+                            help="node agent control API asked for replicas (repeatable; "
+                                 "default $REWARM_AGENT or 127.0.0.1:7733, and the front "
+                                 "door asks every passing rewarm-agent in the registry)")
     if max_replicas:
         parser.add_argument("--max-replicas", type=positive_int, default=DEFAULT_MAX_REPLICAS,
                             help="with --scaler nomad: the scaling max of a replica job it "
