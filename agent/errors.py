@@ -15,15 +15,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from agent.wire import refusals
+
 
 class RewarmError(Exception):
     """Base of every error rewarm raises on purpose.
 
     Attributes given as keywords are kept on the instance (``err.path``, ``err.limit``...)
-    so that handlers and tests can read them without parsing the message.
+    so that handlers and tests can read them without parsing the message.  ``refusal``: for
+    an error that refuses a request, why, as one of :data:`agent.wire.refusals.REFUSALS`
+    (a class default, or given where the refusal is decided); it travels in the ``error``
+    answer's ``refusal`` field.
     """
 
     code: int = 500
+    refusal: str | None = None
 
     def __init__(self, message: str, **attrs: Any) -> None:
         super().__init__(message)
@@ -120,6 +126,7 @@ class CapacityExceeded(RewarmError, MemoryError):
     """A request cannot fit in the KV cache. Attributes: ``need_tokens``, ``limit_tokens``."""
 
     code = 413
+    refusal = refusals.TOO_LARGE
 
 
 # --- the wire ---------------------------------------------------------------------------
@@ -157,6 +164,7 @@ class ModelNotFound(RewarmError, LookupError):
     """No such model is configured (404). Attributes: ``model``."""
 
     code = 404
+    refusal = refusals.UNKNOWN_MODEL
 
 
 class ReplicaNotFound(RewarmError, LookupError):
@@ -171,7 +179,8 @@ class ReplicaNotFound(RewarmError, LookupError):
 class Overloaded(RewarmError):
     """Admission refused: the queue is full or the wait would be too long (429).
 
-    Attributes: ``model``, ``retry_after_ms``, ``depth``, ``limit``.
+    Attributes: ``model``, ``retry_after_ms``, ``depth``, ``limit``; ``refusal`` is given
+    where it is raised (``queue_full``, ``max_wait``, ``deadline_unreachable``).
     """
 
     model: str
@@ -187,6 +196,7 @@ class NoCapacity(RewarmError):
     """No replica can be made available for this model (503). Attributes: ``model``."""
 
     code = 503
+    refusal = refusals.NO_CAPACITY
 
 
 class DeadlineExceeded(RewarmError, TimeoutError):
@@ -196,6 +206,7 @@ class DeadlineExceeded(RewarmError, TimeoutError):
     """
 
     code = 504
+    refusal = refusals.DEADLINE
 
 
 # --- configuration, devices and the outside systems --------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 
 from agent.clock import Clock
 from agent.errors import ConfigError, Overloaded
+from agent.wire import refusals
 from agent.speed import SpeedProfile
 
 
@@ -89,18 +90,19 @@ class AdmissionQueue:
             raise Overloaded(
                 f"model {self.model!r}: admission queue depth {self._live} is at max_depth"
                 f"({self.max_depth})", model=self.model, retry_after_ms=self.retry_after_ms(),
-                depth=self._live, limit=self.max_depth)
+                depth=self._live, limit=self.max_depth, refusal=refusals.QUEUE_FULL)
         if self.expected_wait_s > self.max_wait_s:
             raise Overloaded(
                 f"model {self.model!r}: expected wait {self.expected_wait_s:.3f} s exceeds "
                 f"max_wait_s({self.max_wait_s})", model=self.model,
                 retry_after_ms=max(1, int(self.expected_wait_s * 1000)), depth=self._live,
-                limit=self.max_wait_s)
+                limit=self.max_wait_s, refusal=refusals.MAX_WAIT)
         if p.deadline_s <= now:
             raise Overloaded(
                 f"model {self.model!r}: request {p.request_id!r} has no time left to wait "
                 f"(deadline {p.deadline_s - now:.3f} s from now)", model=self.model,
-                retry_after_ms=self.retry_after_ms(), depth=self._live, limit=self.max_depth)
+                retry_after_ms=self.retry_after_ms(), depth=self._live, limit=self.max_depth,
+                refusal=refusals.DEADLINE_UNREACHABLE)
         p.give_up_s = min(p.deadline_s, p.arrival_s + self.max_wait_s)
         heapq.heappush(self._heap, (p.give_up_s, next(self._seq), p))
         self._live += 1

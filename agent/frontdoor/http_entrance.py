@@ -110,7 +110,8 @@ class HttpSink:
         self.final = ("done", message)
         self._event.set()
 
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
+    def error(self, code: int, reason: str, retry_after_ms: int | None = None,
+              refusal: str | None = None) -> None:
         self.final = ("error", code, reason, retry_after_ms)
         self._event.set()
 

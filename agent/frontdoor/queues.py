@@ -25,6 +25,7 @@ from agent.frontdoor.planner import QueuePlanner
 from agent.frontdoor.ratelog import RateLimitedLog
 from agent.frontdoor.router import ReplicaLoad, Router
 from agent.telemetry import Telemetry
+from agent.wire import refusals
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.frontdoor.request import Flight
@@ -46,8 +47,9 @@ class QueueOwner(Protocol):
 
     def fail(self, flight: Flight, code: int, reason: str, path: str = "refused",
              retry_after_ms: int | None = None, predicted_ttft_ms: float | None = None,
-             reason_code: str | None = None) -> None:
-        """Answer ``flight`` with an error (its final answer)."""
+             refusal: str | None = None) -> None:
+        """Answer ``flight`` with an error (its final answer); ``refusal``: why, as one of
+        agent/wire/refusals.py's codes."""
         ...
 
 
@@ -116,7 +118,8 @@ class Queues:
             self.counts["shed_429"] += 1
             self.owner.fail(flight, 429, f"model {model!r}: cannot start within {left_ms:.0f} ms "
                             f"(the TTFT SLO from arrival): {warm}, {cap}, "
-                            f"{len(queue)} queued ahead", retry_after_ms=retry_ms)
+                            f"{len(queue)} queued ahead", retry_after_ms=retry_ms,
+                            refusal=refusals.DEADLINE_UNREACHABLE)
             self.restores.after_refusal(model)  # demand seen: capacity for the next ones
             return
         flight.predicted_ttft_s = now - flight.arrival_s + ttft_s
@@ -127,7 +130,8 @@ class Queues:
             queue.offer(pending)
         except Overloaded as err:
             self.counts["shed_429"] += 1
-            self.owner.fail(flight, 429, err.message, retry_after_ms=err.retry_after_ms)
+            self.owner.fail(flight, 429, err.message, retry_after_ms=err.retry_after_ms,
+                            refusal=err.refusal)
             return
         flight.pending = pending
         self.queued_models.add(model)
@@ -205,7 +209,8 @@ class Queues:
                             f"{was:.0f} ms; capacity now in sight cannot start it within its "
                             f"deadline ({(p.deadline_s - now) * 1000:.0f} ms left)",
                             retry_after_ms=max(1, round(((first if first < float("inf")
-                                                          else now + 1.0) - now) * 1000)))
+                                                          else now + 1.0) - now) * 1000)),
+                            refusal=refusals.DEADLINE_UNREACHABLE)
         self.telemetry.queue_depth(model, len(queue))
 
     def expire_queued(self) -> None:
@@ -231,11 +236,13 @@ class Queues:
                         self.restore_times.p99_ms(model))
                     self.owner.fail(flight, 504, f"deadline passed after {waited_ms:.0f} ms queued "
                                     f"for model {model!r} (predicted TTFT {predicted})",
-                                    predicted_ttft_ms=_ms(p.predicted_ttft_s))
+                                    predicted_ttft_ms=_ms(p.predicted_ttft_s),
+                                    refusal=refusals.DEADLINE)
                 else:
                     self.counts["shed_429"] += 1
                     self.owner.fail(flight, 429, f"waited max_wait_s({queue.max_wait_s}) for "
-                                    f"model {model!r}", retry_after_ms=queue.retry_after_ms())
+                                    f"model {model!r}", retry_after_ms=queue.retry_after_ms(),
+                                    refusal=refusals.MAX_WAIT)
             if queue and now - state.rechecked_s >= self.config.recheck_s:
                 state.rechecked_s = now
                 self.recheck(model)
@@ -243,12 +250,13 @@ class Queues:
                 self.queued_models.discard(model)
             self.telemetry.queue_depth(model, len(queue))
 
-    def refuse_queued(self, model: str, reason: str) -> None:
-        """Answer every request queued for ``model`` 503 with ``reason`` (never dispatched)."""
+    def refuse_queued(self, model: str, reason: str, refusal: str) -> None:
+        """Answer every request queued for ``model`` 503 with ``reason`` and ``refusal``
+        (its code, agent/wire/refusals.py): none of them was dispatched."""
         queue = self.models.queue(model)
         if queue is not None:
             for p in queue.drain():
-                self.owner.fail(p.payload, 503, reason)
+                self.owner.fail(p.payload, 503, reason, refusal=refusal)
         self.telemetry.queue_depth(model, 0)
 
     def tick_log(self, final: bool = False) -> None:

@@ -107,9 +107,11 @@ class Sink(Protocol):
         "replica", "queue_wait_ms"}`` (times measured here, from arrival)."""
         ...
 
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
+    def error(self, code: int, reason: str, retry_after_ms: int | None = None,
+              refusal: str | None = None) -> None:
         """A refusal or failure: HTTP-like ``code`` (400..504), ``reason`` naming the value
-        and the limit, ``retry_after_ms`` with 429 and 503."""
+        and the limit, ``retry_after_ms`` with 429 and 503, ``refusal``: why, as data (one of
+        agent/wire/refusals.py's codes; None for a failure that is no refusal)."""
         ...
 
 

@@ -68,6 +68,8 @@ from agent.frontdoor.reroute import Reroute, _client_error, _retry_ms
 from agent.frontdoor.restores import Restores
 from agent.frontdoor.router import ReplicaLoad, Router
 from agent.telemetry import Telemetry
+from agent.wire import refusals
+from agent.wire.refusals import known_refusal
 
 __all__ = ["RequestPath", "GenerateRequest", "Sink", "Flight", "SAMPLING_FIELDS"]
 
@@ -152,8 +154,8 @@ class RequestPath:
     def recheck(self, model: str) -> None:
         self.admission.recheck(model)
 
-    def refuse_queued(self, model: str, reason: str) -> None:
-        self.admission.refuse_queued(model, reason)
+    def refuse_queued(self, model: str, reason: str, refusal: str) -> None:
+        self.admission.refuse_queued(model, reason, refusal)
 
     def expire_queued(self) -> None:
         """Answer queued requests past their deadline or wait bound
@@ -175,9 +177,10 @@ class RequestPath:
         """Send ``flight`` to ``replica`` (:meth:`Dispatcher.dispatch`)."""
         self.dispatcher.dispatch(flight, replica, predicted_s, now)
 
-    def replica_failed(self, link: ReplicaLink, reason: str, retry: bool = True) -> None:
+    def replica_failed(self, link: ReplicaLink, reason: str, retry: bool = True,
+                       refusal: str = refusals.REPLICA_FAILED) -> None:
         """The link broke (:meth:`agent.frontdoor.reroute.Reroute.replica_failed`)."""
-        self.reroute.replica_failed(link, reason, retry)
+        self.reroute.replica_failed(link, reason, retry, refusal)
 
     # --- the way in ------------------------------------------------------------------
 
@@ -192,10 +195,11 @@ class RequestPath:
             left_s = (self._drain_until_s or now) - now
             self.fail(flight, 503, "front door shutting down (draining): not taking new "
                       "requests; another front door takes them",
-                      retry_after_ms=max(1, round(max(left_s, 1.0) * 1000)))
+                      retry_after_ms=max(1, round(max(left_s, 1.0) * 1000)),
+                      refusal=refusals.DRAINING)
             return flight
         if model not in self.known_models:  # (not counted by model: names are the client's)
-            self.fail(flight, 404, f"unknown model {model!r}")
+            self.fail(flight, 404, f"unknown model {model!r}", refusal=refusals.UNKNOWN_MODEL)
             return flight
         state = self.models.of(model)
         state.arrivals += 1
@@ -223,14 +227,14 @@ class RequestPath:
             state.max_kv_tokens
         if largest and need > largest:
             self.fail(flight, 413, f"request needs {need} KV tokens; the largest replica of "
-                      f"{model!r} holds {largest}")
+                      f"{model!r} holds {largest}", refusal=refusals.TOO_LARGE)
             return flight
         if not warm:   # (after the 413: one no replica can hold says nothing of keep-alive)
             flight.cold = True
             state.cold_arrivals += 1
         if self.capacity is None and not warm:
             self.fail(flight, 503, f"model {model!r}: no warm replica and no capacity "
-                      f"requester configured")
+                      f"requester configured", refusal=refusals.NO_CAPACITY)
             return flight
         flight.deadline_s = now + restore_s
         self.admission.hold(flight, found[1] if found is not None else None)
@@ -295,6 +299,7 @@ class RequestPath:
             late = late and flight.ttft_s is not None if _client_error(c) else True
         if flight.cold and late:
             self.models.of(flight.model).cold_misses += 1
+        refusal = None
         if kind == "done":
             self.counts["done"] += 1
             message["ttft_ms"] = ttft_ms
@@ -310,19 +315,22 @@ class RequestPath:
             code = message.get("code", 500)
             if type(code) is not int:
                 code = 500
+            refusal = known_refusal(message.get("refusal"))   # the replica's, if it gave one
             flight.sink.error(code, str(message.get("reason", "replica error")),
-                              _retry_ms(message.get("retry_after_ms")))
+                              _retry_ms(message.get("retry_after_ms")), refusal)
         self.telemetry.event(flight.req.request_id, flight.model, flight.path, code,
                              flight.queue_wait_ms, flight.restore_ms, ttft_ms if code == 200 else None,
                              flight.ttft_s is None or flight.ttft_s > flight.deadline_s,
-                             predicted_ttft_ms=_ms(flight.predicted_ttft_s))
+                             reason=refusal, predicted_ttft_ms=_ms(flight.predicted_ttft_s))
         if self.models.queue(flight.model):
             self.admission.drain(flight.model)
 
     def fail(self, flight: Flight, code: int, reason: str, path: str = "refused",
              retry_after_ms: int | None = None, predicted_ttft_ms: float | None = None,
-             reason_code: str | None = None) -> None:
-        """Answer ``flight`` with an error (its final answer) and record it."""
+             refusal: str | None = None) -> None:
+        """Answer ``flight`` with an error (its final answer) and record it; ``refusal``: why,
+        as one of agent/wire/refusals.py's codes, set where the refusal was decided (it goes to
+        the sink, and to telemetry as the rejection's ``reason`` label)."""
         if flight.over:
             return
         flight.over = True
@@ -330,9 +338,10 @@ class RequestPath:
         self.counts["errors"] += 1
         if flight.cold and code in (429, 503, 504):
             self.models.of(flight.model).cold_misses += 1
-        flight.sink.error(code, reason, retry_after_ms)
+        flight.sink.error(code, reason, retry_after_ms, refusal)
         self.telemetry.event(flight.req.request_id, flight.model, path, code, 0.0, None, None,
-                             code == 504, reason=reason, predicted_ttft_ms=predicted_ttft_ms)
+                             code == 504, reason=refusal or reason,
+                             predicted_ttft_ms=predicted_ttft_ms)
 
     def begin_stop(self, drain_until_s: float | None = None) -> None:
         """Drain: take no new requests (503 with ``retry_after_ms`` until ``drain_until_s``,
@@ -341,7 +350,8 @@ class RequestPath:
         self._drain_until_s = drain_until_s
         for model in self.models.queues():
             self.admission.refuse_queued(model, f"front door shutting down: request for model "
-                                                f"{model!r} was queued and never sent to a replica")
+                                                f"{model!r} was queued and never sent to a replica",
+                                         refusals.DRAINING)
         self.admission.queued_models.clear()
 
     def tick_logs(self, final: bool = False) -> None:
@@ -356,7 +366,8 @@ class RequestPath:
     def fail_dispatched(self, reason: str) -> None:
         """Answer every request still at a replica 503 with ``reason`` and close the links."""
         for link in list(self.links.values()):
-            self.reroute.replica_failed(link, reason.format(replica=link.replica_id), retry=False)
+            self.reroute.replica_failed(link, reason.format(replica=link.replica_id), retry=False,
+                                        refusal=refusals.DRAINING)
 
     def info(self, op: str, connections: int = 0) -> dict:
         """The answer to ``health``, ``models`` or ``stats`` (docs/protocol.md)."""

@@ -31,6 +31,7 @@ from agent.frontdoor.budgets import Budgets
 from agent.frontdoor.model_state import ModelStates
 from agent.frontdoor.planner import CapacityInSight, QueuePlanner
 from agent.frontdoor.router import ReplicaLoad, Router
+from agent.wire import refusals
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.frontdoor.links import ReplicaLink
@@ -68,7 +69,7 @@ class RerouteOwner(Protocol):
 
     def fail(self, flight: Flight, code: int, reason: str, path: str = "refused",
              retry_after_ms: int | None = None, predicted_ttft_ms: float | None = None,
-             reason_code: str | None = None) -> None:
+             refusal: str | None = None) -> None:
         ...
 
 
@@ -112,10 +113,11 @@ class Reroute:
                           f"replica {link.replica_id}: {message.get('reason', 'unavailable')}",
                           _retry_ms(message.get("retry_after_ms")))
 
-    def replica_failed(self, link: ReplicaLink, reason: str, retry: bool = True) -> None:
+    def replica_failed(self, link: ReplicaLink, reason: str, retry: bool = True,
+                       refusal: str = refusals.REPLICA_FAILED) -> None:
         """The link broke: the replica leaves the view until the registry shows it again;
         its requests with nothing streamed yet are placed again (unless ``retry`` is False
-        or this front door is stopping), the others answered 503."""
+        or this front door is stopping), the others answered 503 with ``refusal``."""
         link.closed = True
         if self.links.get(link.replica_id) is link:
             del self.links[link.replica_id]
@@ -127,7 +129,7 @@ class Reroute:
                 self.counts["rerouted"] += 1
                 self._place_again(flight, link.replica_id, reason)
             else:
-                self.owner.fail(flight, 503, reason, path=flight.path)
+                self.owner.fail(flight, 503, reason, path=flight.path, refusal=refusal)
         if link.transport is not None:
             link.transport.close()
 
@@ -148,4 +150,5 @@ class Reroute:
         self.counts["shed_429"] += 1
         self.owner.fail(flight, 429, f"model {flight.model!r}: not started at replica {replica_id} "
                         f"({reason}) and no other replica can start it in time",
-                        retry_after_ms=retry_after_ms or RETRY_AFTER_MS)
+                        retry_after_ms=retry_after_ms or RETRY_AFTER_MS,
+                        refusal=refusals.DEADLINE_UNREACHABLE)

@@ -22,6 +22,7 @@ from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.model_state import ModelStates, RestoreRecord
 from agent.frontdoor.router import Router
 from agent.telemetry import Telemetry
+from agent.wire import refusals
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.frontdoor.router import ReplicaLoad
@@ -40,8 +41,8 @@ class RestoreOwner(Protocol):
         """Refuse queued requests that capacity in sight no longer starts in time."""
         ...
 
-    def refuse_queued(self, model: str, reason: str) -> None:
-        """Answer every queued request of ``model`` 503 with ``reason``."""
+    def refuse_queued(self, model: str, reason: str, refusal: str) -> None:
+        """Answer every queued request of ``model`` 503 with ``reason`` and ``refusal``."""
         ...
 
 
@@ -181,7 +182,7 @@ class Restores:
         elif not self.gate.in_flight.get(model) and not self.router.warm(model):
             # nothing can succeed now: say so promptly
             self.owner.refuse_queued(model, f"model {model!r}: no capacity can be restored: "
-                                     f"{reason}")
+                                     f"{reason}", refusals.NO_CAPACITY)
 
     def at_cap(self, model: str) -> bool:
         """Whether ``model``'s last restore was answered by an existing replica (its node at

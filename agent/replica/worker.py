@@ -45,6 +45,7 @@ from agent.protocol import (DEFAULT_LIMITS, DEFAULT_MAX_TOKENS, Decoder, check_s
                             error_message, pack, read_messages)
 from agent.replica.meter import ReplicaMeter
 from agent.replica.stops import StopText
+from agent.wire import refusals
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,9 @@ class Worker:
             self.state = State.CLOSED
             held = list(self._by_seq.values())
             for request in held + [r for r, _ in self._submits]:
-                self._send(request.writer, error_message(request.request_id, 503, "replica shutting down"))
+                self._send(request.writer, error_message(request.request_id, 503,
+                                                         "replica shutting down",
+                                                         refusal=refusals.DRAINING))
             for task in tasks:
                 task.cancel()
             if self.loaded is not None and held:
@@ -275,7 +278,7 @@ class Worker:
             if op == "generate" and self.draining:
                 self._send(writer, error_message(rid, 503, "replica draining: it stops within "
                                                  f"drain_grace_s({self.drain_grace_s})",
-                                                 retry_after_ms=1000))
+                                                 retry_after_ms=1000, refusal=refusals.DRAINING))
             elif op == "generate":
                 request = self._accept(msg, writer)
                 request.owner = mine
@@ -302,7 +305,7 @@ class Worker:
                                     limit=["generate", "cancel", "health", "stats", "restore",
                                            "capture", "shutdown"])
         except RewarmError as exc:
-            self._send(writer, error_message(rid, exc.code, exc.message,
+            self._send(writer, error_message(rid, exc.code, exc.message, refusal=exc.refusal,
                                              **getattr(exc, "answer", {})))
         except Exception as exc:  # a bug or a torch error: answer, keep serving the others
             log.exception("op %s failed", op)
@@ -401,7 +404,7 @@ class Worker:
                 f"deadline_ms {deadline_ms:g}", model=self.loaded.identity.name,
                 retry_after_ms=max(1, round(predicted_ms - deadline_ms)),
                 depth=len(self._submits) + self.loaded.engine.load.waiting_seqs,
-                limit=deadline_ms)
+                limit=deadline_ms, refusal=refusals.DEADLINE_UNREACHABLE)
             exc.answer = {"predicted_ttft_ms": round(predicted_ms, 3),
                           "deadline_ms": deadline_ms,
                           "retry_after_ms": exc.retry_after_ms}
@@ -512,7 +515,8 @@ class Worker:
             self._pool, lambda: [engine.cancel(i) for i in ids])
         for request in {id(r): r for r in held}.values():
             request.finished()
-            self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
+            self._send(request.writer, error_message(request.request_id, exc.code, exc.message,
+                                             refusal=exc.refusal))
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -533,7 +537,8 @@ class Worker:
                 continue
             for request, err in failed:
                 request.finished()
-                self._send(request.writer, error_message(request.request_id, err.code, err.message))
+                self._send(request.writer, error_message(request.request_id, err.code, err.message,
+                                                         refusal=err.refusal))
             for request, _ in submits:
                 if request.seq_id >= 0 and (request.writer.is_closing()
                                             or request.owner is not None

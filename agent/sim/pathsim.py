@@ -83,7 +83,8 @@ class _Sink:
         self.out.code, self.out.path = 200, message.get("path")
         self._end()
 
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
+    def error(self, code: int, reason: str, retry_after_ms: int | None = None,
+              refusal: str | None = None) -> None:
         self.out.code, self.out.reason = code, reason
         self.out.ttft_ms = None
         self._end()

@@ -55,9 +55,10 @@ class Sink:
             self.first_s = self.clock.now()
         self.final, self.at_s = {"type": "done", **message}, self.clock.now()
 
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
+    def error(self, code: int, reason: str, retry_after_ms: int | None = None,
+              refusal: str | None = None) -> None:
         self.final = {"type": "error", "code": code, "reason": reason,
-                      "retry_after_ms": retry_after_ms}
+                      "retry_after_ms": retry_after_ms, "refusal": refusal}
         self.at_s = self.clock.now()
 
     @property

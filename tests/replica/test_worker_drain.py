@@ -50,6 +50,7 @@ def test_drain_finishes_the_stream_and_refuses_new_requests(booted):
     [refused] = [a for a in answers if a["id"] == 2]
     assert refused["type"] == "error" and refused["code"] == 503
     assert refused["retry_after_ms"] == 1000 and "draining" in refused["reason"]
+    assert refused["refusal"] == "draining"
     stats = worker.stats()
     assert stats["draining"] is True and stats["generated_tokens"] == 40
     assert stats["kv_slots_used"] == 0 and stats["kv_slots"] == 4
