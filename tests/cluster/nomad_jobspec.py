@@ -337,3 +337,42 @@ def parse_job(job_hcl: str, variables_hcl: str = "") -> dict:
             "Affinities": _affinities(job.get("affinity")),
             "Update": _update(job_update),
             "TaskGroups": [_group(n, g, job, job_update) for n, g in _labelled(job.get("group"))]}
+
+
+_UPDATE_DEFAULTS = {"MaxParallel": 1, "HealthCheck": "checks", "MinHealthyTime": 10 * S,
+                    "HealthyDeadline": 300 * S, "ProgressDeadline": 600 * S,
+                    "AutoRevert": False, "Canary": 0, "AutoPromote": False, "Stagger": 30 * S}
+
+
+def canonicalize(job: dict) -> dict:
+    """``api.Job.Canonicalize`` on API JSON, as ``POST /v1/jobs`` applies it before
+    validation (``command/agent/job_endpoint.go``, ``ApiJobToStructJob``): missing fields get
+    the defaults :func:`parse_job` gives (same sources); a copy is returned."""
+    job = json.loads(json.dumps(job))
+    job.setdefault("Name", job.get("ID"))
+    for key, value in (("Region", "global"), ("Namespace", "default"), ("Priority", 50),
+                       ("Type", "service"), ("Datacenters", ["*"])):
+        if job.get(key) is None:
+            job[key] = value
+    jtype = job["Type"]
+    if job.get("Update") is not None:
+        job["Update"] = {**_UPDATE_DEFAULTS, **job["Update"]}
+    elif jtype in ("service", "system"):
+        job["Update"] = dict(_UPDATE_DEFAULTS)
+    for tg in job.get("TaskGroups") or []:
+        if tg.get("Count") is None:
+            tg["Count"] = 1
+        own = tg.get("Update")
+        if job["Update"] is not None or own is not None:
+            tg["Update"] = {**_UPDATE_DEFAULTS, **(job["Update"] or {}), **(own or {})}
+        restart = _restart(jtype, {})
+        tg["RestartPolicy"] = {**restart, **(tg.get("RestartPolicy") or {})}
+        if tg.get("ReschedulePolicy") is not None or jtype not in ("system", "sysbatch"):
+            base = _reschedule("service" if jtype in ("system", "sysbatch") else jtype, {})
+            tg["ReschedulePolicy"] = {**base, **(tg.get("ReschedulePolicy") or {})}
+        tg.setdefault("EphemeralDisk", {"SizeMB": 300, "Migrate": False, "Sticky": False})
+        for task in tg.get("Tasks") or []:
+            if task.get("KillTimeout") is None:
+                task["KillTimeout"] = 5 * S
+            task.setdefault("KillSignal", "")
+    return job

@@ -150,6 +150,7 @@ def _group(job: dict, tg: dict) -> list[str]:
     out = []
     if tg["Count"] < 0:
         out.append("Task group count can't be negative")
+    tg.setdefault("Tasks", [])
     if not tg["Tasks"]:
         out.append("Missing tasks for task group")
     out += _restart(tg["RestartPolicy"])

@@ -34,16 +34,33 @@ def test_404_registers_the_job_then_scales(nomad_standin):
 
 
 def test_400_while_deployment_active_is_retryable(nomad_standin):
+    # a replica job with an update strategy (the template has none: max_parallel 0): each
+    # count change starts a deployment, and Job.Scale refuses while it is active
+    client = nomad_client(address=nomad_standin.url)
+    job = replica_job(client, "m", 4)
+    job["Update"] = job["TaskGroups"][0]["Update"] = {"MaxParallel": 1}
+    client.jobs.register_job({"Job": job})
     scaler, _ = make(nomad_standin)
     scaler.set_target("m", 1, reason="up")
-    nomad_standin.active_deployments.add("rewarm-replica-m")
+    dep = client.job.request("rewarm-replica-m", "deployment", method="get").json()
+    assert dep["Status"] == "running" and dep["TaskGroups"]["replica"]["DesiredTotal"] == 1
     with pytest.raises(ClusterError) as err:
         scaler.set_target("m", 2, reason="up")
     assert err.value.status == 400 and err.value.retryable is True
-    assert "deployment" in str(err.value)
-    nomad_standin.active_deployments.clear()
+    assert "job scaling blocked due to active deployment" in str(err.value)
+    with nomad_standin.lock:                 # the deployment ends (no node: cancel it by hand)
+        nomad_standin.deployments.by_id[dep["ID"]]["Status"] = "cancelled"
     scaler.set_target("m", 2, reason="up")               # next tick succeeds
     assert nomad_standin.job("rewarm-replica-m")["TaskGroups"][0]["Count"] == 2
+
+
+def test_the_replica_template_starts_no_deployment_so_counts_move_freely(nomad_standin):
+    scaler, _ = make(nomad_standin)
+    for count in (1, 2, 3):
+        scaler.set_target("m", count, reason="burst")
+    client = nomad_client(address=nomad_standin.url)
+    assert client.job.request("rewarm-replica-m", "deployments", method="get").json() == []
+    assert nomad_standin.job("rewarm-replica-m")["Version"] == 3    # one version per scale
 
 
 def test_400_over_scaling_max_is_not_retryable(nomad_standin):

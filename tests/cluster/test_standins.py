@@ -44,6 +44,10 @@ def test_session_ttl_range_and_default_lock_delay(consul_standin, consul_clock):
 def test_nomad_scale_needs_a_group_and_a_known_job(nomad_standin):
     base = nomad_standin.url
     job = {"ID": "j", "TaskGroups": [{"Name": "g", "Count": 0}]}
+    # no task: Job.Validate refuses it, an uncoded RPC error, so 500 (errCodeFromHandler)
+    r = requests.post(f"{base}/v1/jobs", json={"Job": job}, timeout=5)
+    assert r.status_code == 500 and "Missing tasks for task group" in r.text
+    job["TaskGroups"][0]["Tasks"] = [{"Name": "t", "Driver": "exec"}]
     assert requests.post(f"{base}/v1/jobs", json={"Job": job}, timeout=5).status_code == 200
     assert requests.post(f"{base}/v1/job/j/scale", json={"Count": 1},
                          timeout=5).status_code == 400
