@@ -32,7 +32,7 @@ import logging
 import random
 import re
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import nomad
 import nomad.api.exceptions as nexc

@@ -308,7 +308,7 @@ class NomadStandIn(StandIn):
         try:
             return parse_job(body["JobHCL"], body.get("Variables") or "")
         except ParseError as exc:
-            raise Reply(400, str(exc))
+            raise Reply(400, str(exc)) from exc
 
     def _register(self, ns: str | None, job_id, body):
         """Register (``Job.Register``); the namespace is the query's, else the job's
