@@ -49,7 +49,7 @@ class Policy:
     job_acl: dict | None = None                                      # {Namespace, JobID, ...}
 
     @classmethod
-    def parse(cls, name: str, rules: str, job_acl: dict | None = None) -> "Policy":
+    def parse(cls, name: str, rules: str, job_acl: dict | None = None) -> Policy:
         try:
             body = pygohcl.loads(rules) if rules.strip() else {}
         except (pygohcl.HCLParseError, pygohcl.HCLInternalError) as exc:

@@ -221,7 +221,7 @@ class NomadStandIn(StandIn):
                     self.acl.apply(path[len("/v1/acl/policy/"):], (body or {}).get("Rules", ""),
                                    (body or {}).get("JobACL"))
                 except PolicyError as exc:
-                    raise Reply(400, str(exc))
+                    raise Reply(400, str(exc)) from exc
                 return ""
             if path == "/v1/jobs/parse" and method in ("POST", "PUT"):
                 need("parse-job", "submit-job")

@@ -32,7 +32,9 @@ def test_session_ttl_range_and_default_lock_delay(consul_standin, consul_clock):
                          timeout=5).json()["ID"]
     assert requests.put(f"{base}/v1/kv/lock?acquire={sid}", timeout=5).json() is True
     assert requests.put(f"{base}/v1/kv/lock?acquire={other}", timeout=5).json() is False
-    consul_clock.advance(10.5)                # the first session expires, lock released...
+    consul_clock.advance(10.5)                # past its TTL, Consul still holds it...
+    assert "Session" in requests.get(f"{base}/v1/kv/lock", timeout=5).json()[0]
+    consul_clock.advance(9.5)                 # ...until 2 x TTL (session_ttl.go): released
     assert "Session" not in requests.get(f"{base}/v1/kv/lock", timeout=5).json()[0]
     # ...but the default 15 s lock-delay keeps it from being taken at once
     assert requests.put(f"{base}/v1/kv/lock?acquire={other}", timeout=5).json() is False
