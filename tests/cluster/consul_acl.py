@@ -34,7 +34,7 @@ class Rules:
     prefix: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, text: str) -> "Rules":
+    def parse(cls, text: str) -> Rules:
         try:
             body = pygohcl.loads(text) if text.strip() else {}
         except (pygohcl.HCLParseError, pygohcl.HCLInternalError) as exc:
