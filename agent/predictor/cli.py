@@ -142,6 +142,12 @@ def _run(args) -> int:
                               ready=service.ready, component="predictor")
     sdnotify.ready()
     stop = threading.Event()
+    import signal
+
+    # SIGTERM (Nomad's kill_signal for the job) ends the loop, and the finally below releases
+    # the leader lock at once, so a standby takes over on its next tick instead of waiting for
+    # the lock's check TTL.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         if args.ticks is not None:
             for i in range(args.ticks):
