@@ -16,6 +16,12 @@ Metrics (one scheme across rewarm, labels bounded: ``model`` — at most
 ``rewarm_ttft_seconds``                  {model, path}  histogram, front door TTFT
 ``rewarm_queue_wait_seconds``            {model, path}  histogram, time queued for capacity
 ``rewarm_ttft_prediction_ratio``         {model, path}  histogram, actual / predicted TTFT
+``rewarm_prompt_tokens_total``           {model, path}  prompt tokens of answered requests
+``rewarm_generation_tokens_total``       {model, path}  tokens generated for them
+``rewarm_e2e_request_latency_seconds``   {model, path}  histogram, arrival to the last token
+``rewarm_inter_token_latency_seconds``   {model, path}  histogram, between tokens after the
+                                         first (a message of k tokens after a gap g: k
+                                         observations of g / k)
 ``rewarm_queue_depth``                   {model}  requests waiting for capacity
 ``rewarm_restores_in_flight``            —  restores asked for, not finished
 ``process_*``                            prometheus-client's ProcessCollector
@@ -102,10 +108,11 @@ class _Histogram:
         self.counts = [0] * (len(bounds) + 1)
         self.sum, self.n = 0.0, 0
 
-    def observe(self, x: float) -> None:
-        self.counts[bisect_left(self.bounds, x)] += 1
-        self.sum += x
-        self.n += 1
+    def observe(self, x: float, n: int = 1) -> None:
+        """``n`` observations of ``x``."""
+        self.counts[bisect_left(self.bounds, x)] += n
+        self.sum += x * n
+        self.n += n
 
     def buckets(self) -> list[tuple[str, int]]:
         cumulative, out = 0, []
@@ -151,6 +158,19 @@ class _Collector:
                           t._queue_wait)
         yield _histograms("rewarm_ttft_prediction_ratio", "Actual TTFT / the TTFT predicted "
                           "when the request was routed", t._ratio)
+        prompt = CounterMetricFamily("rewarm_prompt_tokens", "Prompt tokens of answered "
+                                     "requests", labels=("model", "path"))
+        generation = CounterMetricFamily("rewarm_generation_tokens", "Tokens generated for "
+                                         "answered requests", labels=("model", "path"))
+        for (model, path), (n_prompt, n_generated) in list(t._tokens.items()):
+            prompt.add_metric((model, path), n_prompt)
+            generation.add_metric((model, path), n_generated)
+        yield prompt
+        yield generation
+        yield _histograms("rewarm_e2e_request_latency_seconds", "Arrival at the front door to "
+                          "the request's last token", t._e2e)
+        yield _histograms("rewarm_inter_token_latency_seconds", "Time between tokens after "
+                          "the first, as the front door receives them", t._itl)
         yield GaugeMetricFamily("rewarm_restores_in_flight", "Restores asked for, not finished",
                                 value=t.restores)
 
@@ -176,6 +196,9 @@ class Telemetry:
         self._ttft: dict[tuple[str, str], _Histogram] = {}
         self._queue_wait: dict[tuple[str, str], _Histogram] = {}
         self._ratio: dict[tuple[str, str], _Histogram] = {}
+        self._e2e: dict[tuple[str, str], _Histogram] = {}
+        self._itl: dict[tuple[str, str], _Histogram] = {}
+        self._tokens: dict[tuple[str, str], list[int]] = {}   # (model, path) -> [prompt, gen]
         self.restores = 0
         self._models: dict[str, str] = {}
         self.max_models = max_models
@@ -212,12 +235,16 @@ class Telemetry:
 
     def event(self, request_id: Any, model: str, path: str, code: int, queue_wait_ms: float,
               restore_ms: float | None, ttft_ms: float | None, sla_breached: bool, *,
-              reason: str | None = None, predicted_ttft_ms: float | None = None) -> None:
+              reason: str | None = None, predicted_ttft_ms: float | None = None,
+              done: dict | None = None, token_gaps: list | None = None) -> None:
         """Record one request's outcome (``timestamp_ms``: wall clock, ms since the epoch).
 
         ``reason``: for a refusal, one of :data:`REJECT_REASONS` or its text;
         ``predicted_ttft_ms``: the TTFT the router predicted when it chose the replica (feeds
-        ``rewarm_ttft_prediction_ratio`` when the request got a first token)."""
+        ``rewarm_ttft_prediction_ratio`` when the request got a first token); ``done``: an
+        answered request's ``done`` message (``prompt_tokens``, ``n_tokens``, ``total_ms``:
+        the token counters and the end-to-end histogram); ``token_gaps``: ``(gap_s, k)``
+        per tokens message after the first (k tokens arrived ``gap_s`` after the previous)."""
         label = self._models.get(model) or self._model(model)
         key = (label, path, code)
         counts = self._requests
@@ -232,6 +259,8 @@ class Telemetry:
             if predicted_ttft_ms:
                 r = self._ratio.get(hkey) or self._new(self._ratio, hkey, RATIO_BUCKETS)
                 r.observe(ttft_ms / predicted_ttft_ms)
+        if done is not None:
+            self._answered(label, path, done, token_gaps)
         if queue_wait_ms:
             hkey = (label, path)
             h = self._queue_wait.get(hkey) or self._new(self._queue_wait, hkey, BUCKETS_S)
@@ -242,6 +271,25 @@ class Telemetry:
                                  ttft_ms, sla_breached, int(time.time() * 1000)))
             if len(self._buffer) >= self._flush_events:
                 self.flush()
+
+    def _answered(self, label: str, path: str, done: dict, token_gaps: list | None) -> None:
+        hkey = (label, path)
+        counts = self._tokens.get(hkey)
+        if counts is None:
+            counts = self._tokens[hkey] = [0, 0]
+        prompt, generated = done.get("prompt_tokens"), done.get("n_tokens")
+        if type(prompt) is int and prompt > 0:
+            counts[0] += prompt
+        if type(generated) is int and generated > 0:
+            counts[1] += generated
+        total_ms = done.get("total_ms")
+        if isinstance(total_ms, (int, float)) and total_ms >= 0:
+            h = self._e2e.get(hkey) or self._new(self._e2e, hkey, BUCKETS_S)
+            h.observe(total_ms / 1000.0)
+        if token_gaps:
+            h = self._itl.get(hkey) or self._new(self._itl, hkey, BUCKETS_S)
+            for gap_s, k in token_gaps:
+                h.observe(gap_s / k, k)
 
     def queue_depth(self, model: str, depth: int) -> None:
         self.depths[self._model(model)] = depth

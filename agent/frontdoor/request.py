@@ -126,7 +126,7 @@ class Flight:
                  "owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
                  "prompt_tokens", "path", "restore_ms", "queue_wait_ms", "replica_id",
                  "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried",
-                 "warm_deadline_s", "cold")
+                 "warm_deadline_s", "cold", "last_token_s", "token_gaps")
 
     def __init__(self, owner: "Canceller", req: GenerateRequest, sink: Sink,
                  arrival_s: float) -> None:
@@ -150,6 +150,9 @@ class Flight:
         self.pending: Pending | None = None
         self.over = False  # answered (done/error) or cancelled
         self.cold = False  # no warm replica of its model when it arrived
+        self.last_token_s = 0.0  # when its latest tokens message arrived
+        # (seconds since the previous tokens message, tokens in it), for inter-token latency
+        self.token_gaps: list[tuple[float, int]] = []
 
     def cancel(self) -> None:
         """The client went away: forget this request (no answer is sent)."""

@@ -303,8 +303,13 @@ class RequestPath(QueuePlanner, Restores, Reroute):
         """A message from a replica for ``flight``: hand it to the flight's sink."""
         kind = message.get("type")
         if kind == "tokens":
+            now = self.clock.now()
             if flight.ttft_s is None:
-                self._first_token(flight, self.clock.now())
+                self._first_token(flight, now)
+            else:
+                flight.token_gaps.append((now - flight.last_token_s,
+                                          len(message.get("tokens") or ()) or 1))
+            flight.last_token_s = now
             flight.sink.tokens(message)
             return
         now = self.clock.now()
@@ -349,7 +354,9 @@ class RequestPath(QueuePlanner, Restores, Reroute):
         self.telemetry.event(flight.req.request_id, flight.model, flight.path, code,
                              flight.queue_wait_ms, flight.restore_ms, ttft_ms if code == 200 else None,
                              flight.ttft_s is None or flight.ttft_s > flight.deadline_s,
-                             predicted_ttft_ms=_ms(flight.predicted_ttft_s))
+                             predicted_ttft_ms=_ms(flight.predicted_ttft_s),
+                             done=message if code == 200 else None,
+                             token_gaps=flight.token_gaps)
         if self.queues.get(flight.model):
             self._drain(flight.model)
 

@@ -34,7 +34,9 @@ SCRAPE_LABELS = {"le", "job", "instance"}
 def exposed() -> dict[str, set[str]]:
     """Every sample name rewarm exposes -> the label names seen on it."""
     t = Telemetry()
-    t.event(1, "m", "warm_hit", 200, 5.0, None, 12.0, False, predicted_ttft_ms=10.0)
+    t.event(1, "m", "warm_hit", 200, 5.0, None, 12.0, False, predicted_ttft_ms=10.0,
+            done={"prompt_tokens": 4, "n_tokens": 3, "total_ms": 30.0},
+            token_gaps=[(0.01, 1), (0.02, 2)])
     t.event(2, "m", "refused", 429, 0.0, None, None, False, reason="queue_full")
     t.queue_depth("m", 1)
     node = NodeMetrics("n1")
@@ -50,7 +52,7 @@ def exposed() -> dict[str, set[str]]:
                                 _lock=threading.Lock()))
     catalog = SimpleNamespace(snapshot=lambda sid: SimpleNamespace(size_bytes=100))
     node.restore_finished(record, 1.0, True, catalog)
-    replica = replica_registry(lambda: {"model": "m", "tokens_per_s": 1.0})
+    replica = replica_registry(lambda: {"model": "m", "generated_tokens": 3})
     clock = ManualClock()
 
     class Scaler:
@@ -101,7 +103,9 @@ def test_dashboard_loads_and_has_panels_for_each_component():
     assert dash["title"] == "rewarm" and dash["uid"]
     exprs = " ".join(t["expr"] for p in panels() for t in p["targets"])
     for prefix in ("rewarm_ttft_seconds", "rewarm_node_", "rewarm_replica_", "rewarm_predictor_",
-                   "process_"):
+                   "process_", "rewarm_prompt_tokens_total", "rewarm_generation_tokens_total",
+                   "rewarm_e2e_request_latency_seconds_bucket",
+                   "rewarm_inter_token_latency_seconds_bucket"):
         assert prefix in exprs
     ids = [p["id"] for p in json.loads(DASHBOARD.read_text())["panels"]]
     assert len(ids) == len(set(ids))
