@@ -39,6 +39,20 @@ class StatusServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def handle_error(self, request, client_address) -> None:
+        """A request that failed (most often a scraper that closed its connection while the
+        answer was written): logged, never printed.  socketserver's own handler prints the
+        traceback to stderr, which is no log line (and no JSON under --log-format json)."""
+        import sys
+
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("%s status port: client %s went away: %s", self.component,
+                      client_address, exc)
+        else:
+            log.warning("%s status port: request from %s failed", self.component,
+                        client_address, exc_info=True)
+
     def __init__(self, address: tuple[str, int], registry: CollectorRegistry,
                  ready: Readiness, component: str) -> None:
         self.registry, self.ready, self.component = registry, ready, component
@@ -107,5 +121,10 @@ class _Handler(BaseHTTPRequestHandler):
 def serve_status(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *,
                  ready: Readiness | None = None, component: str = "rewarm") -> StatusServer:
     """Bind ``host:port`` (0: a free port) and serve in a daemon thread.  Raises OSError
-    when the address cannot be bound."""
-    return StatusServer((host, port), registry, ready or always_ready, component).start()
+    (its errno kept, the address named) when the address cannot be bound."""
+    try:
+        server = StatusServer((host, port), registry, ready or always_ready, component)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{component} status port cannot listen on {host}:{port}: "
+                      f"{exc.strerror or exc}") from exc
+    return server.start()

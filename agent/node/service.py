@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from agent import sdnotify
+from agent import logs
 from agent.cluster.base import Registry
 from agent.errors import ConfigError
 from agent.health import serve_status
@@ -125,8 +126,8 @@ async def serve(agent: NodeAgent, listen: str, stop: asyncio.Event,
             raise ConfigError(f"--metrics-listen {metrics_listen}: cannot listen: {exc}",
                               name="metrics_listen", value=metrics_listen,
                               limit="a free HOST:PORT") from exc
-    print(f"rewarm agent {agent.config.node_id} listening on {address}"
-          + (f"; metrics on {status.url}/metrics" if status else ""), flush=True)
+    logs.say(f"rewarm agent {agent.config.node_id} listening on {address}"
+             + (f"; metrics on {status.url}/metrics" if status else ""), address=address)
     loop_stop = threading.Event()
     loop_thread = threading.Thread(target=agent.run, args=(loop_stop,), daemon=True,
                                    name="agent-loop")
