@@ -118,6 +118,30 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s status port: " + fmt, self.server.component, *args)
 
 
+class _Union:
+    """The metric families of several registries, each name once (the first registry's
+    family wins: two components in one process both collect ``process_*``)."""
+
+    def __init__(self, registries: tuple[CollectorRegistry, ...]) -> None:
+        self.registries = registries
+
+    def collect(self):
+        seen: set[str] = set()
+        for registry in self.registries:
+            for family in registry.collect():
+                if family.name not in seen:
+                    seen.add(family.name)
+                    yield family
+
+
+def union(*registries: CollectorRegistry) -> CollectorRegistry:
+    """One registry exposing every family of ``registries`` once (components sharing a
+    process, as under ``rewarm up``, share one status port)."""
+    out = CollectorRegistry(auto_describe=False)
+    out.register(_Union(registries))
+    return out
+
+
 def serve_status(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *,
                  ready: Readiness | None = None, component: str = "rewarm") -> StatusServer:
     """Bind ``host:port`` (0: a free port) and serve in a daemon thread.  Raises OSError

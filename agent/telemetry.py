@@ -65,6 +65,11 @@ refusal's text, which :func:`reject_reason` classifies."""
 
 OTHER_MODEL = "_other"
 
+DEFAULT_METRICS_PORT = 9403
+"""The front door's documented status port (``/metrics``), and ``rewarm up``'s default: not
+9400, dcgm-exporter's default on the GPU hosts a front door may share; the node agent's is
+9401 and the predictor's 9402 (jobs/systemd/rewarm.env.example)."""
+
 _LINE = ('{"request_id": %s, "model": %s, "path": "%s", "code": %d, "queue_wait_ms": %s, '
          '"restore_ms": %s, "ttft_ms": %s, "sla_breached": %s, "timestamp_ms": %d}\n')
 

@@ -70,6 +70,9 @@ def register(subparsers) -> None:
     p.add_argument("--http-port", type=port, default=None,
                    help="OpenAI-compatible HTTP entrance port (default $REWARM_HTTP_PORT or "
                         "8000; 0: any free port; not served with --demo)")
+    p.add_argument("--metrics-port", type=port, default=None,
+                   help="/metrics, /healthz, /readyz of the whole stack (default 9403; with "
+                        "--demo or --port 0: any free port)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per replica")
     p.add_argument("--demo", action="store_true", help="run the demonstration and exit")
     p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
@@ -170,12 +173,14 @@ class Stack:
     max_replicas: int | None = None
     agent_listen: str = "127.0.0.1:0"
     http_port: int | None = None   # the OpenAI-compatible entrance (None: not served)
+    metrics_port: int | None = None  # the status port, /metrics of every part (None: none)
     deadline_ms: float = 60_000.0   # the front door's per-model deadline (replays: the SLO)
     max_wait_s: float = 60.0        # the front door's cap on any request's wait (FrontDoorConfig)
 
     def __post_init__(self) -> None:
         self.agent = self.frontdoor = self.predictor = self.http = None
-        self.frontdoor_address = self.agent_address = self.http_url = ""
+        self.frontdoor_address = self.agent_address = self.http_url = self.metrics_url = ""
+        self.status = None
         self.decisions: list[Any] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -282,11 +287,25 @@ class Stack:
                 await control.close()
                 raise _serve_error(exc, self.host, self.http_port, "HTTP entrance") from exc
             self.http_url = self.http.url
+        if self.metrics_port is not None:
+            from agent.health import serve_status, union
+            try:
+                self.status = serve_status(
+                    union(self.frontdoor.telemetry.registry, self.agent.metrics.registry),
+                    self.host, self.metrics_port, ready=self.frontdoor.telemetry.ready,
+                    component="up")
+            except OSError as exc:
+                await self.frontdoor.stop(grace_s=0.0)
+                await control.close()
+                raise _serve_error(exc, self.host, self.metrics_port, "status port") from exc
+            self.metrics_url = self.status.url
         self.frontdoor_address = f"{fd_host}:{fd_port}"
         ready.set()
         try:
             await self._stop_async.wait()
         finally:
+            if self.status is not None:
+                self.status.close()
             if self.http is not None:
                 from agent.frontdoor.http_entrance import stop_http
                 await stop_http(self.frontdoor, self.http, grace_s=1.0)
@@ -379,8 +398,8 @@ def _serve_error(exc: Exception, host: str, port: int, what: str = "front door")
     from agent.errors import ConfigError
 
     if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
-        flag = {"front door": "--port", "HTTP entrance": "--http-port"}.get(what,
-                                                                          "--agent-listen")
+        flag = {"front door": "--port", "HTTP entrance": "--http-port",
+                "status port": "--metrics-port"}.get(what, "--agent-listen")
         return ConfigError(f"{what} cannot listen on {host}:{port}: address already in use "
                            f"(another rewarm up?); stop it or pass {flag} (port 0: any free port)",
                            name="port", value=port, limit="a free port")
@@ -430,6 +449,9 @@ def run_up(args: argparse.Namespace) -> int:
             from agent.exitcodes import exit_code
             logs.error(str(err), exit_code=exit_code(err))
             return exit_code(err)
+    if args.metrics_port is None:
+        from agent.telemetry import DEFAULT_METRICS_PORT
+        args.metrics_port = 0 if args.demo or args.port == 0 else DEFAULT_METRICS_PORT
     if args.agent_listen is None:
         from agent.cluster.control import DEFAULT_AGENT
         args.agent_listen = "127.0.0.1:0" if args.demo else DEFAULT_AGENT
@@ -437,6 +459,7 @@ def run_up(args: argparse.Namespace) -> int:
         check_port(args.host, args.port)   # said before minutes of preparation, as is
         if args.http_port is not None and not args.demo:
             check_port(args.host, args.http_port, what="HTTP entrance")
+        check_port(args.host, args.metrics_port, what="status port")
         agent_host, _, agent_port = args.agent_listen.rpartition(":")
         if not agent_port.isdigit():
             raise ConfigError(f"--agent-listen {args.agent_listen!r} is not HOST:PORT",
@@ -451,12 +474,13 @@ def run_up(args: argparse.Namespace) -> int:
             return demo.run_demo(args, model_dir, release, forward_note)
         stack = Stack(state, model_dir, release, host=args.host, port=args.port,
                       threads=args.threads, agent_listen=args.agent_listen,
-                      http_port=args.http_port).start()
+                      http_port=args.http_port, metrics_port=args.metrics_port).start()
         logs.say(f"rewarm up: model {stack.model} ({forward_note}); front door listening on "
                  f"{stack.frontdoor_address} (clients: rewarm generate --address "
                  f"{stack.frontdoor_address} --model {stack.model} \"...\"); OpenAI-compatible "
                  f"HTTP on {stack.http_url} (base_url {stack.http_url}/v1); node agent control "
-                 f"API on {stack.agent_address}; Ctrl-C stops")
+                 f"API on {stack.agent_address}; metrics on {stack.metrics_url}/metrics; "
+                 "Ctrl-C stops", address=stack.frontdoor_address)
         threading.Event().wait()
     except KeyboardInterrupt:
         logs.say("rewarm up: stopping (draining replicas)")
