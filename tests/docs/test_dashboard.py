@@ -31,8 +31,9 @@ PROMQL_WORDS = {"sum", "by", "without", "rate", "increase", "histogram_quantile"
 SCRAPE_LABELS = {"le", "job", "instance"}
 
 
-def exposed() -> dict[str, set[str]]:
-    """Every sample name rewarm exposes -> the label names seen on it."""
+def registries() -> dict:
+    """Each component's registry, as its status port serves it, after some traffic:
+    front door, node agent, replica, predictor."""
     t = Telemetry()
     t.event(1, "m", "warm_hit", 200, 5.0, None, 12.0, False, predicted_ttft_ms=10.0,
             done={"prompt_tokens": 4, "n_tokens": 3, "total_ms": 30.0},
@@ -68,8 +69,14 @@ def exposed() -> dict[str, set[str]]:
     for _ in range(3):
         clock.advance(1)
         predictor.step()
+    return {"frontdoor": t.registry, "agent": node.registry, "replica": replica,
+            "predictor": predictor.registry}
+
+
+def exposed() -> dict[str, set[str]]:
+    """Every sample name rewarm exposes -> the label names seen on it."""
     out: dict[str, set[str]] = {}
-    for registry in (t.registry, node.registry, replica, predictor.registry):
+    for registry in registries().values():
         text = generate_latest(registry).decode()
         for family in text_string_to_metric_families(text):
             for s in family.samples:
