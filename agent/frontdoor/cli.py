@@ -41,6 +41,9 @@ def register(subparsers) -> None:
                    help="OpenAI-compatible HTTP entrance port (default $REWARM_HTTP_PORT or "
                         "8000; 0: any free port)")
     p.add_argument("--no-http", action="store_true", help="serve the msgpack door only")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGIN[,ORIGIN...]",
+                   help="browser origins allowed to call the HTTP entrance (CORS), e.g. "
+                        "http://localhost:3000, or '*'; default none (no CORS headers)")
     p.add_argument("--warm-slo-ms", type=positive_float, default=2000.0,
                    help="TTFT SLO of a warm hit, from arrival (design document p99: 2000)")
     p.add_argument("--restore-slo-ms", type=positive_float, default=4000.0,
@@ -162,8 +165,10 @@ def _serve(args) -> int:
                 from agent.frontdoor.announce import ConsulHttpAnnouncer
                 http_announcer = ConsulHttpAnnouncer(consul_client(args.consul))
             try:
+                origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
                 http = await start_http(fd, HttpConfig(host=args.host, port=http_port,
-                                                       max_connections=args.max_connections),
+                                                       max_connections=args.max_connections,
+                                                       allowed_origins=origins),
                                         announcer=http_announcer)
             except BaseException:
                 await fd.stop()
