@@ -144,10 +144,16 @@ def union(*registries: CollectorRegistry) -> CollectorRegistry:
 
 def serve_status(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *,
                  ready: Readiness | None = None, component: str = "rewarm") -> StatusServer:
-    """Bind ``host:port`` (0: a free port) and serve in a daemon thread.  Raises OSError
-    (its errno kept, the address named) when the address cannot be bound."""
+    """Bind ``host:port`` (0: a free port) and serve ``registry``'s families and the
+    process-wide registry's (each name once) in a daemon thread.  Raises OSError (its errno
+    kept, the address named) when the address cannot be bound."""
+    from prometheus_client import REGISTRY
+
+    # the process-wide families too (rewarm_cluster_acl_denied, python_info, gc): every
+    # process that talks to Consul or Nomad says whether its token is refused
+    served = union(registry, REGISTRY) if registry is not REGISTRY else registry
     try:
-        server = StatusServer((host, port), registry, ready or always_ready, component)
+        server = StatusServer((host, port), served, ready or always_ready, component)
     except OSError as exc:
         raise OSError(exc.errno, f"{component} status port cannot listen on {host}:{port}: "
                       f"{exc.strerror or exc}") from exc

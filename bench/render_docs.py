@@ -176,8 +176,8 @@ def render(results: Path = RESULTS) -> str:
     if missing:
         out += ["## Not run yet", "",
                 "No result file is committed for these; the command makes one.", ""]
-        out += _table(["benchmark", "file", "command"],
-                      [[heading, f"bench/results/{stem}.json", f"`{command}`"]
+        out += _table(["benchmark", "result file", "command"],
+                      [[heading, f"`{stem}.json`", f"`{command}`"]
                        for stem, heading, command in missing]) + [""]
     return "\n".join(out).rstrip() + "\n"
 
