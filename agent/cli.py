@@ -25,7 +25,7 @@ COMMAND_MODULES = (
     "agent.predictor.cli",   # rewarm predictor
     "agent.cluster.cli",     # rewarm jobs render
     "agent.sim.cli",         # rewarm simulate
-    "agent.up",              # rewarm up
+    "agent.up_cli",          # rewarm up
 )
 
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         # A typed error names the thing, the value and the limit: say it, without a traceback
         # (--log-level DEBUG shows where it came from).
         logging.getLogger("agent.cli").debug("command failed", exc_info=True)
-        if port_in_use(exc):
+        if isinstance(exc, OSError) and port_in_use(exc):
             logs.error(f"{exc.strerror or exc}: the address is in use or not this host's; "
                        "stop the process that holds it or choose another port",
                        exit_code=exitcodes.EX_CONFIG)

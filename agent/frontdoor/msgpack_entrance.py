@@ -30,7 +30,7 @@ class MsgpackSink:
 
     __slots__ = ("conn", "rid", "flight")
 
-    def __init__(self, conn: "ClientConn", rid: Any) -> None:
+    def __init__(self, conn: ClientConn, rid: Any) -> None:
         self.conn, self.rid = conn, rid
         self.flight: Flight | None = None
 
@@ -94,6 +94,8 @@ class MsgpackEntrance:
 
     @property
     def address(self) -> tuple[str, int]:
+        if self._listener is None:
+            raise RuntimeError("msgpack entrance used before start()")
         return self._listener.address
 
     def close_listener(self) -> None:
@@ -103,14 +105,14 @@ class MsgpackEntrance:
 
     # --- connections -----------------------------------------------------------------
 
-    def accept(self, conn: "ClientConn", over_cap: bool = False) -> bool:
+    def accept(self, conn: ClientConn, over_cap: bool = False) -> bool:
         """Take ``conn`` into the set, unless it is past the cap (it is answered 429)."""
         if over_cap or len(self.conns) >= self.config.max_connections:
             return False
         self.conns.add(conn)
         return True
 
-    def forget(self, conn: "ClientConn") -> None:
+    def forget(self, conn: ClientConn) -> None:
         """The connection closed: its requests are cancelled (no one to answer)."""
         self.conns.discard(conn)
         sinks, conn.sinks = list(conn.sinks), set()
@@ -147,7 +149,7 @@ class MsgpackEntrance:
 
     # --- requests --------------------------------------------------------------------
 
-    def handle(self, conn: "ClientConn", message: dict) -> None:
+    def handle(self, conn: ClientConn, message: dict) -> None:
         """One decoded message from a client."""
         try:
             validate_request(message, self.config.limits)
@@ -180,7 +182,7 @@ class MsgpackEntrance:
             conn.send(packb({"v": PROTOCOL_VERSION, "id": rid, "type": "result",
                              "result": self.path.info(op, len(self.conns))}))
 
-    def _refuse(self, conn: "ClientConn", rid: Any, model: str, code: int, reason: str) -> None:
+    def _refuse(self, conn: ClientConn, rid: Any, model: str, code: int, reason: str) -> None:
         self.path.refused(rid, model, code)
         conn.send(packb(error_message(rid, code, reason)))
 
@@ -198,7 +200,7 @@ class ClientConn(Batched):
     kernel does not reset the connection (and lose the answers) over unread input.
     """
 
-    def __init__(self, door: "MsgpackEntrance", over_cap: bool = False) -> None:
+    def __init__(self, door: MsgpackEntrance, over_cap: bool = False) -> None:
         super().__init__()
         self.door = door
         self.over_cap = over_cap
@@ -289,7 +291,7 @@ class ClientConn(Batched):
         """Requests on this connection not yet finally answered (queued or dispatched)."""
         return len(self.sinks)
 
-    def finished(self, sink: "MsgpackSink") -> None:
+    def finished(self, sink: MsgpackSink) -> None:
         """One request in flight got its final answer (done or error)."""
         self.sinks.discard(sink)
         sink.flight = None   # the flight holds the sink: no cycle left for the collector
