@@ -1,6 +1,6 @@
 """Cold-start telemetry: one event per request as a JSON line, and Prometheus metrics.
 
-The event follows the snapshot design document's ``ColdStartEvent`` (request_id, model,
+The event is a cold-start event (request_id, model,
 path, queue_wait_ms, restore_ms, ttft_ms, sla_breached, timestamp_ms) with the answer's
 ``code`` added; ``path`` is one of warm_hit, suspended_resume, snapshot_restore, cold_boot,
 or ``refused`` for requests answered with an error before reaching a replica.  Events are

@@ -19,7 +19,7 @@ for the restore from zero through Nomad), ``restore_s`` (that restore as the nod
 timed it, from the allocation's ``rewarm hold`` line), ``first_token_cold_s``, ``requests``,
 ``lost``, ``leader_failover_s``, ``watch_requests_per_s_at_index_0``, ``hosts``.
 
-Targets (issue 13): first_token_via_nomad_s <= restore_s + 1.5; 0 lost across the node kill;
+Targets: first_token_via_nomad_s <= restore_s + 1.5; 0 lost across the node kill;
 leader_failover_s <= lock TTL + one predictor tick; watch_requests_per_s_at_index_0 <= 2;
 the whole scenario within 5 minutes.
 

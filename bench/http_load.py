@@ -32,7 +32,7 @@ has a core of its own and the rest hold the stubs and this process (``cpu_pinnin
   API) against the HTTP door in front of a real SmolLM2-135M replica: TTFT p50/p99, ITL p50,
   output tokens/s.  Skipped (null) with ``--no-real``.
 
-Targets (issue 14): HTTP CPU/request <= 2x msgpack's; p99 added <= 2 ms at half capacity on
+Targets: HTTP CPU/request <= 2x msgpack's; p99 added <= 2 ms at half capacity on
 stubs; at 2x overload only 200/429/504 and 0 lost; RSS bounded over 10,000 connections.
 Usage: ``python bench/http_load.py --json var/bench/http_load.json`` (``--no-real`` to skip
 the real model).  Needs the bench extra (``pip install -e '.[bench]'``) for the real run.

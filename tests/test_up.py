@@ -130,7 +130,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model):
         client = Client(host, int(port))
         try:
             # the first request cold-boots, which no TTFT SLO allows for: it carries its own
-            # deadline (issue 12: admission refuses at once what its SLO cannot be met in)
+            # deadline (admission refuses at once what its SLO cannot be met in)
             done = client.generate("tiny", tokens=[1, 2, 3, 4], max_tokens=4,
                                    deadline_ms=120_000)
         finally:

@@ -42,7 +42,7 @@ def register(subparsers) -> None:
                    help="browser origins allowed to call the HTTP entrance (CORS), e.g. "
                         "http://localhost:3000, or '*'; default none (no CORS headers)")
     p.add_argument("--warm-slo-ms", type=positive_float, default=2000.0,
-                   help="TTFT SLO of a warm hit, from arrival (design document p99: 2000)")
+                   help="TTFT SLO of a warm hit, from arrival (p99, ms; docs/architecture.md)")
     p.add_argument("--restore-slo-ms", type=positive_float, default=4000.0,
                    help="TTFT SLO of a request that waits for a restore (p99: 4000)")
     p.add_argument("--slo", action="append", default=[], metavar="MODEL=WARM_MS,RESTORE_MS",

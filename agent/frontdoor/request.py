@@ -1,5 +1,5 @@
 """What an entrance hands the request path: a validated request, the sink its answers go
-to, and the handle (:class:`Flight`) it may cancel (issue 12 contract point 5).
+to, and the handle (:class:`Flight`) it may cancel (docs/architecture.md, "Cancellation").
 
 Both entrances (msgpack/TCP, HTTP) build a :class:`GenerateRequest` from their own wire form
 and give :meth:`agent.frontdoor.request_path.RequestPath.submit` a :class:`Sink` that turns
@@ -16,7 +16,8 @@ from agent.protocol import PROTOCOL_VERSION
 if TYPE_CHECKING:  # pragma: no cover
     from agent.frontdoor.admission import Pending
 
-# Sampling fields a request may carry, forwarded to the replica when set (contract point 6).
+# Sampling fields a request may carry, forwarded to the replica when set (docs/architecture.md,
+# "Sampling fields").
 SAMPLING_FIELDS = ("seed", "stop", "temperature", "top_p", "top_k")
 
 

@@ -264,7 +264,8 @@ class RequestPath(QueuePlanner, Restores, Reroute):
     def _dispatch(self, flight: Flight, replica: ReplicaLoad, predicted_s: float,
                   now: float | None = None) -> None:
         """Send ``flight`` to ``replica`` (predicted TTFT ``predicted_s`` from now) with
-        ``deadline_ms``: the time left for its first token (contract point 3)."""
+        ``deadline_ms``: the time left for its first token (docs/architecture.md, "The
+        replica's refusal")."""
         rid = replica.replica_id
         link = self.links.get(rid)
         if link is None or link.closed:

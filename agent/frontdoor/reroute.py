@@ -8,7 +8,7 @@ readable); it reads the path's ``router``, ``links``, ``capacity``, ``counts``, 
 A dispatched request can come back with nothing streamed in three ways:
 
 - the replica refused it (429: it predicts it cannot start it within its ``deadline_ms``,
-  contract point 3); predictions for that replica carry the difference until its next report;
+  docs/architecture.md, "The replica's refusal"); predictions for that replica carry the difference until its next report;
 - the replica is going away (503: it is draining or shutting down — the predictor's
   scale-in through the node agent, a SIGTERM — while the front door's view, refreshed every
   registry poll, still listed it); it leaves the view;

@@ -5,8 +5,8 @@ path's ``capacity`` (the :class:`~agent.frontdoor.capacity.CapacityRequester`), 
 ``restore_times``, ``queues``, ``router``, ``last_restore``, ``came_up``, ``known_models``,
 ``_deadline_ms``, ``_max_seqs``, ``_upserted``, ``_capped_until`` and ``_capped``, and calls its
 ``_drain``, ``_recheck``, ``_fail``, ``_per_replica`` and ``upsert``.  The number asked for
-comes from the queue over one replica's measured sustainable concurrency at the SLO (issue 12
-contract point 7), not from KV slots.
+comes from the queue over one replica's measured sustainable concurrency at the SLO
+(docs/architecture.md, "Capacity from measured rates"), not from KV slots.
 """
 
 from __future__ import annotations

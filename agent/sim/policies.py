@@ -4,7 +4,7 @@ Every policy sizes through the production code: Little's law from
 :func:`agent.predictor.sizing.target_replicas`, forecasts from
 :class:`agent.predictor.forecast.Holt`, and rewarm's own policy is the production
 :class:`agent.predictor.loop.Predictor` itself (:class:`PredictorPolicy`).  The baselines
-reproduce the design documents' alternatives:
+are the alternatives a scale-to-zero fleet is compared with:
 
 - :class:`FixedPool`: always-on, a constant number of replicas.
 - :class:`Reactive`: size for the arrival rate measured over the last ``window_s`` plus the
