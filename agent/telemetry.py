@@ -242,10 +242,13 @@ class Telemetry:
     def event(self, request_id: Any, model: str, path: str, code: int, queue_wait_ms: float,
               restore_ms: float | None, ttft_ms: float | None, sla_breached: bool, *,
               reason: str | None = None, predicted_ttft_ms: float | None = None,
-              done: dict | None = None, token_gaps: list | None = None) -> None:
+              done: dict | None = None, token_gaps: list | None = None,
+              reason_code: str | None = None) -> None:
         """Record one request's outcome (``timestamp_ms``: wall clock, ms since the epoch).
 
-        ``reason``: for a refusal, one of :data:`REJECT_REASONS` or its text;
+        ``reason_code``: for a refusal, why, as data (one of :data:`REJECT_REASONS`, set
+        where the refusal was decided); without it ``reason`` (the refusal's text, or a
+        reason) is classified by :func:`reject_reason`;
         ``predicted_ttft_ms``: the TTFT the router predicted when it chose the replica (feeds
         ``rewarm_ttft_prediction_ratio`` when the request got a first token); ``done``: an
         answered request's ``done`` message (``prompt_tokens``, ``n_tokens``, ``total_ms``:
@@ -256,7 +259,8 @@ class Telemetry:
         counts = self._requests
         counts[key] = counts.get(key, 0) + 1
         if code != 200 and code in _DEFAULT_REASON:
-            rkey = (label, code, reject_reason(code, reason))
+            why = reason_code if reason_code in REJECT_REASONS else reject_reason(code, reason)
+            rkey = (label, code, why)
             self._rejections[rkey] = self._rejections.get(rkey, 0) + 1
         if ttft_ms is not None:
             hkey = (label, path)

@@ -117,10 +117,10 @@ class HttpSink:
         self._event.set()
 
     def error(self, code: int, reason: str, retry_after_ms: int | None = None,
-              refusal: str | None = None) -> None:
-        """The request's final error; ``refusal``: why it was refused, as data (one of
-        agent/telemetry.py's REJECT_REASONS), where the refusal was decided."""
-        self.final = ("error", code, reason, retry_after_ms, refusal)
+              reason_code: str | None = None) -> None:
+        """The request's final error; ``reason_code``: why it was refused, as data (one of
+        agent/telemetry.py's REJECT_REASONS), set where the refusal was decided."""
+        self.final = ("error", code, reason, retry_after_ms, reason_code)
         self._event.set()
 
     async def wait(self) -> None:

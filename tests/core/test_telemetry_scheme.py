@@ -123,3 +123,13 @@ def test_token_counters_and_end_to_end_and_inter_token_histograms():
     assert samples(itl, "_sum")[0].value == pytest.approx(0.08)
     le = {float(s.labels["le"]): s.value for s in samples(itl, "_bucket")}
     assert le[0.01] == 1 and le[0.025] == 3 and le[0.05] == 4   # 10 ms, 2 x 20 ms, 30 ms
+
+
+def test_a_reason_code_is_the_label_whatever_the_text_says():
+    t = Telemetry()
+    # the text mentions capacity; the refusal was decided on the deadline: the code wins
+    t.event(1, "m", "refused", 429, 0.0, None, None, False,
+            reason="no capacity in sight can start it in time",
+            reason_code="deadline_unreachable")
+    rej = {s.labels["reason"]: s.value for s in samples(families(t)["rewarm_rejections"], "_total")}
+    assert rej == {"deadline_unreachable": 1}
