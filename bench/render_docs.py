@@ -7,7 +7,12 @@ writes ``bench/results/<bench>.json`` holding:
 - ``meta``: ``{"command", "machine", "loadavg", "date", "commit"}`` (required);
 - ``title``: one line naming what was measured (optional; the file name otherwise);
 - ``tables``: ``[{"title", "columns": [str], "rows": [[cell]], "notes"?}]``, the figures to
-  show (optional: without it the page lists the JSON's scalar leaves by dotted key).
+  show (optional: without it the page lists the JSON's scalar leaves by dotted key);
+- ``headline``: ``[[label, value], ...]``, the one to three figures the README's results
+  table shows (optional: else the first table's first rows).
+
+The README's results table lies between :data:`README_BEGIN` and :data:`README_END` and is
+rendered from the same files.
 
 :data:`KNOWN` lists the benchmarks the page expects, in page order, with the command that
 makes each; one without a file is listed as not run, so a reader sees what is missing.
@@ -30,6 +35,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 PAGE = REPO / "docs" / "benchmarks.md"
+README = REPO / "README.md"
+README_BEGIN = "<!-- results: rendered by bench/render_docs.py from bench/results/ -->"
+README_END = "<!-- /results -->"
+HEADLINE_ROWS = 3
 META_KEYS = ("command", "machine", "loadavg", "date", "commit")
 MAX_LEAVES = 60          # scalar leaves shown for a file without "tables"
 
@@ -182,21 +191,68 @@ def render(results: Path = RESULTS) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def headline(data: dict) -> list[tuple[str, Any]]:
+    """A result's figures for the README: its ``headline``, else its first table's first
+    :data:`HEADLINE_ROWS` rows (first cell the label, last the value)."""
+    if isinstance(data.get("headline"), list):
+        return [(str(row[0]), row[-1]) for row in data["headline"][:HEADLINE_ROWS]
+                if isinstance(row, list) and row]
+    for t in data.get("tables") or ():
+        return [(str(row[0]), row[-1]) for row in t["rows"][:HEADLINE_ROWS] if row]
+    return [(k, v) for k, v in leaves({k: v for k, v in data.items()
+                                       if k not in ("meta", "title")}) if k][:HEADLINE_ROWS]
+
+
+def readme_table(results: Path = RESULTS) -> str:
+    """The README's results table: one row per committed result (known ones first), its
+    headline figures, the machine, load average and date, a link to its section."""
+    files = {p.stem: p for p in sorted(results.glob("*.json"))} if results.is_dir() else {}
+    order = [stem for stem, _h, _c in KNOWN if stem in files]
+    order += sorted(set(files) - set(order))
+    heading = {stem: h for stem, h, _c in KNOWN}
+    rows = []
+    for stem in order:
+        data = load(files[stem])
+        meta = data["meta"]
+        figures = "; ".join(f"{label}: {cell(value)}" for label, value in headline(data))
+        rows.append([f"[{data.get('title') or heading.get(stem, stem)}](docs/benchmarks.md)",
+                     figures, f"{meta['machine']}, load {meta['loadavg']}, {meta['date']}"])
+    if not rows:
+        return "No benchmark result is committed yet: see docs/benchmarks.md for the commands.\n"
+    return "\n".join(_table(["benchmark", "figures", "measured on"], rows)) + "\n"
+
+
+def with_readme_table(text: str, table: str) -> str:
+    """``text`` (the README) with the block between the markers replaced by ``table``;
+    unchanged when the markers are absent."""
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        return text
+    return text[:start + len(README_BEGIN)] + "\n" + table + text[end:]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when docs/benchmarks.md differs from the render")
     args = parser.parse_args(argv)
     text = render()
+    readme = README.read_text() if README.exists() else ""
+    new_readme = with_readme_table(readme, readme_table())
     if args.check:
         current = PAGE.read_text() if PAGE.exists() else ""
-        if current != text:
-            print(f"{PAGE.relative_to(REPO)} differs from the render of bench/results/; run "
+        stale = [str(p.relative_to(REPO)) for p, ok in ((PAGE, current == text),
+                                                        (README, readme == new_readme)) if not ok]
+        if stale:
+            print(f"{', '.join(stale)} differ from the render of bench/results/; run "
                   "python bench/render_docs.py", file=sys.stderr)
             return 1
         return 0
     PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(REPO)}")
+    if new_readme != readme:
+        README.write_text(new_readme)
+    print(f"wrote {PAGE.relative_to(REPO)}" + (" and the README's results table"
+                                                if new_readme != readme else ""))
     return 0
 
 

@@ -80,7 +80,32 @@ def test_not_json_is_named(tmp_path):
 def test_check_mode_says_when_the_page_is_stale(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(render_docs, "PAGE", tmp_path / "benchmarks.md")
     monkeypatch.setattr(render_docs, "REPO", tmp_path)
+    monkeypatch.setattr(render_docs, "README", tmp_path / "README.md")
     (tmp_path / "benchmarks.md").write_text("typed by hand\n")
     assert render_docs.main(["--check"]) == 1
-    assert "differs" in capsys.readouterr().err
+    assert "benchmarks.md differ from the render" in capsys.readouterr().err
     assert render_docs.main([]) == 0 and render_docs.main(["--check"]) == 0
+
+
+def test_the_readme_results_table_is_the_render_of_the_committed_json():
+    readme = (REPO / "README.md").read_text()
+    assert readme == render_docs.with_readme_table(readme, render_docs.readme_table()), (
+        "README.md's results table differs from bench/results/: run python bench/render_docs.py")
+
+
+def test_the_readme_table_takes_headlines_else_first_rows(tmp_path):
+    _write(tmp_path, "http_load.json", {"meta": META, "headline": [["TTFT p50 ms", 623.4]],
+                                        "tables": [{"columns": ["a", "b"], "rows": [["x", 1]]}]})
+    _write(tmp_path, "cold_start.json", {"meta": META, "tables": [
+        {"columns": ["rung", "s"], "rows": [["eager", 9.5], ["restore", 0.53], ["a", 1],
+                                            ["b", 2]]}]})
+    table = render_docs.readme_table(tmp_path)
+    lines = table.splitlines()
+    assert lines[0] == "| benchmark | figures | measured on |"
+    assert lines[2].startswith("| [Cold-start ladder") and "eager: 9.5; restore: 0.53; a: 1 |" \
+        in lines[2] and "b: 2" not in lines[2]
+    assert "TTFT p50 ms: 623.4 |" in lines[3] and "(docs/benchmarks.md)" in lines[3]
+    assert "load 0.52 0.61 0.7, 2026-12-01T22:30:00Z" in lines[3]
+    text = f"a\n{render_docs.README_BEGIN}\nold\n{render_docs.README_END}\nb\n"
+    assert render_docs.with_readme_table(text, table) == (
+        f"a\n{render_docs.README_BEGIN}\n{table}{render_docs.README_END}\nb\n")
