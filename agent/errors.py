@@ -247,6 +247,10 @@ class TraceNotFound(InvalidTrace, FileNotFoundError):
 class CudaCheckpointError(RewarmError, OSError):
     """A CUDA checkpoint driver call failed. Attributes: ``call``, ``result``, ``name``."""
 
+    call: str
+    result: int | None
+    name: str | None
+
 
 class DriverUnavailable(CudaCheckpointError):
     """libcuda.so.1 or the checkpoint symbols (driver r570+) are missing. Attributes: ``missing``."""

@@ -51,7 +51,7 @@ def register(subparsers) -> None:
     p.add_argument("--demo", action="store_true", help="run the demonstration and exit")
     p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
     p.add_argument("--trace", metavar="PATH", help="--demo: Azure LLM trace CSV (default: "
-                   "the Azure LLM 2023 code trace; docs/architecture.md, \"Traces\")")
+                   "bench/traces/azure_llm_2023_code.csv)")
     p.add_argument("--replay-s", type=positive_float, default=120.0,
                    help="--demo: wall-clock seconds of trace replay (sets the time "
                         "compression; the token scale follows from the measured replica)")

@@ -33,7 +33,7 @@ scrape time by a custom collector, so the agent never pushes them.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
@@ -41,7 +41,13 @@ from prometheus_client.core import GaugeMetricFamily
 from agent.telemetry import BUCKETS_S
 
 if TYPE_CHECKING:
-    from agent.node.agent import NodeAgent, ReplicaRecord
+    import threading as _threading
+
+    from agent.clock import Clock
+    from agent.node.backend import ModelSpec, Zygote
+    from agent.node.inventory import Inventory
+    from agent.node.state import ReplicaRecord
+    from agent.snapshot.store import LocalStore
 
 TIERS = {"restore": "local", "staged_restore": "remote", "cold_boot": "cold",
          "resume": "suspended", "warm": "warm"}
@@ -64,6 +70,32 @@ def failure_kind(attempt: dict[str, Any]) -> str:
         return "pins"
     return {"SnapshotTampered": "signature", "SnapshotCorrupt": "checksum",
             "GoldenMismatch": "golden", "TimeoutError": "timeout"}.get(error, "other")
+
+
+class AgentView(Protocol):
+    """What the metrics read of the node agent (agent/node/agent.py's NodeAgent) at scrape
+    time; ``lock`` guards ``replicas`` and ``pool``."""
+
+    @property
+    def store(self) -> LocalStore: ...
+    @property
+    def lock(self) -> _threading.RLock: ...
+    @property
+    def pool(self) -> dict[str, list[Zygote]]: ...
+    @property
+    def replicas(self) -> dict[str, ReplicaRecord]: ...
+    @property
+    def closing(self) -> bool: ...
+    @property
+    def last_tick_s(self) -> float | None: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def inventory(self) -> Inventory: ...
+    @property
+    def models(self) -> dict[str, ModelSpec]: ...
+    @property
+    def metrics(self) -> NodeMetrics: ...
 
 
 class NodeMetrics:
@@ -103,11 +135,11 @@ class NodeMetrics:
         self.evictions.labels(node_id)
         self.outcomes: dict[str, tuple[bool, str]] = {}   # model -> latest restore (ok, why)
         self._lock = threading.Lock()
-        self.agent: NodeAgent | None = None
+        self.agent: AgentView | None = None
         if process_metrics:
             ProcessCollector(registry=r)
 
-    def attach(self, agent: NodeAgent) -> NodeMetrics:
+    def attach(self, agent: AgentView) -> NodeMetrics:
         """Read ``agent``'s gauges at scrape time (once)."""
         self.agent = agent
         self.registry.register(_AgentCollector(self))
@@ -192,7 +224,7 @@ class _AgentCollector:
         cache.add_metric((node, "used"), used)
         cache.add_metric((node, "free"), max(0, capacity - used))
         yield cache
-        with agent._lock:
+        with agent.lock:
             zygotes = sum(len(z) for z in agent.pool.values())
             records = list(agent.replicas.values())
         ready = g("rewarm_node_zygotes_ready", "Pre-started workers waiting for a restore")
@@ -221,7 +253,7 @@ class _AgentCollector:
 
 
 
-def readiness(agent: NodeAgent, *, stall_s: float = 10.0) -> tuple[bool, str]:
+def readiness(agent: AgentView, *, stall_s: float = 10.0) -> tuple[bool, str]:
     """Whether ``agent`` can restore now, and why not: not while it shuts down, before its
     loop's first tick or when the loop has not ticked for ``stall_s``, with no device or no
     model, or while the latest restore of every model that asked for one failed."""

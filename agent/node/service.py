@@ -25,7 +25,8 @@ from agent.cluster.base import Registry
 from agent.errors import ConfigError
 from agent.health import serve_status
 from agent.limits import raise_nofile
-from agent.node.agent import AgentConfig, NodeAgent, SnapshotSummary
+from agent.node.agent import AgentConfig, NodeAgent
+from agent.node.snapshots import SnapshotSummary
 from agent.node.backend import Backend, InProcessBackend, ModelSpec
 from agent.cluster.control import control_token
 from agent.node.control import ControlServer, check_control_bind

@@ -114,7 +114,6 @@ class _Connection:
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self.client = None
-        self.reopened = 0
         self._lock = asyncio.Lock()
 
     async def get(self):
@@ -124,7 +123,6 @@ class _Connection:
             if self.client is None or self.client._task.done():
                 if self.client is not None:
                     await self.client.close()
-                    self.reopened += 1
                 self.client = await AsyncClient.connect(self.host, self.port, max_retries=0)
             return self.client
 
