@@ -33,7 +33,17 @@ def test_promtool_check_metrics_is_clean(component, ports):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (Debian: apt-get install prometheus)")
-    text = generate_latest(ports[component])
+    import urllib.request
+
+    from agent.health import serve_status
+
+    server = serve_status(ports[component], component=component)   # what the port serves
+    try:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=10) as answer:
+            text = answer.read()
+    finally:
+        server.close()
+    assert b"rewarm_" in text
     proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
                           timeout=60)
     assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), (
