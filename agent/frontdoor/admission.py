@@ -5,8 +5,7 @@ Pure and clock-injected, with no asyncio inside: the asyncio server and the simu
 arrival at the front door; the queue bounds both its depth and the wait it promises.  Past
 either bound :meth:`AdmissionQueue.offer` raises :class:`~agent.errors.Overloaded` (429) with
 ``retry_after_ms``; a request whose deadline passes is handed back by :meth:`expire` (504)
-and is never dispatched.  Heap operations are O(log n) (design document, "Deadline-Aware
-Admission Control").
+and is never dispatched.  Heap operations are O(log n) (docs/architecture.md, "Admission").
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agent import sdnotify
+from agent import logs
 from agent.cluster import (ClusterChoice, choice_from_args, choose, model_catalog, node_metadata,
                            snapshot_summary)
 from agent.cluster.base import Registry
@@ -116,8 +117,8 @@ async def serve(agent: NodeAgent, listen: str, stop: asyncio.Event,
             raise ConfigError(f"--metrics-listen {metrics_listen}: cannot listen: {exc}",
                               name="metrics_listen", value=metrics_listen,
                               limit="a free HOST:PORT") from exc
-    print(f"rewarm agent {agent.config.node_id} listening on {address}"
-          + (f"; metrics on {status.url}/metrics" if status else ""), flush=True)
+    logs.say(f"rewarm agent {agent.config.node_id} listening on {address}"
+             + (f"; metrics on {status.url}/metrics" if status else ""), address=address)
     loop_stop = threading.Event()
     loop_thread = threading.Thread(target=agent.run, args=(loop_stop,), daemon=True,
                                    name="agent-loop")

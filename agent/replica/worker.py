@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.errors import (ConfigError, InvalidCheckpoint, Overloaded, ProtocolError,
-                          RewarmError, Unauthorized)
+from agent.errors import (ConfigError, ContextLengthExceeded, InvalidCheckpoint, Overloaded,
+                          ProtocolError, RewarmError, Unauthorized)
 from agent.protocol import (DEFAULT_LIMITS, DEFAULT_MAX_TOKENS, Decoder, check_stop,
                             error_message, pack, read_messages)
 from agent.replica.meter import ReplicaMeter
@@ -364,8 +364,10 @@ class Worker:
             eos = self.loaded.config.eos_token_id
             if eos is not None and eos >= 0 and msg.get("ignore_eos") is not True:
                 stop_ids.add(eos)
+        if text and tokens is not None and not stop_strs and not self.has_tokenizer():
+            text = False   # detokenize is "text too, when the model has a tokenizer"
         if text:
-            self.tokenizer_for("stop")
+            self.tokenizer_for("stop" if stop_strs else "prompt")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise ProtocolError("generate needs tokens: [int], prompt: str or messages",
                                 field="tokens", value=type(tokens).__name__, limit="list of int")
@@ -376,6 +378,14 @@ class Worker:
         if seed is not None and not isinstance(seed, int):
             raise ProtocolError(f"seed={seed!r} must be an int or absent", field="seed", value=seed, limit=None)
         sampling = _sampling(msg)
+        # The context: a slot holds max_seq_len tokens (vLLM's max_model_len).  With
+        # fit_context (an OpenAI chat without max_tokens) max_tokens is what the slot leaves,
+        # as vLLM's serving_engine.py sets it; either way prompt + max_tokens must fit.
+        context = self.loaded.engine.kv.max_seq_len
+        if msg.get("fit_context") is True:
+            max_tokens = max(1, min(max_tokens, context - len(tokens)))
+        if len(tokens) + max_tokens > context:
+            raise ContextLengthExceeded(context, len(tokens), max_tokens)
         # The engine checks the rest (token range, KV capacity, sampling ranges) before
         # anything is allocated.
         self.loaded.engine.kv.check(len(tokens) + max_tokens)
@@ -409,6 +419,14 @@ class Worker:
                           "deadline_ms": deadline_ms,
                           "retry_after_ms": exc.retry_after_ms}
             raise exc
+
+    def has_tokenizer(self) -> bool:
+        """Whether the model has a tokenizer (False for a checkpoint without one)."""
+        try:
+            self.tokenizer()
+        except InvalidCheckpoint:
+            return False
+        return True
 
     def tokenizer_for(self, field_name: str):
         """The tokenizer, or a 400 naming ``field_name`` when the model has none."""
