@@ -25,6 +25,14 @@ exists yet), body ``max_body_bytes`` (from Content-Length before reading, and wh
 a chunked body: 413), the request's head within ``header_timeout_s`` of its first byte and
 its body within ``body_timeout_s`` (slow senders: 408), ``idle_timeout_s`` between requests,
 ``write_timeout_s`` for a client that stops reading its answer, ``max_connections`` (503).
+``Expect: 100-continue`` with a declared body over ``max_body_bytes`` is 413 before the body
+is sent.
+
+Conventions clients of OpenAI's and vLLM's servers rely on: ``max_model_len`` in
+``/v1/models``; an unknown path is 404 ``Invalid URL`` (``code`` null), a wrong method 405
+with ``Allow``; CORS only for ``HttpConfig.allowed_origins`` (aiohttp-cors); a refusal's code
+(agent/wire/refusals.py) in the ``x-rewarm-refusal`` header and ``error.refusal``.  The
+endpoints, parameters, limits and errors for users: docs/http-api.md.
 """
 
 from __future__ import annotations
