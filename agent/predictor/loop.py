@@ -127,9 +127,13 @@ class ModelPolicy:
     step_s: float = 1.0
     scale_down_cooldown_s: float = 30.0
     # SLO-aware keep-alive: the last replica stays warm for this quantile of the model's
-    # observed idle gaps (over rate_window_s), at least the breakeven keep-alive; 0 = the
+    # observed idle gaps (over gap_window_s), at least the breakeven keep-alive; 0 = the
     # breakeven alone.  0.99: Shahrad et al., "Serverless in the Wild" (ATC 2020).
     keepalive_gap_quantile: float = 0.99
+    # how long idle gaps are remembered, and the longest one counted: 4 hours, the range of
+    # the idle-time histogram in Shahrad et al. (a trickle's gaps run to many minutes, so a
+    # window of a few minutes would never hold enough of them to read a breakeven from)
+    gap_window_s: float = 4 * 3600.0
     # idle gaps on record before the last replica's breakeven is read from them rather than
     # from the Poisson formula: the empirical distribution of fewer says little about the next
     keepalive_min_gaps: int = 10
@@ -183,6 +187,11 @@ class ModelPolicy:
                 f"ModelPolicy {self.model}: keepalive_gap_quantile="
                 f"{self.keepalive_gap_quantile}; limit is 0 <= q <= 1",
                 name="keepalive_gap_quantile", value=self.keepalive_gap_quantile, limit="[0, 1]")
+        if not (self.gap_window_s >= self.step_s and math.isfinite(self.gap_window_s)):
+            raise ConfigError(
+                f"ModelPolicy {self.model}: gap_window_s={self.gap_window_s}; limit is "
+                f">= step_s ({self.step_s})", name="gap_window_s", value=self.gap_window_s,
+                limit=self.step_s)
         if not self.rate_window_s >= self.step_s:
             raise ConfigError(
                 f"ModelPolicy {self.model}: rate_window_s={self.rate_window_s}; limit is "
@@ -301,7 +310,7 @@ class Predictor:
                                            longrun=Holt(min(1.0, p.step_s / p.rate_window_s),
                                                         0.0),
                                            seqs=p.seqs_per_replica,
-                                           gaps=IdleGaps(p.rate_window_s))
+                                           gaps=IdleGaps(p.gap_window_s))
 
     @property
     def models(self) -> list[str]:
