@@ -5,7 +5,8 @@ start, never wrong tokens)::
 
     newest ready local snapshot ──ok──► warm, registered
         │ pins differ → stale (a remote copy has the same pins: go to cold boot)
-        │ checksum / signature / golden mismatch → corrupt;  timeout, zygote died → stale
+        │ checksum / signature / golden mismatch → corrupt;  out of memory, timeout, zygote
+        │ died, with every chunk verified → transient: the snapshot stays ready and local
         ▼
     remote copy of that snapshot ── stage (verify every chunk) → restore ──ok──► warm
         │ fails → corrupt/stale
@@ -151,10 +152,13 @@ class _Failed(Exception):
 
 
 def _classify(exc: BaseException, snapshot: Path) -> str:
-    """corrupt: the bytes, or the state they hold, are wrong; stale: not usable here or now.
+    """corrupt: the bytes, or the state they hold, are wrong; stale: not usable here (its
+    pins differ); transient: the failure was not the snapshot's (out of memory, a killed
+    zygote, a timeout) and it is kept as it is.
 
-    An error that does not say (a worker's answer, a dead zygote, a timeout) is settled by
-    re-reading every chunk of the local copy."""
+    An error that does not say (a worker's answer, a dead zygote, a timeout, MemoryError) is
+    settled by re-reading every chunk of the local copy: only a failed verification condemns
+    a snapshot."""
     if isinstance(exc, (SnapshotCorrupt, GoldenMismatch)):
         return "corrupt"
     if isinstance(exc, SnapshotIncompatible):
@@ -163,7 +167,7 @@ def _classify(exc: BaseException, snapshot: Path) -> str:
         verify_chunks(snapshot, read_manifest(snapshot))
     except SnapshotError:
         return "corrupt"
-    return "stale"
+    return "transient"
 
 
 class NodeAgent(SnapshotOps, SuspendOps):
@@ -371,13 +375,20 @@ class NodeAgent(SnapshotOps, SuspendOps):
         if row is not None and self.store.has(row.snapshot_id):
             if self._try_restore(rec, row, "restore"):
                 return
-            try_remote = try_remote and rec.attempts[-1]["status"] != "stale-pins"
+            # the remote copy has the same pins, and after a transient fault the same bytes
+            try_remote = try_remote and rec.attempts[-1]["status"] not in ("stale-pins",
+                                                                          "transient")
         if try_remote:
             staged = self._stage(rec, row)
             if staged is not None and self._try_restore(rec, staged, "staged_restore"):
                 self.catalog.set_status(staged.snapshot_id, "ready", "staged and restored")
                 self.publish(staged.snapshot_id)
                 return
+            if staged is not None and rec.attempts[-1]["status"] == "transient":
+                # staged and verified, then a fault that was not the snapshot's: keep it
+                self.catalog.set_status(staged.snapshot_id, "ready",
+                                        "staged and verified; its restore failed transiently")
+                self.publish(staged.snapshot_id)
         self._cold_boot(rec)
 
     def _try_restore(self, rec: ReplicaRecord, row: SnapshotRow, path: str) -> bool:
@@ -393,7 +404,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
                     handle = _bounded(lambda: zygote.restore(snap, rec.lifecycle.replica_id),
                                       self.config.restore_timeout_s, "restore")
                 except (SnapshotError, GoldenMismatch, CudaCheckpointError, OSError,
-                        RuntimeError, RewarmError) as exc:
+                        RuntimeError, RewarmError, MemoryError) as exc:
                     zygote.kill()
                     status = _classify(exc, snap)
                     raise _Failed(exc, status) from exc
@@ -402,10 +413,12 @@ class NodeAgent(SnapshotOps, SuspendOps):
             log.error("%s of %s from %s failed closed (%s): %s", path, rec.spec.key,
                       row.snapshot_id, status, exc, extra={"model": rec.spec.name,
                       "replica": rec.lifecycle.replica_id, "snapshot": row.snapshot_id})
-            if row.status in ("pending", "ready"):
-                self.catalog.set_status(row.snapshot_id, status, f"{type(exc).__name__}: {exc}")
-                self.publish(row.snapshot_id)
-            self.store.remove(row.snapshot_id)
+            if status != "transient":   # a fault that was not the snapshot's keeps it
+                if row.status in ("pending", "ready"):
+                    self.catalog.set_status(row.snapshot_id, status,
+                                            f"{type(exc).__name__}: {exc}")
+                    self.publish(row.snapshot_id)
+                self.store.remove(row.snapshot_id)
             rec.attempts.append({"path": path, "snapshot": row.snapshot_id,
                                  "status": "stale-pins" if isinstance(exc, SnapshotIncompatible)
                                  else status, "error": type(exc).__name__, "reason": str(exc)})
