@@ -24,7 +24,7 @@ COMMAND_MODULES = (
     "agent.predictor.cli",   # rewarm predictor
     "agent.cluster.cli",     # rewarm jobs render
     "agent.sim.cli",         # rewarm simulate
-    "agent.up",              # rewarm up
+    "agent.up_cli",          # rewarm up
 )
 
 

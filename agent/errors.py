@@ -45,6 +45,12 @@ class SnapshotCorrupt(SnapshotError, ValueError):
     ``expected``, ``actual``.
     """
 
+    path: object
+    chunk: int | None
+    tensors: list[str]
+    expected: object
+    actual: object
+
 
 class SnapshotIncompatible(SnapshotError, RuntimeError):
     """The snapshot was taken on a machine this one does not match.
@@ -73,6 +79,11 @@ class InvalidCheckpoint(RewarmError, ValueError):
 
     Attributes: ``path``, ``field`` (tensor or key), ``value``, ``limit``.
     """
+
+    path: object
+    field: object
+    value: object
+    limit: object
 
 
 # --- the replica ------------------------------------------------------------------------
@@ -122,6 +133,11 @@ class ProtocolError(RewarmError, ValueError):
     framing error (from :meth:`agent.protocol.Decoder.feed`).
     """
 
+    field: object
+    value: object
+    limit: object
+    decoded: list[dict[str, Any]]
+
     code = 400
 
 
@@ -158,6 +174,12 @@ class Overloaded(RewarmError):
     Attributes: ``model``, ``retry_after_ms``, ``depth``, ``limit``.
     """
 
+    model: str
+    retry_after_ms: int
+    depth: int
+    limit: int
+    answer: dict[str, Any]   # a replica's refusal: predicted_ttft_ms, deadline_ms, retry_after_ms
+
     code = 429
 
 
@@ -181,6 +203,10 @@ class DeadlineExceeded(RewarmError, TimeoutError):
 class ConfigError(RewarmError, ValueError):
     """A configuration value is out of range, or a request asks for something this node's
     configuration does not allow (409). Attributes: ``name``, ``value``, ``limit``."""
+
+    name: str
+    value: object
+    limit: object
 
     code = 409
 
@@ -206,7 +232,18 @@ class DriverUnavailable(CudaCheckpointError):
 
 
 class ClusterError(RewarmError, ConnectionError):
-    """Consul or Nomad could not be reached or refused. Attributes: ``service``, ``status``."""
+    """Consul or Nomad could not be reached or refused.
+
+    Attributes: ``service``, ``status`` (HTTP status, None when nothing answered),
+    ``endpoint``, ``retryable`` (429, 5xx and transport failures), ``retry_after_s`` (from a
+    ``Retry-After`` header or the caller's back-off; None when none was given).
+    """
+
+    service: str
+    status: int | None
+    endpoint: str | None
+    retryable: bool
+    retry_after_s: float | None
 
 
 class Unreachable(ClusterError):

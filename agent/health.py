@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import cast
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -46,13 +47,13 @@ class StatusServer(ThreadingHTTPServer):
         self._thread = threading.Thread(target=self.serve_forever, daemon=True,
                                         name=f"{component}-status")
 
-    def start(self) -> "StatusServer":
+    def start(self) -> StatusServer:
         self._thread.start()
         return self
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = cast(tuple[str, int], self.server_address[:2])   # a TCP server
         return f"http://{host}:{port}"
 
     def close(self) -> None:
@@ -67,7 +68,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         path = urlsplit(self.path).path
         if path == "/metrics":
-            encoder, content_type = choose_encoder(self.headers.get("Accept"))
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
             self._send(200, encoder(self.server.registry), content_type)
         elif path == "/healthz":
             self._send(200, b"ok\n")

@@ -28,7 +28,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        out = {"time": f"{stamp}.{int(record.msecs):03d}Z", "level": record.levelname,
+        out: dict[str, object] = {"time": f"{stamp}.{int(record.msecs):03d}Z", "level": record.levelname,
                "component": record.name.removeprefix("agent."),
                "message": record.getMessage()}
         for key in FIELDS:

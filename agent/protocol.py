@@ -438,7 +438,7 @@ def validate_request(message: dict[str, Any], limits: Limits = DEFAULT_LIMITS,
         if type(value) not in spec[0]:
             raise _bad(key, type(value).__name__, [t.__name__ for t in spec[0]],
                        f"wrong type {type(value).__name__}")
-    required = _REQUIRED.get(op) if schemas is OP_SCHEMAS else None
+    required = _REQUIRED.get(str(op)) if schemas is OP_SCHEMAS else None
     if required is None:
         required = frozenset(k for k, (_, req) in schema.items() if req)
     if not required <= message.keys():
@@ -606,6 +606,7 @@ def request(address: str, message: dict[str, Any], *, timeout_s: float = 120.0,
     """
     import socket
 
+    target: str | tuple[str, int]
     if address.startswith("unix:"):
         family, target = socket.AF_UNIX, address[len("unix:"):]
     else:

@@ -33,7 +33,8 @@ import json
 import time
 from bisect import bisect_left
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -109,7 +110,7 @@ class _Histogram:
 
     def buckets(self) -> list[tuple[str, int]]:
         cumulative, out = 0, []
-        for bound, count in zip((*map(str, self.bounds), "+Inf"), list(self.counts)):
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), list(self.counts), strict=True):
             cumulative += count
             out.append((bound, cumulative))
         return out
@@ -126,7 +127,7 @@ class _Collector:
     """Exposes :class:`Telemetry`'s plain counters at scrape time (prometheus-client custom
     collector), so the request path never touches a metrics lock."""
 
-    def __init__(self, t: "Telemetry") -> None:
+    def __init__(self, t: Telemetry) -> None:
         self.t = t
 
     def collect(self):

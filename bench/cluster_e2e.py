@@ -161,7 +161,7 @@ class Traffic:
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(clients)]
 
-    def start(self) -> "Traffic":
+    def start(self) -> Traffic:
         for t in self._threads:
             t.start()
         return self

@@ -227,7 +227,7 @@ async def _load(port: int, arrivals_s: np.ndarray, max_tokens: np.ndarray, conns
             for k in range(i, j):
                 batches[k % conns].append(packed[k])
             sent_t[i:j] = now
-            for link, batch in zip(links, batches):
+            for link, batch in zip(links, batches, strict=True):
                 if batch:
                     link.t.write(b"".join(batch))
             i = j

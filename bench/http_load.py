@@ -379,7 +379,7 @@ def _stub_runs(args, door_cpus: list[int] | None, other_cpus: list[int] | None) 
             out[f"{name}_cpu_us_per_request"] = round(float(np.median(values)), 1)
             out[f"{name}_cpu_us_rounds"] = [round(v, 1) for v in values]
         out["http_msgpack_cpu_ratio_rounds"] = [round(h / m, 2) for h, m in
-                                                zip(per["http"], per["msgpack"])]
+                                                zip(per["http"], per["msgpack"], strict=True)]
         capacity = _ladder(http_port, args.ladder_s)
         half = capacity / 2
         out["http_capacity_rps"] = round(capacity)
@@ -390,7 +390,7 @@ def _stub_runs(args, door_cpus: list[int] | None, other_cpus: list[int] | None) 
         via_http, busy = _busy(fd.pid, lambda: http_load(http_port, lat_arrivals))
         via_msg, _ = asyncio.run(msgpack_load(msg_port, lat_arrivals))
         out["half_capacity_http_door_cpu_fraction"] = round(busy, 3)
-        out["latency_client"] = dict(zip(("direct", "http", "msgpack"), CLIENT_STATS))
+        out["latency_client"] = dict(zip(("direct", "http", "msgpack"), CLIENT_STATS, strict=True))
         out["half_capacity_rps"] = round(half)
         for q in (50, 99):
             out[f"http_p{q}_added_ms"] = round(pct(via_http, q) - pct(direct, q), 3)

@@ -54,7 +54,7 @@ def plan_for(shape: str, seed: int = 0) -> list[ReplayRequest]:
     at = np.concatenate([s + np.sort(rng.random(c)) for s, c in enumerate(counts)])
     prompt = np.clip(rng.lognormal(np.log(12), 0.6, at.size), 1, 200).astype(int)
     return [ReplayRequest(float(a), int(p), 1 + int(rng.integers(0, 3)))
-            for a, p in zip(at, prompt)]
+            for a, p in zip(at, prompt, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,7 +126,7 @@ def meta(argv: list[str] | None) -> dict:
     import os
     import platform
     import subprocess
-    from datetime import datetime, timezone
+    from datetime import UTC, datetime
 
     try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
@@ -137,7 +137,7 @@ def meta(argv: list[str] | None) -> dict:
                                                              else argv)]),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
             "loadavg": list(os.getloadavg()),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "commit": commit or None}
 
 

@@ -307,7 +307,7 @@ def _paired(loads: list[dict], raws: list[dict]) -> dict:
     """Each round's cold load GB/s over the raw O_DIRECT read of the same round (the disk's
     speed drifts between rounds on a shared machine; a ratio within one round sees one speed):
     median and min-max over the rounds where both ran."""
-    r = sorted(raw["seconds"] / load["seconds"] for load, raw in zip(loads, raws)
+    r = sorted(raw["seconds"] / load["seconds"] for load, raw in zip(loads, raws, strict=True)
                if "error" not in load and "error" not in raw)
     return {"median": statistics.median(r), "min": r[0], "max": r[-1]} if r else {"median": None}
 
@@ -331,7 +331,7 @@ def in_process(snap: Path, st_path: Path, pt_path: Path, repeat: int, classic: b
         "warm": lambda: rewarm_once(snap, data, buf, False, True, warm_share),
         "warm_nv": lambda: rewarm_once(snap, data, buf, False, False, warm_share),
     }, repeat))
-    del src, dst, buf
+    src = dst = buf = None   # drop the buffers (the lambdas above are done with them)
     gc.collect()
     g = lambda s: nbytes / s / 1e9  # noqa: E731
     res = {"bytes": nbytes, "odirect_limit_gbps": max(max(sweep.values()), g(t["raw"])),

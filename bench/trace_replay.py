@@ -9,7 +9,7 @@ SmolLM2-135M, the front door, the node agent and, for the replay, the predictor)
 
 1. the node agent cold-boots a replica (its ``restore`` op with no snapshot yet; the snapshot
    is captured in the background);
-2. the replica's speed is measured through the front door (:func:`agent.replay.calibrate`);
+2. the replica's speed is measured through the front door (:func:`agent.sim.replay.calibrate`);
    the window is scaled by the profile the replica's own speed meter then reports (the one
    the front door admits and routes with), else by that calibration, or by ``--profile``
    (an engine profile file from bench/engine_profile.py); once its snapshot is ready the replica is drained and restored
@@ -32,7 +32,7 @@ its ``--records`` file) and prints both columns: the simulator can be changed an
 against one live run without running the stack again.
 
 It prints live and simulated side by side and writes ``--json``: per load the keys of
-:func:`agent.replay.summarise` (``requests, served, shed_429, shed_429_within_50ms,
+:func:`agent.sim.replay.summarise` (``requests, served, shed_429, shed_429_within_50ms,
 expired_504, lost, sla_attainment, ttft_ms, gpu_seconds, always_on_gpu_seconds, restores``),
 ``sim`` (the same keys), ``load``, ``speedup``, ``token_scale``, ``trace``, the profile, the
 measured restore and the targets' verdicts.  GPU-seconds are replica-seconds here (a CPU
@@ -163,8 +163,8 @@ def gap_floor(arrival_s, window_s: float, restore_s: float, cap: int) -> dict:
 
 def run_one(args, load: float, rows, window_s: float, model_dir, release, note) -> dict:
     """One replay at ``load`` on a fresh stack: live, then simulated (module docstring)."""
-    from agent import replay
-    from agent.demo import Sampler, _fresh_state, _vocabulary, replica_limits, replica_stats
+    from agent.sim import replay
+    from agent.sim.demo import Sampler, _fresh_state, _vocabulary, replica_limits, replica_stats
     from agent.replica.config import LlamaConfig
     from agent.sim.replay_scale import always_on_replicas, fit_scale, replay_requests
     from agent.up import Stack
@@ -203,7 +203,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
             # the front door admits and routes on what the replica reports: scale by the same
             profile, source = meter, "the replica's speed meter (what admission predicts with)"
         else:
-            profile, source = calibrated, "measured through the front door (agent.replay.calibrate)"
+            profile, source = calibrated, "measured through the front door (agent.sim.replay.calibrate)"
         say(f"  scaling by {source}")
         say("  draining the replica to measure a restore")
         for r in live_replicas(stack):
@@ -250,7 +250,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
                                                 until_s=scale.wall_s))
         span_s = sampler.stop()
         # the front door's own counts: replica 429s, requests placed again, late first tokens
-        fd_counts = dict(stack.frontdoor.path.counts) if stack.frontdoor is not None else {}
+        fd_counts = dict(stack.frontdoor.path.counts)
         rows_after = stack.agent.catalog.cold_starts(model)
         restores = len(rows_after) - restores_before
         # each restore of the window, as the node agent timed it (the simulator's restores)
@@ -308,7 +308,7 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
     (:func:`agent.sim.pathsim.simulate_path`), configured as this replay's stack.  The
     simulated replicas report ``profile`` (what the live replica's meter reported, which
     admission predicts with) and serve at ``actual`` (the speed measured through the front
-    door, :func:`agent.replay.calibrate`: what its clients saw; default ``profile``).  The
+    door, :func:`agent.sim.replay.calibrate`: what its clients saw; default ``profile``).  The
     front door starts with ``restore_s`` measured (the probe's restore, as live); each
     simulated restore takes the median of ``replay_restores_s`` (the restores the node agent
     timed during the live window; default ``restore_s``), plus the time to start a zygote
@@ -393,7 +393,7 @@ def write_records(path: Path, load: float, plan, outcomes, decisions) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     t0 = decisions[0].at_s if decisions else 0.0
     with target.open("w") as f:
-        for r, o in zip(plan, outcomes):
+        for r, o in zip(plan, outcomes, strict=True):
             f.write(_json_line({"kind": "request", "at_s": r.at_s, "sent_s": o.sent_s,
                                 "prompt_tokens": r.prompt_tokens,
                                 "output_tokens": r.output_tokens, "code": o.code,
@@ -459,7 +459,7 @@ def prediction_error(outcomes) -> dict:
     """How the front door's predictions met what the clients saw, over the served requests
     that carried one: ``count``, and ``actual - predicted`` TTFT (ms) at p50, p99 and max
     (positive: optimistic)."""
-    from agent.replay import percentile
+    from agent.sim.replay import percentile
 
     errors = [o.ttft_ms - o.predicted_ttft_ms for o in outcomes
               if o.code == 200 and o.ttft_ms is not None and o.predicted_ttft_ms is not None]

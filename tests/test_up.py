@@ -85,7 +85,7 @@ def test_demo_end_to_end(tmp_path, tiny_model):
     assert s["probe_match"] is True
     served = sum(s["requests_by_path"].values())
     assert served + s["shed"] + s["expired"] + s["lost"] == s["requests"]
-    from agent.demo import replay_window
+    from agent.sim.demo import replay_window
     assert s["requests"] == 2 + len(replay_window(trace, minutes=1))  # + 2 probes
     assert 0.0 <= s["sla_attainment"] <= 1.0 and s["sla_requests"] == s["requests"] - 1
     assert s["load"] == 0.3 and s["profile"]["prefill_tokens_per_s"]

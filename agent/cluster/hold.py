@@ -24,7 +24,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from agent.cluster.control import control_call
 from agent.errors import ConfigError, RewarmError

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import nomad
 import nomad.api.exceptions as nexc

@@ -136,7 +136,8 @@ class AdmissionQueue:
             head = self.peek()
             if head is None or head.give_up_s > now:
                 return out
-            out.append(self.pop_earliest())
+            out.append(head)
+            self.pop_earliest()
 
     def drain(self) -> list[Pending]:
         """Take everything (for 503 when no capacity can be made), earliest deadline first."""

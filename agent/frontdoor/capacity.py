@@ -14,7 +14,8 @@ import asyncio
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from agent.cluster.base import Scaler
 from agent.errors import ConfigError, NoCapacity
@@ -165,7 +166,7 @@ class NodeAgentCapacity:
                 if result.restore_ms is None:  # the node did not say: what the front door saw
                     result.restore_ms = (loop.time() - started) * 1000.0
                 return result
-            except (OSError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+            except (TimeoutError, OSError, ValueError, KeyError, TypeError) as exc:
                 reasons.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
         raise NoCapacity(f"model {model!r}: no node could restore a replica "
                          f"({'; '.join(reasons) or 'no candidate nodes'})", model=model)

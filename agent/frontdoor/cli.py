@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import signal
 import sys
 
 from agent.argtypes import host_port, port, positive_float, positive_int
+from agent.cluster import ClusterChoice, add_flags, choice_from_args, choose
+from agent.cluster.base import Registry
 from agent.errors import ConfigError, RewarmError, Unreachable
 
 
@@ -23,16 +26,10 @@ def register(subparsers) -> None:
                    help="listen beyond loopback without tokens")
     p.add_argument("--events", help="append cold-start events (JSON lines) here")
     p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics on this port")
-    p.add_argument("--consul", type=host_port, metavar="HOST:PORT", help="use Consul as the registry")
-    p.add_argument("--node-agent", action="append", default=[], type=host_port, metavar="HOST:PORT",
-                   help="node agent control API to ask for restores (repeatable)")
+    # --registry, --consul, --scaler, --node-agent, --max-replicas (agent/cluster/__init__.py)
+    add_flags(p, max_replicas=True)
     p.add_argument("--replica", action="append", default=[], metavar="MODEL@HOST:PORT",
                    help="a static replica (local registry; 64 seqs, 1 Mi KV tokens assumed)")
-    p.add_argument("--scaler", choices=("agents", "nomad"), default="agents",
-                   help="nomad: ask for capacity by scaling the model's replica job "
-                        "(NOMAD_ADDR, NOMAD_TOKEN); agents: node agents' restore op")
-    p.add_argument("--max-replicas", type=positive_int, default=8,
-                   help="with --scaler nomad: the scaling max of a replica job it registers")
     p.add_argument("--max-queue-depth", type=positive_int, default=1024)
     p.add_argument("--max-wait-s", type=positive_float, default=60.0)
     p.add_argument("--max-connections", type=positive_int, default=4096)
@@ -71,26 +68,25 @@ def _hostport(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def _registry(args):
-    if not args.consul:
+def _registry(choice: ClusterChoice, static_replicas: list[str]) -> Registry:
+    """The chosen registry; a local one holds the ``--replica MODEL@HOST:PORT`` entries."""
+    registry = choose("registry", choice)
+    if choice.registry == "local":
         from agent.cluster.base import ServiceInstance
-        from agent.cluster.local import LocalRegistry
-        registry = LocalRegistry()
-        for n, spec in enumerate(getattr(args, "replica", [])):
+        for n, spec in enumerate(static_replicas):
             model, _, address = spec.partition("@")
             host, port = _hostport(address)
             registry.register(ServiceInstance(
                 "rewarm-replica", f"static-{n}", host, port, tags=[f"model={model}"],
                 meta={"max_seqs": "64", "active_seqs": "0", "kv_capacity_tokens": str(1 << 20),
                       "kv_used_tokens": "0"}), ttl_s=float("inf"))
-        return registry
-    from agent.cluster.consul_registry import ConsulRegistry, consul_client
-    return ConsulRegistry(consul_client(args.consul))
+    return registry
 
 
 def _serve(args) -> int:
     from agent.frontdoor.auth import TokenAuth, check_bind
-    from agent.frontdoor.capacity import NodeAgentCapacity, nodes_from_registry
+    from agent.frontdoor.capacity import (CapacityRequester, NodeAgentCapacity,
+                                          nodes_from_registry)
     from agent.frontdoor.server import FrontDoor, FrontDoorConfig
     from agent import sdnotify
     from agent.telemetry import Telemetry
@@ -111,24 +107,30 @@ def _serve(args) -> int:
     telemetry = Telemetry(args.events)
     if args.metrics_port:
         telemetry.serve_http(args.metrics_port, args.host)
-    registry = _registry(args)
-    nodes = [_hostport(a) for a in args.node_agent]
+    choice = choice_from_args(args)
+    registry = _registry(choice, args.replica)
+    nodes = [_hostport(a) for a in choice.node_agents]
     holder: list = []   # the FrontDoor, once built (the scaler's capacity reads its view)
-    if args.scaler == "nomad":
-        from agent.cluster.cluster_mode import nomad_scaler
+    capacity: CapacityRequester
+    if choice.scaler == "nomad":
         from agent.frontdoor.capacity import ScalerCapacity
-        capacity = ScalerCapacity(nomad_scaler(args.max_replicas),
+        capacity = ScalerCapacity(choose("scaler", choice),
                                   lambda m: len(holder[0].router.warm(m)) if holder else 0,
                                   timeout_s=300.0)
     else:
-        # Static node agents when given, else every passing rewarm-agent in the registry.
+        # The local scaler's own request, made by the front door: a node agent's restore op
+        # (static node agents when given, else every passing rewarm-agent in the registry).
         capacity = NodeAgentCapacity((lambda model: list(nodes)) if nodes
                                      else nodes_from_registry(registry))
+    # Consul: a client each for the announcers and the catalog watch (one call at a time per
+    # client, agent/cluster/consul_registry.py).
+    consul = None
     announcer = None
-    if args.consul:
-        from agent.cluster.consul_registry import consul_client
+    if choice.registry == "consul":
+        from agent.cluster.consul_http import consul_client
         from agent.frontdoor.announce import ConsulTcpAnnouncer
-        announcer = ConsulTcpAnnouncer(consul_client(args.consul))
+        consul = functools.partial(consul_client, choice.consul)
+        announcer = ConsulTcpAnnouncer(consul())
     if not args.no_http:
         from agent.frontdoor.http_conn import http_port_from_env
         http_port = args.http_port if args.http_port is not None else http_port_from_env()
@@ -149,17 +151,18 @@ def _serve(args) -> int:
                        telemetry=telemetry, auth=auth, announcer=announcer)
         holder.append(fd)
         catalog = None
-        if args.consul:   # models and their policies from the catalog in Consul KV
-            from agent.cluster.cluster_mode import watch_catalog
-            catalog = watch_catalog(args.consul, _learn_models(fd, asyncio.get_running_loop()))
+        if consul is not None:   # models and their policies from the catalog in Consul KV
+            from agent.cluster.model_catalog import CatalogWatcher, ModelCatalog
+            catalog = CatalogWatcher(ModelCatalog(consul()),
+                                     _learn_models(fd, asyncio.get_running_loop())).start()
         host, port = await fd.start()
         http = None
         if not args.no_http:
             from agent.frontdoor.http_entrance import HttpConfig, start_http
             http_announcer = None
-            if args.consul:
+            if consul is not None:
                 from agent.frontdoor.announce import ConsulHttpAnnouncer
-                http_announcer = ConsulHttpAnnouncer(consul_client(args.consul))
+                http_announcer = ConsulHttpAnnouncer(consul())
             try:
                 http = await start_http(fd, HttpConfig(host=args.host, port=http_port,
                                                        max_connections=args.max_connections),

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from agent.clock import Clock
 from agent.errors import ConfigError
 from agent.frontdoor import openai_api as oa
 
@@ -73,10 +74,10 @@ def canned(status: int, reason: str) -> bytes:
 class GuardOwner(Protocol):
     """What a :class:`ConnGuard` reports to."""
 
-    clock: object
+    clock: Clock
 
-    def accept(self, guard: "ConnGuard") -> bool: ...
-    def forget(self, guard: "ConnGuard") -> None: ...
+    def accept(self, guard: ConnGuard) -> bool: ...
+    def forget(self, guard: ConnGuard) -> None: ...
 
 
 class ConnGuard(asyncio.Protocol):

@@ -41,6 +41,7 @@ from aiohttp import web
 from agent.clock import Clock
 from agent.errors import MessageTooLarge, ProtocolError, Unauthorized
 from agent.frontdoor import openai_api as oa
+from agent.frontdoor.announce import Announcer
 from agent.frontdoor.auth import TokenAuth
 from agent.frontdoor.http_conn import (DEFAULT_HTTP_PORT, HTTP_PORT_ENV,  # noqa: F401 (re-exported)
                                        ConnGuard, HttpConfig, canned, http_port_from_env)
@@ -143,7 +144,7 @@ class HttpEntrance:
         self._runner: web.AppRunner | None = None
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task | None = None
-        self.announcer = None             # set by start_http
+        self.announcer: Announcer | None = None    # set by start_http
         self.instance_id = "frontdoor-http"
 
     # --- lifecycle -------------------------------------------------------------------
@@ -168,6 +169,7 @@ class HttpEntrance:
             shutdown_timeout=1.0, logger=_PARSER_LOG, lingering_time=cfg.close_linger_s)
         await self._runner.setup()
         factory = self._runner.server
+        assert factory is not None, "AppRunner.setup() made the server"
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: ConnGuard(self, factory()), cfg.host, cfg.port, backlog=1024,
@@ -177,6 +179,8 @@ class HttpEntrance:
 
     @property
     def address(self) -> tuple[str, int]:
+        if self._server is None:
+            raise RuntimeError("HTTP entrance used before start()")
         return self._server.sockets[0].getsockname()[:2]
 
     @property
@@ -220,11 +224,11 @@ class HttpEntrance:
             if guard.busy:
                 continue
             if guard.head_start_s is not None:
-                if now - guard.head_start_s > cfg.header_timeout_s:
+                if now - guard.head_start_s > cfg.header_timeout_s and guard.transport:
                     self.counts["timeouts"] += 1
                     guard.transport.write(canned(408, "Request Timeout"))
                     guard.transport.close()
-            elif now - guard.last_s > cfg.idle_timeout_s:
+            elif now - guard.last_s > cfg.idle_timeout_s and guard.transport:
                 guard.transport.close()
 
     async def _sweep_loop(self) -> None:
@@ -364,6 +368,7 @@ class HttpEntrance:
         if sink.final is not None and sink.final[0] == "error" and not sink.parts:
             return self._refusal(sink.final)
         created = oa.now_s()
+        assert sink.flight is not None, "submitted before the stream starts"
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "x-rewarm-path": sink.flight.path})
@@ -496,9 +501,10 @@ async def stop_http(frontdoor, entrance: HttpEntrance, grace_s: float = 1.0) -> 
     door (queued requests 503 at once, running ones within ``grace_s``), then the HTTP
     connections, once their handlers have written those answers."""
     entrance.close_listener()
-    if getattr(entrance, "announcer", None) is not None:
+    announcer = getattr(entrance, "announcer", None)
+    if announcer is not None:
         try:
-            await asyncio.to_thread(entrance.announcer.withdraw, entrance.instance_id)
+            await asyncio.to_thread(announcer.withdraw, entrance.instance_id)
         except Exception as exc:  # shutting down: say so, carry on
             log.warning("withdrawing %s failed: %s", entrance.instance_id, exc)
     await frontdoor.stop(grace_s=grace_s)

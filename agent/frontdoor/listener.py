@@ -25,7 +25,7 @@ import logging
 import os
 import resource
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 from agent.clock import Clock
 
@@ -106,9 +106,16 @@ class Listener:
         self._loop.add_reader(self.sock.fileno(), self._accept)
         return self.address
 
+    def _started(self) -> tuple[socket.socket, asyncio.AbstractEventLoop]:
+        """The listening socket and its loop; RuntimeError before :meth:`start`."""
+        if self.sock is None or self._loop is None:
+            raise RuntimeError("front door listener used before start()")
+        return self.sock, self._loop
+
     @property
     def address(self) -> tuple[str, int]:
-        return self.sock.getsockname()[:2]
+        sock, _ = self._started()
+        return sock.getsockname()[:2]
 
     def close(self) -> None:
         if self.sock is not None and self._loop is not None:
@@ -120,9 +127,10 @@ class Listener:
         self._flush_errors(force=True)
 
     def _accept(self) -> None:
+        sock, _ = self._started()
         for _ in range(ACCEPTS_PER_WAKEUP):
             try:
-                conn, _addr = self.sock.accept()
+                conn, _addr = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -142,10 +150,12 @@ class Listener:
         """Out of descriptors: answer one waiting connection on the reserve descriptor."""
         if self._spare is None:
             return
+        sock, loop = self._started()
         os.close(self._spare)
         self._spare = None
+        conn: socket.socket | None
         try:
-            conn, _addr = self.sock.accept()
+            conn, _addr = sock.accept()
         except OSError:
             conn = None
         if conn is not None:
@@ -166,20 +176,21 @@ class Listener:
             self._spare = os.open(os.devnull, os.O_RDONLY)
         except OSError:
             self._spare = None           # reopened on the next call that finds one free
-            self._loop.call_later(0.05, self._reopen_spare)
+            loop.call_later(0.05, self._reopen_spare)
 
     def _pause(self, delay_s: float) -> None:
-        fd = self.sock.fileno()
-        self._loop.remove_reader(fd)
-        self._loop.call_later(delay_s, lambda: self.sock.fileno() == fd and
-                              self._loop.add_reader(fd, self._accept))
+        sock, loop = self._started()
+        fd = sock.fileno()
+        loop.remove_reader(fd)
+        loop.call_later(delay_s, lambda: sock.fileno() == fd and
+                        loop.add_reader(fd, self._accept))
 
     def _reopen_spare(self) -> None:
         if self._spare is None:
             try:
                 self._spare = os.open(os.devnull, os.O_RDONLY)
             except OSError:
-                self._loop.call_later(0.05, self._reopen_spare)
+                self._started()[1].call_later(0.05, self._reopen_spare)
 
     def _error(self, exc: OSError) -> None:
         self._errors += 1

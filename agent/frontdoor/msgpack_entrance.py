@@ -39,7 +39,7 @@ class MsgpackSink:
 
     __slots__ = ("conn", "rid", "flight")
 
-    def __init__(self, conn: "ClientConn", rid: Any) -> None:
+    def __init__(self, conn: ClientConn, rid: Any) -> None:
         self.conn, self.rid = conn, rid
         self.flight: Flight | None = None
 
@@ -105,6 +105,8 @@ class MsgpackEntrance:
 
     @property
     def address(self) -> tuple[str, int]:
+        if self._listener is None:
+            raise RuntimeError("msgpack entrance used before start()")
         return self._listener.address
 
     def close_listener(self) -> None:
@@ -114,7 +116,7 @@ class MsgpackEntrance:
 
     # --- connections -----------------------------------------------------------------
 
-    def accept(self, conn: "ClientConn", over_cap: bool = False) -> str | None:
+    def accept(self, conn: ClientConn, over_cap: bool = False) -> str | None:
         """Take ``conn`` into the set; else the reason it is refused (it is answered 429):
         past the descriptor cap (``over_cap``) or ``max_connections``; a peer that is not
         a component past ``max_connections - component_reserve`` or past
@@ -137,7 +139,7 @@ class MsgpackEntrance:
         conn.accepted = True
         return None
 
-    def forget(self, conn: "ClientConn") -> None:
+    def forget(self, conn: ClientConn) -> None:
         """The connection closed: its requests are cancelled (no one to answer)."""
         self.conns.discard(conn)
         if conn.accepted:
@@ -185,7 +187,7 @@ class MsgpackEntrance:
 
     # --- requests --------------------------------------------------------------------
 
-    def handle(self, conn: "ClientConn", message: dict) -> None:
+    def handle(self, conn: ClientConn, message: dict) -> None:
         """One decoded message from a client."""
         try:
             validate_request(message, self.config.limits)
@@ -218,7 +220,7 @@ class MsgpackEntrance:
             conn.send(packb({"v": PROTOCOL_VERSION, "id": rid, "type": "result",
                              "result": self.path.info(op, len(self.conns))}))
 
-    def _refuse(self, conn: "ClientConn", rid: Any, model: str, code: int, reason: str) -> None:
+    def _refuse(self, conn: ClientConn, rid: Any, model: str, code: int, reason: str) -> None:
         self.path.refused(rid, model, code)
         conn.send(packb(error_message(rid, code, reason)))
 
@@ -236,7 +238,7 @@ class ClientConn(Batched):
     kernel does not reset the connection (and lose the answers) over unread input.
     """
 
-    def __init__(self, door: "MsgpackEntrance", over_cap: bool = False) -> None:
+    def __init__(self, door: MsgpackEntrance, over_cap: bool = False) -> None:
         super().__init__()
         self.door = door
         self.over_cap = over_cap
@@ -336,7 +338,7 @@ class ClientConn(Batched):
         """Requests on this connection not yet finally answered (queued or dispatched)."""
         return len(self.sinks)
 
-    def finished(self, sink: "MsgpackSink") -> None:
+    def finished(self, sink: MsgpackSink) -> None:
         """One request in flight got its final answer (done or error)."""
         self.sinks.discard(sink)
         sink.flight = None   # the flight holds the sink: no cycle left for the collector

@@ -118,11 +118,11 @@ class QueuePlanner:
         elif slots:
             # deeper than one slot each: the slots are reused in rounds, each round one
             # request's decode (the model's mean max_tokens, at the slot's step) later
-            rounds, start = divmod(ahead, len(slots))
+            rounds, first = divmod(ahead, len(slots))
             gen = self._shape.get(model, (1.0, 1.0))[1] + 1.0
-            heap = [(t + rounds * gen * step, seen, step, r) for t, seen, step, r in slots[start:]]
+            heap = [(t + rounds * gen * step, seen, step, r) for t, seen, step, r in slots[first:]]
             heap += [(t + (rounds + 1) * gen * step, seen, step, r)
-                     for t, seen, step, r in slots[:start]]
+                     for t, seen, step, r in slots[:first]]
             heapq.heapify(heap)
         else:
             heap = []
@@ -158,7 +158,7 @@ class QueuePlanner:
         """The replica with the lowest predicted TTFT that starts ``flight`` within its
         deadline there (:meth:`_deadline_for`): among all, else among those brought up since
         it arrived (the warm path's deadline may have passed, the restore path's not)."""
-        exclude = flight.tried or frozenset()
+        exclude: set[str] | frozenset[str] = flight.tried or frozenset()
         found = self.router.choose_predicted(flight.model, flight.need_tokens,
                                              flight.prompt_tokens, exclude)
         if found is None:

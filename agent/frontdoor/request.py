@@ -46,7 +46,7 @@ class GenerateRequest:
     wire: dict | None = None          # the entrance's validated msgpack map, reused as is
 
     @classmethod
-    def from_message(cls, message: dict, tenant: str | None = None) -> "GenerateRequest":
+    def from_message(cls, message: dict, tenant: str | None = None) -> GenerateRequest:
         """From a ``generate`` map already checked by :func:`agent.protocol.validate_request`."""
         get = message.get
         return cls(message["id"], message["model"], get("tokens"), get("prompt"),
@@ -114,7 +114,7 @@ class Sink(Protocol):
 
 
 class Canceller(Protocol):
-    def cancel(self, flight: "Flight") -> None:
+    def cancel(self, flight: Flight) -> None:
         """Forget ``flight``: its client is gone."""
         ...
 
@@ -128,7 +128,7 @@ class Flight:
                  "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried",
                  "warm_deadline_s", "cold")
 
-    def __init__(self, owner: "Canceller", req: GenerateRequest, sink: Sink,
+    def __init__(self, owner: Canceller, req: GenerateRequest, sink: Sink,
                  arrival_s: float) -> None:
         self.owner, self.req, self.sink, self.model = owner, req, sink, req.model
         self.arrival_s = arrival_s

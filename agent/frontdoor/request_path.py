@@ -406,6 +406,8 @@ class RequestPath(QueuePlanner, Restores, Reroute):
         restored = self.last_restore.get(model)
         while queue:
             head = queue.peek()
+            if head is None:
+                break
             found = self._choose_in_time(head.payload, now)
             if found is None:
                 self._drain_past_heads(queue, now, restored)
@@ -443,7 +445,7 @@ class RequestPath(QueuePlanner, Restores, Reroute):
         self._slot_cache.pop(model, None)
         held = queue.ordered(_RECHECK_MAX)  # the rest are checked as they move up
         predicted, first = self._assign(model, [p.payload for p in held], now)
-        for p, ttft_s in zip(held, predicted):
+        for p, ttft_s in zip(held, predicted, strict=True):
             flight: Flight = p.payload
             if ttft_s is not None:
                 continue
@@ -587,7 +589,7 @@ class RequestPath(QueuePlanner, Restores, Reroute):
         models = sorted(self.known_models | set(self.arrivals))
         return {**self.counts, "arrivals": {m: self.arrivals.get(m, 0) for m in models},
                 "connections": connections,
-                "cold": {m: dict(zip(("arrivals", "misses"), self.cold.get(m, (0, 0))))
+                "cold": {m: dict(zip(("arrivals", "misses"), self.cold.get(m, (0, 0)), strict=True))
                          for m in models},
                 "restores_in_flight": self.gate.total,
                 "queued": {m: len(q) for m, q in self.queues.items() if q},

@@ -56,7 +56,7 @@ class Reroute:
         it carry the difference until its next report, and ``flight`` is placed again."""
         self.counts["replica_429"] += 1
         load = self.router.get(link.replica_id)
-        theirs = message.get("predicted_ttft_ms")
+        theirs: Any = message.get("predicted_ttft_ms")   # the replica's number, checked here
         if (load is not None and type(theirs) in (int, float) and math.isfinite(theirs)
                 and theirs >= 0 and flight.predicted_ttft_s):
             ours_s = flight.predicted_ttft_s - (flight.queue_wait_ms / 1000.0)

@@ -28,7 +28,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 from agent.clock import Clock, SystemClock
 from agent.cluster.base import LOAD_META_KEYS, Registry, ServiceInstance

@@ -56,7 +56,11 @@ class ModelSpec:
 class Replica(Protocol):
     replica_id: str
     address: str
-    pid: int | None     # the process the CUDA checkpoint API acts on; None when in-process
+
+    @property
+    def pid(self) -> int | None:
+        """The process the CUDA checkpoint API acts on; None when in-process."""
+        ...
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  seed: int | None = None) -> list[list[int]]: ...
@@ -68,8 +72,12 @@ class Replica(Protocol):
 
 class Zygote(Protocol):
     device: str
-    pid: int | None
     warm: Path | None     # the snapshot it was asked to warm for (None: not warmed)
+
+    @property
+    def pid(self) -> int | None:
+        """Its process; None when in-process."""
+        ...
 
     def restore(self, snapshot: Path, replica_id: str) -> Replica: ...
     def kill(self) -> None: ...

@@ -34,7 +34,7 @@ from agent.clock import Clock, SystemClock
 from agent.errors import RewarmError
 
 
-class ReplicaState(str, enum.Enum):
+class ReplicaState(enum.StrEnum):
     COLD = "cold"
     RESTORING = "restoring"
     WARM = "warm"

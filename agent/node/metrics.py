@@ -117,14 +117,14 @@ class NodeMetrics:
         if process_metrics:
             ProcessCollector(registry=r)
 
-    def attach(self, agent: "NodeAgent") -> "NodeMetrics":
+    def attach(self, agent: NodeAgent) -> NodeMetrics:
         """Read ``agent``'s gauges at scrape time (once)."""
         self.agent = agent
         self.registry.register(_AgentCollector(self))
         return self
 
     # -- events from the agent ---------------------------------------------------------------
-    def restore_finished(self, rec: "ReplicaRecord", duration_s: float, ok: bool,
+    def restore_finished(self, rec: ReplicaRecord, duration_s: float, ok: bool,
                          catalog=None, *, reason: str = "") -> None:
         """One ``restore()`` ended: its tier (``rec.path``), duration, each failed step
         (``rec.attempts``), the phases the replica reports, bytes restored (the size of
@@ -187,7 +187,7 @@ def restores_in_flight(records, now_s: float) -> list[dict[str, Any]]:
             for r in records if r.phase is not None]
 
 
-def _phases(rec: "ReplicaRecord") -> dict[str, float]:
+def _phases(rec: ReplicaRecord) -> dict[str, float]:
     """The load phases from the replica's last ``stats`` (read by ``describe(load=True)``;
     no call of its own: the restore path asks the replica once)."""
     phases = (getattr(rec, "last_stats", None) or {}).get("phases_s") or {}
@@ -255,7 +255,7 @@ class _AgentCollector:
             yield fam
 
 
-def readiness(agent: "NodeAgent", *, stall_s: float = 10.0) -> tuple[bool, str]:
+def readiness(agent: NodeAgent, *, stall_s: float = 10.0) -> tuple[bool, str]:
     """Whether ``agent`` can restore now, and why not: not while it shuts down, before its
     loop's first tick or when the loop has not ticked for ``stall_s``, with no device or no
     model, or while the latest restore of every model that asked for one failed."""

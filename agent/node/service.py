@@ -15,14 +15,16 @@ import logging
 import signal
 import socket
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from agent import sdnotify
+from agent.cluster import ClusterChoice, choice_from_args, choose
 from agent.cluster.base import Registry
 from agent.errors import ConfigError
 from agent.health import serve_status
 from agent.limits import raise_nofile
-from agent.node.agent import AgentConfig, NodeAgent
+from agent.node.agent import AgentConfig, NodeAgent, SnapshotSummary
 from agent.node.backend import Backend, InProcessBackend, ModelSpec
 from agent.cluster.control import control_token
 from agent.node.control import ControlServer, check_control_bind
@@ -41,8 +43,9 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                 zygotes_per_device: int = 1, suspender=None, summary=None,
                 node_meta=None, **config) -> NodeAgent:
     """A NodeAgent with its catalog (``state_dir/catalog.db``) and local tier
-    (``state_dir/snapshots``).  Defaults: in-process backend, embedded LocalRegistry."""
-    from agent.cluster.local import LocalRegistry
+    (``state_dir/snapshots``).  Defaults: in-process backend, the embedded default's
+    registry (:func:`agent.cluster.choose` of a default :class:`~agent.cluster.ClusterChoice`)."""
+    from agent.cluster import ClusterChoice, choose
 
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -54,23 +57,22 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
     return NodeAgent(cfg, models=[ModelSpec(Path(d), release) for d in model_dirs],
                      backend=backend or InProcessBackend(), catalog=Catalog(state_dir / "catalog.db"),
                      store=LocalStore(state_dir / "snapshots", capacity_bytes),
-                     registry=registry or LocalRegistry(), inventory=Inventory.detect(),
+                     registry=registry or choose("registry", ClusterChoice()), inventory=Inventory.detect(),
                      suspender=suspender, summary=summary, node_meta=node_meta)
 
 
-def _registry(kind: str):
-    """(registry, per-model snapshot summary or None) for ``--registry``."""
-    if kind == "consul":
-        from agent.cluster.consul_kv import SnapshotKV
-        from agent.cluster.consul_registry import ConsulRegistry, consul_client
+def _registry(choice: ClusterChoice) -> tuple[Registry, SnapshotSummary | None]:
+    """(registry, per-model snapshot summary in Consul KV or None) for ``choice``."""
+    registry = choose("registry", choice)
+    if choice.registry != "consul":
+        return registry, None
+    from agent.cluster.consul_http import consul_client
+    from agent.cluster.consul_kv import SnapshotKV
 
-        return ConsulRegistry(consul_client()), SnapshotKV(consul_client())
-    from agent.cluster.local import LocalRegistry
-
-    return LocalRegistry(), None
+    return registry, SnapshotKV(consul_client(choice.consul))
 
 
-def _announce_models(agent: NodeAgent) -> None:
+def _announce_models(agent: NodeAgent, consul: str | None) -> None:
     """Put this node's models in the cluster catalog (``rewarm/models/<m>``, created once)
     so that front doors accept them before any snapshot exists.  Best effort: a failure is
     logged (the snapshot summary announces the model later too)."""
@@ -78,7 +80,7 @@ def _announce_models(agent: NodeAgent) -> None:
     from agent.cluster.model_catalog import ModelCatalog
     from agent.errors import RewarmError
 
-    catalog = ModelCatalog(consul_client())
+    catalog = ModelCatalog(consul_client(consul))
     for spec in agent.models.values():
         try:
             catalog.announce(spec.name, spec.version, agent.config.node_id)
@@ -105,7 +107,7 @@ async def _feed_watchdog(agent: NodeAgent, interval_s: float, stall_s: float) ->
 
 
 async def serve(agent: NodeAgent, listen: str, stop: asyncio.Event,
-                restore: list[str] = (), token: str | None = None,
+                restore: Sequence[str] = (), token: str | None = None,
                 metrics_listen: str | None = None) -> None:
     """Control API (``token``: required of every op when set) + agent loop until ``stop``;
     the status port on ``metrics_listen`` (HOST:PORT) when given."""
@@ -163,7 +165,8 @@ def run_agent(args: argparse.Namespace) -> int:
                                  data_host=getattr(args, "replica_host", None))
     else:
         backend = InProcessBackend(buffer_bytes=args.buffer_mib << 20)
-    registry, summary = _registry(args.registry)
+    choice = choice_from_args(args)
+    registry, summary = _registry(choice)
     node_meta = None
     if getattr(args, "nomad_metadata", False):
         from agent.cluster.node_meta import SnapshotMetadata
@@ -180,8 +183,8 @@ def run_agent(args: argparse.Namespace) -> int:
                         node_meta=node_meta,
                         drain_timeout_s=args.drain_grace_s)
 
-    if args.registry == "consul":
-        _announce_models(agent)
+    if choice.registry == "consul":
+        _announce_models(agent, choice.consul)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -21,7 +21,8 @@ import os
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
 
 from agent.clock import Clock, SystemClock
 from agent.errors import ConfigError, CudaCheckpointError, DriverUnavailable

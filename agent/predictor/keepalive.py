@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-from typing import Sequence
 
 from agent.errors import ConfigError
 from agent.predictor.sizing import breakeven_keepalive_s

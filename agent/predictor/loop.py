@@ -64,7 +64,8 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable, Iterable
 
 from agent.clock import Clock
 from agent.cluster.base import Scaler
@@ -274,6 +275,7 @@ class _State:
     forecaster: Forecaster
     longrun: Holt
     seqs: int
+    gaps: IdleGaps
     speed: SpeedProfile | None = None
     max_seqs: int = 0
     arrivals: int = 0
@@ -285,7 +287,6 @@ class _State:
     acting: bool = False
     acting_since_s: float | None = None
     low_since_s: float | None = None
-    gaps: IdleGaps | None = None
     cold: deque = field(default_factory=lambda: deque(maxlen=COLD_SAMPLES))
 
 
@@ -400,7 +401,7 @@ class Predictor:
         if max_seqs < 1:
             raise ConfigError(f"update_speed {model}: max_seqs={max_seqs}; limit is >= 1",
                               name="max_seqs", value=max_seqs, limit=1)
-        changes = {k: float(v) for k, v in (("mean_prompt_tokens", mean_prompt_tokens),
+        changes: dict[str, Any] = {k: float(v) for k, v in (("mean_prompt_tokens", mean_prompt_tokens),
                                             ("mean_gen_tokens", mean_gen_tokens))
                    if v is not None and math.isfinite(v) and v >= 0}
         if changes:
@@ -536,6 +537,7 @@ class Predictor:
         if not act:
             return "standby", "not the leader"
         current = st.target
+        assert current is not None, "an acting predictor read its target on its first tick"
         if desired >= current:
             st.low_since_s = None
             if desired == current:

@@ -124,7 +124,7 @@ class LlamaConfig:
                                         path=path, field=name, value=value, limit=0)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], path: Path | str | None = None) -> "LlamaConfig":
+    def from_dict(cls, data: dict[str, Any], path: Path | str | None = None) -> LlamaConfig:
         """Build from a config.json mapping; unknown keys are ignored, missing ones are errors."""
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in fields}
@@ -150,7 +150,7 @@ class LlamaConfig:
         return config
 
     @classmethod
-    def from_dir(cls, model_dir: Path | str) -> "LlamaConfig":
+    def from_dir(cls, model_dir: Path | str) -> LlamaConfig:
         """Read ``model_dir/config.json``.  Raises InvalidCheckpoint (missing, too big, bad JSON)."""
         path = Path(model_dir) / CONFIG_NAME
         try:

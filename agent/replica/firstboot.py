@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -100,6 +100,7 @@ def streamed_first_boot(model_dir: Path | str, prompt: Sequence[int], max_tokens
     load_done_s = time.perf_counter() - t0
     engine = Engine(config, weights, max_seqs=max_seqs, max_seq_len=max_seq_len)
     engine.k_caches, engine.v_caches = k_caches, v_caches
+    assert engine.model is not None and h is not None, "built from weights; the plan has layers"
     with torch.inference_mode():
         logits = engine.model.head(h)[0, -1]
     seq_id, token = engine.adopt_prefilled(list(prompt), logits, max_tokens, seed=seed, stop=stop)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -48,6 +49,7 @@ class ReplicaMeter:
         if not self._steps:
             self.batch_size = 0
             return 0.0
+        assert self._first_s is not None, "set by the first record()"
         wall_s = min(self.window_s, now - self._first_s)
         return sum(n for _t, n in self._steps) / wall_s if wall_s > 0 else 0.0
 

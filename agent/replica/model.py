@@ -252,7 +252,7 @@ class Transformer(nn.Module):
         state_dict.update(converted)
 
     @classmethod
-    def from_weights(cls, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> "Transformer":
+    def from_weights(cls, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> Transformer:
         """Build on the meta device and adopt ``weights`` without copying (``assign=True``).
 
         ``weights`` is the runtime layout (or Hugging Face layout).  Raises InvalidCheckpoint
@@ -297,7 +297,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos_sin(input_pos)
         mask = self.causal_mask(input_pos, k_caches[0].shape[1])
         h = self.embed(tokens)
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             h = layer(h, cos, sin, input_pos, cache_batch_idx, k_cache, v_cache, mask)
         return self.head(h)
 

@@ -532,9 +532,9 @@ class Worker:
             except RewarmError as exc:
                 await self._fail_held(exc, [r for r, _ in submits])
                 continue
-            for request, exc in failed:
+            for request, err in failed:
                 request.finished()
-                self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
+                self._send(request.writer, error_message(request.request_id, err.code, err.message))
             for request, _ in submits:
                 if request.seq_id >= 0 and (request.writer.is_closing()
                                             or request.owner is not None

@@ -51,7 +51,7 @@ PATH_WARM, PATH_QUEUED = 0, 1
 class Controller(Protocol):
     """Sizes the fleet once per tick (a baseline policy or the production predictor)."""
 
-    def tick(self, now_s: float, arrivals: int, sim: "Simulation") -> None:
+    def tick(self, now_s: float, arrivals: int, sim: Simulation) -> None:
         ...
 
 
@@ -129,7 +129,9 @@ class Simulation:
                               name="workload", value="no tokens", limit="prompt_tokens")
         self._dispatched_s = np.zeros(n) if self.engines is not None else None
         # prompt tokens per request for the router's prefill-queue accounting (profile mode)
-        self._prompt = workload.prompt_tokens.tolist() if self.engines is not None else None
+        self._prompt: list[int] | None = None
+        if self.engines is not None and workload.prompt_tokens is not None:
+            self._prompt = workload.prompt_tokens.tolist()
 
     def schedule(self, t_s: float, kind: int, a: int, b: int) -> None:
         self._seq += 1
@@ -157,8 +159,9 @@ class Simulation:
         self.status[i] = SERVED
         if self.engines is not None:
             eng = self.engines[r]
-            eng.submit(i, int(self.w.prompt_tokens[i]), int(self.w.output_tokens[i]))
-            self._dispatched_s[i] = now
+            prompt, output, dispatched = self._profiled()
+            eng.submit(i, prompt[i], int(output[i]))
+            dispatched[i] = now
             if not eng.stepping:
                 self._start_step(r, now)
             return
@@ -168,27 +171,38 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self.heap, (now + occ, self._seq, COMPLETE, r, i))
 
+    def _profiled(self) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Prompt and output tokens and dispatch times per request (profile mode only)."""
+        prompt, output, dispatched = self._prompt, self.w.output_tokens, self._dispatched_s
+        assert prompt is not None and output is not None and dispatched is not None, \
+            "replicas at a measured speed (checked in __init__)"
+        return prompt, output, dispatched
+
     def _start_step(self, r: int, now: float) -> None:
+        assert self.engines is not None, "profile mode only"
         eng = self.engines[r]
+        prompt = self._profiled()[0]
         firsts, end_s = eng.start_step(now)
         arrival = self.w.arrival_s
         warm = self.fleet.state[r] == WARM
         for req, t in firsts:
             self.ttft_s[req] = t - float(arrival[req])
             if warm:   # the front door sees the first token (at its time; accounting only)
-                self.router.on_first_token(self.fleet.ids[r], self._prompt[req])
+                self.router.on_first_token(self.fleet.ids[r], prompt[req])
         self.schedule(end_s, STEP, r, eng.generation)
 
     def _step_end(self, r: int, generation: int, t: float) -> None:
+        assert self.engines is not None, "profile mode only"
         eng = self.engines[r]
+        prompt, _, dispatched = self._profiled()
         if generation != eng.generation or not eng.stepping:
             return
         fleet, need = self.fleet, self.w.need_tokens
         for req in eng.end_step():
             self.in_flight -= 1
-            self.busy_slot_s += t - float(self._dispatched_s[req])
+            self.busy_slot_s += t - float(dispatched[req])
             if fleet.state[r] == WARM:
-                self.router.on_complete(fleet.ids[r], int(need[req]), self._prompt[req])
+                self.router.on_complete(fleet.ids[r], int(need[req]), prompt[req])
             fleet.on_complete(r)
         if eng.busy:
             self._start_step(r, t)
@@ -223,6 +237,7 @@ class Simulation:
         """Request ``i``'s SLO and deadline (``self.slo``); returns the latest start time.
         ``cold``: no warm replica could take it on arrival, so it is served by a replica
         that starts (a restore) or frees up, within the restore budget."""
+        assert self.slo is not None and self.cold is not None and self.slo_s is not None
         prefill = float(self.w.prefill_s[i])
         self.cold[i] = cold
         self.slo_s[i] = self.slo.slo_s(prefill, cold)

@@ -28,12 +28,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 from agent.errors import ConfigError
 from agent.frontdoor.router import ReplicaLoad, Router
+from agent.speed import SpeedProfile
 
 OFF, BOOTING, WARM, DRAINING, SUSPENDED = range(5)
 STATE_NAMES = ("off", "booting", "warm", "draining", "suspended")
@@ -56,7 +58,7 @@ class StartupTimes:
     naive_s: tuple[float, float] = (60.0, 90.0)
 
     @classmethod
-    def from_json(cls, path: Path, base: "StartupTimes | None" = None) -> "StartupTimes":
+    def from_json(cls, path: Path, base: StartupTimes | None = None) -> StartupTimes:
         """Override tiers from a benchmark JSON with keys ``restore_s`` (or
         ``zygote_restore_s``, preferred), ``suspended_s``/``resume_s`` and ``naive_s``:
         each a number or a ``[low, high]`` pair.  Raises :class:`ConfigError` on negative or
@@ -72,7 +74,7 @@ class StartupTimes:
 
     @classmethod
     def from_dict(cls, data: dict, where: object = "start-up times",
-                  base: "StartupTimes | None" = None) -> "StartupTimes":
+                  base: StartupTimes | None = None) -> StartupTimes:
         """:meth:`from_json` on an object already read (``where`` names it in errors)."""
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: start-up times must be an object, not "
@@ -100,6 +102,13 @@ class StartupTimes:
         return cls(**values)
 
 
+class Profiled(Protocol):
+    """What :attr:`FleetConfig.replica` gives the fleet (agent.sim.profile.ReplicaProfile)."""
+
+    @property
+    def speed(self) -> SpeedProfile: ...
+
+
 @dataclass
 class FleetConfig:
     """One model's replicas.  ``seqs_per_replica`` concurrent sequences (KV slots) and
@@ -116,7 +125,7 @@ class FleetConfig:
     suspended_ttl_s: float = 3600.0
     max_concurrent_starts: int = 0
     max_replicas: int = 10_000
-    replica: object = None   # agent.sim.profile.ReplicaProfile: replicas step at its speed
+    replica: Profiled | None = None   # agent.sim.profile.ReplicaProfile: replicas step at its speed
     # the front door asks for a replica the moment a request finds none warm or starting
     # (rewarm's request path does; the baselines' autoscalers only see their own ticks)
     restore_on_cold: bool = False
@@ -135,7 +144,7 @@ class Fleet:
     ``router`` is the production :class:`Router` the simulation dispatches through.
     """
 
-    def __init__(self, cfg: FleetConfig, *, router: Router, clock, schedule: Callable,
+    def __init__(self, cfg: FleetConfig, *, router: Router, clock, schedule: Callable | None,
                  rng: np.random.Generator) -> None:
         self.cfg = cfg
         self.router = router
@@ -249,6 +258,7 @@ class Fleet:
             self._set(i, BOOTING)
             self._booting += 1
             self.gen[i] += 1
+            assert self._schedule is not None, "the Simulation gives the fleet its schedule"
             self._schedule(self.clock.now() + dt, READY, i, self.gen[i])
 
     def start_warm(self, n: int) -> None:

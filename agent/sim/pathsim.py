@@ -20,8 +20,8 @@ Everything runs on one :class:`~agent.sim.vloop.VirtualLoop`; every component's 
 :class:`~agent.sim.vloop.LoopClock`.  The loops the live processes run around these objects
 (the front door's queue ticker and registry watcher, the node agent's tick, the predictor
 service's ``run``) are re-created here as tasks with the live periods
-(:class:`PathSimConfig`).  Results are :func:`agent.replay.summarise`'s keys, from an
-:class:`~agent.replay.Outcome` per request (times from its arrival: there is no network),
+(:class:`PathSimConfig`).  Results are :func:`agent.sim.replay.summarise`'s keys, from an
+:class:`~agent.sim.replay.Outcome` per request (times from its arrival: there is no network),
 GPU-seconds as replica-seconds of every replica not dead over the window's span.
 """
 
@@ -30,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
-from agent.replay import Outcome, summarise
+from agent.sim.replay import Outcome, summarise
 from agent.sim.replay_scale import ReplayRequest
 from agent.sim.vloop import LoopClock, run_virtual
 from agent.speed import SpeedProfile
@@ -212,7 +213,7 @@ def simulate_path(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, max_s
                   measured_restore_s: float | None = None) -> dict[str, Any]:
     """Replay ``plan`` (wall seconds from the window's start) through the production request
     path and predictor with simulated replicas (module docstring); returns
-    :func:`agent.replay.summarise`'s keys plus ``peak_replicas``, ``always_on_replicas``,
+    :func:`agent.sim.replay.summarise`'s keys plus ``peak_replicas``, ``always_on_replicas``,
     ``one_replica_gpu_seconds``, ``counts`` (the request path's), ``replica_429`` and
     ``sim_wall_s`` (CPU-bound wall seconds the simulation took).  ``profile``: what the
     replicas report and predict with (their speed meter's); ``actual``: how fast they serve

@@ -55,10 +55,11 @@ class Reactive:
         self.min_replicas = min_replicas
         self.max_replicas = max_replicas
         self.tick_s = tick_s
-        self._window = deque(maxlen=max(1, round(window_s / tick_s)))
-        self._held = deque(maxlen=max(1, round(keepalive_s / tick_s)))
+        window = max(1, round(window_s / tick_s))
+        self._window: deque[float] = deque(maxlen=window)
+        self._held: deque[int] = deque(maxlen=max(1, round(keepalive_s / tick_s)))
         # a run starts in steady state: the window has seen ``initial_rate_rps`` already
-        self._window.extend([initial_rate_rps * tick_s] * self._window.maxlen)
+        self._window.extend([initial_rate_rps * tick_s] * window)
         self._held.append(target_replicas(initial_rate_rps, occupancy_s, seqs_per_replica,
                                           utilisation, min_replicas, max_replicas))
 

@@ -147,7 +147,7 @@ def _capacity(profile: SpeedProfile, prompt: np.ndarray, output: np.ndarray, *,
     # distinct (prompt, output) pairs are few after scaling, so each is computed once
     pairs, counts = np.unique(np.stack([prompt, output]), axis=1, return_counts=True)
     total = sum(c * profile.service_s(float(p), float(o), batch)
-                for (p, o), c in zip(pairs.T.tolist(), counts.tolist()))
+                for (p, o), c in zip(pairs.T.tolist(), counts.tolist(), strict=True))
     service = total / int(prompt.shape[0])
     return 1.0 / service, batch
 
@@ -182,9 +182,9 @@ def fit_scale(context_tokens: np.ndarray, generated_tokens: np.ndarray, *, windo
         return n * c / window_s / cap, cap, batch
 
     c0 = window_s / wall_s
-    held = max_speedup is not None and c0 > max_speedup
-    if held:
-        c0 = max_speedup
+    held = False
+    if max_speedup is not None and c0 > max_speedup:
+        c0, held = max_speedup, True
     k_min = 0.5 / max(1.0, float(max(ctx.max(), gen.max())))   # every length rounds to 1
     k_max = 1.0
     bound = ""
@@ -221,7 +221,7 @@ def replay_requests(arrival_s: np.ndarray, context_tokens: np.ndarray,
     p, o = scale_lengths(context_tokens, generated_tokens, scale.token_scale,
                          max_tokens_per_request)
     return [ReplayRequest(float(a) / scale.speedup, int(x), int(y))
-            for a, x, y in zip(np.asarray(arrival_s), p, o)]
+            for a, x, y in zip(np.asarray(arrival_s), p, o, strict=True)]
 
 
 def always_on_replicas(at_s: np.ndarray, capacity_rps: float, max_replicas: int,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from typing import Any
+
 import numpy as np
 
 from agent.clock import ManualClock
@@ -99,7 +101,7 @@ def spike_rates(shape: SpikeShape) -> tuple[np.ndarray, np.ndarray]:
 def spike_workload(shape: SpikeShape, seed: int = 0) -> Workload:
     rng = np.random.default_rng(seed)
     tenant, bg = spike_rates(shape)
-    common = dict(step_s=1.0, occupancy_s=shape.call_s, prefill_s=0.0, need_tokens=1, rng=rng,
+    common: dict[str, Any] = dict(step_s=1.0, occupancy_s=shape.call_s, prefill_s=0.0, need_tokens=1, rng=rng,
                   occupancy_cv=0.5)
     return mix(synthetic(tenant, tenant=0, **common), synthetic(bg, tenant=1, **common))
 
@@ -399,7 +401,7 @@ def trace_scenario(workload: Workload, startup: StartupTimes = StartupTimes(), *
     """
     from agent.predictor.sizing import seqs_per_replica as kv_seqs
 
-    derived = {}
+    derived: dict[str, Any] = {}
     if replica is not None:
         workload, derived = profiled_workload(workload, replica, sla_s=sla_s,
                                               token_scale=token_scale)

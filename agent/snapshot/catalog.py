@@ -17,7 +17,8 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from agent.clock import Clock, SystemClock
 from agent.errors import ConfigError, SnapshotError, SnapshotNotFound

@@ -22,7 +22,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from agent.clock import Clock, SystemClock
 from agent.errors import ConfigError, DiskFull, SnapshotNotFound

@@ -104,7 +104,7 @@ class TaskRunner:
             return value if value is not None else m.group(0)
         return _INTERP.sub(one, text)
 
-    def start(self) -> "TaskRunner":
+    def start(self) -> TaskRunner:
         self._thread.start()
         return self
 

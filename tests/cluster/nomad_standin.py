@@ -188,7 +188,7 @@ class NomadStandIn(StandIn):
         try:
             return parse_job(body["JobHCL"], body.get("Variables") or "")
         except ParseError as exc:
-            raise Reply(400, str(exc))
+            raise Reply(400, str(exc)) from exc
 
     def _register(self, ns, job_id, body):
         job = (body or {}).get("Job")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agent.cluster.cli import register
-from agent.cluster.jobs import (JOBS_DIR, parse_job, register_job, replica_job,
+from agent.cluster.jobs import (JOBS_DIR, parse_job, replica_job,
                                 variables_file)
 from agent.cluster.nomad_http import nomad_client
 from agent.cluster.nomad_scaler import GROUP, JOB_PREFIX

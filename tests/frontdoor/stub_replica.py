@@ -46,7 +46,7 @@ class StubReplica:
         self.active = 0          # sequences admitted and not done (paced mode)
         self.waiting_tokens = 0  # prompt tokens not yet prefilled (paced mode)
 
-    async def start(self) -> "StubReplica":
+    async def start(self) -> StubReplica:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Conn(self), "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]

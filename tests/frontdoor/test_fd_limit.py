@@ -46,7 +46,7 @@ async def one(port: int, results: list, hold: asyncio.Event) -> None:
             for msg in decoder.feed(chunk):
                 answer = msg
         results.append(("answer", answer and answer.get("code")))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         results.append(("hung", None))
     except OSError as exc:
         results.append(("reset", repr(exc)))

@@ -293,7 +293,7 @@ def test_a_replicas_garbage_retry_after_or_prediction_never_reaches_the_client_o
     for code, retry, predicted in ((503, -5, None), (429, 0, float("inf")),
                                    (429, RETRY_AFTER_MAX_MS + 1, float("nan")),
                                    (429, True, -1e9), (503, 2.5, None)):
-        async def main():
+        async def main(code, retry, predicted):
             f = Fleet(warm=1)
             replica = f.replicas[0]
             s = f.submit()
@@ -306,7 +306,7 @@ def test_a_replicas_garbage_retry_after_or_prediction_never_reaches_the_client_o
             assert s.code == 429 and s.final["retry_after_ms"] == RETRY_AFTER_MS, (code, retry)
             load = f.path.router.get("r0")
             assert load is None or load.penalty_s == 0.0, (predicted, load.penalty_s)
-        run(main())
+        run(main(code, retry, predicted))
     async def fine():
         f = Fleet(warm=1)
         replica = f.replicas[0]

@@ -176,7 +176,7 @@ class SimCapacity:
 
     AT_CAP_ANSWER_S = 0.1
 
-    def __init__(self, fleet: "Fleet", restore_s: float, *, hang: bool = False,
+    def __init__(self, fleet: Fleet, restore_s: float, *, hang: bool = False,
                  fail: bool = False, max_replicas: int | None = None) -> None:
         self.fleet, self.restore_s, self.hang, self.fail = fleet, restore_s, hang, fail
         self.max_replicas = max_replicas

@@ -164,7 +164,7 @@ def test_agrees_with_the_old_simulator_on_a_warm_steady_replay():
 def test_a_plan_request_that_is_no_time_or_count_is_refused_by_name(at_s, prompt, output, field):
     with pytest.raises(ConfigError) as err:
         ReplayRequest(at_s, prompt, output)
-    assert err.value.name == field and repr(getattr(err.value, "value")) in str(err.value)
+    assert err.value.name == field and repr(err.value.value) in str(err.value)
 
 
 def test_plans_at_the_edges_end_and_answer_every_request():

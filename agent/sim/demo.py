@@ -8,7 +8,7 @@ Phases (against the :class:`agent.up.Stack` started here):
    allows — the demo shortens the keep-alive's inputs (:data:`DEMO_POLICY`) so this takes
    seconds instead of minutes, and says so;
    Before it is released, the warm replica's speed is measured through the front door
-   (:func:`agent.replay.calibrate`) and handed to the predictor;
+   (:func:`agent.sim.replay.calibrate`) and handed to the predictor;
 3. the same probe request again (answered by a snapshot restore; its tokens must equal phase
    1's), then a replay of the first ``--minutes`` of the Azure LLM code trace, scaled to the
    measured replica as bench/trace_replay.py scales it (:mod:`agent.sim.replay_scale`: one
@@ -16,7 +16,7 @@ Phases (against the :class:`agent.up.Stack` started here):
    is ``--load`` of the replica's capacity and its burst shape is kept);
 4. the table (:func:`format_table`) and, with ``--json PATH``, the numbers (:func:`summarise`).
 
-Outcome classes per request (agent/replay.py): 200 → served (counted by the ``path`` the
+Outcome classes per request (agent/sim/replay.py): 200 → served (counted by the ``path`` the
 front door reports), 429 → ``shed``, 504 → ``expired``, anything else (503, a broken
 connection, no answer) → ``lost``, which must stay 0.  The SLA attainment is the share of the
 replay's requests answered within their path's TTFT SLO (warm hit 2 s, restore path 4 s).
@@ -32,13 +32,12 @@ import json
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agent.errors import ConfigError, RewarmError
-from agent.replay import PATH_SLO_MS, Outcome, percentile
-from agent.replay import summarise as replay_summary
+from agent.sim.replay import PATH_SLO_MS, Outcome, percentile
+from agent.sim.replay import summarise as replay_summary
 
 PATHS = ("cold_boot", "snapshot_restore", "suspended_resume", "warm_hit")
 PROBE_TEXT = "The capital of France is"
@@ -96,7 +95,7 @@ def summarise(outcomes: list[Outcome], *, restores: list[dict], golden: dict[str
     ttft_ms {path: {p50, p99}}, golden_checks_passed/failed, shed, expired, lost, gpu_seconds,
     always_on_gpu_seconds, example_completion, restores, requests, and ``sla_attainment``
     with ``sla_requests``: the share of ``sla_of`` (default: all outcomes; the demo passes
-    the replay's) answered 200 within their path's TTFT SLO (agent/replay.py)."""
+    the replay's) answered 200 within their path's TTFT SLO (agent/sim/replay.py)."""
     by_path = {p: 0 for p in PATHS}
     ttft: dict[str, list[float]] = {p: [] for p in PATHS}
     shed = expired = lost = 0
@@ -264,7 +263,7 @@ def golden_counts(agent) -> dict[str, int]:
 async def _replay(address: str, model: str, plan: list, base: list[int],
                   probe: list[int]) -> tuple[Outcome, list[Outcome]]:
     """The probe (answered by a restore after scale-to-zero), then the plan at its times."""
-    from agent.replay import one_request_at, send_plan
+    from agent.sim.replay import one_request_at, send_plan
 
     # the probe waits for the restore (its own deadline), so the front door measures the
     # snapshot restore before the replay's requests are admitted against its p99
@@ -351,7 +350,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
     if logging.getLogger().getEffectiveLevel() >= logging.INFO:
         logging.getLogger("agent.predictor.loop").setLevel(logging.WARNING)
 
-    from agent import replay
+    from agent.sim import replay
     from agent.sim.replay_scale import fit_scale, replay_requests
 
     trace = trace_path(args)
@@ -398,6 +397,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
 
         say(f"2. idle until the keep-alive scales the model to zero ({DEMO_POLICY_TEXT})")
         waited = wait_scaled_to_zero(stack, args.idle_timeout_s, say, on_ready=measure)
+        assert stack.predictor is not None, "started by start_predicting() above"
         stack.predictor.predictor.update_speed(
             model, measured["profile"], measured["max_seqs"],
             mean_prompt_tokens=measured["scale"].mean_prompt_tokens,
