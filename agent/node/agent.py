@@ -38,6 +38,7 @@ from agent.errors import (ConfigError, CudaCheckpointError, DiskFull, GoldenMism
                           SnapshotCorrupt, SnapshotError, SnapshotIncompatible)
 from agent.node import capture as cap
 from agent.node.backend import Backend, ModelSpec, Replica, new_replica_id
+from agent.node.capacity import ReplicaLimit, usable_cores
 from agent.node.inventory import Inventory
 from agent.node.lifecycle import Lifecycle, ReplicaState as S
 from agent.node.metrics import NodeMetrics, restores_in_flight
@@ -97,6 +98,9 @@ class AgentConfig:
     control_port: int = 0
     max_replicas_per_model: int | None = None   # None: no cap on this node
     replica_wait_poll_s: float = 0.1
+    # every model's replicas together at most what the cores or devices serve at speed
+    # (agent/node/capacity.py: cores // threads on CPU, one per GPU); False: no such limit
+    limit_to_node: bool = False
 
     def __post_init__(self) -> None:
         for name in ("restore_timeout_s", "drain_timeout_s", "drain_poll_s"):
@@ -295,7 +299,10 @@ class NodeAgent(SnapshotOps, SuspendOps):
         with self._lock:
             if self.closing:
                 raise self._closing_error(model)
-            if self._at_cap(model):
+            full = self._node_full(model)
+            if full is not None and not self._has_up(model):
+                raise full            # nothing of this model to wait for: refused at once
+            if full is not None or self._at_cap(model):
                 rec = None
             else:
                 self.replicas[rid] = rec
@@ -332,12 +339,50 @@ class NodeAgent(SnapshotOps, SuspendOps):
             self.drain(rid, force=True)
             raise self._closing_error(spec.name)
         out = rec.describe(load=True)      # keeps the stats it read in rec.last_stats
+        capacity = self.capacity()
+        if capacity is not None:
+            out["capacity"] = capacity
         self.metrics.restore_finished(rec, took_s, True, self.catalog)
         return out
 
     def _closing_error(self, model: str) -> NoCapacity:
         return NoCapacity(f"model {model!r}: node {self.config.node_id} is closing; no "
                           f"replica starts on it", model=model)
+
+    def replica_limit(self) -> ReplicaLimit | None:
+        """What this node runs at speed (agent/node/capacity.py), None without
+        ``limit_to_node``: cores // the backend's threads on CPU, one per GPU device."""
+        if not self.config.limit_to_node:
+            return None
+        if self.inventory.cpu_only:
+            return ReplicaLimit.for_cpu(usable_cores(), getattr(self.backend, "threads", None))
+        return ReplicaLimit.for_devices(len(self.inventory.devices))
+
+    def capacity(self) -> dict[str, Any] | None:
+        """The capacity answer (``replica_limit``, ``basis``, ``replicas``, ``free``); None
+        without a node limit."""
+        limit = self.replica_limit()
+        if limit is None:
+            return None
+        with self._lock:
+            return limit.answer(self._up_count())
+
+    def _up_count(self, model: str | None = None) -> int:
+        up = (S.COLD, S.RESTORING, S.WARM)
+        return sum(1 for r in self.replicas.values() if r.lifecycle.state in up
+                   and (model is None or r.spec.name == model))
+
+    def _has_up(self, model: str) -> bool:
+        return self._up_count(model) > 0
+
+    def _node_full(self, model: str) -> NoCapacity | None:
+        """The refusal when every replica the node serves at speed is taken (lock held)."""
+        limit = self.replica_limit()
+        if limit is None or self._up_count() < limit.limit:
+            return None
+        return NoCapacity(f"node {self.config.node_id} runs {limit.limit} replica(s) at speed "
+                          f"({limit.basis}) and has them all; another would only slow them",
+                          model=model, capacity=limit.answer(self._up_count()))
 
     def _at_cap(self, model: str) -> bool:
         """Whether ``model`` has ``max_replicas_per_model`` replicas coming up or warm (call
@@ -357,10 +402,12 @@ class NodeAgent(SnapshotOps, SuspendOps):
             with self._lock:
                 warm = [r for r in self.replicas.values()
                         if r.spec.name == model and r.lifecycle.state is S.WARM]
-                at_cap = self._at_cap(model)
+                # at the model's cap, or the node is full and one of the model's comes up
+                wait = self._at_cap(model) or (self._node_full(model) is not None
+                                               and self._has_up(model))
             if warm:
                 return {**warm[0].describe(load=True), "path": "warm"}
-            if not at_cap:
+            if not wait:
                 return self.restore(model)
             if self.clock.now() >= deadline:
                 raise NoCapacity(f"model {model!r}: node {self.config.node_id} is at "
@@ -626,7 +673,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
                 "registry": {"healthy": st.healthy, "failures": st.failures,
                              "last_error": st.last_error},
                 "store": {"used_bytes": self.store.used_bytes,
-                          "capacity_bytes": self.store.capacity_bytes}}
+                          "capacity_bytes": self.store.capacity_bytes},
+                "capacity": self.capacity()}
 
     def close(self) -> None:
         """Drain everything (forced, all replicas at once so the whole drain takes at most
