@@ -101,9 +101,16 @@ class AgentConfig:
     # every model's replicas together at most what the cores or devices serve at speed
     # (agent/node/capacity.py: cores // threads on CPU, one per GPU); False: no such limit
     limit_to_node: bool = False
+    # a warm replica that has not answered its stats probe (each bounded by probe_timeout_s)
+    # for unresponsive_after_s is taken out of routing until it answers again (SIGSTOP, a
+    # livelock, a swap storm): the front door stops sending it requests within about
+    # unresponsive_after_s + probe_timeout_s + one agent tick
+    probe_timeout_s: float = 2.0
+    unresponsive_after_s: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("restore_timeout_s", "drain_timeout_s", "drain_poll_s"):
+        for name in ("restore_timeout_s", "drain_timeout_s", "drain_poll_s", "probe_timeout_s",
+                     "unresponsive_after_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0", name=name,
                                   value=getattr(self, name), limit=0)
@@ -128,6 +135,8 @@ class ReplicaRecord:
     phase: str | None = None            # while coming up: stage | restore | cold_boot
     phase_since_s: float = 0.0
     last_stats: dict = field(default_factory=dict)   # the worker's stats at the last tick
+    silent_since_s: float | None = None  # its stats probes have failed since then
+    unrouted: bool = False               # taken out of routing for not answering
 
     def describe(self, *, load: bool = False) -> dict[str, Any]:
         """The replica as the control API reports it.  With ``load`` (and a running
@@ -628,9 +637,11 @@ class NodeAgent(SnapshotOps, SuspendOps):
                 continue
             if rec.lifecycle.state is S.WARM and rec.handle is not None:
                 try:
-                    stats = rec.handle.stats()
-                except (OSError, RewarmError, RuntimeError):
+                    stats = rec.handle.stats(timeout_s=self.config.probe_timeout_s)
+                except (OSError, RewarmError, RuntimeError) as exc:
+                    self._unanswered(rec, exc)
                     continue
+                self._answered(rec)
                 rec.last_stats = stats
                 self.registrar.update_meta(rec.lifecycle.replica_id, _load_meta(stats))
         self.registrar.update_meta(self.agent_instance.id, self._agent_meta())
@@ -656,6 +667,26 @@ class NodeAgent(SnapshotOps, SuspendOps):
     def live_replicas_all(self) -> list[ReplicaRecord]:
         with self._lock:
             return [r for r in self.replicas.values() if r.lifecycle.state in (S.WARM, S.SUSPENDED)]
+
+    def _unanswered(self, rec: ReplicaRecord, exc: BaseException) -> None:
+        """A stats probe failed: after ``unresponsive_after_s`` of failures, out of routing."""
+        now = self.clock.now()
+        if rec.silent_since_s is None:
+            rec.silent_since_s = now
+        if not rec.unrouted and now - rec.silent_since_s >= self.config.unresponsive_after_s:
+            rid = rec.lifecycle.replica_id
+            log.error("replica %s has not answered for %.1f s (last: %s); out of routing until "
+                      "it does", rid, now - rec.silent_since_s, exc, extra={"replica": rid})
+            rec.unrouted = True
+            self.registrar.drop(rid)
+
+    def _answered(self, rec: ReplicaRecord) -> None:
+        rec.silent_since_s = None
+        if rec.unrouted:
+            rec.unrouted = False
+            log.warning("replica %s answers again; back in routing", rec.lifecycle.replica_id,
+                        extra={"replica": rec.lifecycle.replica_id})
+            self.registrar.want(self._replica_instance(rec))
 
     def status(self) -> dict[str, Any]:
         with self._lock:
