@@ -61,3 +61,37 @@ def test_without_the_limit_the_node_starts_what_it_is_asked(make_agent):
     first_boot(agent)
     assert agent.restore("tiny")["path"] == "restore"
     assert agent.capacity() is None and agent.status()["capacity"] is None
+
+
+def test_zygotes_are_kept_for_every_replica_the_node_can_run(make_agent, monkeypatch):
+    monkeypatch.setattr("agent.node.agent.usable_cores", lambda: 4)
+    agent = make_agent(limit_to_node=True, zygotes_per_device=1)
+    agent.backend.threads = 2                               # 4 cores // 2 threads
+    assert agent.replica_limit().limit == 2
+    assert agent.pool_target("cpu") == 2                    # one ready per replica slot
+    capped = make_agent(limit_to_node=True, zygotes_per_device=1, max_replicas_per_model=1)
+    capped.backend.threads = 2
+    assert capped.pool_target("cpu") == 1
+
+
+def test_the_pool_is_refilled_as_soon_as_a_restore_takes_its_zygote(make_agent):
+    agent = make_agent(zygotes_per_device=1)
+    first_boot(agent)
+    agent.refill_pool()
+    order = []
+    real_refill, real_take = agent._refill_later, agent.zygotes.take
+
+    def take(device, model):
+        z = real_take(device, model)
+        real_restore = z.restore
+
+        def restore(snapshot, replica_id):
+            order.append("restore")
+            return real_restore(snapshot, replica_id)
+        z.restore = restore
+        return z
+
+    agent.zygotes.take = take
+    agent._refill_later = lambda: (order.append("refill"), real_refill())
+    assert agent.restore("tiny")["path"] == "restore"
+    assert order[:2] == ["refill", "restore"]
