@@ -120,6 +120,32 @@ def run_traces(directory: Path) -> list[dict]:
     return rows
 
 
+TITLE = "The simulator on every shape of traffic: the shipped traces and four synthetic shapes"
+
+
+def tables(traces: list[dict], runs: list[dict]) -> list[dict]:
+    """The figures the benchmarks page shows (bench/render_docs.py's ``tables``)."""
+    out = []
+    if traces:
+        out.append({
+            "title": "Fleet simulator, whole trace, per deadline policy (rewarm simulate --trace)",
+            "columns": ["trace", "deadline", "policy", "SLA %", "GPU-h x always-on", "429",
+                        "429 too large", "504", "late"],
+            "rows": [[t["trace"], "= SLO" if t["deadline_factor"] == 1.0
+                      else f"{t['deadline_factor']:g}x SLO", t["policy"],
+                      round(100 * t["sla_compliance"], 3), round(t["gpu_ratio_always_on"], 3),
+                      t["shed"], t["shed_too_large"], t["expired"], t["late"]] for t in traces],
+            "notes": "SLO per request: 2 s warm / 4 s restore plus its own prefill; late = "
+                     "served after its SLO (a miss). 429 too large: KV need beyond one replica."})
+    if runs:
+        out.append({
+            "title": "Request path and predictor on virtual time, synthetic 10-minute shapes",
+            "columns": ["shape", "load", "requests", "SLA", "429", "504", "GPU x always-on"],
+            "rows": [[r["shape"], r["load"], r["requests"], round(r["sla_attainment"], 4),
+                      r["shed_429"], r["expired_504"], round(r["gpu_ratio"], 3)] for r in runs]})
+    return out
+
+
 def meta(argv: list[str] | None) -> dict:
     """The ``meta`` block every bench JSON carries: command, machine, load average, date,
     commit."""
@@ -201,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             out.append({"shape": shape, "load": load, "scale": scale.to_json(), **sim,
                         "verdict": v})
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"meta": meta(argv), "profile": profile.to_meta(),
+    args.json.write_text(json.dumps({"meta": meta(argv), "title": TITLE,
+                                     "tables": tables(traces, out),
+                                     "profile": profile.to_meta(),
                                      "profile_source": source, "restore_s": restore_s,
                                      "traces": traces, "runs": out}, indent=1) + "\n")
     print(f"written to {args.json}")
