@@ -15,15 +15,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from agent.wire import refusals
+
 
 class RewarmError(Exception):
     """Base of every error rewarm raises on purpose.
 
     Attributes given as keywords are kept on the instance (``err.path``, ``err.limit``...)
-    so that handlers and tests can read them without parsing the message.
+    so that handlers and tests can read them without parsing the message.  ``refusal``: for
+    an error that refuses a request, why, as one of :data:`agent.wire.refusals.REFUSALS`
+    (a class default, or given where the refusal is decided); it travels in the ``error``
+    answer's ``refusal`` field.
     """
 
     code: int = 500
+    refusal: str | None = None
 
     def __init__(self, message: str, **attrs: Any) -> None:
         super().__init__(message)
@@ -120,6 +126,7 @@ class CapacityExceeded(RewarmError, MemoryError):
     """A request cannot fit in the KV cache. Attributes: ``need_tokens``, ``limit_tokens``."""
 
     code = 413
+    refusal = refusals.TOO_LARGE
 
 
 # --- the wire ---------------------------------------------------------------------------
@@ -141,6 +148,27 @@ class ProtocolError(RewarmError, ValueError):
     code = 400
 
 
+class ContextLengthExceeded(ProtocolError):
+    """Prompt + ``max_tokens`` is longer than the model's context (400).
+
+    Worded as vLLM's OpenAI server words it (vllm/entrypoints/openai/serving_engine.py,
+    ``_validate_prompt_and_tokenize``: a ``ValueError`` answered 400), so that clients that
+    recognise "maximum context length is N tokens" (LangChain, LiteLLM) do.
+
+    Attributes: ``field`` (``max_tokens``), ``value`` (prompt + max_tokens), ``limit`` (the
+    context, ``max_model_len``), ``prompt_tokens``, ``max_tokens``.
+    """
+
+    def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
+        total = prompt_tokens + max_tokens
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {total} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+            f"completion). Please reduce the length of the messages or completion.",
+            field="max_tokens", value=total, limit=max_model_len,
+            prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+
+
 class MessageTooLarge(ProtocolError):
     """A message or one of its parts is over a limit (413)."""
 
@@ -157,6 +185,7 @@ class ModelNotFound(RewarmError, LookupError):
     """No such model is configured (404). Attributes: ``model``."""
 
     code = 404
+    refusal = refusals.UNKNOWN_MODEL
 
 
 class ReplicaNotFound(RewarmError, LookupError):
@@ -171,7 +200,8 @@ class ReplicaNotFound(RewarmError, LookupError):
 class Overloaded(RewarmError):
     """Admission refused: the queue is full or the wait would be too long (429).
 
-    Attributes: ``model``, ``retry_after_ms``, ``depth``, ``limit``.
+    Attributes: ``model``, ``retry_after_ms``, ``depth``, ``limit``; ``refusal`` is given
+    where it is raised (``queue_full``, ``max_wait``, ``deadline_unreachable``).
     """
 
     model: str
@@ -187,6 +217,7 @@ class NoCapacity(RewarmError):
     """No replica can be made available for this model (503). Attributes: ``model``."""
 
     code = 503
+    refusal = refusals.NO_CAPACITY
 
 
 class DeadlineExceeded(RewarmError, TimeoutError):
@@ -196,6 +227,7 @@ class DeadlineExceeded(RewarmError, TimeoutError):
     """
 
     code = 504
+    refusal = refusals.DEADLINE
 
 
 # --- configuration, devices and the outside systems --------------------------------------
@@ -225,6 +257,10 @@ class TraceNotFound(InvalidTrace, FileNotFoundError):
 
 class CudaCheckpointError(RewarmError, OSError):
     """A CUDA checkpoint driver call failed. Attributes: ``call``, ``result``, ``name``."""
+
+    call: str
+    result: int | None
+    name: str | None
 
 
 class DriverUnavailable(CudaCheckpointError):

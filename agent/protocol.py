@@ -365,10 +365,15 @@ def reply_id(request_id: Any, limits: Limits = DEFAULT_LIMITS) -> Any:
     return None
 
 
-def error_message(request_id: Any, code: int, reason: str, **extra: Any) -> dict[str, Any]:
-    """The answer for a failed request: ``{"type": "error", "code", "reason", ...}``."""
-    return {"v": PROTOCOL_VERSION, "id": request_id, "type": "error", "code": code,
-            "reason": reason, **extra}
+def error_message(request_id: Any, code: int, reason: str, *, refusal: str | None = None,
+                  **extra: Any) -> dict[str, Any]:
+    """The answer for a failed request: ``{"type": "error", "code", "reason", ...}``, with
+    ``"refusal"`` (why it was refused, one of agent/wire/refusals.py's codes) when given."""
+    message = {"v": PROTOCOL_VERSION, "id": request_id, "type": "error", "code": code,
+               "reason": reason, **extra}
+    if refusal is not None:
+        message["refusal"] = refusal
+    return message
 
 
 # --- request schemas ---------------------------------------------------------------------
@@ -390,6 +395,7 @@ OP_SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
                  "temperature": (_NUM, False), "top_p": (_NUM, False), "top_k": (_INT, False),
                  "deadline_ms": (_NUM, False), "stop": ((list,), False),
                  "detokenize": ((bool,), False), "ignore_eos": ((bool,), False),
+                 "fit_context": ((bool,), False),
                  "token": ((str,), False)},
     "stats": {"id": (_ID, True), "token": ((str,), False)},
     "health": {"id": (_ID, True), "token": ((str,), False)},

@@ -52,8 +52,9 @@ class MsgpackSink:
         self.conn.send(packb(message))
         self.conn.finished(self)
 
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
-        msg = error_message(self.rid, code, reason)
+    def error(self, code: int, reason: str, retry_after_ms: int | None = None,
+              refusal: str | None = None) -> None:
+        msg = error_message(self.rid, code, reason, refusal=refusal)
         if retry_after_ms is not None:
             msg["retry_after_ms"] = retry_after_ms
         self.conn.send(packb(msg))

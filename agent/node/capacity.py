@@ -13,7 +13,8 @@ replicas on two cores served 0 of 8 concurrent requests within their deadline). 
   it has the node to itself: limit 1;
 - on GPU, one replica per device (a replica's KV cache takes the memory its weights leave).
 
-The limit counts every replica on the node coming up or warm, whatever its model.
+The limit counts every replica on the node coming up or warm, whatever its model
+(:class:`NodeCapacity`, which the restore ladder asks before it starts one).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from agent.errors import ConfigError
+from agent.errors import ConfigError, NoCapacity
+from agent.node.lifecycle import ReplicaState as S
+from agent.node.state import NodeState
 
 
 def usable_cores() -> int:
@@ -65,3 +68,49 @@ class ReplicaLimit:
         """The capacity answer: the limit, its basis, the replicas up or coming, the room."""
         return {"replica_limit": self.limit, "basis": self.basis, "replicas": running,
                 "free": max(0, self.limit - running)}
+
+
+class NodeCapacity:
+    """The node's limit over its named state (agent/node/state.py): what is up, whether the
+    node is full, the capacity answer.  ``backend`` gives each replica's torch threads
+    (``threads``; absent: in-process replicas on torch's default)."""
+
+    def __init__(self, state: NodeState, backend: object) -> None:
+        self.state, self.backend = state, backend
+
+    def limit(self) -> ReplicaLimit | None:
+        """What this node runs at speed; None without ``limit_to_node``."""
+        if not self.state.config.limit_to_node:
+            return None
+        inventory = self.state.inventory
+        if inventory.cpu_only:
+            return ReplicaLimit.for_cpu(usable_cores(), getattr(self.backend, "threads", None))
+        return ReplicaLimit.for_devices(len(inventory.devices))
+
+    def up(self, model: str | None = None) -> int:
+        """Replicas (of ``model``, when given) coming up or warm (call with the lock held)."""
+        states = (S.COLD, S.RESTORING, S.WARM)
+        return sum(1 for r in self.state.replicas.values() if r.lifecycle.state in states
+                   and (model is None or r.spec.name == model))
+
+    def full(self, model: str) -> NoCapacity | None:
+        """The refusal for ``model`` when every replica the node serves at speed is taken
+        (call with the lock held); None while there is room or without a limit."""
+        limit = self.limit()
+        if limit is None:
+            return None
+        running = self.up()
+        if running < limit.limit:
+            return None
+        return NoCapacity(f"model {model!r}: node {self.state.config.node_id} runs "
+                          f"{limit.limit} replica(s) at speed ({limit.basis}) and has them all; "
+                          f"another would only slow them", model=model,
+                          capacity=limit.answer(running))
+
+    def answer(self) -> dict[str, object] | None:
+        """The capacity answer (:meth:`ReplicaLimit.answer`); None without a limit."""
+        limit = self.limit()
+        if limit is None:
+            return None
+        with self.state.lock:
+            return limit.answer(self.up())

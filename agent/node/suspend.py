@@ -19,15 +19,20 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from agent.clock import Clock, SystemClock
 from agent.errors import ConfigError, CudaCheckpointError, DriverUnavailable
+from agent.node.bounded import call_within
 from agent.node.cuda_checkpoint import CudaCheckpointDriver, ProcessState
 from agent.node.lifecycle import IllegalTransition, ReplicaState as S
+
+if TYPE_CHECKING:
+    from agent.cluster.base import ServiceInstance
+    from agent.node.registration import Registrar
+    from agent.node.state import ReplicaRecord
 
 log = logging.getLogger("agent.node.agent")
 
@@ -78,7 +83,12 @@ class Suspender:
     def _timed(self, times: StepTimes, step: str, fn: Callable[[], T]) -> T:
         start = self.clock.now()
         try:
-            return _bounded(fn, self.toggle_timeout_s, step)
+            return call_within(fn, self.toggle_timeout_s, step)
+        except TimeoutError:
+            raise CudaCheckpointError(
+                f"{step} did not finish within toggle_timeout_s={self.toggle_timeout_s}",
+                call=step, result=None, name="timeout", value=self.toggle_timeout_s,
+                limit=self.toggle_timeout_s) from None
         finally:
             times.steps_s[step] = self.clock.now() - start
 
@@ -122,36 +132,26 @@ class Suspender:
         return times
 
 
-def _bounded(fn: Callable[[], T], timeout_s: float, step: str) -> T:
-    """Run ``fn`` on a helper thread; raise CudaCheckpointError past ``timeout_s``."""
-    box: dict[str, object] = {}
+class SuspendView(Protocol):
+    """What suspend/resume needs of the node agent's state (agent/node/state.py)."""
 
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed back to the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name=f"cuda-checkpoint-{step}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise CudaCheckpointError(
-            f"{step} did not finish within toggle_timeout_s={timeout_s}",
-            call=step, result=None, name="timeout", value=timeout_s, limit=timeout_s)
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
+    @property
+    def registrar(self) -> Registrar: ...
+    def rec(self, replica_id: str) -> ReplicaRecord: ...
+    def record(self, rec: ReplicaRecord, snapshot_id: str | None = None) -> None: ...
+    def replica_instance(self, rec: ReplicaRecord) -> ServiceInstance: ...
 
 
-class SuspendOps:
-    """The node agent's ``suspend``/``resume`` ops over :class:`Suspender`.
+class SuspendResume:
+    """The node agent's ``suspend``/``resume`` ops over :class:`Suspender` (None: this node
+    cannot suspend).  ``restore(model, device)`` brings a replica up from a snapshot when a
+    resume fails (the node agent's restore ladder)."""
 
-    A mixin of :class:`agent.node.agent.NodeAgent` (it uses the agent's ``suspender``,
-    ``registrar``, ``restore`` and replica records); kept apart so that agent.py holds the
-    restore ladder and capture."""
+    def __init__(self, state: SuspendView, suspender: Suspender | None,
+                 restore: Callable[[str, str | None], dict[str, Any]]) -> None:
+        self.state, self.suspender, self._restore = state, suspender, restore
 
-    def _need_suspender(self, rec, op: str) -> tuple[Suspender, int]:
+    def _need_suspender(self, rec: ReplicaRecord, op: str) -> tuple[Suspender, int]:
         """The suspender and the replica's pid for ``op`` ("suspend" or "resume"); ConfigError
         (409) naming the op, the replica and why when this node or replica cannot do it."""
         if self.suspender is None or rec.handle is None or rec.handle.pid is None:
@@ -166,27 +166,29 @@ class SuspendOps:
     def suspend(self, replica_id: str) -> dict[str, Any]:
         """Park the replica's device memory in host RAM (lock + checkpoint); it stops serving.
         Raises ConfigError (not suspendable), CudaCheckpointError (it keeps serving)."""
-        rec = self._rec(replica_id)
+        st = self.state
+        rec = st.rec(replica_id)
         suspender, pid = self._need_suspender(rec, "suspend")
         if rec.lifecycle.state is not S.WARM:
             raise IllegalTransition(
                 f"replica {replica_id} is {rec.lifecycle.state.value}; only a warm replica "
                 "can be suspended", replica=replica_id,
                 value=(rec.lifecycle.state.value, S.SUSPENDED.value), limit=[S.WARM.value])
-        self.registrar.drop(replica_id)
+        st.registrar.drop(replica_id)
         try:
             times = suspender.suspend(pid)
         except CudaCheckpointError:
-            self.registrar.want(self._replica_instance(rec))
+            st.registrar.want(st.replica_instance(rec))
             raise
         rec.lifecycle.move(S.SUSPENDED, "lock+checkpoint")
-        self._record(rec)
+        st.record(rec)
         return {**rec.describe(), "steps_s": times.steps_s}
 
     def resume(self, replica_id: str) -> dict[str, Any]:
         """Restore + unlock.  A failed resume kills the process and restores the model from
         its snapshot instead (the answer then describes the new replica)."""
-        rec = self._rec(replica_id)
+        st = self.state
+        rec = st.rec(replica_id)
         suspender, pid = self._need_suspender(rec, "resume")
         if rec.lifecycle.state is not S.SUSPENDED:
             raise IllegalTransition(
@@ -202,9 +204,9 @@ class SuspendOps:
             except ProcessLookupError:
                 pass
             rec.lifecycle.move(S.DEAD, f"resume failed: {exc.name}")
-            self._record(rec)
-            return {**self.restore(rec.spec.name, rec.device), "resume_failed": str(exc)}
+            st.record(rec)
+            return {**self._restore(rec.spec.name, rec.device), "resume_failed": str(exc)}
         rec.lifecycle.move(S.WARM, "restore+unlock")
-        self._record(rec)
-        self.registrar.want(self._replica_instance(rec))
+        st.record(rec)
+        st.registrar.want(st.replica_instance(rec))
         return {**rec.describe(), "steps_s": times.steps_s}

@@ -39,12 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.errors import (ConfigError, InvalidCheckpoint, Overloaded, ProtocolError,
-                          RewarmError, Unauthorized)
+from agent.errors import (ConfigError, ContextLengthExceeded, InvalidCheckpoint, Overloaded,
+                          ProtocolError, RewarmError, Unauthorized)
 from agent.protocol import (DEFAULT_LIMITS, DEFAULT_MAX_TOKENS, Decoder, check_stop,
                             error_message, pack, read_messages)
 from agent.replica.meter import ReplicaMeter
 from agent.replica.stops import StopText
+from agent.wire import refusals
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class Worker:
         # restore/capture/shutdown read or write files on this host or end the process: on a
         # TCP listener they are refused unless ``tcp_control`` (a unix socket's file mode
         # already says who may connect).
-        self.tcp_control, self._tcp = tcp_control, False
+        self.tcp_control = tcp_control
         self.state = State.SERVING if loaded is not None else State.ZYGOTE
         self.parent_pid, self.watchdog_s = parent_pid, watchdog_s
         # the engine's one thread (make_engine_thread); pass the one that loaded the model
@@ -147,7 +148,6 @@ class Worker:
         once listening (port 0 picks a free port).  ``data_listen`` (``HOST:PORT``) is a second,
         TCP listener for other hosts' front doors (a node agent keeps ``listen`` a unix socket
         for its control ops); its address is ``self.data_address``."""
-        self._tcp = not listen.startswith("unix:")
         self.data_address = None
         extra = None
         if data_listen:
@@ -183,7 +183,9 @@ class Worker:
             self.state = State.CLOSED
             held = list(self._by_seq.values())
             for request in held + [r for r, _ in self._submits]:
-                self._send(request.writer, error_message(request.request_id, 503, "replica shutting down"))
+                self._send(request.writer, error_message(request.request_id, 503,
+                                                         "replica shutting down",
+                                                         refusal=refusals.DRAINING))
             for task in tasks:
                 task.cancel()
             if self.loaded is not None and held:
@@ -276,7 +278,7 @@ class Worker:
             if op == "generate" and self.draining:
                 self._send(writer, error_message(rid, 503, "replica draining: it stops within "
                                                  f"drain_grace_s({self.drain_grace_s})",
-                                                 retry_after_ms=1000))
+                                                 retry_after_ms=1000, refusal=refusals.DRAINING))
             elif op == "generate":
                 request = self._accept(msg, writer)
                 request.owner = mine
@@ -303,7 +305,7 @@ class Worker:
                                     limit=["generate", "cancel", "health", "stats", "restore",
                                            "capture", "shutdown"])
         except RewarmError as exc:
-            self._send(writer, error_message(rid, exc.code, exc.message,
+            self._send(writer, error_message(rid, exc.code, exc.message, refusal=exc.refusal,
                                              **getattr(exc, "answer", {})))
         except Exception as exc:  # a bug or a torch error: answer, keep serving the others
             log.exception("op %s failed", op)
@@ -362,8 +364,10 @@ class Worker:
             eos = self.loaded.config.eos_token_id
             if eos is not None and eos >= 0 and msg.get("ignore_eos") is not True:
                 stop_ids.add(eos)
+        if text and tokens is not None and not stop_strs and not self.has_tokenizer():
+            text = False   # detokenize is "text too, when the model has a tokenizer"
         if text:
-            self.tokenizer_for("stop")
+            self.tokenizer_for("stop" if stop_strs else "prompt")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise ProtocolError("generate needs tokens: [int], prompt: str or messages",
                                 field="tokens", value=type(tokens).__name__, limit="list of int")
@@ -374,6 +378,14 @@ class Worker:
         if seed is not None and not isinstance(seed, int):
             raise ProtocolError(f"seed={seed!r} must be an int or absent", field="seed", value=seed, limit=None)
         sampling = _sampling(msg)
+        # The context: a slot holds max_seq_len tokens (vLLM's max_model_len).  With
+        # fit_context (an OpenAI chat without max_tokens) max_tokens is what the slot leaves,
+        # as vLLM's serving_engine.py sets it; either way prompt + max_tokens must fit.
+        context = self.loaded.engine.kv.max_seq_len
+        if msg.get("fit_context") is True:
+            max_tokens = max(1, min(max_tokens, context - len(tokens)))
+        if len(tokens) + max_tokens > context:
+            raise ContextLengthExceeded(context, len(tokens), max_tokens)
         # The engine checks the rest (token range, KV capacity, sampling ranges) before
         # anything is allocated.
         self.loaded.engine.kv.check(len(tokens) + max_tokens)
@@ -402,11 +414,19 @@ class Worker:
                 f"deadline_ms {deadline_ms:g}", model=self.loaded.identity.name,
                 retry_after_ms=max(1, round(predicted_ms - deadline_ms)),
                 depth=len(self._submits) + self.loaded.engine.load.waiting_seqs,
-                limit=deadline_ms)
+                limit=deadline_ms, refusal=refusals.DEADLINE_UNREACHABLE)
             exc.answer = {"predicted_ttft_ms": round(predicted_ms, 3),
                           "deadline_ms": deadline_ms,
                           "retry_after_ms": exc.retry_after_ms}
             raise exc
+
+    def has_tokenizer(self) -> bool:
+        """Whether the model has a tokenizer (False for a checkpoint without one)."""
+        try:
+            self.tokenizer()
+        except InvalidCheckpoint:
+            return False
+        return True
 
     def tokenizer_for(self, field_name: str):
         """The tokenizer, or a 400 naming ``field_name`` when the model has none."""
@@ -513,7 +533,8 @@ class Worker:
             self._pool, lambda: [engine.cancel(i) for i in ids])
         for request in {id(r): r for r in held}.values():
             request.finished()
-            self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
+            self._send(request.writer, error_message(request.request_id, exc.code, exc.message,
+                                             refusal=exc.refusal))
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -534,7 +555,8 @@ class Worker:
                 continue
             for request, err in failed:
                 request.finished()
-                self._send(request.writer, error_message(request.request_id, err.code, err.message))
+                self._send(request.writer, error_message(request.request_id, err.code, err.message,
+                                                         refusal=err.refusal))
             for request, _ in submits:
                 if request.seq_id >= 0 and (request.writer.is_closing()
                                             or request.owner is not None

@@ -45,7 +45,7 @@ PROBE_MAX_TOKENS = 12
 MAX_REPLAY_REQUESTS = 5000
 COLD_BOOT_DEADLINE_MS = 300_000.0   # the demo's first request waits for the cold boot
 SAMPLE_S = 0.25
-# Keep-alive inputs shortened for the demo (the production defaults are the design document's
+# Keep-alive inputs shortened for the demo (the production defaults are the cost model's
 # $2.80/GPU-hour, a 600 s rate window and a 30 s cooldown, which keep an idle replica minutes).
 DEMO_POLICY_TEXT = ("demo keep-alive: GPU cost 0.05/s, wait cost 0.01/s, restore 2 s, "
                     "rate window 20 s, cooldown 10 s (production: 2.80/h, 600 s, 30 s); "
@@ -209,7 +209,7 @@ class Sampler:
         last = time.monotonic()
         while not self._stop.wait(SAMPLE_S):
             now = time.monotonic()
-            with self.agent._lock:
+            with self.agent.lock:
                 recs = list(self.agent.replicas.values())
             alive = [r for r in recs if r.lifecycle.state.value != "dead"]
             self.replica_s += len(alive) * (now - last)
@@ -232,7 +232,7 @@ class Sampler:
 
 def replica_stats(stack) -> dict:
     """The ``stats`` answer of a warm replica of ``stack`` (RuntimeError when none is)."""
-    with stack.agent._lock:
+    with stack.agent.lock:
         recs = list(stack.agent.replicas.values())
     for r in recs:
         if r.lifecycle.state.value == "warm" and r.handle is not None:
@@ -251,7 +251,7 @@ def golden_counts(agent) -> dict[str, int]:
     """Golden checks the replicas ran: each snapshot restore that served passed one; each
     restore attempt that failed with GoldenMismatch failed one."""
     passed = failed = 0
-    with agent._lock:
+    with agent.lock:
         recs = list(agent.replicas.values())
     for r in recs:
         if r.path in ("restore", "staged_restore") and r.handle is not None:
@@ -284,9 +284,13 @@ def demo_stack_options() -> dict[str, Any]:
 
 # --- the scenario ----------------------------------------------------------------------------
 
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "bench" / "traces" / "azure_llm_2023_code.csv"
+"""The Azure LLM code trace kept in the repository (bench/traces/README.md: source, licence)."""
+
+
 def default_trace() -> Path:
-    """``<repo>/../shared/traces/azure_llm_2023_code.csv``."""
-    return Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_code.csv"
+    """:data:`DEFAULT_TRACE` (``bench/traces/azure_llm_2023_code.csv``)."""
+    return DEFAULT_TRACE
 
 
 def trace_path(args: argparse.Namespace) -> Path:

@@ -56,7 +56,6 @@ class SimRecord:
     ready: asyncio.Future             # done when it turns warm
     state: str = "restoring"          # restoring | warm | draining | dead
     path: str = "restore"             # how it came up (the node agent's word)
-    born_s: float = 0.0
     warm_s: float | None = None
     dead_s: float | None = None
     meta: dict[str, str] = field(default_factory=dict)
@@ -141,8 +140,7 @@ class SimNode:
         rid = f"sim-{self.model}-{next(self._ids)}"
         worker = SimWorker(rid, self.model, self.actual, max_seqs=self.max_seqs,
                            max_seq_len=self.max_seq_len, reported=self.speed)
-        rec = SimRecord(rid, worker, asyncio.get_running_loop().create_future(), path=path,
-                        born_s=self.now())
+        rec = SimRecord(rid, worker, asyncio.get_running_loop().create_future(), path=path)
         self._bill()
         self.records[rid] = rec
         self.peak = max(self.peak, self.alive())

@@ -31,7 +31,7 @@ from agent.sim.replay_scale import ReplayRequest
 from agent.speed import SpeedProfile
 
 PATHS = ("cold_boot", "snapshot_restore", "suspended_resume", "warm_hit")
-# TTFT SLO per path (ms), the snapshot design document's defaults (issue 12 contract item 4):
+# TTFT SLO per path (ms), the front door's defaults (docs/architecture.md, "Admission"):
 # a warm hit within 2 s at p99, a request that waits for a restore within 4 s.
 PATH_SLO_MS = {"warm_hit": 2000.0, "snapshot_restore": 4000.0, "suspended_resume": 4000.0,
                "cold_boot": 4000.0}
@@ -114,7 +114,6 @@ class _Connection:
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self.client = None
-        self.reopened = 0
         self._lock = asyncio.Lock()
 
     async def get(self):
@@ -124,7 +123,6 @@ class _Connection:
             if self.client is None or self.client._task.done():
                 if self.client is not None:
                     await self.client.close()
-                    self.reopened += 1
                 self.client = await AsyncClient.connect(self.host, self.port, max_retries=0)
             return self.client
 

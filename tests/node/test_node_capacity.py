@@ -34,7 +34,7 @@ def first_boot(agent):
 
 
 def test_a_full_node_answers_with_its_warm_replica_and_says_why(make_agent, monkeypatch):
-    monkeypatch.setattr("agent.node.agent.usable_cores", lambda: 1)
+    monkeypatch.setattr("agent.node.capacity.usable_cores", lambda: 1)
     agent = make_agent(limit_to_node=True)
     info = first_boot(agent)
     assert info["capacity"] == {"replica_limit": 1, "replicas": 1, "free": 0,
@@ -46,7 +46,7 @@ def test_a_full_node_answers_with_its_warm_replica_and_says_why(make_agent, monk
 
 
 def test_a_full_node_refuses_another_model_at_once(make_agent, monkeypatch):
-    monkeypatch.setattr("agent.node.agent.usable_cores", lambda: 1)
+    monkeypatch.setattr("agent.node.capacity.usable_cores", lambda: 1)
     agent = make_agent(limit_to_node=True)
     first_boot(agent)
     agent.models["other"] = agent.models["tiny"]           # a second model, nothing of it up
@@ -64,7 +64,7 @@ def test_without_the_limit_the_node_starts_what_it_is_asked(make_agent):
 
 
 def test_zygotes_are_kept_for_every_replica_the_node_can_run(make_agent, monkeypatch):
-    monkeypatch.setattr("agent.node.agent.usable_cores", lambda: 4)
+    monkeypatch.setattr("agent.node.capacity.usable_cores", lambda: 4)
     agent = make_agent(limit_to_node=True, zygotes_per_device=1)
     agent.backend.threads = 2                               # 4 cores // 2 threads
     assert agent.replica_limit().limit == 2
@@ -79,7 +79,7 @@ def test_the_pool_is_refilled_as_soon_as_a_restore_takes_its_zygote(make_agent):
     first_boot(agent)
     agent.refill_pool()
     order = []
-    real_refill, real_take = agent._refill_later, agent.zygotes.take
+    real_refill, real_take = agent.ladder._refill, agent.zygotes.take
 
     def take(device, model):
         z = real_take(device, model)
@@ -92,6 +92,6 @@ def test_the_pool_is_refilled_as_soon_as_a_restore_takes_its_zygote(make_agent):
         return z
 
     agent.zygotes.take = take
-    agent._refill_later = lambda: (order.append("refill"), real_refill())
+    agent.ladder._refill = lambda: (order.append("refill"), real_refill())
     assert agent.restore("tiny")["path"] == "restore"
     assert order[:2] == ["refill", "restore"]

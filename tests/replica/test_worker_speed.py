@@ -95,6 +95,7 @@ def test_late_request_is_refused_with_the_prediction_and_on_time_one_served(boot
         {"op": "generate", "id": "none", "tokens": [3, 4], "max_tokens": 2}]))
     (late,) = answers["late"]
     assert late["type"] == "error" and late["code"] == 429
+    assert late["refusal"] == "deadline_unreachable"
     assert late["predicted_ttft_ms"] == pytest.approx(want_ms)
     assert late["deadline_ms"] == 100 and late["retry_after_ms"] == round(want_ms - 100)
     assert "r9" in late["reason"] and "150.0 ms" in late["reason"] and "100" in late["reason"]

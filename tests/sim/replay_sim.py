@@ -1,10 +1,10 @@
 """A scaled replay through the event simulator (agent/sim/events.py): the same scaled requests,
 the same speed profile, the same predictor policy, on a virtual clock.
 
-bench/trace_replay.py's ``sim`` column now comes from :mod:`agent.sim.pathsim` (the whole
-production request path); this one drives only the front door's router and admission queue
-(no early 429, no replica-side refusal), and stays as the cross-check that the two simulators
-agree where both model the same thing (tests/sim/test_pathsim.py).
+A test helper: bench/trace_replay.py's ``sim`` column comes from :mod:`agent.sim.pathsim` (the
+whole production request path); this one drives only the front door's router and admission
+queue (no early 429, no replica-side refusal), the cross-check that the two simulators agree
+where both model the same thing (tests/sim/test_pathsim.py, tests/sim/test_replay_sim.py).
 
 The simulated replicas are :class:`~agent.sim.replica.SimReplica` engines at the measured
 :class:`~agent.speed.SpeedProfile` (prefill the admitted prompts, then one decode step over the
