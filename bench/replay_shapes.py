@@ -146,27 +146,6 @@ def tables(traces: list[dict], runs: list[dict]) -> list[dict]:
     return out
 
 
-def meta(argv: list[str] | None) -> dict:
-    """The ``meta`` block every bench JSON carries: command, machine, load average, date,
-    commit."""
-    import os
-    import platform
-    import subprocess
-    from datetime import UTC, datetime
-
-    try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"command": " ".join(["bench/replay_shapes.py", *(sys.argv[1:] if argv is None
-                                                             else argv)]),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-            "loadavg": list(os.getloadavg()),
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "commit": commit or None}
-
-
 def main(argv: list[str] | None = None) -> int:
     from agent.sim.replay_scale import always_on_replicas, fit_scale, replay_requests
     from agent.speed import SpeedProfile
@@ -227,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             out.append({"shape": shape, "load": load, "scale": scale.to_json(), **sim,
                         "verdict": v})
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"meta": meta(argv), "title": TITLE,
+    from run_meta import run_meta
+
+    args.json.write_text(json.dumps({"meta": run_meta(), "title": TITLE,
                                      "tables": tables(traces, out),
                                      "profile": profile.to_meta(),
                                      "profile_source": source, "restore_s": restore_s,
