@@ -47,7 +47,7 @@ def exposed() -> dict[str, set[str]]:
     record.last_stats["phases_s"] = {"weights_s": 0.1, "package_s": 0.1, "golden_s": 0.2}
     node.attach(SimpleNamespace(store=SimpleNamespace(used_bytes=1, capacity_bytes=2),
                                 pool={"cpu": []}, replicas={"r": record},
-                                _lock=threading.Lock()))
+                                lock=threading.Lock()))
     catalog = SimpleNamespace(snapshot=lambda sid: SimpleNamespace(size_bytes=100))
     node.restore_finished(record, 1.0, True, catalog)
     replica = replica_registry(lambda: {"model": "m", "tokens_per_s": 1.0})
