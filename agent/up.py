@@ -300,8 +300,12 @@ class Stack:
         clock = SystemClock()
         # the local scaler over this stack's own node agent, through its control API
         scaler = choose("scaler", ClusterChoice(node_agents=(self.agent_address,)), clock=clock)
-        policy = ModelPolicy(self.model, step_s=self.predictor_tick_s,
-                             **self.predictor_overrides)
+        overrides = dict(self.predictor_overrides)
+        capacity = self.agent.capacity()     # what the node serves at speed, and no more
+        if capacity is not None:
+            overrides["max_replicas"] = min(overrides.get("max_replicas", ModelPolicy.max_replicas),
+                                            capacity["replica_limit"])
+        policy = ModelPolicy(self.model, step_s=self.predictor_tick_s, **overrides)
         predictor = self.predictor = PredictorService(
             Predictor([policy], clock=clock, scaler=scaler,
                       snapshot_durable=self.agent.snapshot_durable),

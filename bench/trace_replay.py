@@ -63,6 +63,9 @@ from agent.errors import ConfigError, InvalidTrace, RewarmError  # noqa: E402
 
 WARM_SLO_MS, RESTORE_SLO_MS = 2000.0, 4000.0   # the default TTFT SLOs (docs/architecture.md)
 DECISION_LATENCY_S = 1.0
+# a sparse window's median gap is kept at least this many times (restore + keep-alive) in
+# wall time: long enough that scaling to zero in it pays and shows (agent/sim/replay_scale.py)
+GAP_FACTOR = 10.0
 
 
 def say(text: str) -> None:
@@ -137,6 +140,27 @@ def predictor_policy(restore_s: float, max_replicas: int) -> dict:
             "costs": KeepAliveCosts(restore_s=restore_s)}
 
 
+def gap_floor(arrival_s, window_s: float, restore_s: float, cap: int) -> dict:
+    """Whether a window is sparse and the compression that keeps its gaps: the predictor's
+    keep-alive for the window's mean rate under the replay's policy (``release_after_s``,
+    agent/predictor/loop.py), the wall floor ``GAP_FACTOR x (restore + keep-alive)`` and
+    :func:`agent.sim.replay_scale.gap_keeping_speedup` (None for a dense window)."""
+    import numpy as np
+
+    from agent.predictor.keepalive import plan_keepalive
+    from agent.predictor.loop import ModelPolicy, release_after_s
+    from agent.sim.replay_scale import gap_keeping_speedup
+
+    policy = ModelPolicy("replay", **predictor_policy(restore_s, cap))
+    rate = len(arrival_s) / window_s
+    keepalive_s = release_after_s(plan_keepalive(rate, policy.costs), policy)
+    floor = GAP_FACTOR * (restore_s + keepalive_s)
+    a = np.asarray(arrival_s, dtype=np.float64)
+    median = float(np.median(np.diff(a))) if a.size > 1 else None
+    return {"keepalive_s": keepalive_s, "gap_floor_s": floor, "median_gap_s": median,
+            "max_speedup": gap_keeping_speedup(a, floor)}
+
+
 def run_one(args, load: float, rows, window_s: float, model_dir, release, note) -> dict:
     """One replay at ``load`` on a fresh stack: live, then simulated (module docstring)."""
     from agent.sim import replay
@@ -196,10 +220,16 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
         restore_s = max([float(r["duration_s"]) for r in new_rows if r["outcome"] == "ok"]
                         or [again.ttft_ms / 1000.0])
         say(f"  restore: {restore_s:.2f} s (probe path {again.path}, TTFT {again.ttft_ms:.0f} ms)")
+        gaps = gap_floor(rows.arrival_s, window_s, restore_s, cap)
+        if gaps["max_speedup"] is not None:
+            say(f"  sparse window: median gap {gaps['median_gap_s']:.1f} s; compression held at "
+                f"{gaps['max_speedup']:.2f}x so it stays >= {GAP_FACTOR:g} x (restore "
+                f"{restore_s:.2f} s + keep-alive {gaps['keepalive_s']:.2f} s) = "
+                f"{gaps['gap_floor_s']:.1f} s of wall time (the wall budget is exceeded)")
         scale = fit_scale(rows.context_tokens, rows.generated_tokens, window_s=window_s,
                           profile=profile, load=load, wall_s=args.wall_s,
                           ttft_slo_s=WARM_SLO_MS / 1000.0, max_seqs=max_seqs,
-                          max_tokens_per_request=max_seq_len)
+                          max_tokens_per_request=max_seq_len, max_speedup=gaps["max_speedup"])
         plan = replay_requests(rows.arrival_s, rows.context_tokens, rows.generated_tokens,
                                scale, max_seq_len)
         say(f"  scale: speedup {scale.speedup:.3f} (trace s per wall s), token scale "
@@ -252,7 +282,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
         codes[o.code] = codes.get(o.code, 0) + 1
     reasons = sorted({o.reason[:160] for o in outcomes if o.code not in (200,)})[:8]
     out = {**live, "sim": sim, "load": load, "trace": Path(rows.path).name, "speedup": scale.speedup,
-           "token_scale": scale.token_scale, "scale": scale.to_json(),
+           "token_scale": scale.token_scale, "scale": scale.to_json(), "idle_gaps": gaps,
            "profile": profile.to_meta(), "profile_source": source,
            "replica_meter_profile": None if meter is None else meter.to_meta(),
            "calibrated_profile": calibrated.to_meta(),
@@ -444,7 +474,9 @@ def _ms(x) -> str:
 def table(r: dict) -> str:
     s = r["sim"]
     lines = [f"load {r['load']:g}: {r['requests']} requests over {r['scale']['wall_s']:.0f} s "
-             f"(speedup {r['speedup']:.2f}, token scale {r['token_scale']:.4f}); load average "
+             f"(speedup {r['speedup']:.2f}"
+             f"{', held to keep idle gaps' if r['scale'].get('bound') == 'idle_gaps' else ''}, "
+             f"token scale {r['token_scale']:.4f}); load average "
              f"{', '.join(f'{x:.1f}' for x in r['loadavg'])}",
              f"{'':<28}{'live':>12}{'simulated':>12}"]
     for key in ("served", "shed_429", "shed_429_within_50ms", "expired_504", "lost",

@@ -31,6 +31,7 @@ from agent.clock import Clock, SystemClock
 from agent.cluster.base import Registry, ServiceInstance
 from agent.errors import RewarmError
 from agent.node.backend import Backend, ModelSpec
+from agent.node.capacity import NodeCapacity, ReplicaLimit
 from agent.node.inventory import Inventory
 from agent.node.ladder import RestoreLadder
 from agent.node.lifecycle import ReplicaState as S
@@ -95,10 +96,12 @@ class NodeAgent:
         self.snapshots = Snapshots(catalog, store, node_id=config.node_id,
                                    remote_root=config.remote_root, summary=summary)
         self.suspension = SuspendResume(st, suspender, self.restore)
+        self.node_capacity = NodeCapacity(st, backend)
         self.ladder = RestoreLadder(st, zygotes=self.zygotes, backend=backend,
                                     snapshots=self.snapshots, metrics=self.metrics,
                                     executor=self.executor, refill=self._refill_later,
-                                    drain=self.drain, sleep=self._sleep)
+                                    drain=self.drain, sleep=self._sleep,
+                                    capacity=self.node_capacity)
         store.on_evict = self._evicted
         self.snapshots.reconcile()
         self.agent_instance = ServiceInstance(
@@ -171,9 +174,26 @@ class NodeAgent:
         ``max_replicas_per_model`` (one per core group), so it keeps one set per replica
         slot: a scale-up from zero to the cap restores every replica from a ready zygote
         instead of starting the second one's process inside its restore (seconds, measured
-        in the trace replay: 5-24 s against 1.3-1.8 s with a zygote ready)."""
-        slots = (self.config.max_replicas_per_model or 1) if device == "cpu" else 1
+        in the trace replay: 5-24 s against 1.3-1.8 s with a zygote ready).  With a node
+        limit (``limit_to_node``) the CPU's slots are that limit, the most the node runs."""
+        if device != "cpu":
+            return self.config.zygotes_per_device
+        limit = self.replica_limit()
+        slots = self.config.max_replicas_per_model or 1
+        if limit is not None:
+            slots = min(self.config.max_replicas_per_model or limit.limit, limit.limit)
         return self.config.zygotes_per_device * slots
+
+    # -- capacity ------------------------------------------------------------------------------
+    def replica_limit(self) -> ReplicaLimit | None:
+        """What this node runs at speed (agent/node/capacity.py), None without
+        ``limit_to_node``: cores // the backend's threads on CPU, one per GPU device."""
+        return self.node_capacity.limit()
+
+    def capacity(self) -> dict[str, Any] | None:
+        """The capacity answer (``replica_limit``, ``basis``, ``replicas``, ``free``); None
+        without a node limit."""
+        return self.node_capacity.answer()
 
     def refill_pool(self) -> int:
         """Refill the zygote pool (agent/node/pool.py); returns how many zygotes started."""
@@ -260,9 +280,11 @@ class NodeAgent:
                 continue
             if rec.lifecycle.state is S.WARM and rec.handle is not None:
                 try:
-                    stats = rec.handle.stats()
-                except (OSError, RewarmError, RuntimeError):
+                    stats = rec.handle.stats(timeout_s=self.config.probe_timeout_s)
+                except (OSError, RewarmError, RuntimeError) as exc:
+                    self._unanswered(rec, exc)
                     continue
+                self._answered(rec)
                 rec.last_stats = stats
                 self.registrar.update_meta(rec.lifecycle.replica_id, load_meta(stats))
         self.registrar.update_meta(self.agent_instance.id, self.state.agent_meta())
@@ -270,6 +292,26 @@ class NodeAgent:
         self.state.last_tick_s = self.clock.now()
         if self.node_meta is not None:
             self.node_meta.update(self.cached_models())
+
+    def _unanswered(self, rec: ReplicaRecord, exc: BaseException) -> None:
+        """A stats probe failed: after ``unresponsive_after_s`` of failures, out of routing."""
+        now = self.clock.now()
+        if rec.silent_since_s is None:
+            rec.silent_since_s = now
+        if not rec.unrouted and now - rec.silent_since_s >= self.config.unresponsive_after_s:
+            rid = rec.lifecycle.replica_id
+            log.error("replica %s has not answered for %.1f s (last: %s); out of routing until "
+                      "it does", rid, now - rec.silent_since_s, exc, extra={"replica": rid})
+            rec.unrouted = True
+            self.registrar.drop(rid)
+
+    def _answered(self, rec: ReplicaRecord) -> None:
+        rec.silent_since_s = None
+        if rec.unrouted:
+            rec.unrouted = False
+            log.warning("replica %s answers again; back in routing", rec.lifecycle.replica_id,
+                        extra={"replica": rec.lifecycle.replica_id})
+            self.registrar.want(self.state.replica_instance(rec))
 
     def cached_models(self) -> list[str]:
         """Models with a ready snapshot in this node's local tier (sorted names)."""
@@ -301,7 +343,8 @@ class NodeAgent:
                 "registry": {"healthy": st.healthy, "failures": st.failures,
                              "last_error": st.last_error},
                 "store": {"used_bytes": self.store.used_bytes,
-                          "capacity_bytes": self.store.capacity_bytes}}
+                          "capacity_bytes": self.store.capacity_bytes},
+                "capacity": self.capacity()}
 
     def close(self) -> None:
         """Drain everything (forced, all replicas at once so the whole drain takes at most

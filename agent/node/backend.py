@@ -64,7 +64,7 @@ class Replica(Protocol):
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  seed: int | None = None) -> list[list[int]]: ...
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self, timeout_s: float | None = None) -> dict[str, Any]: ...
     def in_flight(self) -> int: ...
     def capture(self, dest: Path) -> None: ...
     def shutdown(self) -> None: ...
@@ -124,7 +124,9 @@ class InProcessReplica:
             with self._lock:
                 self._in_flight -= 1
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """The replica's stats (in-process: answered at once; ``timeout_s`` has nothing to
+        bound)."""
         cap = self.loaded.engine.capacity()
         return {"model": self.loaded.identity.name, "version": self.loaded.identity.version,
                 "path": self.loaded.path, **cap, **self.loaded.engine.speed_report(),

@@ -5,7 +5,8 @@ Every step fails closed; the caller sees a slower start, never wrong tokens::
 
     newest ready local snapshot ──ok──► warm, registered
         │ pins differ → stale (a remote copy has the same pins: go to cold boot)
-        │ checksum / signature / golden mismatch → corrupt;  timeout, zygote died → stale
+        │ checksum / signature / golden mismatch → corrupt;  out of memory, timeout, zygote
+        │ died, with every chunk verified → transient: the snapshot stays ready and local
         ▼
     remote copy of that snapshot ── stage (verify every chunk) → restore ──ok──► warm
         │ fails → corrupt/stale
@@ -32,6 +33,7 @@ from agent.errors import (ConfigError, CudaCheckpointError, DiskFull, GoldenMism
 from agent.node import capture as cap
 from agent.node.backend import Backend, ModelSpec, new_replica_id
 from agent.node.bounded import call_within
+from agent.node.capacity import NodeCapacity
 from agent.node.lifecycle import Lifecycle, ReplicaState as S
 from agent.node.metrics import NodeMetrics
 from agent.node.pool import ZygotePool
@@ -51,10 +53,13 @@ class _Failed(Exception):
 
 
 def _classify(exc: BaseException, snapshot: Path) -> str:
-    """corrupt: the bytes, or the state they hold, are wrong; stale: not usable here or now.
+    """corrupt: the bytes, or the state they hold, are wrong; stale: not usable here (its
+    pins differ); transient: the failure was not the snapshot's (out of memory, a killed
+    zygote, a timeout) and it is kept as it is.
 
-    An error that does not say (a worker's answer, a dead zygote, a timeout) is settled by
-    re-reading every chunk of the local copy."""
+    An error that does not say (a worker's answer, a dead zygote, a timeout, MemoryError) is
+    settled by re-reading every chunk of the local copy: only a failed verification condemns
+    a snapshot."""
     if isinstance(exc, (SnapshotCorrupt, GoldenMismatch)):
         return "corrupt"
     if isinstance(exc, SnapshotIncompatible):
@@ -63,7 +68,7 @@ def _classify(exc: BaseException, snapshot: Path) -> str:
         verify_chunks(snapshot, read_manifest(snapshot))
     except SnapshotError:
         return "corrupt"
-    return "stale"
+    return "transient"
 
 
 class RestoreLadder:
@@ -77,8 +82,9 @@ class RestoreLadder:
     def __init__(self, state: NodeState, *, zygotes: ZygotePool, backend: Backend,
                  snapshots: Snapshots, metrics: NodeMetrics, executor: Executor,
                  refill: Callable[[], None], drain: Callable[..., dict[str, Any]],
-                 sleep: Callable[[float], None]) -> None:
+                 sleep: Callable[[float], None], capacity: NodeCapacity | None = None) -> None:
         self.state, self.zygotes, self.backend = state, zygotes, backend
+        self.capacity = capacity or NodeCapacity(state, backend)
         self.snapshots, self.metrics, self.executor = snapshots, metrics, executor
         self._refill, self._drain, self._sleep = refill, drain, sleep
 
@@ -98,8 +104,11 @@ class RestoreLadder:
         staged_restore | cold_boot, ``attempts``: each failed step with its reason).  When
         the node already has ``max_replicas_per_model`` of the model coming up or warm, no
         new one starts: the answer is the first of them to be warm, with ``path`` ``warm``
-        (a second replica on the same cores would only compete with the first).  Raises
-        ModelNotFound, ConfigError, NoCapacity (at the cap and none warm within
+        (a second replica on the same cores would only compete with the first).  The same
+        holds when the node runs every replica its cores or devices serve at speed
+        (:class:`~agent.node.capacity.NodeCapacity`); with none of ``model`` up then, it is
+        refused at once.  Raises ModelNotFound, ConfigError, NoCapacity (the node full with
+        none of the model up, naming the limit; at the cap and none warm within
         ``restore_timeout_s``), and what a cold boot raises when even that fails.
         """
         spec, device = self.state.spec(model), self._device(device)
@@ -108,7 +117,10 @@ class RestoreLadder:
         with self.state.lock:
             if self.state.closing:
                 raise self._closing_error(model)
-            at_cap = self._at_cap(model)
+            full = self.capacity.full(model)
+            if full is not None and not self.capacity.up(model):
+                raise full            # nothing of this model to wait for: refused at once
+            at_cap = full is not None or self._at_cap(model)
             if not at_cap:
                 self.state.replicas[rid] = rec
                 self.state.restoring += 1
@@ -144,6 +156,9 @@ class RestoreLadder:
             self._drain(rid, force=True)
             raise self._closing_error(spec.name)
         out = rec.describe(load=True)      # keeps the stats it read in rec.last_stats
+        capacity = self.capacity.answer()
+        if capacity is not None:
+            out["capacity"] = capacity
         self.metrics.restore_finished(rec, took_s, True, self.state.catalog)
         return out
 
@@ -169,7 +184,9 @@ class RestoreLadder:
             with self.state.lock:
                 warm = [r for r in self.state.replicas.values()
                         if r.spec.name == model and r.lifecycle.state is S.WARM]
-                at_cap = self._at_cap(model)
+                # at the model's cap, or the node is full and one of the model's comes up
+                at_cap = self._at_cap(model) or (self.capacity.full(model) is not None
+                                                 and self.capacity.up(model) > 0)
             if warm:
                 return {**warm[0].describe(load=True), "path": "warm"}
             if not at_cap:
@@ -188,13 +205,21 @@ class RestoreLadder:
         if row is not None and self.state.store.has(row.snapshot_id):
             if self._try_restore(rec, row, "restore"):
                 return
-            try_remote = try_remote and rec.attempts[-1]["status"] != "stale-pins"
+            # the remote copy has the same pins, and after a transient fault the same bytes
+            try_remote = try_remote and rec.attempts[-1]["status"] not in ("stale-pins",
+                                                                          "transient")
         if try_remote and row is not None:
             staged = self._stage(rec, row)
             if staged is not None and self._try_restore(rec, staged, "staged_restore"):
                 self.state.catalog.set_status(staged.snapshot_id, "ready", "staged and restored")
                 self.snapshots.publish(staged.snapshot_id)
                 return
+            if staged is not None and rec.attempts[-1]["status"] == "transient":
+                # staged and verified, then a fault that was not the snapshot's: keep it
+                self.state.catalog.set_status(staged.snapshot_id, "ready",
+                                              "staged and verified; its restore failed "
+                                              "transiently")
+                self.snapshots.publish(staged.snapshot_id)
         self._cold_boot(rec)
 
     def _try_restore(self, rec: ReplicaRecord, row: SnapshotRow, path: str) -> bool:
@@ -202,6 +227,10 @@ class RestoreLadder:
         self.state.phase(rec, "restore")
         self.state.record(rec, row.snapshot_id)
         zygote = self.zygotes.take(rec.device, rec.spec.name)
+        # the next restore's zygote warms while this one restores (at background priority),
+        # not after it: back-to-back scale-ups found none ready and each started its own
+        # process inside its restore (5-6 s against about 1 s)
+        self._refill()
         try:
             with self.state.store.reading(row.snapshot_id) as snap:
                 try:
@@ -210,7 +239,7 @@ class RestoreLadder:
                     handle = call_within(lambda: zygote.restore(snap, rec.lifecycle.replica_id),
                                       self.state.config.restore_timeout_s, "restore")
                 except (SnapshotError, GoldenMismatch, CudaCheckpointError, OSError,
-                        RuntimeError, RewarmError) as exc:
+                        RuntimeError, RewarmError, MemoryError) as exc:
                     zygote.kill()
                     status = _classify(exc, snap)
                     raise _Failed(exc, status) from exc
@@ -219,10 +248,12 @@ class RestoreLadder:
             log.error("%s of %s from %s failed closed (%s): %s", path, rec.spec.key,
                       row.snapshot_id, status, err, extra={"model": rec.spec.name,
                       "replica": rec.lifecycle.replica_id, "snapshot": row.snapshot_id})
-            if row.status in ("pending", "ready"):
-                self.state.catalog.set_status(row.snapshot_id, status, f"{type(err).__name__}: {err}")
-                self.snapshots.publish(row.snapshot_id)
-            self.state.store.remove(row.snapshot_id)
+            if status != "transient":   # a fault that was not the snapshot's keeps it
+                if row.status in ("pending", "ready"):
+                    self.state.catalog.set_status(row.snapshot_id, status,
+                                                  f"{type(err).__name__}: {err}")
+                    self.snapshots.publish(row.snapshot_id)
+                self.state.store.remove(row.snapshot_id)
             rec.attempts.append({"path": path, "snapshot": row.snapshot_id,
                                  "status": "stale-pins" if isinstance(err, SnapshotIncompatible)
                                  else status, "error": type(err).__name__, "reason": str(err)})

@@ -163,8 +163,10 @@ class ProcessReplica:
             out.append([t for a in res["answers"] if a.get("type") == "tokens" for t in a["tokens"]])
         return out
 
-    def stats(self) -> dict[str, Any]:
-        res = self.worker.call({"op": "stats"}, self.timeout_s)
+    def stats(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """The worker's stats, waiting at most ``timeout_s`` (default: the request timeout);
+        OSError (a socket timeout) when it does not answer in time."""
+        res = self.worker.call({"op": "stats"}, self.timeout_s if timeout_s is None else timeout_s)
         res.pop("answers", None)
         return res
 

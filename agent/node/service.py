@@ -49,11 +49,13 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                 zygotes_per_device: int = 1, suspender=None, summary=None,
                 node_meta=None, **config) -> NodeAgent:
     """A NodeAgent with its catalog (``state_dir/catalog.db``) and local tier
-    (``state_dir/snapshots``).  Defaults: in-process backend, the embedded default's
-    registry (:func:`agent.cluster.choose` of a default :class:`~agent.cluster.ClusterChoice`)."""
+    (``state_dir/snapshots``).  Defaults: in-process backend, at most the replicas the
+    node's cores or devices serve at speed (``limit_to_node``, agent/node/capacity.py), the
+    embedded default's registry (:func:`agent.cluster.choose` of a default :class:`~agent.cluster.ClusterChoice`)."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     host, _, port = listen.rpartition(":")
+    config.setdefault("limit_to_node", True)   # a node runs what its cores serve at speed
     cfg = AgentConfig(node_id=node_id or socket.gethostname(), remote_root=remote_root,
                       zygotes_per_device=zygotes_per_device,
                       control_address=host if port.isdigit() else listen,

@@ -48,9 +48,19 @@ class AgentConfig:
     control_port: int = 0
     max_replicas_per_model: int | None = None   # None: no cap on this node
     replica_wait_poll_s: float = 0.1
+    # every model's replicas together at most what the cores or devices serve at speed
+    # (agent/node/capacity.py: cores // threads on CPU, one per GPU); False: no such limit
+    limit_to_node: bool = False
+    # a warm replica that has not answered its stats probe (each bounded by probe_timeout_s)
+    # for unresponsive_after_s is taken out of routing until it answers again (SIGSTOP, a
+    # livelock, a swap storm): the front door stops sending it requests within about
+    # unresponsive_after_s + probe_timeout_s + one agent tick
+    probe_timeout_s: float = 2.0
+    unresponsive_after_s: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("restore_timeout_s", "drain_timeout_s", "drain_poll_s"):
+        for name in ("restore_timeout_s", "drain_timeout_s", "drain_poll_s", "probe_timeout_s",
+                     "unresponsive_after_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0", name=name,
                                   value=getattr(self, name), limit=0)
@@ -79,6 +89,8 @@ class ReplicaRecord:
     attempts: list[dict] = field(default_factory=list)
     phase: str | None = None            # while coming up: stage | restore | cold_boot
     phase_since_s: float = 0.0
+    silent_since_s: float | None = None  # its stats probes have failed since then
+    unrouted: bool = False               # taken out of routing for not answering
     last_stats: dict = field(default_factory=dict)   # the worker's stats at the last tick
 
     def describe(self, *, load: bool = False) -> dict[str, Any]:

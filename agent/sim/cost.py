@@ -79,8 +79,9 @@ def summarise(rec, workload, *, sla_s: float, seqs_per_replica: int,
               price_per_gpu_hour: float = PRICE_PER_GPU_HOUR) -> dict:
     """Every number one run reports (a JSON-ready dict).
 
-    ``sla_compliance``: share of all requests whose TTFT is within ``sla_s`` (shed, expired
-    and never-served requests count as misses).  ``idle_gpu_hours``: billed GPU-hours minus
+    ``sla_compliance``: share of all requests whose TTFT is within their SLO (``rec.slo_s``
+    per request when the run had one, agent/slo.py; else ``sla_s``); shed, expired and
+    never-served requests count as misses, and ``late`` counts those served after it.  ``idle_gpu_hours``: billed GPU-hours minus
     the slot-hours requests used (``busy_slot_s / seqs_per_replica``).  ``peak_shortfall``:
     the worst instant (sampled each tick) of offered concurrency (requests that would be in
     flight had none waited) minus warm slots, and ``shortage_minutes`` the time it was > 0.
@@ -92,7 +93,9 @@ def summarise(rec, workload, *, sla_s: float, seqs_per_replica: int,
     served = int(np.count_nonzero(status == SERVED))
     gpu_h = rec.gpu_s / 3600.0
     busy_h = rec.busy_slot_s / seqs_per_replica / 3600.0
-    within = int(np.count_nonzero(ttft <= sla_s))
+    slo = rec.slo_s if getattr(rec, "slo_s", None) is not None else np.full(n, sla_s)
+    within = int(np.count_nonzero(ttft <= slo))
+    cold = rec.cold if getattr(rec, "cold", None) is not None else np.zeros(n, dtype=bool)
     demand = workload.offered_concurrency(rec.tick_t_s + 0.0) if len(rec.tick_t_s) else np.zeros(0)
     short = np.maximum(0, demand - rec.warm_replicas.astype(np.int64) * seqs_per_replica)
     tick_s = float(rec.tick_t_s[1] - rec.tick_t_s[0]) if len(rec.tick_t_s) > 1 else 1.0
@@ -101,6 +104,7 @@ def summarise(rec, workload, *, sla_s: float, seqs_per_replica: int,
         "served": served,
         "queued": int(rec.queued),
         "shed": int(np.count_nonzero(status == SHED)),
+        "shed_too_large": int(getattr(rec, "too_large", 0)),
         "expired": int(np.count_nonzero(status == EXPIRED)),
         "unfinished": int(np.count_nonzero(status == 0)),
         "ttft_ms": {
@@ -109,8 +113,12 @@ def summarise(rec, workload, *, sla_s: float, seqs_per_replica: int,
                    "count": int(np.count_nonzero((rec.path == code) & (status == SERVED)))}
             for name, code in (("warm", PATH_WARM), ("queued", PATH_QUEUED))
         },
-        "sla_s": sla_s,
+        "sla_s": sla_s if getattr(rec, "slo_s", None) is None else "per request",
         "sla_compliance": within / n if n else 1.0,
+        # served, but after the SLO: counted as misses above, never hidden
+        "late": int(np.count_nonzero((status == SERVED) & ~(ttft <= slo))),
+        "cold_arrivals": int(np.count_nonzero(cold)),
+        "cold_within_slo": int(np.count_nonzero(cold & (ttft <= slo))),
         "sim_hours": rec.sim_s / 3600.0,
         "gpu_hours": gpu_h,
         "idle_gpu_hours": max(0.0, gpu_h - busy_h),

@@ -125,6 +125,9 @@ class FleetConfig:
     max_concurrent_starts: int = 0
     max_replicas: int = 10_000
     replica: Profiled | None = None   # agent.sim.profile.ReplicaProfile: replicas step at its speed
+    # the front door asks for a replica the moment a request finds none warm or starting
+    # (rewarm's request path does; the baselines' autoscalers only see their own ticks)
+    restore_on_cold: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seqs_per_replica", "kv_capacity_tokens", "max_replicas"):
@@ -204,6 +207,11 @@ class Fleet:
     @property
     def warm(self) -> int:
         return self.count[WARM]
+
+    @property
+    def pending_starts(self) -> int:
+        """Starts asked for that wait for a start slot (``max_concurrent_starts``)."""
+        return self._pending_starts
 
     @property
     def billed(self) -> int:

@@ -44,6 +44,8 @@ def make(durable=True, **policy):
     # of the Holt + backstop forecaster they were written for; the default forecaster has
     # its own tests below.
     policy.setdefault("forecaster", "holt_backstop")
+    # ... reading each step's rate (the in-flight window averaging them has its own tests)
+    policy.setdefault("in_flight_window_s", 1.0)
     pol = ModelPolicy("m", **policy)
     p = Predictor([pol], clock=clock, scaler=scaler,
                   snapshot_durable=lambda m: state["durable"], catalog=catalog)
