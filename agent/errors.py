@@ -148,6 +148,29 @@ class ProtocolError(RewarmError, ValueError):
     code = 400
 
 
+class ContextLengthExceeded(ProtocolError):
+    """Prompt + ``max_tokens`` is longer than the model's context (400).
+
+    Worded as vLLM's OpenAI server words it (vllm/entrypoints/openai/serving_engine.py,
+    ``_validate_prompt_and_tokenize``: a ``ValueError`` answered 400), so that clients that
+    recognise "maximum context length is N tokens" (LangChain, LiteLLM) do.
+
+    Attributes: ``field`` (``max_tokens``), ``value`` (prompt + max_tokens), ``limit`` (the
+    context, ``max_model_len``), ``prompt_tokens``, ``max_tokens``.
+    """
+
+    refusal = refusals.CONTEXT_LENGTH
+
+    def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
+        total = prompt_tokens + max_tokens
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {total} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+            f"completion). Please reduce the length of the messages or completion.",
+            field="max_tokens", value=total, limit=max_model_len,
+            prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+
+
 class MessageTooLarge(ProtocolError):
     """A message or one of its parts is over a limit (413)."""
 

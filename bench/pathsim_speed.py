@@ -2,8 +2,8 @@
 
 Four synthetic 10-minute windows of about 1,500 requests (2.5 req/s on average: steady, step
 bursts, a ramp, a long idle gap), each replayed through the production request path and
-predictor with simulated replicas, as bench/trace_replay.py's ``sim`` column runs.  Target
-(issue 12 brief): well under a minute of CPU per window.  Prints a table and writes JSON.
+predictor with simulated replicas, as bench/trace_replay.py's ``sim`` column runs.  Target:
+well under a minute of CPU per window.  Prints a table and writes JSON.
 
     .venv/bin/python bench/pathsim_speed.py [--json var/bench/pathsim_speed.json]
 """

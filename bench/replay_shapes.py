@@ -19,7 +19,7 @@ The replica's speed and restore time come from a live replay's JSON (``--from-js
 stand-in profile of SmolLM2-135M on a quiet two-core machine (stated in the output).  It
 prints, per shape and load, the SLA attainment, 429s and 504s, TTFT p99 per path and
 GPU-seconds against the always-on pool sized for the shape's busiest 10 s, and which of
-issue 12's targets hold.
+bench/trace_replay.py's targets hold.
 """
 
 from __future__ import annotations

@@ -37,11 +37,11 @@ touch pass (every byte read) inside the clock:
   torch.load(mmap=True).  sllm-store is not measured: it builds only with CUDA or ROCm.
 
 Memory: each fresh-process load's peak RSS (VmHWM, reset after its imports) less its baseline.
-GB/s is 10^9 bytes per second.  Targets (issue 16, 1 GiB and 4 GiB, the 2-core machine):
+GB/s is 10^9 bytes per second.  Targets (1 GiB and 4 GiB, the 2-core machine):
 fresh-process verified cold ≥ 0.85 × O_DIRECT limit and warm ≥ 0.8 × first touch; zygote cold
 ≥ 0.9 × limit and warm ≥ 0.6 × memcpy; fresh verified cold ≥ 1.5 × the best peer's cold;
-verification overhead ≤ 10 %; RSS added ≤ snapshot bytes + 64 MiB.  The earlier targets of
-issue 2 (zygote path against safetensors) are kept in the table.
+verification overhead ≤ 10 %; RSS added ≤ snapshot bytes + 64 MiB.  The zygote path's targets
+against safetensors are kept in the table too.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The judge of issue 12: a live replay of a trace window on the real embedded stack, scaled
+"""The judge of the serving promise (docs/architecture.md, "Admission"): a live replay of a trace window on the real embedded stack, scaled
 to this machine, beside the simulator's replay of the same requests.
 
     bench/trace_replay.py --trace CSV [--load 0.3[,3]] [--minutes 10] [--start-min 0]
@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO))
 from agent.argtypes import nonneg_float, positive_float, positive_int  # noqa: E402
 from agent.errors import ConfigError, InvalidTrace, RewarmError  # noqa: E402
 
-WARM_SLO_MS, RESTORE_SLO_MS = 2000.0, 4000.0   # issue 12 contract item 4 (design document)
+WARM_SLO_MS, RESTORE_SLO_MS = 2000.0, 4000.0   # the default TTFT SLOs (docs/architecture.md)
 DECISION_LATENCY_S = 1.0
 
 
@@ -385,7 +385,7 @@ def _json_line(row: dict) -> str:
 
 
 def verdict(r: dict) -> dict:
-    """Issue 12's targets for one run (True/False per target)."""
+    """The replay's targets for one run (True/False per target; module docstring)."""
     n = max(1, r["requests"])
     t = r["ttft_ms"]
     p99 = lambda path: t.get(path, {}).get("p99")  # noqa: E731

@@ -24,7 +24,11 @@ flag                        meaning (default)
 =========================== ======================================================================
 
 ``--scaler agents`` is the former spelling of ``--scaler local`` and is still accepted.
-Code outside this package depends on the Protocols of :mod:`agent.cluster.base` only.
+The cluster-mode services beside the registry (a Consul client, the snapshot summary in
+Consul KV, the predictor's leader lock, the model catalog, Nomad node metadata) are built here
+too (:func:`consul_client`, :func:`snapshot_summary`, :func:`leader_lock`,
+:func:`model_catalog`, :func:`catalog_watcher`, :func:`node_metadata`).  Code outside this package depends on the
+Protocols of :mod:`agent.cluster.base` and on these functions, not on the modules behind them.
 """
 
 from __future__ import annotations
@@ -38,8 +42,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 if TYPE_CHECKING:
+    import consul
+
     from agent.clock import Clock
     from agent.cluster.base import Registry, Scaler
+    from agent.cluster.consul_kv import SnapshotKV
+    from agent.cluster.leader import LeaderLock
+    from agent.cluster.model_catalog import CatalogWatcher, ModelCatalog
+    from agent.cluster.node_meta import SnapshotMetadata
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,9 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
 
 SCALER_ALIASES = {"agents": "local"}
 """Former ``--scaler`` spellings, still accepted."""
+
+DEFAULT_MAX_REPLICAS = 8
+"""``--max-replicas``: the scaling max of a Nomad replica job registered on first use."""
 
 CONTROL_TIMEOUT_S = 600.0
 """How long the local scaler waits for one node-agent call (a cold boot takes minutes)."""
@@ -90,7 +103,7 @@ class ClusterChoice:
     scaler: str = "local"
     consul: str | None = None
     node_agents: tuple[str, ...] = ()
-    max_replicas: int = 8
+    max_replicas: int = DEFAULT_MAX_REPLICAS
 
     def __post_init__(self) -> None:
         for kind in ("registry", "scaler"):
@@ -117,9 +130,11 @@ def add_flags(parser: argparse.ArgumentParser, *, scaler: bool = True,
     if node_agents:
         parser.add_argument("--node-agent", action="append", default=[], type=host_port,
                             metavar="HOST:PORT",
-                            help="node agent control API the local scaler asks (repeatable)")
+                            help="node agent control API asked for replicas (repeatable; "
+                                 "default $REWARM_AGENT or 127.0.0.1:7733, and the front "
+                                 "door asks every passing rewarm-agent in the registry)")
     if max_replicas:
-        parser.add_argument("--max-replicas", type=positive_int, default=8,
+        parser.add_argument("--max-replicas", type=positive_int, default=DEFAULT_MAX_REPLICAS,
                             help="with --scaler nomad: the scaling max of a replica job it "
                                  "registers")
 
@@ -135,7 +150,7 @@ def choice_from_args(args: argparse.Namespace) -> ClusterChoice:
         scaler = SCALER_ALIASES[scaler]
     return ClusterChoice(registry=registry, scaler=scaler, consul=consul,
                          node_agents=tuple(getattr(args, "node_agent", None) or ()),
-                         max_replicas=getattr(args, "max_replicas", 8))
+                         max_replicas=getattr(args, "max_replicas", DEFAULT_MAX_REPLICAS))
 
 
 @overload
@@ -203,3 +218,66 @@ _BUILDERS: dict[tuple[str, str], Callable[..., Any]] = {
     ("scaler", "nomad"): _nomad_scaler,
 }
 """How each entry of :data:`IMPLEMENTATIONS` is built from a :class:`ClusterChoice`."""
+
+
+# --- cluster-mode services beside the registry -------------------------------------------------
+
+def consul_client(choice: ClusterChoice) -> consul.Consul:
+    """A py-consul client for ``choice.consul`` (None: ``$CONSUL_HTTP_ADDR``, else
+    127.0.0.1:8500; token and TLS from the ``CONSUL_*`` variables).  One call at a time per
+    client: each thread that talks to Consul gets its own."""
+    from agent.cluster.consul_http import consul_client as client
+
+    return client(choice.consul)
+
+
+def snapshot_summary(choice: ClusterChoice) -> SnapshotKV | None:
+    """The cluster-wide per-model snapshot summary in Consul KV, or None with a local
+    registry (nothing beyond this node to tell)."""
+    if choice.registry != "consul":
+        return None
+    from agent.cluster.consul_kv import SnapshotKV
+
+    return SnapshotKV(consul_client(choice))
+
+
+def leader_lock(choice: ClusterChoice, *, clock: Clock, name: str) -> LeaderLock | None:
+    """The predictor's leader lock (a Consul session held as ``name``), or None with a local
+    registry (one predictor: it always acts)."""
+    if choice.registry != "consul":
+        return None
+    from agent.cluster.leader import LeaderLock
+
+    return LeaderLock(consul_client(choice), clock=clock, name=name)
+
+
+def model_catalog(choice: ClusterChoice) -> ModelCatalog | None:
+    """The models and their policies in Consul KV (``rewarm/models/``), or None with a local
+    registry."""
+    if choice.registry != "consul":
+        return None
+    from agent.cluster.model_catalog import ModelCatalog
+
+    return ModelCatalog(consul_client(choice))
+
+
+def catalog_watcher(choice: ClusterChoice,
+                    on_change: Callable[[dict[str, dict]], None]) -> CatalogWatcher | None:
+    """A started watch of :func:`model_catalog` calling ``on_change({model: policy})`` from
+    its own thread at each change, or None with a local registry."""
+    catalog = model_catalog(choice)
+    if catalog is None:
+        return None
+    from agent.cluster.model_catalog import CatalogWatcher
+
+    return CatalogWatcher(catalog, on_change).start()
+
+
+def node_metadata(nomad_node_id: str | None = None) -> SnapshotMetadata:
+    """Nomad dynamic node metadata for this node's cached snapshots (``NOMAD_*`` variables;
+    ``nomad_node_id`` None: the local Nomad agent's node)."""
+    from agent.cluster.node_meta import SnapshotMetadata
+    from agent.cluster.nomad_http import nomad_client
+
+    return SnapshotMetadata(nomad_client(), nomad_node_id)
+

@@ -5,8 +5,7 @@ Pure and clock-injected, with no asyncio inside: the asyncio server and the simu
 arrival at the front door; the queue bounds both its depth and the wait it promises.  Past
 either bound :meth:`AdmissionQueue.offer` raises :class:`~agent.errors.Overloaded` (429) with
 ``retry_after_ms``; a request whose deadline passes is handed back by :meth:`expire` (504)
-and is never dispatched.  Heap operations are O(log n) (design document, "Deadline-Aware
-Admission Control").
+and is never dispatched.  Heap operations are O(log n) (docs/architecture.md, "Admission").
 """
 
 from __future__ import annotations
@@ -156,11 +155,6 @@ class AdmissionQueue:
         out = [entry[2] for entry in entries if not entry[2].cancelled]
         return out if limit is None else out[:limit]
 
-    def next_deadline_s(self) -> float | None:
-        """The earliest ``give_up_s`` held (when :meth:`expire` next has work), or None."""
-        head = self.peek()
-        return None if head is None else head.give_up_s
-
 
 # --- when capacity that is not warm yet can serve a request (pure helpers) ---------------
 
@@ -207,13 +201,3 @@ def slot_times_s(frees_s: list[float], etas_s: list[float], per_replica: int,
         slots.extend(eta + wait_s for eta in etas_s)
     slots.sort()
     return slots
-
-
-def queued_ttft_s(now_s: float, slots_s: list[float], ahead: int,
-                  prefill_s: float) -> float | None:
-    """Predicted TTFT from now (s) of a request with ``ahead`` requests queued before it
-    (earliest deadline first) on the slots :func:`slot_times_s` gives: its slot, then its
-    own prefill.  None when the capacity in sight does not reach this far down the queue."""
-    if ahead >= len(slots_s):
-        return None
-    return max(0.0, slots_s[ahead] - now_s) + prefill_s

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import gc
 import signal
 import sys
 
+from agent import logs
 from agent.argtypes import host_port, port, positive_float, positive_int
-from agent.cluster import ClusterChoice, add_flags, choice_from_args, choose
+from agent.cluster import (ClusterChoice, add_flags, catalog_watcher, choice_from_args, choose,
+                           consul_client)
 from agent.cluster.base import Registry
 from agent.errors import ConfigError, RewarmError, Unreachable
 
@@ -37,8 +38,11 @@ def register(subparsers) -> None:
                    help="OpenAI-compatible HTTP entrance port (default $REWARM_HTTP_PORT or "
                         "8000; 0: any free port)")
     p.add_argument("--no-http", action="store_true", help="serve the msgpack door only")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGIN[,ORIGIN...]",
+                   help="browser origins allowed to call the HTTP entrance (CORS), e.g. "
+                        "http://localhost:3000, or '*'; default none (no CORS headers)")
     p.add_argument("--warm-slo-ms", type=positive_float, default=2000.0,
-                   help="TTFT SLO of a warm hit, from arrival (design document p99: 2000)")
+                   help="TTFT SLO of a warm hit, from arrival (p99, ms; docs/architecture.md)")
     p.add_argument("--restore-slo-ms", type=positive_float, default=4000.0,
                    help="TTFT SLO of a request that waits for a restore (p99: 4000)")
     p.add_argument("--slo", action="append", default=[], metavar="MODEL=WARM_MS,RESTORE_MS",
@@ -123,14 +127,12 @@ def _serve(args) -> int:
         capacity = NodeAgentCapacity((lambda model: list(nodes)) if nodes
                                      else nodes_from_registry(registry))
     # Consul: a client each for the announcers and the catalog watch (one call at a time per
-    # client, agent/cluster/consul_registry.py).
-    consul = None
+    # client).
+    consul = choice.registry == "consul"
     announcer = None
-    if choice.registry == "consul":
-        from agent.cluster.consul_http import consul_client
+    if consul:
         from agent.frontdoor.announce import ConsulTcpAnnouncer
-        consul = functools.partial(consul_client, choice.consul)
-        announcer = ConsulTcpAnnouncer(consul())
+        announcer = ConsulTcpAnnouncer(consul_client(choice))
     if not args.no_http:
         from agent.frontdoor.http_conn import http_port_from_env
         http_port = args.http_port if args.http_port is not None else http_port_from_env()
@@ -151,29 +153,29 @@ def _serve(args) -> int:
                        telemetry=telemetry, auth=auth, announcer=announcer)
         holder.append(fd)
         catalog = None
-        if consul is not None:   # models and their policies from the catalog in Consul KV
-            from agent.cluster.model_catalog import CatalogWatcher, ModelCatalog
-            catalog = CatalogWatcher(ModelCatalog(consul()),
-                                     _learn_models(fd, asyncio.get_running_loop())).start()
+        # models and their policies from the catalog in Consul KV (None: local registry)
+        catalog = catalog_watcher(choice, _learn_models(fd, asyncio.get_running_loop()))
         host, port = await fd.start()
         http = None
         if not args.no_http:
             from agent.frontdoor.http_entrance import HttpConfig, start_http
             http_announcer = None
-            if consul is not None:
+            if consul:
                 from agent.frontdoor.announce import ConsulHttpAnnouncer
-                http_announcer = ConsulHttpAnnouncer(consul())
+                http_announcer = ConsulHttpAnnouncer(consul_client(choice))
             try:
+                origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
                 http = await start_http(fd, HttpConfig(host=args.host, port=http_port,
-                                                       max_connections=args.max_connections),
+                                                       max_connections=args.max_connections,
+                                                       allowed_origins=origins),
                                         announcer=http_announcer)
             except BaseException:
                 await fd.stop()
                 raise
         gc.freeze()  # start-up objects leave the collector's generations: shorter GC pauses
-        print(f"front door listening on {host}:{port}", flush=True)
+        logs.say(f"front door listening on {host}:{port}", address=f"{host}:{port}")
         if http is not None:
-            print(f"OpenAI-compatible HTTP entrance on {http.url}/v1", flush=True)
+            logs.say(f"OpenAI-compatible HTTP entrance on {http.url}/v1", address=http.url)
         sdnotify.ready(f"listening on {host}:{port}")
         try:
             await stop.wait()
@@ -318,14 +320,14 @@ def _generate(args) -> int:
     from agent.exitcodes import EX_UNAVAILABLE, exit_code
 
     if (args.prompt is None) == (args.tokens is None):
-        print("error: give a prompt or --tokens ID,ID,... (exactly one)", file=sys.stderr)
+        logs.error("give a prompt or --tokens ID,ID,... (exactly one)")
         return 2
 
     if args.consul:
         host, port = _hostport(args.consul)
         found = discover(consul_host=host, consul_port=port)
         if not found:
-            print("error: no healthy rewarm-frontdoor in Consul", file=sys.stderr)
+            logs.error("no healthy rewarm-frontdoor in Consul")
             return EX_UNAVAILABLE
         address = found[0]
     else:
@@ -333,8 +335,8 @@ def _generate(args) -> int:
     try:
         client = Client(*address, token=args.token)
     except Unreachable as err:
-        print(f"error: {err} (is `rewarm up` or `rewarm frontdoor` running there? pass "
-              "--address or --consul)", file=sys.stderr)
+        logs.error(f"{err} (is `rewarm up` or `rewarm frontdoor` running there? pass "
+                   "--address or --consul)")
         return exit_code(err)
     try:
         done = {}
@@ -352,7 +354,7 @@ def _generate(args) -> int:
               f"path {done.get('path')}, replica {done.get('replica')}]", file=sys.stderr)
         return 0
     except RewarmError as err:
-        print(f"error: {err}", file=sys.stderr)
+        logs.error(f"{err}")
         return exit_code(err)
     finally:
         client.close()

@@ -19,15 +19,15 @@ from agent.speed import SpeedProfile
 class FrontDoorConfig:
     """Knobs, with units in their names.
 
-    TTFT SLOs are per model (issue 12 contract point 4): ``slos`` maps a model to its
-    ``(warm_ms, restore_ms)``; others get ``warm_slo_ms`` / ``restore_slo_ms`` (the snapshot
-    design document's warm-hit p99 2,000 ms and restore-path p99 4,000 ms).  A request with
+    TTFT SLOs are per model (docs/architecture.md, "Admission"): ``slos`` maps a model to its
+    ``(warm_ms, restore_ms)``; others get ``warm_slo_ms`` / ``restore_slo_ms`` (warm-hit
+    p99 2,000 ms and restore-path p99 4,000 ms).  A request with
     no ``deadline_ms`` of its own must get its first token within its path's SLO, counted
     from arrival (and within ``models[model]``, the model's default deadline, when that is
     shorter); a request's own ``deadline_ms`` replaces both.  Models not listed (seen in the
     registry) have a default deadline of ``default_deadline_ms`` until restores are
     measured, then ``max(default_deadline_ms, deadline_per_restore_p99 x restore p99)``
-    (design document, "Deadline-Aware Admission Control").
+    (admission plans with restore p99s: docs/architecture.md, "Admission").
 
     ``drain_grace_s``: on stop, how long streams in flight may take to finish (new requests
     are answered 503 meanwhile).  ``fd_reserve``: descriptors kept back from connections
@@ -60,8 +60,8 @@ class FrontDoorConfig:
     limits: Limits = DEFAULT_LIMITS
     replica_limits: Limits = DEFAULT_LIMITS
     announce: bool = False         # register as rewarm-frontdoor (see announce.py)
-    warm_slo_ms: float = 2000.0    # TTFT SLO of a warm hit (design document: p99 2 s)
-    restore_slo_ms: float = 4000.0  # TTFT SLO of the restore path (design document: p99 4 s)
+    warm_slo_ms: float = 2000.0    # TTFT SLO of a warm hit (p99 2 s)
+    restore_slo_ms: float = 4000.0  # TTFT SLO of the restore path (p99 4 s)
     slos: dict[str, tuple[float, float]] = field(default_factory=dict)  # model -> (warm, restore) ms
     drain_grace_s: float = 30.0    # stop: streams in flight finish within this
     fd_reserve: int = 32           # descriptors never given to client connections

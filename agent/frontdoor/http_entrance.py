@@ -87,20 +87,26 @@ class HttpSink:
     """One HTTP request's answers, collected for its handler (the request path calls these
     from the event loop; the handler awaits :meth:`wait`)."""
 
-    __slots__ = ("parts", "final", "_event", "flight", "n_tokens", "prompt_tokens", "stream")
+    __slots__ = ("parts", "final", "_event", "flight", "n_tokens", "prompt_tokens", "stream",
+                 "token_ids")
 
     def __init__(self, stream: bool = True) -> None:
         self.stream = stream     # wake the handler per chunk (SSE), or only at the end
         self.parts: list[str] = []
         self.n_tokens = 0        # tokens received so far
         self.prompt_tokens = 0   # from the replica's first tokens message
-        self.final: tuple | None = None   # ("done", message) or ("error", code, reason, ms)
+        # ("done", message) or ("error", code, reason, retry_after_ms, refusal)
+        self.final: tuple | None = None
         self._event = asyncio.Event()
         self.flight: Flight | None = None
+        self.token_ids: list[int] | None = None   # kept for a token-id prompt (no text)
 
     def tokens(self, message: dict) -> None:
         self.parts.append(message.get("text") or "")
-        self.n_tokens += len(message.get("tokens") or ())
+        ids = message.get("tokens") or ()
+        self.n_tokens += len(ids)
+        if self.token_ids is not None:
+            self.token_ids.extend(ids)
         if "prompt_tokens" in message:
             self.prompt_tokens = int(message["prompt_tokens"])
         if self.stream:
@@ -112,7 +118,9 @@ class HttpSink:
 
     def error(self, code: int, reason: str, retry_after_ms: int | None = None,
               refusal: str | None = None) -> None:
-        self.final = ("error", code, reason, retry_after_ms)
+        """The request's final error; ``refusal``: why it was refused, as data (one of
+        agent/wire/refusals.py's REFUSALS), set where the refusal was decided."""
+        self.final = ("error", code, reason, retry_after_ms, refusal)
         self._event.set()
 
     async def wait(self) -> None:
@@ -120,15 +128,25 @@ class HttpSink:
         self._event.clear()
 
 
+REFUSAL_HEADER = "x-rewarm-refusal"
+"""The answer header that says why a request was refused (beside the body's
+``error.refusal``), so a load generator that only keeps status and headers can tell."""
+
+
 def error_response(status: int, message: str, param: str | None = None,
-                   retry_after_ms: int | None = None) -> web.Response:
+                   retry_after_ms: int | None = None, *, refusal: str | None = None,
+                   headers: dict | None = None, **body_kw) -> web.Response:
     """OpenAI's error shape with ``status``; 429 and 503 carry ``Retry-After`` (whole
-    seconds, rounded up) beside ``retry_after_ms``."""
-    headers = {}
+    seconds, rounded up) beside ``retry_after_ms``; a refusal's reason is in
+    :data:`REFUSAL_HEADER` and ``error.refusal``."""
+    headers = dict(headers or {})
     if retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
+    if refusal is not None:
+        headers[REFUSAL_HEADER] = refusal
     return web.Response(status=status, headers=headers, content_type="application/json",
-                        text=json.dumps(oa.error_body(status, message, param, retry_after_ms)))
+                        text=json.dumps(oa.error_body(status, message, param, retry_after_ms,
+                                                      refusal=refusal, **body_kw)))
 
 
 class HttpEntrance:
@@ -147,6 +165,7 @@ class HttpEntrance:
         self._sweeper: asyncio.Task | None = None
         self.announcer: Announcer | None = None    # set by start_http
         self.instance_id = "frontdoor-http"
+        self.contexts: dict[str, int] = {}  # model -> context (tokens) of its replicas seen
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -155,14 +174,18 @@ class HttpEntrance:
         cfg = self.config
         app = web.Application(client_max_size=cfg.max_body_bytes,
                               middlewares=[self._middleware])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._list_models)
-        app.router.add_get("/v1/models/{model:.+}", self._get_model)
+        routes = [app.router.add_post("/v1/completions", self._completions,
+                                      expect_handler=self._expect),
+                  app.router.add_post("/v1/chat/completions", self._chat,
+                                      expect_handler=self._expect),
+                  app.router.add_get("/v1/models", self._list_models),
+                  app.router.add_get("/v1/models/{model:.+}", self._get_model)]
         for route in ("/health", "/healthz"):
-            app.router.add_get(route, self._health)
+            routes.append(app.router.add_get(route, self._health))
         for route in ("/ready", "/readyz"):
-            app.router.add_get(route, self._ready)
+            routes.append(app.router.add_get(route, self._ready))
+        if cfg.allowed_origins:
+            _allow_origins(app, routes, cfg.allowed_origins)
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True,
             keepalive_timeout=cfg.idle_timeout_s, max_line_size=cfg.max_header_bytes,
@@ -252,6 +275,13 @@ class HttpEntrance:
             if exc.status == 413:
                 return error_response(413, f"request body exceeds max_body_bytes"
                                       f"({self.config.max_body_bytes})", "body")
+            if exc.status == 404:   # OpenAI's words for a path it does not serve
+                return error_response(404, f"Invalid URL ({request.method} {request.path})",
+                                      code=None)
+            if exc.status == 405:   # RFC 9110 15.5.6: a 405 carries Allow
+                return error_response(405, f"method {request.method} not allowed on "
+                                      f"{request.path}", code=None,
+                                      headers={"Allow": exc.headers.get("Allow", "")})
             return error_response(exc.status, exc.reason or "error")
         except Exception as exc:   # a bug: logged here, answered without its traceback
             writer = request.writer
@@ -285,6 +315,36 @@ class HttpEntrance:
                                 f"(0, {top}] ms", field="x-rewarm-deadline-ms", value=raw[:40],
                                 limit=top)
         return value
+
+    async def _expect(self, request: web.Request) -> web.Response | None:
+        """``Expect: 100-continue`` (RFC 9110 10.1.1): a declared body over
+        ``max_body_bytes`` is refused (413) before the client uploads it, and the connection
+        closes (the body is not read); another expectation is 417, as aiohttp's own
+        handler answers it; otherwise ``100 Continue``."""
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            return error_response(417, f"Expect: {expect[:40]!r} is not supported "
+                                  "(only 100-continue)", "Expect", code=None)
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            resp = error_response(413, f"request body of {request.content_length} bytes "
+                                  f"exceeds max_body_bytes({limit})", "body")
+            resp.force_close()
+            return resp
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0   # the answer's own bytes have not begun
+        return None
+
+    def context_tokens(self, model: str) -> int | None:
+        """The context (tokens per sequence, vLLM's ``max_model_len``) of ``model``'s
+        replicas: ``kv_capacity_tokens / max_seqs`` of the warm ones (a KV slot each), the
+        last seen when none is warm, None before any was seen."""
+        seen = [r.kv_capacity_tokens // r.max_seqs for r in self.path.router.warm(model)
+                if r.max_seqs > 0]
+        if seen:
+            self.contexts[model] = max(seen)
+        return self.contexts.get(model)
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -323,11 +383,16 @@ class HttpEntrance:
             self.path.refused(None, model, err.code)
             return error_response(err.code, err.message, getattr(err, "field", None))
         msg = parsed.message
+        if msg.get("fit_context"):   # a chat without max_tokens: sized as a whole context
+            msg["max_tokens"] = min(msg["max_tokens"], self.context_tokens(msg["model"])
+                                    or self.config.assumed_context_tokens)
         req = GenerateRequest(oa.new_id(parsed.chat), msg["model"], msg.get("tokens"),
                               msg.get("prompt"), msg["max_tokens"], deadline_ms, tenant,
                               msg.get("seed"), msg.get("stop"), msg.get("temperature"),
                               msg.get("top_p"), msg.get("top_k"), wire=msg)
         sink = HttpSink(parsed.stream)
+        if parsed.detokenize:
+            sink.token_ids = []
         sink.flight = self.path.submit(req, sink)
         try:
             if parsed.stream:
@@ -344,8 +409,8 @@ class HttpEntrance:
 
     @staticmethod
     def _refusal(final: tuple) -> web.Response:
-        _, code, reason, retry_after_ms = final
-        return error_response(code, reason, None, retry_after_ms)
+        _, code, reason, retry_after_ms, refusal = final
+        return error_response(code, reason, None, retry_after_ms, refusal=refusal)
 
     async def _whole(self, parsed: oa.Parsed, rid: str, sink: HttpSink) -> web.Response:
         while sink.final is None:
@@ -355,6 +420,9 @@ class HttpEntrance:
         done = sink.final[1]
         text = done.get("text", "".join(sink.parts))
         body = oa.answer(parsed, rid, oa.now_s(), text, done)
+        if sink.token_ids is not None and "text" not in done:
+            # a model without a tokenizer: the ids, as vLLM's return_token_ids gives them
+            body["choices"][0]["token_ids"] = sink.token_ids
         return web.Response(body=json.dumps(body).encode(), content_type="application/json",
                             headers={"x-rewarm-path": str(done.get("path", ""))})
 
@@ -404,8 +472,8 @@ class HttpEntrance:
     def _stream_end(parsed: oa.Parsed, rid: str, created: int, final: tuple, streamed: str,
                     first: bool) -> list[bytes]:
         if final[0] == "error":
-            _, code, reason, retry_after_ms = final
-            event = oa.error_body(code, reason, None, retry_after_ms)
+            _, code, reason, retry_after_ms, refusal = final
+            event = oa.error_body(code, reason, None, retry_after_ms, refusal=refusal)
             return [b"data: " + json.dumps(event).encode() + b"\n\n"]
         done = final[1]
         text = done.get("text")
@@ -432,6 +500,7 @@ class HttpEntrance:
         for name in names:
             state = "warm" if self.path.router.warm(name) else below.get(name, "cold")
             rows.append({"id": name, "object": "model", "created": 0, "owned_by": "rewarm",
+                         "max_model_len": self.context_tokens(name),
                          "state": state if state in MODEL_STATES else "cold"})
         return rows
 
@@ -472,6 +541,21 @@ class HttpEntrance:
         ready, info = self.readiness()
         return web.json_response({"status": "ready" if ready else "not ready", **info},
                                  status=200 if ready else 503)
+
+
+def _allow_origins(app: web.Application, routes: list, origins: tuple[str, ...]) -> None:
+    """CORS for ``routes`` from ``origins`` (aiohttp-cors: preflight ``OPTIONS`` answered,
+    ``Access-Control-Allow-Origin`` on answers).  Credentials are not allowed (a bearer
+    token is sent as a header, which ``allow_headers`` covers); the rewarm answer headers
+    are exposed so a browser client can read them."""
+    import aiohttp_cors
+
+    options = aiohttp_cors.ResourceOptions(
+        allow_credentials=False, allow_headers="*", allow_methods=["GET", "POST"],
+        expose_headers=("Retry-After", REFUSAL_HEADER, "x-rewarm-path"), max_age=600)
+    cors = aiohttp_cors.setup(app, defaults={origin: options for origin in origins})
+    for route in routes:
+        cors.add(route)
 
 
 class _Timeout(Exception):

@@ -44,12 +44,6 @@ class Batched(asyncio.Protocol):
         if self.transport is not None and not self.closed and out:
             self.transport.write(b"".join(out) if len(out) > 1 else out[0])
 
-    def close_after_flush(self) -> None:
-        self._flush()
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
 
 def nodelay(transport: asyncio.BaseTransport) -> None:
     """TCP_NODELAY and keepalive on a TCP transport (a Unix socket is left as it is)."""

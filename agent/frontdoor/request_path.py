@@ -273,8 +273,13 @@ class RequestPath:
         """A message from a replica for ``flight``: hand it to the flight's sink."""
         kind = message.get("type")
         if kind == "tokens":
+            now = self.clock.now()
             if flight.ttft_s is None:
-                self.dispatcher.first_token(flight, self.clock.now())
+                self.dispatcher.first_token(flight, now)
+            else:   # for inter-token latency: (seconds since the last message, tokens in it)
+                flight.token_gaps.append((now - flight.last_token_s,
+                                          len(message.get("tokens") or ()) or 1))
+            flight.last_token_s = now
             flight.sink.tokens(message)
             return
         now = self.clock.now()
@@ -321,7 +326,9 @@ class RequestPath:
         self.telemetry.event(flight.req.request_id, flight.model, flight.path, code,
                              flight.queue_wait_ms, flight.restore_ms, ttft_ms if code == 200 else None,
                              flight.ttft_s is None or flight.ttft_s > flight.deadline_s,
-                             reason=refusal, predicted_ttft_ms=_ms(flight.predicted_ttft_s))
+                             reason=refusal, predicted_ttft_ms=_ms(flight.predicted_ttft_s),
+                             done=message if code == 200 else None,
+                             token_gaps=flight.token_gaps)
         if self.models.queue(flight.model):
             self.admission.drain(flight.model)
 

@@ -1,7 +1,7 @@
 """Replica choice: among warm replicas of a model, the one with the lowest predicted TTFT.
 
 Least-loaded by time, not by count.  Each replica's load report (its registry meta, or the
-node agent's ``restore`` answer; issue 12 contract point 2) carries its slots and KV use,
+node agent's ``restore`` answer; docs/architecture.md, "Replica load reports") carries its slots and KV use,
 its measured speed (:data:`~agent.speed.SPEED_META_KEYS`) and its queue
 (:data:`~agent.speed.QUEUE_META_KEYS`); :meth:`ReplicaLoad.predict_ttft_s` turns them into
 the TTFT a new request would meet there (:meth:`agent.speed.SpeedProfile.predict_ttft_s`).

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from agent import logs
 from agent.argtypes import host_port, nonneg_int, positive_float, positive_int
 from agent.cluster import add_flags
 from agent.cluster.control import DEFAULT_AGENT, default_agent
@@ -27,7 +27,7 @@ def _client(op: str, **fields):
         try:
             result = control_call(args.agent, op, timeout_s=args.timeout_s, fields=values)
         except (RewarmError, OSError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            logs.error(f"{exc}")
             return exit_code(exc)
         print(json.dumps(result, indent=2, default=str))
         return 0

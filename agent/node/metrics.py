@@ -14,26 +14,24 @@ Labels are bounded: ``node`` (this node's id), ``model`` (configured models only
 ``rewarm_node_restores_total``                 {node, tier, result} ok / failed restore requests
 ``rewarm_node_snapshot_cache_bytes``           {node, kind} used / free (capacity - used)
 ``rewarm_node_snapshot_cache_lookups_total``   {node, result} hit / miss (local copy present)
-``rewarm_node_snapshot_cache_hit_ratio``       {node} hits / lookups since start (NaN before any)
 ``rewarm_node_snapshot_evictions_total``       {node} local copies removed to make room
 ``rewarm_node_zygotes_ready``                  {node} pre-started workers waiting for a restore
 ``rewarm_node_replicas``                       {node, state} replicas by lifecycle state
 ``rewarm_node_suspended_replicas``             {node} (also a state above; the tier's own gauge)
 ``rewarm_node_restores_in_flight``             {node, phase} restores under way by step
-``rewarm_replica_tokens_per_second``           {node, model} summed over warm replicas
-``rewarm_replica_batch_size``                  {node, model} sequences in the last step, summed
-``rewarm_replica_queued_prefill_tokens``       {node, model} prompt tokens not yet prefilled
-``rewarm_replica_kv_slots_used``               {node, model} KV slots holding a sequence
 ``process_*``                                  this agent process (ProcessCollector)
 =============================================  =============================================
 
+One exporter per metric name: a replica's load (``rewarm_replica_*``) is exported by the
+replica's own status port (agent/replica/meter.py), never again here, so a sum over every
+port counts each once; the cache hit ratio is
+``rate(rewarm_node_snapshot_cache_lookups_total{result="hit"}[5m])`` over all results.
 Counters and histograms are prometheus-client's own; the gauges are read from the agent at
 scrape time by a custom collector, so the agent never pushes them.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -53,7 +51,7 @@ if TYPE_CHECKING:
 
 TIERS = {"restore": "local", "staged_restore": "remote", "cold_boot": "cold",
          "resume": "suspended", "warm": "warm"}
-"""The agent's ``path`` names -> the ``tier`` label (ARCHITECTURE.md's tiers of warmth)."""
+"""The agent's ``path`` names -> the ``tier`` label (docs/architecture.md, "Tiers of warmth")."""
 
 PHASES = {"weights_s": "weights", "package_s": "package", "compile_s": "package",
           "golden_s": "golden"}
@@ -61,13 +59,6 @@ PHASES = {"weights_s": "weights", "package_s": "package", "compile_s": "package"
 
 FAILURE_KINDS = ("checksum", "signature", "pins", "golden", "timeout", "stage", "other")
 
-REPLICA_KEYS = (("tokens_per_s", "rewarm_replica_tokens_per_second",
-                 "Tokens generated per second over the replica's recent window"),
-                ("batch_size", "rewarm_replica_batch_size",
-                 "Sequences in the replica's last engine step"),
-                ("queued_prefill_tokens", "rewarm_replica_queued_prefill_tokens",
-                 "Prompt tokens waiting to be prefilled"),
-                ("active_seqs", "rewarm_replica_kv_slots_used", "KV slots holding a sequence"))
 
 
 def failure_kind(attempt: dict[str, Any]) -> str:
@@ -142,7 +133,6 @@ class NodeMetrics:
         for kind in FAILURE_KINDS:
             self.failures.labels(node_id, kind)
         self.evictions.labels(node_id)
-        self._hits = self._lookups = 0
         self.outcomes: dict[str, tuple[bool, str]] = {}   # model -> latest restore (ok, why)
         self._lock = threading.Lock()
         self.agent: AgentView | None = None
@@ -168,9 +158,6 @@ class NodeMetrics:
         tried_local = any(a.get("path") == "restore" for a in rec.attempts)
         if rec.path in ("restore", "staged_restore", "cold_boot") or rec.attempts:
             hit = rec.path == "restore" or tried_local
-            with self._lock:
-                self._lookups += 1
-                self._hits += hit
             self.lookups.labels(node, "hit" if hit else "miss").inc()
         for attempt in rec.attempts:
             kind = failure_kind(attempt)
@@ -194,10 +181,6 @@ class NodeMetrics:
 
     def evicted(self, snapshot_id: str) -> None:
         self.evictions.labels(self.node).inc()
-
-    def hit_ratio(self) -> float:
-        with self._lock:
-            return self._hits / self._lookups if self._lookups else math.nan
 
 
 def _size_bytes(catalog, snapshot_id: str | None) -> int | None:
@@ -233,7 +216,7 @@ class _AgentCollector:
     def collect(self):
         from agent.node.lifecycle import ReplicaState
 
-        m, agent, node = self.m, self.m.agent, self.m.node
+        agent, node = self.m.agent, self.m.node
         def g(name: str, doc: str, labels: tuple = ("node",)) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=labels)
         used, capacity = agent.store.used_bytes, agent.store.capacity_bytes
@@ -241,9 +224,6 @@ class _AgentCollector:
         cache.add_metric((node, "used"), used)
         cache.add_metric((node, "free"), max(0, capacity - used))
         yield cache
-        ratio = g("rewarm_node_snapshot_cache_hit_ratio", "Restores with a local copy / restores")
-        ratio.add_metric((node,), m.hit_ratio())
-        yield ratio
         with agent.lock:
             zygotes = sum(len(z) for z in agent.pool.values())
             records = list(agent.replicas.values())
@@ -270,21 +250,7 @@ class _AgentCollector:
         for phase, n in phases.items():
             flight.add_metric((node, phase), n)
         yield flight
-        per_model: dict[str, dict[str, float]] = {}
-        for rec in records:
-            stats = getattr(rec, "last_stats", None)
-            if rec.lifecycle.state is not ReplicaState.WARM or not stats:
-                continue
-            row = per_model.setdefault(rec.spec.name, {k: 0.0 for k, _n, _d in REPLICA_KEYS})
-            for key, _name, _doc in REPLICA_KEYS:
-                value = stats.get(key)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    row[key] += value
-        for key, name, doc in REPLICA_KEYS:
-            fam = g(name, doc + " (warm replicas on this node, summed)", ("node", "model"))
-            for model, row in sorted(per_model.items()):
-                fam.add_metric((node, model), row[key])
-            yield fam
+
 
 
 def readiness(agent: AgentView, *, stall_s: float = 10.0) -> tuple[bool, str]:

@@ -17,15 +17,17 @@ import socket
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent import sdnotify
-from agent.cluster import ClusterChoice, choice_from_args, choose
+from agent import logs
+from agent.cluster import (ClusterChoice, choice_from_args, choose, model_catalog, node_metadata,
+                           snapshot_summary)
 from agent.cluster.base import Registry
 from agent.errors import ConfigError
 from agent.health import serve_status
 from agent.limits import raise_nofile
 from agent.node.agent import AgentConfig, NodeAgent
-from agent.node.snapshots import SnapshotSummary
 from agent.node.backend import Backend, InProcessBackend, ModelSpec
 from agent.cluster.control import control_token
 from agent.node.control import ControlServer, check_control_bind
@@ -33,6 +35,9 @@ from agent.node.inventory import Inventory
 from agent.node.metrics import readiness
 from agent.snapshot.catalog import Catalog
 from agent.snapshot.store import LocalStore
+
+if TYPE_CHECKING:
+    from agent.cluster.model_catalog import ModelCatalog
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +51,6 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
     """A NodeAgent with its catalog (``state_dir/catalog.db``) and local tier
     (``state_dir/snapshots``).  Defaults: in-process backend, the embedded default's
     registry (:func:`agent.cluster.choose` of a default :class:`~agent.cluster.ClusterChoice`)."""
-    from agent.cluster import ClusterChoice, choose
-
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     host, _, port = listen.rpartition(":")
@@ -62,26 +65,12 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                      suspender=suspender, summary=summary, node_meta=node_meta)
 
 
-def _registry(choice: ClusterChoice) -> tuple[Registry, SnapshotSummary | None]:
-    """(registry, per-model snapshot summary in Consul KV or None) for ``choice``."""
-    registry = choose("registry", choice)
-    if choice.registry != "consul":
-        return registry, None
-    from agent.cluster.consul_http import consul_client
-    from agent.cluster.consul_kv import SnapshotKV
-
-    return registry, SnapshotKV(consul_client(choice.consul))
-
-
-def _announce_models(agent: NodeAgent, consul: str | None) -> None:
+def _announce_models(agent: NodeAgent, catalog: ModelCatalog) -> None:
     """Put this node's models in the cluster catalog (``rewarm/models/<m>``, created once)
     so that front doors accept them before any snapshot exists.  Best effort: a failure is
     logged (the snapshot summary announces the model later too)."""
-    from agent.cluster.consul_http import consul_client
-    from agent.cluster.model_catalog import ModelCatalog
     from agent.errors import RewarmError
 
-    catalog = ModelCatalog(consul_client(consul))
     for spec in agent.models.values():
         try:
             catalog.announce(spec.name, spec.version, agent.config.node_id)
@@ -128,8 +117,8 @@ async def serve(agent: NodeAgent, listen: str, stop: asyncio.Event,
             raise ConfigError(f"--metrics-listen {metrics_listen}: cannot listen: {exc}",
                               name="metrics_listen", value=metrics_listen,
                               limit="a free HOST:PORT") from exc
-    print(f"rewarm agent {agent.config.node_id} listening on {address}"
-          + (f"; metrics on {status.url}/metrics" if status else ""), flush=True)
+    logs.say(f"rewarm agent {agent.config.node_id} listening on {address}"
+             + (f"; metrics on {status.url}/metrics" if status else ""), address=address)
     loop_stop = threading.Event()
     loop_thread = threading.Thread(target=agent.run, args=(loop_stop,), daemon=True,
                                    name="agent-loop")
@@ -167,13 +156,10 @@ def run_agent(args: argparse.Namespace) -> int:
     else:
         backend = InProcessBackend(buffer_bytes=args.buffer_mib << 20)
     choice = choice_from_args(args)
-    registry, summary = _registry(choice)
+    registry, summary = choose("registry", choice), snapshot_summary(choice)
     node_meta = None
     if getattr(args, "nomad_metadata", False):
-        from agent.cluster.node_meta import SnapshotMetadata
-        from agent.cluster.nomad_http import nomad_client
-
-        node_meta = SnapshotMetadata(nomad_client(), args.nomad_node_id)
+        node_meta = node_metadata(args.nomad_node_id)
     agent = build_agent(state, [Path(d) for d in args.model_dir], backend=backend,
                         registry=registry, summary=summary,
                         remote_root=Path(args.remote) if args.remote else None,
@@ -184,8 +170,9 @@ def run_agent(args: argparse.Namespace) -> int:
                         node_meta=node_meta,
                         drain_timeout_s=args.drain_grace_s)
 
-    if choice.registry == "consul":
-        _announce_models(agent, choice.consul)
+    catalog = model_catalog(choice)
+    if catalog is not None:
+        _announce_models(agent, catalog)
 
     async def main() -> None:
         stop = asyncio.Event()

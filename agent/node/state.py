@@ -65,6 +65,11 @@ class AgentConfig:
 
 @dataclass
 class ReplicaRecord:
+    """One replica on this node: its lifecycle (state and history), model, device, the
+    worker ``handle`` (None until it is up), the snapshot it came from, how it came up
+    (``path``), each failed step on the way (``attempts``), the step under way while it
+    comes up (``phase``, since ``phase_since_s``) and the worker's stats at the last tick."""
+
     lifecycle: Lifecycle
     spec: ModelSpec
     device: str

@@ -15,7 +15,7 @@ import logging
 import threading
 
 from agent.argtypes import port, positive_float, positive_int
-from agent.cluster import add_flags, choice_from_args, choose
+from agent.cluster import add_flags, choice_from_args, choose, leader_lock, snapshot_summary
 
 log = logging.getLogger(__name__)
 
@@ -78,23 +78,17 @@ def build(args, clock):
             occupancy_s=args.occupancy_s, seqs_per_replica=args.seqs_per_replica,
             mean_context_tokens=args.mean_context_tokens,
             utilisation=args.utilisation, step_s=args.tick_s, costs=costs))
+    import os
+    import socket
+
     choice = choice_from_args(args)
-    kv = leader = registry = None
-    if choice.registry == "consul":
-        import os
-        import socket
-
-        from agent.cluster.consul_http import consul_client
-        from agent.cluster.consul_kv import SnapshotKV
-        from agent.cluster.leader import LeaderLock
-
-        consul_c = consul_client(choice.consul)
-        registry = choose("registry", choice, clock=clock)
-        kv = SnapshotKV(consul_c)
-        # Unique per instance: two predictors may share a host name (network namespaces,
-        # containers); in Nomad the allocation id is.
-        name = os.environ.get("NOMAD_ALLOC_ID") or f"{socket.gethostname()}-{os.getpid()}"
-        leader = LeaderLock(consul_c, clock=clock, name=name)
+    # With Consul: front doors found in the registry, the snapshot summary in KV, and a
+    # leader lock held as a name unique per instance (two predictors may share a host name:
+    # network namespaces, containers; in Nomad the allocation id is).
+    registry = choose("registry", choice, clock=clock) if choice.registry == "consul" else None
+    kv = snapshot_summary(choice)
+    leader = leader_lock(choice, clock=clock, name=os.environ.get("NOMAD_ALLOC_ID")
+                         or f"{socket.gethostname()}-{os.getpid()}")
     # Nomad: NOMAD_TOKEN is the task's workload identity (jobs/rewarm-predictor.nomad.hcl);
     # a replica job it registers scales up to the model's MAX.
     bounds = {p.model: p.max_replicas for p in policies}
@@ -107,7 +101,6 @@ def build(args, clock):
     predictor = Predictor(policies, clock=clock, scaler=scaler,
                           snapshot_durable=snapshot_durable(catalog, kv), catalog=catalog)
 
-    import os
     # A tenant token for front doors that require one (jobs/rewarm-predictor.nomad.hcl
     # renders it from Nomad Variables).
     doors_token = os.environ.get("REWARM_FRONTDOOR_TOKEN") or None
@@ -149,6 +142,12 @@ def _run(args) -> int:
                               ready=service.ready, component="predictor")
     sdnotify.ready()
     stop = threading.Event()
+    import signal
+
+    # SIGTERM (Nomad's kill_signal for the job) ends the loop, and the finally below releases
+    # the leader lock at once, so a standby takes over on its next tick instead of waiting for
+    # the lock's check TTL.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         if args.ticks is not None:
             for i in range(args.ticks):

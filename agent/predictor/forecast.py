@@ -2,8 +2,8 @@
 
 The predictor samples each model's request rate once per step (1 s by default) and forecasts
 it ``lead_time_s`` ahead, far enough that a replica restored now is warm when the demand
-arrives (snapshot design document, ../shared/seeds/002_b8b5536ec4319928.txt, "Cold Start
-Predictor": the lead time must exceed restore latency plus decision latency).
+arrives (docs/architecture.md, "Sizing": the lead time must exceed restore latency plus
+decision latency).
 
 Holt's method with optional damping (Gardner & McKenzie 1985), one step per sample:
 
@@ -220,7 +220,7 @@ def build_forecaster(kind: str, *, alpha: float = 0.1, beta: float = 0.01, phi: 
     """The forecaster named ``kind`` (one of :data:`FORECASTERS`); ConfigError otherwise.
 
     ``holt`` is Holt's linear trend with the predictor's smoothing weights; ``damped_holt``
-    the predictor's Holt as it was configured before issue 12 (``phi`` 0.9); the two
+    Holt damped with ``phi`` 0.9; the two
     ``*_backstop`` kinds take the larger of that forecaster and a fast average of the rate
     (the predictor loop's reactive term)."""
     if kind == "persistence":

@@ -1,7 +1,7 @@
 """Keep-alive per model: how long an idle replica stays warm, then suspended, then stops.
 
-Each tier down is a breakeven decision (``sizing.breakeven_keepalive_s``, from the snapshot
-design document's "Optimal Keep-Alive Window", ../shared/seeds/002_b8b5536ec4319928.txt),
+Each tier down is a breakeven decision (``sizing.breakeven_keepalive_s``: docs/architecture.md,
+"Sizing", breakeven keep-alive),
 recomputed every tick from the observed arrival rate:
 
 - warm -> suspended: staying warm costs ``gpu_cost_per_s - suspended_cost_per_s`` more per
@@ -15,8 +15,8 @@ The penalty of a cold start lasting ``d`` seconds is what it costs: the GPU time
 restore burns plus the waiting it inflicts, ``d * (gpu_cost_per_s + wait_cost_per_s *
 max(1, lambda * d))`` (at least one request waits the whole ``d``; at rate lambda about
 ``lambda * d`` do). ``wait_cost_per_s`` is the configured price of one request waiting one
-second (an SLA figure), ``gpu_cost_per_s`` the GPU price ($2.80/GPU-hour in the design
-document's cost table = 2.80 / 3600 per second).
+second (an SLA figure), ``gpu_cost_per_s`` the GPU price ($2.80/GPU-hour in the cost model,
+docs/architecture.md = 2.80 / 3600 per second).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from agent.errors import ConfigError
 from agent.predictor.sizing import breakeven_keepalive_s
 
-GPU_COST_PER_S_DEFAULT = 2.80 / 3600.0   # design document, "Cost and Token Economics"
+GPU_COST_PER_S_DEFAULT = 2.80 / 3600.0   # $2.80/GPU-hour (docs/architecture.md, "Cost model")
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class KeepAliveCosts:
     gpu_cost_per_s: float = GPU_COST_PER_S_DEFAULT
     suspended_cost_per_s: float = GPU_COST_PER_S_DEFAULT / 20.0   # host RAM only
     wait_cost_per_s: float = 0.01
-    restore_s: float = 3.6      # measured cold start (design document: 3.6 s restore)
+    restore_s: float = 3.6      # a 13B snapshot restore (docs/architecture.md, "Cost model")
     resume_s: float | None = None
 
     def __post_init__(self) -> None:

@@ -48,7 +48,7 @@ the backstop.
 Replicas per demand come from the replica's measured speed when the model has one
 (:meth:`Predictor.update_speed`: :func:`~agent.predictor.sizing.replicas_for_rate`, Little's
 law at the sustainable concurrency for the TTFT SLO), else from the policy's occupancy and
-sequences per replica (the design document's worked example). Scale-down
+sequences per replica (docs/architecture.md, "Sizing", its worked example). Scale-down
 never happens unless ``snapshot_durable(model)`` says the model's snapshot is ready and
 durable (catalog + Consul KV): a replica removed without one would come back by a full
 cold boot.
@@ -88,7 +88,7 @@ class ForecastSink(Protocol):
 class ModelPolicy:
     """One model's sizing and timing configuration.
 
-    Defaults follow the snapshot design document's worked example (7.0 s occupancy, 80
+    Defaults follow docs/architecture.md's worked example ("Sizing": 7.0 s occupancy, 80
     sequences per replica, 0.75 utilisation, 15 s lead time, 3.6 s restore). Raises
     ConfigError when ``lead_time_s <= restore_p99_s + decision_latency_s`` (the forecast
     would be structurally too late), naming both numbers, or when a value is out of range.
@@ -359,7 +359,8 @@ class Predictor:
     def update_speed(self, model: str, profile: SpeedProfile, max_seqs: int, *,
                      mean_prompt_tokens: float | None = None,
                      mean_gen_tokens: float | None = None) -> int:
-        """Size ``model`` from a replica's measured speed from now on (contract item 7):
+        """Size ``model`` from a replica's measured speed from now on (docs/architecture.md,
+        "Capacity from measured rates"):
         ``profile`` (the slowest replica's, agent/speed.py), its ``max_seqs`` KV slots and,
         when given, the observed mean prompt and output lengths (tokens).  Returns the
         sustainable concurrency per replica at the policy's TTFT SLO."""

@@ -12,8 +12,8 @@ SLO-aware) and ``replicas: {id: {model, kv_capacity_tokens, ...}}``; the smalles
 model re-sizes its sequences per replica (``Predictor.update_capacity`` with the policy's
 ``mean_context_tokens``). When the replicas' entries carry their measured speed (``SPEED_META_KEYS`` of agent/speed.py,
 with ``max_seqs``), the slowest replica's profile sizes the model from then on
-(``Predictor.update_speed``: Little's law at the sustainable concurrency, issue 12 contract
-item 7), and the front door's ``mean_prompt_tokens``/``mean_gen_tokens`` per model, when it
+(``Predictor.update_speed``: Little's law at the sustainable concurrency; docs/architecture.md,
+"Capacity from measured rates"), and the front door's ``mean_prompt_tokens``/``mean_gen_tokens`` per model, when it
 reports them, set the lengths it is sized for.  Counters that go down (a restarted front door) and gaps are handled by
 :class:`~agent.predictor.forecast.CounterRate`; a front door that stops answering simply
 contributes no sample (a missing sample, not a zero).

@@ -82,7 +82,7 @@ class LlamaConfig:
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes per token: ``2 * layers * kv_heads * head_dim * dtype_bytes``.
 
-        The formula is the snapshot design document's (seeds/002, "Scaling and Performance":
+        The formula is docs/architecture.md's ("Sizing":
         2 * 40 * 8 * 128 * 2 = 163,840 bytes for a 13B model in FP16).
         """
         itemsize = torch.empty((), dtype=self.torch_dtype).element_size()

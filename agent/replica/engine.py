@@ -49,7 +49,7 @@ def mark_dynamic_inputs(tokens: torch.Tensor, input_pos: torch.Tensor, cache_bat
                         k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
     """Mark the three dynamic sizes for ``torch.compile``: active batch (dim 0 of tokens,
     input_pos, cache_batch_idx), sequence length (dim 1 of tokens, input_pos) and cache batch
-    (dim 0 of every cache), as the AOT design document's ``Dim``s do (seeds/000)."""
+    (dim 0 of every cache): the ``Dim``s the AOT export declares (agent/replica/aot.py)."""
     mark = torch._dynamo.mark_dynamic
     for t in (tokens, input_pos):
         mark(t, 0)

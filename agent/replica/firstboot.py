@@ -1,7 +1,6 @@
 """The very first boot: prefill the first request while the weights are still streaming in.
 
-A model version with no snapshot anywhere pays one full boot (issue 3, "The very first boot
-streams").  A loader thread reads the safetensors group by group (embedding, layer 0 ... layer
+A model version with no snapshot anywhere pays one full boot, and that boot streams.  A loader thread reads the safetensors group by group (embedding, layer 0 ... layer
 L-1, final norm/head; :func:`agent.replica.weights.stream_hf_weights`), converting each to the
 runtime layout as it lands; the calling thread runs the first request's prefill through each
 layer as soon as that layer is there.  The first token is ready when the last group lands plus

@@ -1,7 +1,9 @@
 """A replica's load, measured where it happens: tokens per second, batch size, queued prefill
-tokens, KV slots in use.  Read by the worker's ``stats`` op (so the node agent exports them,
-agent/node/metrics.py) and by the replica's own status port (``rewarm replica
---metrics-listen``).
+tokens, KV slots in use.  Read by the worker's ``stats`` op (the node agent's view of its
+replicas) and exported only by the replica's own status port (``rewarm replica
+--metrics-listen``), as ``rewarm_replica_*``: tokens as a counter
+(``rewarm_replica_generated_tokens_total``, whose ``rate()`` is the tokens per second),
+never as a precomputed rate.
 
 ``tokens_per_s`` is the tokens emitted in the last ``window_s`` seconds divided by that wall
 time (or by the time since the first step began, when that is shorter): a sliding window of
@@ -77,8 +79,6 @@ class _Collector:
             fam.add_metric((model,), float(s.get(key) or 0))
             return fam
 
-        yield gauge("rewarm_replica_tokens_per_second", "Tokens generated per second (window)",
-                    "tokens_per_s")
         yield gauge("rewarm_replica_batch_size", "Sequences in the last engine step", "batch_size")
         yield gauge("rewarm_replica_queued_prefill_tokens", "Prompt tokens waiting to be prefilled",
                     "queued_prefill_tokens")

@@ -1,7 +1,7 @@
 """A Llama-family decoder whose forward is a pure function of its inputs and the KV cache.
 
-The KV cache is an *input*, not module state (the AOT design document, seeds/000: "A compiled
-model can't keep state, so the conversation's memory has to become an input").  Signature::
+The KV cache is an *input*, not module state: a compiled (AOT) model cannot keep state, so
+the conversation's memory has to be passed in.  Signature::
 
     forward(tokens, input_pos, cache_batch_idx, k_caches, v_caches) -> logits
 

@@ -1,6 +1,6 @@
 """Load a Hugging Face checkpoint into the runtime layout, streaming layer by layer.
 
-"The very first boot streams" (issue 3): a model with no snapshot anywhere pays one full boot,
+The very first boot streams: a model with no snapshot anywhere pays one full boot,
 so that boot reads ``*.safetensors`` with large sequential reads (one ``readinto`` per layer
 group, never an mmap that page-faults 4 KiB at a time), converts each group to the runtime
 layout (fused QKV / gate-up, runtime dtype) as it lands, and hands it on at once, so that the

@@ -37,8 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agent.errors import (ConfigError, InvalidCheckpoint, Overloaded, ProtocolError,
-                          RewarmError, Unauthorized)
+from agent.errors import (ConfigError, ContextLengthExceeded, InvalidCheckpoint, Overloaded,
+                          ProtocolError, RewarmError, Unauthorized)
 from agent.protocol import (DEFAULT_LIMITS, REPLICA_SCHEMAS, Decoder, error_message,
                             read_messages, validate_request)
 from agent.replica.batching import BatchScheduler, Request, request_key, send
@@ -98,7 +98,7 @@ class Worker:
         # restore/capture/shutdown read or write files on this host or end the process: on a
         # TCP listener they are refused unless ``tcp_control`` (a unix socket's file mode
         # already says who may connect).
-        self.tcp_control, self._tcp = tcp_control, False
+        self.tcp_control = tcp_control
         self.state = State.SERVING if loaded is not None else State.ZYGOTE
         self.parent_pid, self.watchdog_s = parent_pid, watchdog_s
         # the engine's one thread (make_engine_thread); pass the one that loaded the model
@@ -116,7 +116,6 @@ class Worker:
         once listening (port 0 picks a free port).  ``data_listen`` (``HOST:PORT``) is a second,
         TCP listener for other hosts' front doors (a node agent keeps ``listen`` a unix socket
         for its control ops); its address is ``self.data_address``."""
-        self._tcp = not listen.startswith("unix:")
         self.data_address = None
         extra = None
         if data_listen:
@@ -328,11 +327,21 @@ class Worker:
             eos = self.loaded.config.eos_token_id
             if eos is not None and eos >= 0 and msg.get("ignore_eos") is not True:
                 stop_ids.add(eos)
+        if text and tokens is not None and not stop_strs and not self.has_tokenizer():
+            text = False   # detokenize is "text too, when the model has a tokenizer"
         if text:
-            self.tokenizer_for("stop")
+            self.tokenizer_for("stop" if stop_strs else "prompt")
         assert tokens is not None   # given, or the prompt's (a prompt or rendered messages)
         max_tokens, seed = msg["max_tokens"], msg.get("seed")   # the schema fills max_tokens
         sampling = _sampling(msg)
+        # The context: a slot holds max_seq_len tokens (vLLM's max_model_len).  With
+        # fit_context (an OpenAI chat without max_tokens) max_tokens is what the slot leaves,
+        # as vLLM's serving_engine.py sets it; either way prompt + max_tokens must fit.
+        context = self.loaded.engine.kv.max_seq_len
+        if msg.get("fit_context") is True:
+            max_tokens = max(1, min(max_tokens, context - len(tokens)))
+        if len(tokens) + max_tokens > context:
+            raise ContextLengthExceeded(context, len(tokens), max_tokens)
         # The engine checks the rest (token range, KV capacity, sampling ranges) before
         # anything is allocated.
         self.loaded.engine.kv.check(len(tokens) + max_tokens)
@@ -361,6 +370,14 @@ class Worker:
                           "deadline_ms": deadline_ms,
                           "retry_after_ms": exc.retry_after_ms}
             raise exc
+
+    def has_tokenizer(self) -> bool:
+        """Whether the model has a tokenizer (False for a checkpoint without one)."""
+        try:
+            self.tokenizer()
+        except InvalidCheckpoint:
+            return False
+        return True
 
     def tokenizer_for(self, field_name: str):
         """The tokenizer, or a 400 naming ``field_name`` when the model has none."""

@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUFFER_BYTES = 1 << 30
 MAX_SEQS_LIMIT = 4096
-"""Most KV slots a snapshot may ask for (the design document sizes ~80 sequences per A100)."""
+"""Most KV slots a snapshot may ask for (a 13B model holds ~80 sequences per A100:
+docs/architecture.md, "Sizing")."""
 
 
 @dataclass

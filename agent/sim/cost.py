@@ -1,7 +1,6 @@
 """Capacity and cost arithmetic, and the numbers a run reports.
 
-Formulas and worked figures come from the snapshot design document
-(../shared/seeds/002_b8b5536ec4319928.txt):
+Formulas and worked figures are those of docs/architecture.md ("Sizing", "Cost model"):
 
 - "Scaling and Performance": KV bytes per token ``2 * layers * kv_heads * head_dim *
   dtype_bytes`` (2 * 40 * 8 * 128 * 2 = 163,840 B = 160 KB); KV headroom ``gpu - weights -
@@ -22,7 +21,8 @@ from agent.errors import ConfigError
 
 PRICE_PER_GPU_HOUR = 2.80
 DOC_REQUESTS_PER_DAY = 20 * 86_400
-# The design document's table ("Cost and Token Economics"), for printing beside ours.
+# The reference table of the cost model (docs/architecture.md, "Cost model": GPU-hours per day
+# of a 13B fleet at 20 req/s with 200 req/s bursts), for printing beside ours.
 DOC_COST_TABLE = {
     "always_on": {"gpu_hours_per_day": 576, "cost_per_day": 1613, "cost_per_1000_requests": 0.93,
                   "sla_compliance": 1.0},

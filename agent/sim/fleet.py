@@ -11,14 +11,14 @@ Replica states (one per slot index)::
      ▲                │ cancel          │ scale-in, busy              │ resume (suspended_s)
      └────────────────┴───── DRAINING ◄─┘ (off when its last request completes)
 
-Start-up tier, fastest first (ARCHITECTURE.md, "Tiers of warmth"): a SUSPENDED replica
+Start-up tier, fastest first (docs/architecture.md, "Tiers of warmth"): a SUSPENDED replica
 resumes in ``suspended_s``; otherwise a snapshot restore takes ``restore_s`` when snapshots
 are in use; otherwise a cold boot takes ``naive_s``.  BOOTING, WARM and DRAINING replicas
 hold a GPU and are billed; SUSPENDED ones hold host RAM only (counted separately).
 
 How a replica serves: with ``FleetConfig.replica`` (a profile measured on the real engine,
 agent/sim/profile.py) each replica is a :class:`~agent.sim.replica.SimReplica` that batches
-and steps at that speed (``Fleet.engines``); without it, the design documents' fixed model: a
+and steps at that speed (``Fleet.engines``); without it, a fixed occupancy model: a
 request holds one slot for its ``occupancy_s`` (the document scenarios keep it).
 """
 
@@ -38,7 +38,6 @@ from agent.frontdoor.router import ReplicaLoad, Router
 from agent.speed import SpeedProfile
 
 OFF, BOOTING, WARM, DRAINING, SUSPENDED = range(5)
-STATE_NAMES = ("off", "booting", "warm", "draining", "suspended")
 READY = 1  # event kind the simulation hands back to :meth:`Fleet.on_ready`
 
 
@@ -47,8 +46,8 @@ class StartupTimes:
     """Seconds from a scale-out decision to a routable replica, per tier: ``(low, high)``.
 
     Equal bounds are a fixed time; otherwise each start draws uniformly in the range.
-    Defaults: ``restore_s`` 3.6 s and ``naive_s`` 60-90 s from the snapshot design document
-    (../shared/seeds/002, "Non-Functional Requirements"); ``suspended_s`` 2.0 s is an
+    Defaults: ``restore_s`` 3.6 s and ``naive_s`` 60-90 s, a 13B model's snapshot restore
+    against its uncached boot (docs/architecture.md, "Cost model"); ``suspended_s`` 2.0 s is an
     estimate for a CUDA checkpoint resume of ~26 GB from pinned host RAM at ~13 GB/s until
     bench/ measures it (``--startup-json``).
     """

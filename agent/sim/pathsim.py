@@ -110,7 +110,7 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
                   mean_prompt_tokens: float, mean_gen_tokens: float, initial_replicas: int,
                   until_s: float, always_on_replicas: int, stats: dict,
                   actual: SpeedProfile | None, measured_restore_s: float) -> dict[str, Any]:
-    from agent.cluster.local_scaler import LocalScaler
+    from agent.cluster import ClusterChoice, choose
     from agent.frontdoor.config import FrontDoorConfig
     from agent.frontdoor.request import GenerateRequest
     from agent.frontdoor.request_path import RequestPath
@@ -139,7 +139,7 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
         node.start_warm()
     path.apply_replicas(node.instances())
 
-    scaler = LocalScaler({"sim": node.call}, clock=clock)
+    scaler = choose("scaler", ClusterChoice(), clock=clock, agents={"sim": node.call})
     mpolicy = ModelPolicy(model, step_s=cfg.predictor_step_s, **policy)
     service = PredictorService(Predictor([mpolicy], clock=clock, scaler=scaler,
                                          snapshot_durable=lambda m: True),

@@ -31,7 +31,7 @@ from agent.sim.replay_scale import ReplayRequest
 from agent.speed import SpeedProfile
 
 PATHS = ("cold_boot", "snapshot_restore", "suspended_resume", "warm_hit")
-# TTFT SLO per path (ms), the snapshot design document's defaults (issue 12 contract item 4):
+# TTFT SLO per path (ms), the front door's defaults (docs/architecture.md, "Admission"):
 # a warm hit within 2 s at p99, a request that waits for a restore within 4 s.
 PATH_SLO_MS = {"warm_hit": 2000.0, "snapshot_restore": 4000.0, "suspended_resume": 4000.0,
                "cold_boot": 4000.0}

@@ -1,13 +1,11 @@
 """The scenarios ``rewarm simulate`` runs: spike (AOT document) and cost (snapshot document).
 
-``spike`` follows the AOT design document (../shared/seeds/000_f945d6c794d3cae0.txt, "A toy
-simulation: replaying a real traffic spike"): one tenant's steady traffic jumps tenfold
+``spike`` replays a traffic spike (agent/sim/README.md, "Spike"): one tenant's steady traffic jumps tenfold
 within ten minutes and stays up for most of an hour, on a shared platform beside other
 tenants' steady traffic; an autoscaler keeps a spare-capacity buffer and its new replicas
 serve only after their cold start.  We sweep cold-start time against buffer size.
 
-``cost`` follows the snapshot design document (../shared/seeds/002_b8b5536ec4319928.txt,
-"Scaling and Performance" and "Cost and Token Economics"): 13B-class replicas on 40 GB GPUs,
+``cost`` follows docs/architecture.md ("Sizing", "Cost model"): 13B-class replicas on 40 GB GPUs,
 80 sequences per replica at 0.75 utilisation, 20 req/s baseline with bursts to 200 req/s,
 7.0 s occupancy, $2.80 per GPU-hour, TTFT SLA 4 s; five policies.
 """

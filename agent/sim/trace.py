@@ -4,7 +4,7 @@ A :class:`Workload` is a struct of arrays (one row per request, sorted by arriva
 720,000-request hour costs a few numpy arrays and no Python object per request.
 
 The trace format is the Azure LLM inference trace 2023 (``TIMESTAMP,ContextTokens,
-GeneratedTokens``; see ``../shared/traces/README.md``): one request per line, timestamps as
+GeneratedTokens``; docs/architecture.md, "Traces"): one request per line, timestamps as
 ``YYYY-MM-DD HH:MM:SS.fffffff``.  Any CSV with those three columns is accepted.
 
 Per-request timing comes from tokens (:class:`TokenTiming`): occupancy (how long the request

@@ -68,6 +68,7 @@ _GENERATE: dict[str, tuple[tuple[type, ...], bool]] = {
     "temperature": (_NUM, False), "top_p": (_NUM, False), "top_k": (_INT, False),
     "deadline_ms": (_NUM, False), "stop": ((list,), False),
     "detokenize": ((bool,), False), "ignore_eos": ((bool,), False),
+    "fit_context": ((bool,), False),
     "token": ((str,), False)}
 
 OP_SCHEMAS: Schema = {

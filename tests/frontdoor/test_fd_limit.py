@@ -1,4 +1,4 @@
-"""The front door at its descriptor limit (issue 15): under ``resource.setrlimit`` in a
+"""The front door at its descriptor limit: under ``resource.setrlimit`` in a
 subprocess, more connections than descriptors each get an answer (served, or 429 and closed),
 none hangs, and accept errors are logged once per interval, not once per failure."""
 

@@ -90,7 +90,7 @@ def test_overload_on_prefill_bound_replicas_refuses_at_arrival(shape, restore_s,
         slo_s = 2.0 if s.final["path"] == "warm_hit" else 4.0
         assert s.first_s - s.arrival_s <= slo_s
     late = [round(s.at_s - s.arrival_s, 3) for s in refused if s.at_s - s.arrival_s > 0.050]
-    assert len(late) <= 0.05 * len(refused), late                 # issue 12: >= 95 % at once
+    assert len(late) <= 0.05 * len(refused), late                 # >= 95 % at once
 
 
 def test_a_replica_slower_than_it_knows_is_predicted_slower_after_its_first_tokens():

@@ -195,7 +195,7 @@ def test_each_answer_passes_its_prediction_to_telemetry_when_telemetry_takes_it(
             self.seen = []
 
         def event(self, request_id, model, path, code, queue_wait_ms, restore_ms, ttft_ms,
-                  sla_breached, *, reason=None, predicted_ttft_ms=None):
+                  sla_breached, *, reason=None, predicted_ttft_ms=None, **_answer):
             self.seen.append((code, ttft_ms, predicted_ttft_ms, reason))
 
     async def main():

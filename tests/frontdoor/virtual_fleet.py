@@ -5,7 +5,7 @@ when each answer came.  Nothing sleeps; the event loop only runs the path's rest
 :class:`SimReplica` stands in for a :class:`~agent.frontdoor.links.ReplicaLink`: at dispatch
 it computes its TTFT from its own queue with the same :class:`~agent.speed.SpeedProfile`
 (the "predictions are right" case), refuses with 429 a request whose ``deadline_ms`` it
-predicts it cannot meet (contract point 3), and schedules the first token and the ``done``
+predicts it cannot meet (docs/architecture.md, "The replica's refusal"), and schedules the first token and the ``done``
 (after ``max_tokens`` decode steps at its batch).
 """
 

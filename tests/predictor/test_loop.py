@@ -236,7 +236,7 @@ def test_a_scale_up_by_someone_else_is_seen_and_scaled_in_when_idle():
     assert d.action == "scale_down" and d.target == 0 and scaler.targets["m"] == 0
 
 
-# --- the default forecaster and sizing from measured speed (issue 12) ----------------------
+# --- the default forecaster and sizing from measured speed -------------------------------
 
 def _speed():
     from agent.speed import SpeedProfile

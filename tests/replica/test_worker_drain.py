@@ -85,7 +85,9 @@ def test_status_port(tmp_path):
     try:
         text = urllib.request.urlopen(server.url + "/metrics", timeout=5).read().decode()
         fams = {f.name: f for f in text_string_to_metric_families(text)}
-        for name in ("rewarm_replica_tokens_per_second", "rewarm_replica_batch_size",
+        assert "rewarm_replica_tokens_per_second" not in fams   # a counter and rate() instead
+        assert fams["rewarm_replica_generated_tokens"].samples[0].value == 0
+        for name in ("rewarm_replica_batch_size",
                      "rewarm_replica_queued_prefill_tokens", "rewarm_replica_kv_slots_used"):
             [sample] = fams[name].samples
             assert sample.labels == {"model": booted.identity.name} and sample.value == 0
