@@ -159,6 +159,8 @@ class ContextLengthExceeded(ProtocolError):
     context, ``max_model_len``), ``prompt_tokens``, ``max_tokens``.
     """
 
+    refusal = refusals.CONTEXT_LENGTH
+
     def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
         total = prompt_tokens + max_tokens
         super().__init__(

@@ -45,6 +45,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from agent.wire import refusals
+
 EVENT_FIELDS = ("request_id", "model", "path", "code", "queue_wait_ms", "restore_ms",
                 "ttft_ms", "sla_breached", "timestamp_ms")
 
@@ -58,11 +60,9 @@ RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10)
 
 PATHS = ("warm_hit", "suspended_resume", "snapshot_restore", "cold_boot", "refused")
 
-REJECT_REASONS = ("queue_full", "max_wait", "deadline_unreachable", "deadline",
-                  "max_connections", "fd_reserve", "draining", "no_capacity",
-                  "replica_failed", "too_large", "other")
-"""The ``reason`` label of ``rewarm_rejections_total``.  Callers pass one of these, or the
-refusal's text, which :func:`reject_reason` classifies."""
+REJECT_REASONS = refusals.REFUSALS
+"""The ``reason`` label of ``rewarm_rejections_total``: the refusal's code, set where the
+refusal was decided (agent/wire/refusals.py), never read from its text."""
 
 OTHER_MODEL = "_other"
 
@@ -74,27 +74,18 @@ DEFAULT_METRICS_PORT = 9403
 _LINE = ('{"request_id": %s, "model": %s, "path": "%s", "code": %d, "queue_wait_ms": %s, '
          '"restore_ms": %s, "ttft_ms": %s, "sla_breached": %s, "timestamp_ms": %d}\n')
 
-# (substring of a refusal's text, reason) in order; the front door's messages
-# (agent/frontdoor/admission.py, server.py) name the limit they hit.
-_REASON_WORDS = (("drain", "draining"), ("max_connections", "max_connections"),
-                 ("descriptor", "fd_reserve"), ("max_depth", "queue_full"),
-                 ("queue is full", "queue_full"), ("max_wait", "max_wait"),
-                 ("deadline passed", "deadline"), ("deadline", "deadline_unreachable"),
-                 ("KV tokens", "too_large"), ("link", "replica_failed"),
-                 ("capacity", "no_capacity"))
-_DEFAULT_REASON = {429: "other", 503: "no_capacity", 504: "deadline", 413: "too_large"}
+REJECTION_CODES = frozenset((413, 429, 503, 504))
+"""The statuses ``rewarm_rejections_total`` counts: refusals of a well-formed request."""
 
 
-def reject_reason(code: int, reason: str | None) -> str:
-    """The bounded ``reason`` label for a refusal: ``reason`` itself when it is one of
-    :data:`REJECT_REASONS`, else classified from its text, else a default for ``code``."""
-    if reason in REJECT_REASONS:
-        return reason
-    if reason:
-        for word, label in _REASON_WORDS:
-            if word in reason:
-                return label
-    return _DEFAULT_REASON.get(code, "other")
+def reject_reason(code: int, refusal: str | None) -> str:
+    """The bounded ``reason`` label of a refusal answered ``code``: ``refusal`` when it is one
+    of :data:`REJECT_REASONS`; else ``deadline`` for a 504 (its only meaning) and ``other``.
+    The refusal's human-readable text is never classified."""
+    known = refusals.known_refusal(refusal)
+    if known is not None:
+        return known
+    return refusals.DEADLINE if code == 504 else refusals.OTHER
 
 
 def _num(x: float | None) -> str:
@@ -242,13 +233,11 @@ class Telemetry:
     def event(self, request_id: Any, model: str, path: str, code: int, queue_wait_ms: float,
               restore_ms: float | None, ttft_ms: float | None, sla_breached: bool, *,
               reason: str | None = None, predicted_ttft_ms: float | None = None,
-              done: dict | None = None, token_gaps: list | None = None,
-              reason_code: str | None = None) -> None:
+              done: dict | None = None, token_gaps: list | None = None) -> None:
         """Record one request's outcome (``timestamp_ms``: wall clock, ms since the epoch).
 
-        ``reason_code``: for a refusal, why, as data (one of :data:`REJECT_REASONS`, set
-        where the refusal was decided); without it ``reason`` (the refusal's text, or a
-        reason) is classified by :func:`reject_reason`;
+        ``reason``: for a refusal, why, as data (one of :data:`REJECT_REASONS`, set where the
+        refusal was decided; anything else counts as ``other``);
         ``predicted_ttft_ms``: the TTFT the router predicted when it chose the replica (feeds
         ``rewarm_ttft_prediction_ratio`` when the request got a first token); ``done``: an
         answered request's ``done`` message (``prompt_tokens``, ``n_tokens``, ``total_ms``:
@@ -258,9 +247,8 @@ class Telemetry:
         key = (label, path, code)
         counts = self._requests
         counts[key] = counts.get(key, 0) + 1
-        if code != 200 and code in _DEFAULT_REASON:
-            why = reason_code if reason_code in REJECT_REASONS else reject_reason(code, reason)
-            rkey = (label, code, why)
+        if code in REJECTION_CODES:
+            rkey = (label, code, reject_reason(code, reason))
             self._rejections[rkey] = self._rejections.get(rkey, 0) + 1
         if ttft_ms is not None:
             hkey = (label, path)

@@ -47,13 +47,10 @@ servers here (none are installable).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -287,14 +284,6 @@ def targets(r: dict) -> dict:
         "acl_enforced": r.get("acl_enforced")}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run_scenario(*, real: bool = False, prefer_netns: bool = True,
                  work: Path | None = None, command: str = "") -> dict:
     """The whole scenario; returns the JSON document (``ok``: every step passed)."""
@@ -335,22 +324,29 @@ def run_scenario(*, real: bool = False, prefer_netns: bool = True,
            "requests": results.get("requests"), "lost": results.get("lost"),
            "load_average": os.getloadavg()}
     doc["targets"] = targets(doc)
-    doc["meta"] = {"command": command or "python bench/cluster_e2e.py",
-                   "machine": f"{platform.node()} ({platform.machine()}, "
-                              f"{os.cpu_count()} cpus)",
-                   "loadavg": {"start": loadavg_start, "end": os.getloadavg()},
-                   "date": datetime.datetime.now(datetime.UTC).isoformat(
-                       timespec="seconds"),
-                   "commit": _commit()}
+    doc["loadavg_start"] = " ".join(f"{x:.2f}" for x in loadavg_start)
+    from bench.run_meta import run_meta
+
+    doc["meta"] = run_meta()
+    if command:
+        doc["meta"]["command"] = command
+    return decorate(doc)
+
+
+def decorate(doc: dict) -> dict:
+    """``title``, ``headline`` and ``tables`` for bench/render_docs.py, from the figures."""
     doc["title"] = ("The cluster path end to end on three hosts, against Consul and Nomad "
                     "stand-ins no kinder than the servers")
+    doc["headline"] = [[k, doc.get(k)] for k in (
+        "leader_failover_s", "second_scale_during_deployment_s", "first_token_via_nomad_s",
+        "lost")]
     doc["tables"] = [
-        {"title": "Steps", "columns": ["at_s", "ok", "step"],
-         "rows": [[s["at_s"], "ok" if s["ok"] else "FAIL", s["name"]] for s in run.steps]},
         {"title": "Figures", "columns": ["figure", "value"],
          "rows": [[k, doc.get(k)] for k in SUMMARY_KEYS]},
         {"title": "Targets", "columns": ["target", "met"],
          "rows": [[k, v] for k, v in doc["targets"].items()]},
+        {"title": "Steps", "columns": ["at_s", "ok", "step"],
+         "rows": [[s["at_s"], "ok" if s["ok"] else "FAIL", s["name"]] for s in doc["steps"]]},
         {"title": "Jobspec check (pygohcl + Nomad's schema and validation)",
          "columns": ["file", "parsed", "unknown_arguments", "validation_errors"],
          "rows": [[f, c["parsed"], len(c["unknown_arguments"]), len(c["validation_errors"])]

@@ -15,6 +15,11 @@ reference: "Completions", "Chat", "Streaming", "Error codes").  Supported: ``mod
 on every chunk), ``ignore_eos`` (vLLM's extension), ``user``.  A parameter outside these is a 400 naming it, unless it has
 its no-op value (``null``, ``n: 1``, ``logprobs: false``, penalties 0...): never accepted
 and then silently ignored.
+
+A chat without ``max_tokens`` generates up to the context, as OpenAI's and vLLM's do: the
+map gets ``max_tokens`` = ``max_new_tokens`` and ``fit_context`` (the replica caps it to what
+its context leaves after the prompt; docs/protocol.md); a completion's default stays
+OpenAI's 16.  Every parameter, limit and error: docs/http-api.md.
 """
 
 from __future__ import annotations

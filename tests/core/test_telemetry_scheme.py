@@ -59,15 +59,15 @@ def test_model_label_is_bounded():
     assert models == {"m0", "m1", OTHER_MODEL}
 
 
-def test_reject_reason_classifies_the_front_doors_texts():
-    assert reject_reason(429, "queue for 'm' is full: depth 2 = max_depth(2)") == "queue_full"
-    assert reject_reason(429, "waited max_wait_s(5.0) for model 'm'") == "max_wait"
-    assert reject_reason(504, "deadline passed after 30001 ms queued") == "deadline"
-    assert reject_reason(429, "expected wait exceeds the deadline") == "deadline_unreachable"
-    assert reject_reason(503, "front door is draining") == "draining"
-    assert reject_reason(429, None) == "other" and reject_reason(503, "") == "no_capacity"
-    assert reject_reason(429, "fd_reserve") == "fd_reserve"
-    assert set(REJECT_REASONS) >= {"queue_full", "max_connections", "fd_reserve"}
+def test_reject_reason_is_the_refusal_code_never_the_text():
+    assert reject_reason(429, "queue_full") == "queue_full"
+    assert reject_reason(503, "draining") == "draining"
+    # text is never classified: a message naming capacity is no no_capacity
+    assert reject_reason(429, "no capacity in sight can start it in time") == "other"
+    assert reject_reason(503, "front door is draining") == "other"
+    assert reject_reason(504, None) == "deadline" and reject_reason(429, None) == "other"
+    assert set(REJECT_REASONS) >= {"queue_full", "max_connections", "fd_reserve",
+                                   "deadline_unreachable", "context_length"}
 
 
 def _get(url):
@@ -125,11 +125,11 @@ def test_token_counters_and_end_to_end_and_inter_token_histograms():
     assert le[0.01] == 1 and le[0.025] == 3 and le[0.05] == 4   # 10 ms, 2 x 20 ms, 30 ms
 
 
-def test_a_reason_code_is_the_label_whatever_the_text_says():
+def test_the_refusal_code_is_the_label():
     t = Telemetry()
-    # the text mentions capacity; the refusal was decided on the deadline: the code wins
-    t.event(1, "m", "refused", 429, 0.0, None, None, False,
-            reason="no capacity in sight can start it in time",
-            reason_code="deadline_unreachable")
-    rej = {s.labels["reason"]: s.value for s in samples(families(t)["rewarm_rejections"], "_total")}
-    assert rej == {"deadline_unreachable": 1}
+    t.event(1, "m", "refused", 429, 0.0, None, None, False, reason="deadline_unreachable")
+    t.event(2, "m", "refused", 503, 0.0, None, None, False,
+            reason="model 'm': no warm replica and no capacity requester configured")
+    rej = {(s.labels["code"], s.labels["reason"]): s.value
+           for s in samples(families(t)["rewarm_rejections"], "_total")}
+    assert rej == {("429", "deadline_unreachable"): 1, ("503", "other"): 1}

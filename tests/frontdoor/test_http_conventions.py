@@ -140,7 +140,7 @@ def test_over_the_context_is_a_400_clients_recognise(tokenizerless):
             await c.close()
 
     err = run(_with_worker(tokenizerless, body))
-    assert err.status_code == 400
+    assert err.status_code == 400 and err.response.headers[REFUSAL_HEADER] == "context_length"
     assert "This model's maximum context length is 64 tokens. However, you requested 65 " \
         "tokens (60 in the messages, 5 in the completion)." in err.message
 
@@ -264,3 +264,27 @@ def test_a_refusal_reason_is_a_header_and_an_error_field():
     sink.error(503, "replica failed")
     resp = HttpEntrance._refusal(sink.final)
     assert REFUSAL_HEADER not in resp.headers and "refusal" not in json.loads(resp.text)["error"]
+
+
+def test_a_refusal_decided_by_admission_says_why_over_http():
+    from test_http_entrance import GatedCapacity
+
+    capacity = GatedCapacity()
+
+    async def main():
+        async with http_door(stubs=0, capacity=capacity) as (fd, e, _):
+            c = client(e)
+            with pytest.raises(openai.RateLimitError) as shed:
+                # nothing warm, a restore of unknown time: cannot start within 150 ms
+                await c.completions.create(model="m", prompt="y", max_tokens=1,
+                                           extra_headers={"x-rewarm-deadline-ms": "150"})
+            capacity.release()
+            await c.close()
+            from prometheus_client import generate_latest
+            return shed.value, generate_latest(fd.telemetry.registry).decode()
+
+    shed, metrics = run(main())
+    assert shed.response.headers[REFUSAL_HEADER] == "deadline_unreachable"
+    assert shed.response.json()["error"]["refusal"] == "deadline_unreachable"
+    assert ('rewarm_rejections_total{code="429",model="m",reason="deadline_unreachable"} 1.0'
+            in metrics)

@@ -126,3 +126,26 @@ def test_a_service_job_without_update_block_gets_nomads_default_strategy():
     off = parse_job('job "j" {\n  update {\n    max_parallel = 0\n  }\n  group "g" {\n'
                     '    task "t" {\n      driver = "exec"\n    }\n  }\n}\n')
     assert off["TaskGroups"][0]["Update"]["MaxParallel"] == 0 and validate(off) == []
+
+
+ACL_DIR = JOBS_DIR / "acl"
+
+
+def test_the_acl_policies_parse_as_the_servers_parse_them():
+    from tests.cluster.consul_acl import Rules
+    from tests.cluster.nomad_acl import Policy
+
+    names = sorted(p.name for p in ACL_DIR.glob("*.policy.hcl"))
+    assert names == [f"{kind}-rewarm-{job}.policy.hcl" for kind in ("consul", "nomad")
+                     for job in ("agent", "frontdoor", "predictor")]
+    predictor = Policy.parse("p", (ACL_DIR / "nomad-rewarm-predictor.policy.hcl").read_text())
+    assert {"scale-job", "submit-job", "parse-job", "read-job"} <= predictor.namespaces["default"]
+    agent = Policy.parse("a", (ACL_DIR / "nomad-rewarm-agent.policy.hcl").read_text())
+    assert agent.node == "write" and agent.namespaces == {}
+    door = Rules.parse((ACL_DIR / "consul-rewarm-frontdoor.policy.hcl").read_text())
+    assert door.allows("service", "rewarm-frontdoor-http", write=True)
+    assert not door.allows("key", "rewarm/models/m", write=True)
+    lock = Rules.parse((ACL_DIR / "consul-rewarm-predictor.policy.hcl").read_text())
+    assert lock.allows("key", "rewarm/predictor/leader", write=True)
+    assert lock.allows("service", "rewarm-predictor-leader-x", write=True)
+    assert not lock.allows("key", "rewarm/snapshots/m", write=True)

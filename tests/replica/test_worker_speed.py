@@ -137,13 +137,13 @@ def test_each_first_token_is_sent_once_its_own_prefill_is_done(booted):
         return forward(tokens, input_pos, idx, k, v)
     engine.forward = logged_forward
     worker = Worker(loaded)
-    send = worker._send
+    send = worker.batch.send
 
     def logged_send(writer, message):
         if message.get("type") == "tokens" and "prompt_tokens" in message:
             log.append(("first", message["id"]))
         send(writer, message)
-    worker._send = logged_send
+    worker.batch.send = logged_send
     answers = asyncio.run(_session(worker, [
         {"op": "generate", "id": i, "tokens": list(range(1, 6)), "max_tokens": 2}
         for i in ("a", "b", "c")]))
