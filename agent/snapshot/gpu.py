@@ -28,6 +28,7 @@ replaces the module (tests pass tests/fake_kvikio.py, which writes into host ten
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +37,15 @@ from typing import Any, Callable
 import torch
 
 from agent import _restore
-from agent.errors import ConfigError, DriverUnavailable, SnapshotCorrupt
+from agent.errors import (ConfigError, DriverUnavailable, SnapshotCorrupt, SnapshotIncompatible,
+                          SnapshotNotFound, SnapshotTampered)
 from agent.snapshot.format import Manifest, Pins
 from agent.snapshot.manifest import read_manifest
 from agent.snapshot.pins import check_pins, machine_pins
-from agent.snapshot.reader import Restored, RestoreStats, _close, _open_files, tensor_views
+from agent.snapshot.reader import (Restored, RestoreStats, _close, _open_files, restore_snapshot,
+                                   tensor_views)
+
+log = logging.getLogger(__name__)
 
 NVIDIA_FS = Path("/proc/driver/nvidia-fs")
 """Present when the GDS kernel module (nvidia-fs) is loaded; without it cuFile reads through
@@ -90,7 +95,7 @@ def _pinned(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(max(1, nbytes), dtype=torch.uint8, pin_memory=device.type == "cuda")
 
 
-@dataclass
+@dataclass(eq=False)   # identity: a zygote's warmed engine is keyed by its buffer
 class DeviceBuffer:
     """A zygote's restore destination in device memory, made ahead of need.
 
@@ -264,3 +269,40 @@ def _settle(future: Any) -> None:
         future.get()
     except Exception:  # noqa: BLE001 - the first failure is the one being raised
         pass
+
+
+def restore_for_device(snapshot: Path, buffer: Any, device: str, *, verify: bool = True,
+                       threads: int = 2, accept: Callable[[Manifest], object] | None = None,
+                       ) -> tuple[Restored, str, str | None]:
+    """Read a snapshot's bytes for a replica on ``device``, verified: ``(restored, io, fallback)``.
+
+    ``buffer``: a zygote's DeviceBuffer or HostBuffer, or None.
+
+    On a GPU (``device`` "cuda[:N]", or a DeviceBuffer) the bytes go through kvikio into the
+    DeviceBuffer (a fresh device allocation when it is too small), ``io`` "gds" or "compat";
+    when that fails for a reason the host path does not share (no kvikio, a failed or short
+    read, a chunk that did not verify in device memory, no device memory) the host path reads
+    them again into host memory, verifying every chunk anew, ``io`` "host" and ``fallback`` the
+    reason.  A refusal the host path would repeat (not found, tampered, pins, not a replica
+    snapshot) is raised at once.  The host path's errors propagate (the node agent then tries
+    its next rung: another copy or a cold boot)."""
+    on_device = isinstance(buffer, DeviceBuffer)
+    fallback = None
+    if on_device or device != "cpu":
+        target = buffer if on_device else None
+        try:
+            if target is not None and read_manifest(snapshot).total_bytes > target.capacity_bytes:
+                target = None             # too large for the zygote's buffer: a fresh one
+            restored = restore_to_device(snapshot, device=device, buffer=target, verify=verify,
+                                         accept=accept, kvikio=buffer.kvikio if on_device else None)
+            return restored, restored.stats.mode, None
+        except (SnapshotIncompatible, SnapshotNotFound, SnapshotTampered):
+            raise
+        except (OSError, RuntimeError, ValueError) as exc:  # DriverUnavailable, SnapshotCorrupt,
+            fallback = f"{type(exc).__name__}: {exc}"       # ConfigError, kvikio, out of memory
+            log.warning("%s: device restore onto %s failed (%s); reading through host memory",
+                        snapshot, device, fallback, extra={"snapshot": str(snapshot)})
+    host = None if on_device else buffer
+    restored = restore_snapshot(snapshot, buffer=host, verify=verify, threads=threads, accept=accept)
+    return restored, "host", fallback
+
