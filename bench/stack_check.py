@@ -26,7 +26,8 @@ import shutil
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 RESTORE_TARGET_S = 0.3
 RESUME_TARGET_S = 0.5

@@ -102,7 +102,6 @@ def run_throughput(figs, size_bytes: int, root: Path) -> None:
         figs.note(f"kvikio figures skipped: {exc}")
     if kvikio is not None:
         buf = gpu.DeviceBuffer.allocate(total, "cuda", kvikio=kvikio)
-        path = gpu.io_path(kvikio)
         for temp in ("cold", "warm"):
             for verify in (True, False):
                 resident = cold() if temp == "cold" else warm()

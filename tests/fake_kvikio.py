@@ -59,9 +59,9 @@ class FakeKvikio:
     fail_at: int | None = None
     flip_at: int | None = None
     reads: list[tuple[str, int, int]] = field(default_factory=list)   # (file, offset, size)
-    opened: list["CuFile"] = field(default_factory=list)
+    opened: list[CuFile] = field(default_factory=list)
 
-    def CuFile(self, file: Path | str, flags: str = "r") -> "CuFile":   # noqa: N802 - kvikio's name
+    def CuFile(self, file: Path | str, flags: str = "r") -> CuFile:   # noqa: N802 - kvikio's name
         handle = CuFile(self, Path(file), flags)
         self.opened.append(handle)
         return handle

@@ -86,7 +86,7 @@ class Warmed:
     thread_id: int = 0    # threading.get_ident() of the thread that warmed it
 
 
-_WARMED: "weakref.WeakKeyDictionary[Any, Warmed]" = weakref.WeakKeyDictionary()
+_WARMED: weakref.WeakKeyDictionary[Any, Warmed] = weakref.WeakKeyDictionary()
 
 
 def _layout(manifest: Manifest) -> tuple:
@@ -341,7 +341,7 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
                   device=device, restore_io=io, fallback=fallback)
 
 
-def check_package_fits(forward: "aot.PackagedForward", engine: dict[str, int],
+def check_package_fits(forward: aot.PackagedForward, engine: dict[str, int],
                        recorded: Any, where: Any) -> None:
     """The engine a snapshot describes must be one the package was compiled for: ``max_seqs``
     slots within the batch and cache-batch ranges, slots of exactly the package's T positions,

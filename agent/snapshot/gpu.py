@@ -32,7 +32,8 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -113,7 +114,7 @@ class DeviceBuffer:
 
     @classmethod
     def allocate(cls, nbytes: int, device: str, *, bounce_bytes: int = 16 << 20,
-                 kvikio: Any = None) -> "DeviceBuffer":
+                 kvikio: Any = None) -> DeviceBuffer:
         """Allocate ``nbytes`` on ``device`` (this also makes the CUDA context) and two
         bounce buffers of ``bounce_bytes``; load kvikio (``kvikio``: the module to use instead).
         Raises ConfigError for a negative size, torch's OutOfMemoryError when the device
