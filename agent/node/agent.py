@@ -1,7 +1,8 @@
 """The node agent: owns this node's replicas and snapshots and makes restores fast and safe.
 
 Restore ladder for ``restore(model)`` (every step fails closed; the caller sees a slower
-start, never wrong tokens)::
+start, never wrong tokens), after the suspended tier (a parked replica of the model is
+resumed instead, agent/node/suspend.py)::
 
     newest ready local snapshot ──ok──► warm, registered
         │ pins differ → stale (a remote copy has the same pins: go to cold boot)
@@ -42,7 +43,7 @@ from agent.node.metrics import NodeMetrics, restores_in_flight
 from agent.node.pool import ZygotePool
 from agent.node.registration import Registrar
 from agent.node.snapshots import SnapshotOps
-from agent.node.suspend import Suspender, SuspendOps, _bounded
+from agent.node.suspend import ParkedTier, Suspender, SuspendOps, _bounded
 from agent.progress import byte_callback
 from agent.snapshot.catalog import Catalog, SnapshotRow
 from agent.snapshot.pins import check_pins
@@ -135,6 +136,9 @@ class ReplicaRecord:
                "attempts": self.attempts}
         if self.phase is not None:
             out["phase"] = self.phase
+        for key in ("restore_io", "fallback"):    # gds | compat | host; why it read via host
+            if getattr(self.handle, key, None):
+                out[key] = getattr(self.handle, key)
         if load and self.handle is not None:
             try:
                 stats = self.last_stats = self.handle.stats()
@@ -186,6 +190,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
         self.clock = clock or SystemClock()
         self.registrar = Registrar(registry, clock=self.clock)
         self.suspender = suspender
+        self.tier = ParkedTier()                # the suspended tier's registry view
         self.summary = summary
         self.node_meta = node_meta
         self.executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent")
@@ -285,6 +290,9 @@ class NodeAgent(SnapshotOps, SuspendOps):
         ``restore_timeout_s``), and what a cold boot raises when even that fails.
         """
         spec, device = self.spec(model), self._device(device)
+        resumed = self.resume_parked(model)     # the suspended tier first: nothing to read
+        if resumed is not None:
+            return resumed
         rid = new_replica_id(self.config.node_id)
         rec = ReplicaRecord(Lifecycle(rid, clock=self.clock), spec, device)
         with self._lock:
@@ -414,6 +422,10 @@ class NodeAgent(SnapshotOps, SuspendOps):
             rec.lifecycle.move(S.COLD, f"{path} failed: {type(exc).__name__}")
             return False
         rec.handle, rec.snapshot_id, rec.path = handle, row.snapshot_id, path
+        if getattr(handle, "fallback", None):
+            log.warning("%s of %s onto %s read through host memory: the device read failed (%s)",
+                        path, rec.spec.key, rec.device, handle.fallback,
+                        extra={"model": rec.spec.name, "replica": rec.lifecycle.replica_id})
         self.store.record_restore(rec.spec.key)
         return True
 
@@ -668,7 +680,7 @@ class NodeAgent(SnapshotOps, SuspendOps):
                          for r in self.catalog.snapshots(status="ready")
                          if self.store.has(r.snapshot_id)})
         return {"node": self.config.node_id, "devices_free": ",".join(free),
-                "snapshots": ",".join(cached)}
+                "snapshots": ",".join(cached), **self.tier_meta()}
 
 
 def _load_report(stats: dict[str, Any]) -> dict[str, Any]:

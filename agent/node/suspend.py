@@ -12,18 +12,31 @@ Failures leave the process in a known, reported state:
 * checkpoint fails: the process is unlocked again (RUNNING) when the driver allows it.
 * restore or unlock fails: :class:`ResumeFailed` carries the driver's state afterwards; the
   caller (the agent) kills the process and falls back to a snapshot restore.
+
+The suspended tier through the node agent (:class:`SuspendOps`): a replica is parked only once
+its in-flight requests are done (it is deregistered first, so none arrive), it answers no
+request while parked (not in the registry; its CUDA calls block in the driver), and the
+registry shows the tier on the agent's own instance (:class:`ParkedTier`: which replicas are
+parked, and the resume ETA, the p99 of this node's measured resumes), so a front door asking
+for capacity tries that node first (agent/frontdoor/capacity.py ``nodes_from_registry``).  A
+``restore`` of a model with a parked replica resumes it (path ``resume``) before any snapshot
+is read.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from agent.clock import Clock, SystemClock
+from agent.cluster.base import RESUME_P99_META_KEY, SUSPENDED_META_KEY
 from agent.errors import ConfigError, CudaCheckpointError, DriverUnavailable
 from agent.node.cuda_checkpoint import CudaCheckpointDriver, ProcessState
 from agent.node.lifecycle import IllegalTransition, ReplicaState as S
@@ -143,6 +156,40 @@ def _bounded(fn: Callable[[], T], timeout_s: float, step: str) -> T:
     return box["value"]  # type: ignore[return-value]
 
 
+class ParkedTier:
+    """This node's suspended tier as its registry entry shows it.
+
+    ``window``: how many of the latest resumes the ETA is taken over.  :meth:`eta_s` is their
+    p99 (nearest rank: the smallest measured time with at least 99 % of the window at or below
+    it), None before the first resume: an ETA is a measurement or nothing."""
+
+    def __init__(self, window: int = 256) -> None:
+        if window < 1:
+            raise ConfigError(f"ParkedTier window={window} must be >= 1", name="window",
+                              value=window, limit=1)
+        self._resumes_s: deque[float] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def record_resume(self, seconds: float) -> None:
+        with self._lock:
+            self._resumes_s.append(float(seconds))
+
+    def eta_s(self) -> float | None:
+        with self._lock:
+            ordered = sorted(self._resumes_s)
+        if not ordered:
+            return None
+        return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+    def meta(self, parked: Sequence[tuple[str, str, str]]) -> dict[str, str]:
+        """Registry meta for ``parked`` ``(model, version, replica)``: ``suspended`` =
+        ``model@version:replica`` joined by commas, ``resume_p99_s`` = the ETA in seconds
+        (``repr`` of a float; "" before any resume was measured)."""
+        eta = self.eta_s()
+        return {SUSPENDED_META_KEY: ",".join(f"{m}@{v}:{r}" for m, v, r in sorted(parked)),
+                RESUME_P99_META_KEY: "" if eta is None else repr(round(eta, 4))}
+
+
 class SuspendOps:
     """The node agent's ``suspend``/``resume`` ops over :class:`Suspender`.
 
@@ -164,7 +211,11 @@ class SuspendOps:
 
     def suspend(self, replica_id: str) -> dict[str, Any]:
         """Park the replica's device memory in host RAM (lock + checkpoint); it stops serving.
-        Raises ConfigError (not suspendable), CudaCheckpointError (it keeps serving)."""
+
+        It is deregistered first, then its in-flight requests may finish for up to
+        ``drain_timeout_s`` (a request frozen mid-decode would be served late).  Raises
+        ConfigError (not suspendable, or still busy past that bound: it is registered again
+        and keeps serving), CudaCheckpointError (it keeps serving)."""
         rec = self._rec(replica_id)
         suspender, pid = self._need_suspender(rec, "suspend")
         if rec.lifecycle.state is not S.WARM:
@@ -174,13 +225,52 @@ class SuspendOps:
                 value=(rec.lifecycle.state.value, S.SUSPENDED.value), limit=[S.WARM.value])
         self.registrar.drop(replica_id)
         try:
+            self._quiesce(rec)
             times = suspender.suspend(pid)
-        except CudaCheckpointError:
+        except (CudaCheckpointError, ConfigError):
             self.registrar.want(self._replica_instance(rec))
             raise
         rec.lifecycle.move(S.SUSPENDED, "lock+checkpoint")
         self._record(rec)
+        self._publish_tier()
         return {**rec.describe(), "steps_s": times.steps_s}
+
+    def _quiesce(self, rec) -> None:
+        """Wait (``drain_poll_s`` steps, at most ``drain_timeout_s``) until ``rec`` has no
+        request in flight; ConfigError naming the count when it still has some."""
+        start = self.clock.now()
+        while (busy := rec.handle.in_flight()) > 0:
+            if self.clock.now() - start >= self.config.drain_timeout_s:
+                raise ConfigError(
+                    f"replica {rec.lifecycle.replica_id} still has {busy} requests in flight "
+                    f"after drain_timeout_s={self.config.drain_timeout_s}; not suspended",
+                    name="in_flight", value=busy, limit=0)
+            self._sleep(self.config.drain_poll_s)
+
+    def parked(self, model: str | None = None) -> list:
+        """The suspended replicas' records (of ``model`` when given), oldest first."""
+        with self._lock:
+            return [r for r in self.replicas.values() if r.lifecycle.state is S.SUSPENDED
+                    and (model is None or r.spec.name == model)]
+
+    def tier_meta(self) -> dict[str, str]:
+        """:meth:`ParkedTier.meta` of this node's parked replicas (the agent instance's meta)."""
+        return self.tier.meta([(r.spec.name, r.spec.version, r.lifecycle.replica_id)
+                               for r in self.parked()])
+
+    def _publish_tier(self) -> None:
+        self.registrar.update_meta(self.agent_instance.id, self._agent_meta())
+
+    def resume_parked(self, model: str) -> dict[str, Any] | None:
+        """Resume the newest parked replica of ``model`` (the fastest way up: no snapshot is
+        read); None when none is parked, or this node cannot resume.  A resume that fails
+        restores from a snapshot instead (:meth:`resume`)."""
+        if self.suspender is None:
+            return None
+        parked = self.parked(model)
+        if not parked:
+            return None
+        return self.resume(parked[-1].lifecycle.replica_id)
 
     def resume(self, replica_id: str) -> dict[str, Any]:
         """Restore + unlock.  A failed resume kills the process and restores the model from
@@ -192,6 +282,7 @@ class SuspendOps:
                 f"replica {replica_id} is {rec.lifecycle.state.value}, not suspended",
                 replica=replica_id, value=(rec.lifecycle.state.value, S.WARM.value),
                 limit=[S.SUSPENDED.value])
+        start = self.clock.now()
         try:
             times = suspender.resume(pid)
         except ResumeFailed as exc:
@@ -202,8 +293,12 @@ class SuspendOps:
                 pass
             rec.lifecycle.move(S.DEAD, f"resume failed: {exc.name}")
             self._record(rec)
+            self._publish_tier()
             return {**self.restore(rec.spec.name, rec.device), "resume_failed": str(exc)}
+        self.tier.record_resume(self.clock.now() - start)
         rec.lifecycle.move(S.WARM, "restore+unlock")
+        rec.path = "resume"     # registry meta came_up: the front door counts the tier
         self._record(rec)
         self.registrar.want(self._replica_instance(rec))
-        return {**rec.describe(), "steps_s": times.steps_s}
+        self._publish_tier()
+        return {**rec.describe(load=True), "steps_s": times.steps_s}
