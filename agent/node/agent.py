@@ -270,9 +270,15 @@ class NodeAgent(SnapshotOps, SuspendOps):
                                 model=model) from None
 
     def _device(self, device: str | None) -> str:
+        """``device`` checked against the inventory; None: the device hosting the fewest
+        replicas that are not dead (a GPU serves one at speed; ties go to the lowest index).
+        Call with the lock held when the choice must stand (:meth:`restore`)."""
         devices = self.inventory.devices
         if device is None:
-            return devices[0]
+            with self._lock:
+                hosted = [r.device for r in self.replicas.values()
+                          if r.lifecycle.state is not S.DEAD]
+            return min(devices, key=lambda d: (hosted.count(d), devices.index(d)))
         if device not in devices:
             raise ConfigError(f"device {device!r} not on this node; devices: {devices}",
                               name="device", value=device, limit=devices)
@@ -289,7 +295,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
         ModelNotFound, ConfigError, NoCapacity (at the cap and none warm within
         ``restore_timeout_s``), and what a cold boot raises when even that fails.
         """
-        spec, device = self.spec(model), self._device(device)
+        spec, asked = self.spec(model), device
+        device = self._device(device)
         resumed = self.resume_parked(model)     # the suspended tier first: nothing to read
         if resumed is not None:
             return resumed
@@ -301,6 +308,8 @@ class NodeAgent(SnapshotOps, SuspendOps):
             if self._at_cap(model):
                 rec = None
             else:
+                if asked is None:                # chosen again, now that the choice stands
+                    rec.device = self._device(None)
                 self.replicas[rid] = rec
                 self._restoring += 1
         if rec is None:

@@ -41,7 +41,8 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                 zygotes_per_device: int = 1, suspender=None, summary=None,
                 node_meta=None, **config) -> NodeAgent:
     """A NodeAgent with its catalog (``state_dir/catalog.db``) and local tier
-    (``state_dir/snapshots``).  Defaults: in-process backend, embedded LocalRegistry."""
+    (``state_dir/snapshots``).  Defaults: in-process backend, embedded LocalRegistry, and on a
+    node with a GPU the CUDA checkpoint suspender when the driver has the API (r570+)."""
     from agent.cluster.local import LocalRegistry
 
     state_dir = Path(state_dir)
@@ -51,10 +52,13 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                       zygotes_per_device=zygotes_per_device,
                       control_address=host if port.isdigit() else listen,
                       control_port=int(port) if port.isdigit() else 0, **config)
+    inventory = Inventory.detect()
+    if suspender is None and not inventory.cpu_only:   # GPU node: the suspended tier
+        suspender = _suspender()
     return NodeAgent(cfg, models=[ModelSpec(Path(d), release) for d in model_dirs],
                      backend=backend or InProcessBackend(), catalog=Catalog(state_dir / "catalog.db"),
                      store=LocalStore(state_dir / "snapshots", capacity_bytes),
-                     registry=registry or LocalRegistry(), inventory=Inventory.detect(),
+                     registry=registry or LocalRegistry(), inventory=inventory,
                      suspender=suspender, summary=summary, node_meta=node_meta)
 
 

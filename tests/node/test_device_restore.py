@@ -93,3 +93,29 @@ def test_a_snapshot_bad_on_disk_goes_on_to_a_cold_boot(make):
     info = agent.restore("tiny")
     assert info["path"] == "cold_boot"
     assert [a["status"] for a in info["attempts"]] == ["corrupt"]
+
+
+def test_a_restore_without_a_device_goes_to_the_least_busy_gpu(tmp_path, tiny_dir):
+    from agent.node.agent import ReplicaRecord
+    from agent.node.inventory import Gpu
+    from agent.node.lifecycle import Lifecycle, ReplicaState
+
+    gpus = [Gpu(i, "NVIDIA H200", f"GPU-{i}", 141 << 30, "580.65", "9.0") for i in range(2)]
+    clock = ManualClock(1000.0)
+    agent = NodeAgent(AgentConfig(node_id="n1"), models=[ModelSpec(tiny_dir)],
+                      backend=InProcessBackend(), catalog=Catalog(tmp_path / "c.db", clock=clock),
+                      store=LocalStore(tmp_path / "nvme", 1 << 30, clock=clock),
+                      registry=DownableRegistry(clock), inventory=Inventory(gpus), clock=clock,
+                      executor=ThreadPoolExecutor(1), sleep=clock.advance)
+    try:
+        assert agent._device(None) == "cuda:0"
+        rec = ReplicaRecord(Lifecycle("r1", clock=clock), agent.spec("tiny"), "cuda:0")
+        rec.lifecycle.move(ReplicaState.WARM, "test")
+        agent.replicas["r1"] = rec
+        assert agent._device(None) == "cuda:1"
+        rec.lifecycle.move(ReplicaState.DEAD, "test")
+        assert agent._device(None) == "cuda:0"
+        assert sorted(agent.pool) == ["cuda:0", "cuda:1"]    # zygotes kept per device
+        assert agent.pool_target("cuda:1") == 1
+    finally:
+        agent.executor.shutdown(wait=True)
