@@ -8,17 +8,20 @@ threads ``pread`` into a pinned host bounce buffer and copy host-to-device
 (kvikio ``docs/source/runtime_settings.rst``, "Compatibility Mode").  :func:`io_path` says
 which, and :class:`~agent.snapshot.reader.RestoreStats` ``mode`` records it ("gds" | "compat").
 
-Verification (``verify``): the same XXH3-64 per chunk as the host path, on the host: each
-chunk, once its read has completed, is copied device-to-host into one of two pinned bounce
-buffers on a side stream, and hashed (the GIL released, ``agent._restore.xxh3_64``) while the
-next chunk's copy runs and the later reads are still in kvikio's thread pool.  Cost model: per
-chunk ``max(d2h_s, hash_s)`` after its read, so a verified restore takes about
-``max(read_s, total_bytes / min(d2h_rate, xxh3_rate))`` plus one chunk's copy and hash at the
-end (pinned device-to-host is tens of GB/s on PCIe 4/5; one core hashes XXH3 at roughly
-10-30 GB/s), against ``read_s`` unverified.  A device-side hash would save the copy but needs a
-CUDA XXH3 kernel the package does not ship; the bench (bench/device_check.sh) measures both the
-verified and the unverified rate so the cost is a figure, not a guess.  The signed manifest
-covers tampering either way.
+Verification (``verify``): the same XXH3-64 per chunk as the host path, on the host.  Each
+chunk, once its read has completed, is copied device-to-host (in chunk order, on one side
+stream) into a free pinned bounce buffer and hashed on one of :func:`hash_threads` threads (the
+GIL released, ``agent._restore.xxh3_64``), while later chunks' copies run and their reads are
+still in kvikio's thread pool.  Cost model: with ``T`` hashing threads at ``h`` GB/s each and a
+device-to-host copy rate ``d``, the verification streams at ``min(d, T x h)``, so a verified
+restore takes about ``max(read_s, total_bytes / min(d, T x h))`` plus one chunk's copy and hash
+at the end, against ``read_s`` unverified (``h`` measured 6.7 GB/s on one core of the 2-core
+development VM, see :data:`MAX_HASH_THREADS`; ``d`` is the pinned copy rate of the GPU's link).
+The D2H copy shares no direction with the reads (H2D, or the storage DMA), so on a full-duplex
+link it costs link time only in the other direction.  A device-side hash would save the copy
+but needs a CUDA XXH3 kernel the package does not ship.  bench/device_check.sh measures the
+verified and unverified rates side by side, so the cost is a figure on the GPU node, not this
+model's guess.  The signed manifest covers tampering either way.
 
 kvikio loads libcuda.so.1 even for host buffers, so it is imported only after
 :func:`cuda_driver_present` has found the driver; the ``kvikio`` argument of every function
@@ -29,7 +32,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +53,11 @@ from agent.snapshot.reader import (Restored, RestoreStats, _close, _open_files, 
                                    tensor_views)
 
 log = logging.getLogger(__name__)
+
+MAX_HASH_THREADS = 8
+"""XXH3-64 ran at 6.7 GB/s on one core of the 2-core development VM (1 GiB, best of 3, load
+8.6); eight threads keep verification above a PCIe 5 x16 link's ~50 GB/s where the cores run
+as fast, and the bench reports verified and unverified rates side by side."""
 
 NVIDIA_FS = Path("/proc/driver/nvidia-fs")
 """Present when the GDS kernel module (nvidia-fs) is loaded; without it cuFile reads through
@@ -100,8 +111,8 @@ def _pinned(nbytes: int, device: torch.device) -> torch.Tensor:
 class DeviceBuffer:
     """A zygote's restore destination in device memory, made ahead of need.
 
-    ``tensor``: uint8 [capacity_bytes] on ``device``; ``bounce``: two host uint8 tensors
-    [bounce_bytes] (pinned on a GPU) for verification; ``kvikio``: the module that reads
+    ``tensor``: uint8 [capacity_bytes] on ``device``; ``bounce``: :func:`hash_threads` + 1
+    host uint8 tensors [bounce_bytes] (pinned on a GPU) for verification; ``kvikio``: the module that reads
     (None when it could not be loaded: ``unavailable`` says why, and a restore then takes the
     host path).  Same interface as :class:`~agent.snapshot.reader.HostBuffer`
     (``capacity_bytes``, ``as_tensor``)."""
@@ -115,7 +126,7 @@ class DeviceBuffer:
     @classmethod
     def allocate(cls, nbytes: int, device: str, *, bounce_bytes: int = 16 << 20,
                  kvikio: Any = None) -> DeviceBuffer:
-        """Allocate ``nbytes`` on ``device`` (this also makes the CUDA context) and two
+        """Allocate ``nbytes`` on ``device`` (this also makes the CUDA context) and the
         bounce buffers of ``bounce_bytes``; load kvikio (``kvikio``: the module to use instead).
         Raises ConfigError for a negative size, torch's OutOfMemoryError when the device
         lacks the memory."""
@@ -125,7 +136,7 @@ class DeviceBuffer:
                                   name=name, value=value, limit=0)
         dev = torch.device(device)
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        bounce = [_pinned(bounce_bytes, dev) for _ in range(2)]
+        bounce = [_pinned(bounce_bytes, dev) for _ in range(hash_threads() + 1)]
         unavailable = None
         if kvikio is None:
             try:
@@ -144,25 +155,34 @@ class DeviceBuffer:
 
 
 class _Verifier:
-    """XXH3-64 of chunks already in device memory, through two pinned bounce buffers: the
-    copy of chunk i+1 (on a side stream) overlaps the hash of chunk i."""
+    """XXH3-64 of chunks already in device memory, through ``len(bounce)`` pinned bounce
+    buffers and ``len(bounce) - 1`` hashing threads: a chunk's device-to-host copy (in order,
+    on one side stream) overlaps the hashes of the chunks before it, which run in parallel
+    (``agent._restore.xxh3_64`` releases the GIL)."""
 
     def __init__(self, path: Path, manifest: Manifest, base: torch.Tensor,
                  bounce: list[torch.Tensor] | None) -> None:
         self.path, self.manifest, self.base = path, manifest, base
         need = max((c.length for c in manifest.chunks), default=1)
-        if bounce is None or min(b.numel() for b in bounce) < need:
-            bounce = [_pinned(need, base.device) for _ in range(2)]
-        self.bounce = bounce
+        if not bounce or len(bounce) < 2 or min(b.numel() for b in bounce) < need:
+            bounce = [_pinned(need, base.device) for _ in range(hash_threads() + 1)]
+        self.free = list(bounce)
         self.cuda = base.device.type == "cuda"
         self.stream = torch.cuda.Stream(base.device) if self.cuda else None
-        self.pending: tuple[int, Any] | None = None    # (chunk index, event) copied, not hashed
+        self.pool = ThreadPoolExecutor(len(bounce) - 1, thread_name_prefix="verify")
+        self.pending: deque[tuple[Future, torch.Tensor]] = deque()   # hashes under way, in order
 
     def add(self, i: int) -> None:
-        """Start the copy of chunk ``i`` (its read has completed), then hash the one before."""
+        """Copy chunk ``i`` (its read has completed) into a free bounce buffer and hash it on
+        the pool; waits for the oldest hash when every buffer is in use (raising its
+        SnapshotCorrupt)."""
         c = self.manifest.chunks[i]
-        dst = self.bounce[i % 2][:c.length]
-        src = self.base[c.buffer_offset:c.buffer_offset + c.length]
+        if not self.free:
+            future, slot = self.pending.popleft()
+            future.result()
+            self.free.append(slot)
+        slot = self.free.pop()
+        dst, src = slot[:c.length], self.base[c.buffer_offset:c.buffer_offset + c.length]
         event = None
         if self.cuda:
             with torch.cuda.stream(self.stream):
@@ -171,25 +191,34 @@ class _Verifier:
                 event.record(self.stream)
         else:
             dst.copy_(src)
-        before, self.pending = self.pending, (i, event)
-        if before is not None:
-            self._hash(*before)
+        self.pending.append((self.pool.submit(self._hash, i, dst, event), slot))
 
     def finish(self) -> None:
-        if self.pending is not None:
-            self._hash(*self.pending)
-            self.pending = None
+        """Wait for every hash; raises the first chunk's SnapshotCorrupt in chunk order."""
+        while self.pending:
+            future, slot = self.pending.popleft()
+            future.result()
+            self.free.append(slot)
 
-    def _hash(self, i: int, event: Any) -> None:
+    def close(self) -> None:
+        """Stop the pool, waiting for hashes under way (they read the bounce buffers)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _hash(self, i: int, data: torch.Tensor, event: Any) -> None:
         if event is not None:
             event.synchronize()
         c = self.manifest.chunks[i]
-        actual = _restore.xxh3_64(self.bounce[i % 2][:c.length].numpy())
+        actual = _restore.xxh3_64(data.numpy())
         if actual != c.checksum:
             raise SnapshotCorrupt(f"{self.path / c.file}: chunk {i} XXH3-64 expected {c.checksum:016x}, "
                                   f"actual {actual:016x}; covers tensors {self.manifest.chunk_tensors(i)[:8]}",
                                   path=self.path / c.file, chunk=i, tensors=self.manifest.chunk_tensors(i),
                                   expected=c.checksum, actual=actual)
+
+
+def hash_threads() -> int:
+    """Hashing threads for a verified device restore: the cores, at most MAX_HASH_THREADS."""
+    return max(1, min(MAX_HASH_THREADS, os.cpu_count() or 1))
 
 
 def restore_to_device(path: Path | str, *, device: str = "cuda", buffer: DeviceBuffer | None = None,
@@ -234,6 +263,7 @@ def restore_to_device(path: Path | str, *, device: str = "cuda", buffer: DeviceB
     handles = {name: kvikio.CuFile(path / name, "r") for name in sorted({c.file for c in manifest.chunks})}
     futures: list[Any] = []
     waited = 0                  # futures[:waited] have been waited for
+    verifier = None
     try:
         for c in manifest.chunks:
             futures.append(handles[c.file].pread(base[c.buffer_offset:c.buffer_offset + c.length],
@@ -255,6 +285,8 @@ def restore_to_device(path: Path | str, *, device: str = "cuda", buffer: DeviceB
             _settle(future)
         for h in handles.values():
             h.close()
+        if verifier is not None:
+            verifier.close()
     if base.device.type == "cuda":
         torch.cuda.synchronize(base.device)
     seconds = time.perf_counter() - start
