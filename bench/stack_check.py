@@ -131,6 +131,10 @@ def run_stack(figs, model_dir: Path, release: Path | None, state: Path, prompt: 
 
         text1, ttft, _ = complete(stack.http_url, model, prompt, max_tokens)
         rec = _live(agent, "warm")
+        figs.fig("restore_path", rec.path if rec else None, "", met=rec is not None
+                 and rec.path == "restore")
+        if rec is not None and rec.attempts:
+            figs.note(f"failed rungs before it: {rec.attempts}")
         io = getattr(rec.handle, "restore_io", None) if rec else None
         figs.fig("zygote_restore_first_token_s", ttft, "s", path=io or "?",
                  limit={"target_s": RESTORE_TARGET_S}, target=f"<= {RESTORE_TARGET_S} s",

@@ -75,6 +75,8 @@ def run_throughput(figs, size_bytes: int, root: Path) -> None:
     from agent.snapshot import gpu
     from agent.snapshot.reader import HostBuffer, restore_snapshot
 
+    for old in root.parent.glob("tp-*"):     # an earlier size's files, if its step was cut off
+        shutil.rmtree(old, ignore_errors=True)
     t = time.perf_counter()
     snap, st_path, total = _write(root, size_bytes)
     figs.fig("bytes", total, "B")
@@ -88,7 +90,7 @@ def run_throughput(figs, size_bytes: int, root: Path) -> None:
     def warm() -> float:
         return min(warm_cache(f) for f in files)
 
-    host = HostBuffer.allocate(total, prefault=True)
+    host = HostBuffer.allocate(max([total] + [f.stat().st_size for f in data]), prefault=True)
     raw_s = sum(raw_odirect(f, f.stat().st_size, host, 16 << 20, 8) for f in data)
     raw = total / raw_s / 1e9
     figs.fig("raw_read_cold", round(raw, 3), "GB/s", path="host")
