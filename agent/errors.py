@@ -15,15 +15,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from agent.wire import refusals
+
 
 class RewarmError(Exception):
     """Base of every error rewarm raises on purpose.
 
     Attributes given as keywords are kept on the instance (``err.path``, ``err.limit``...)
-    so that handlers and tests can read them without parsing the message.
+    so that handlers and tests can read them without parsing the message.  ``refusal``: for
+    an error that refuses a request, why, as one of :data:`agent.wire.refusals.REFUSALS`
+    (a class default, or given where the refusal is decided); it travels in the ``error``
+    answer's ``refusal`` field.
     """
 
     code: int = 500
+    refusal: str | None = None
 
     def __init__(self, message: str, **attrs: Any) -> None:
         super().__init__(message)
@@ -44,6 +50,12 @@ class SnapshotCorrupt(SnapshotError, ValueError):
     Attributes: ``path``, ``chunk`` (index or None), ``tensors`` (names covered),
     ``expected``, ``actual``.
     """
+
+    path: object
+    chunk: int | None
+    tensors: list[str]
+    expected: object
+    actual: object
 
 
 class SnapshotIncompatible(SnapshotError, RuntimeError):
@@ -73,6 +85,11 @@ class InvalidCheckpoint(RewarmError, ValueError):
 
     Attributes: ``path``, ``field`` (tensor or key), ``value``, ``limit``.
     """
+
+    path: object
+    field: object
+    value: object
+    limit: object
 
 
 # --- the replica ------------------------------------------------------------------------
@@ -109,6 +126,7 @@ class CapacityExceeded(RewarmError, MemoryError):
     """A request cannot fit in the KV cache. Attributes: ``need_tokens``, ``limit_tokens``."""
 
     code = 413
+    refusal = refusals.TOO_LARGE
 
 
 # --- the wire ---------------------------------------------------------------------------
@@ -122,7 +140,35 @@ class ProtocolError(RewarmError, ValueError):
     framing error (from :meth:`agent.protocol.Decoder.feed`).
     """
 
+    field: object
+    value: object
+    limit: object
+    decoded: list[dict[str, Any]]
+
     code = 400
+
+
+class ContextLengthExceeded(ProtocolError):
+    """Prompt + ``max_tokens`` is longer than the model's context (400).
+
+    Worded as vLLM's OpenAI server words it (vllm/entrypoints/openai/serving_engine.py,
+    ``_validate_prompt_and_tokenize``: a ``ValueError`` answered 400), so that clients that
+    recognise "maximum context length is N tokens" (LangChain, LiteLLM) do.
+
+    Attributes: ``field`` (``max_tokens``), ``value`` (prompt + max_tokens), ``limit`` (the
+    context, ``max_model_len``), ``prompt_tokens``, ``max_tokens``.
+    """
+
+    refusal = refusals.CONTEXT_LENGTH
+
+    def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
+        total = prompt_tokens + max_tokens
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {total} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+            f"completion). Please reduce the length of the messages or completion.",
+            field="max_tokens", value=total, limit=max_model_len,
+            prompt_tokens=prompt_tokens, max_tokens=max_tokens)
 
 
 class MessageTooLarge(ProtocolError):
@@ -141,6 +187,7 @@ class ModelNotFound(RewarmError, LookupError):
     """No such model is configured (404). Attributes: ``model``."""
 
     code = 404
+    refusal = refusals.UNKNOWN_MODEL
 
 
 class ReplicaNotFound(RewarmError, LookupError):
@@ -155,8 +202,15 @@ class ReplicaNotFound(RewarmError, LookupError):
 class Overloaded(RewarmError):
     """Admission refused: the queue is full or the wait would be too long (429).
 
-    Attributes: ``model``, ``retry_after_ms``, ``depth``, ``limit``.
+    Attributes: ``model``, ``retry_after_ms``, ``depth``, ``limit``; ``refusal`` is given
+    where it is raised (``queue_full``, ``max_wait``, ``deadline_unreachable``).
     """
+
+    model: str
+    retry_after_ms: int
+    depth: int
+    limit: int
+    answer: dict[str, Any]   # a replica's refusal: predicted_ttft_ms, deadline_ms, retry_after_ms
 
     code = 429
 
@@ -165,6 +219,7 @@ class NoCapacity(RewarmError):
     """No replica can be made available for this model (503). Attributes: ``model``."""
 
     code = 503
+    refusal = refusals.NO_CAPACITY
 
 
 class DeadlineExceeded(RewarmError, TimeoutError):
@@ -174,6 +229,7 @@ class DeadlineExceeded(RewarmError, TimeoutError):
     """
 
     code = 504
+    refusal = refusals.DEADLINE
 
 
 # --- configuration, devices and the outside systems --------------------------------------
@@ -181,6 +237,10 @@ class DeadlineExceeded(RewarmError, TimeoutError):
 class ConfigError(RewarmError, ValueError):
     """A configuration value is out of range, or a request asks for something this node's
     configuration does not allow (409). Attributes: ``name``, ``value``, ``limit``."""
+
+    name: str
+    value: object
+    limit: object
 
     code = 409
 
@@ -200,13 +260,28 @@ class TraceNotFound(InvalidTrace, FileNotFoundError):
 class CudaCheckpointError(RewarmError, OSError):
     """A CUDA checkpoint driver call failed. Attributes: ``call``, ``result``, ``name``."""
 
+    call: str
+    result: int | None
+    name: str | None
+
 
 class DriverUnavailable(CudaCheckpointError):
     """libcuda.so.1 or the checkpoint symbols (driver r570+) are missing. Attributes: ``missing``."""
 
 
 class ClusterError(RewarmError, ConnectionError):
-    """Consul or Nomad could not be reached or refused. Attributes: ``service``, ``status``."""
+    """Consul or Nomad could not be reached or refused.
+
+    Attributes: ``service``, ``status`` (HTTP status, None when nothing answered),
+    ``endpoint``, ``retryable`` (429, 5xx and transport failures), ``retry_after_s`` (from a
+    ``Retry-After`` header or the caller's back-off; None when none was given).
+    """
+
+    service: str
+    status: int | None
+    endpoint: str | None
+    retryable: bool
+    retry_after_s: float | None
 
 
 class Unreachable(ClusterError):

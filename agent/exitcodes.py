@@ -17,13 +17,17 @@ code  name            when
                       504 deadline, 409 not allowed now, 404 no such model or replica
 77    EX_NOPERM       a server refused the credentials (401, Consul/Nomad ACL 403)
 78    EX_CONFIG       this command's configuration is wrong (a flag value, environment,
-                      a port in use, a model directory that is not one)
+                      a port in use or an address not of this host, a model directory
+                      that is not one); systemd's RestartPreventExitStatus=78 in jobs/systemd/
+                      stops a unit restarting on it
 130   INTERRUPTED     Ctrl-C / SIGTERM during a foreground command
 141   BROKEN_PIPE     the reader of stdout went away (``| head``)
 ====  ==============  ===========================================================
 """
 
 from __future__ import annotations
+
+import errno
 
 from agent.errors import (AclDenied, ConfigError, InvalidCheckpoint, InvalidTrace,
                           ProtocolError, SnapshotError, Unauthorized)
@@ -65,6 +69,8 @@ def exit_code(exc: BaseException) -> int:
     if isinstance(exc, (SnapshotError, InvalidCheckpoint, InvalidTrace, ProtocolError)) \
             and not isinstance(exc, OSError):
         return EX_DATAERR
+    if isinstance(exc, OSError) and exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+        return EX_CONFIG                       # a port in use: the units' RestartPreventExitStatus
     if isinstance(exc, OSError):
         return EX_IOERR
     return FAILURE

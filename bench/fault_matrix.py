@@ -123,7 +123,7 @@ class Traffic:
                 handle = None          # that replica failed: the next try goes elsewhere
                 continue
             want = self.reference[i]
-            self.wrong += sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
+            self.wrong += sum(a != b for a, b in zip(got, want, strict=False)) + abs(len(got) - len(want))
             return
         self.lost += 1
 

@@ -6,10 +6,10 @@
 The trace is binned into requests per second per ``--step-s`` step (the predictor's step).
 Each candidate of :func:`agent.predictor.forecast.build_forecaster` is fed the series one step
 at a time and its forecast ``lead`` steps ahead is compared with the rate then, where
-``lead = ceil((restore p99 + decision latency) / step)`` (agent/predictor/evaluate.py): MAE and
+``lead = ceil((restore p99 + decision latency) / step)`` (agent/sim/forecast_eval.py): MAE and
 the 0.9-quantile pinball loss, the share of steps under-forecast and the mean forecast (a
 proxy for the capacity it would hold).  The candidates are persistence (rate now), Holt (the
-predictor's weights, undamped), damped Holt (the predictor's Holt before issue 12), the upper
+predictor's weights, undamped), damped Holt (``phi`` 0.9), the upper
 quantile of the last minute, and each of the last two with the reactive backstop.  The table
 marks the best of each column; the JSON also holds every score.  Nothing is fitted to the
 trace: every candidate runs with its documented defaults.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from agent.argtypes import positive_float  # noqa: E402
 from agent.errors import ConfigError, InvalidTrace  # noqa: E402
-from agent.predictor.evaluate import evaluate, rate_series  # noqa: E402
+from agent.sim.forecast_eval import evaluate, rate_series  # noqa: E402
 from agent.predictor.forecast import FORECASTERS, build_forecaster  # noqa: E402
 from agent.sim.trace import read_trace  # noqa: E402
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, required=True)
     ap.add_argument("--restore-p99-s", type=positive_float, default=3.6,
-                    help="restore p99 (s; default the design document's 3.6)")
+                    help="restore p99 (s; default 3.6, a 13B snapshot restore)")
     ap.add_argument("--decision-s", type=positive_float, default=1.0,
                     help="decision latency (s; the predictor's 1 s tick)")
     ap.add_argument("--step-s", type=positive_float, default=1.0, help="predictor step (s)")

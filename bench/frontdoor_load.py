@@ -17,7 +17,7 @@ over ``--conns`` (>= 64) connections.  Reported (and written with ``--json PATH`
 - overload at twice ``frontdoor_rps``: ``offered``, ``ok``, ``shed_429``, ``expired_504``,
   ``lost`` (no answer at all) and the front door's peak RSS (VmHWM).
 
-Targets (issue 5): cpu/request <= 30 us, p99 added <= 2 ms, lost = 0, bounded memory.
+Targets: cpu/request <= 30 us, p99 added <= 2 ms, lost = 0, bounded memory.
 Usage: ``python bench/frontdoor_load.py --json var/bench/frontdoor_load.json``.
 """
 
@@ -46,7 +46,7 @@ MODEL = "bench"
 
 
 def _stub_speed():
-    """The speed the stub replicas report (contract point 2): they answer at once (no model),
+    """The speed the stub replicas report (docs/architecture.md, "Replica load reports"): they answer at once (no model),
     so their prefill and decode step are loopback-fast; the front door routes and admits on
     it as on any replica's report."""
     from agent.speed import SpeedProfile
@@ -227,7 +227,7 @@ async def _load(port: int, arrivals_s: np.ndarray, max_tokens: np.ndarray, conns
             for k in range(i, j):
                 batches[k % conns].append(packed[k])
             sent_t[i:j] = now
-            for link, batch in zip(links, batches):
+            for link, batch in zip(links, batches, strict=True):
                 if batch:
                     link.t.write(b"".join(batch))
             i = j

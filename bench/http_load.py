@@ -32,7 +32,7 @@ has a core of its own and the rest hold the stubs and this process (``cpu_pinnin
   API) against the HTTP door in front of a real SmolLM2-135M replica: TTFT p50/p99, ITL p50,
   output tokens/s.  Skipped (null) with ``--no-real``.
 
-Targets (issue 14): HTTP CPU/request <= 2x msgpack's; p99 added <= 2 ms at half capacity on
+Targets: HTTP CPU/request <= 2x msgpack's; p99 added <= 2 ms at half capacity on
 stubs; at 2x overload only 200/429/504 and 0 lost; RSS bounded over 10,000 connections.
 Usage: ``python bench/http_load.py --json var/bench/http_load.json`` (``--no-real`` to skip
 the real model).  Needs the bench extra (``pip install -e '.[bench]'``) for the real run.
@@ -101,7 +101,12 @@ async def _stubs(count: int, service_ms: float) -> None:
 # --- role: the front door with both doors ---------------------------------------------------
 
 async def _frontdoor(replicas: list[str], max_seqs: int, deadline_ms: float,
-                     queue_depth: int) -> None:
+                     queue_depth: int, slo_ms: float | None = None,
+                     metrics: bool = False) -> None:
+    """The front door with both doors over ``replicas`` (``MODEL@HOST:PORT``); ``deadline_ms``
+    is the model's default deadline and ``slo_ms`` (when given) both of its TTFT SLOs, as
+    ``rewarm frontdoor --model M=DEADLINE_MS --slo M=SLO_MS,SLO_MS`` sets them; ``metrics``:
+    serve the status port too (its port is the READY line's third word)."""
     from agent.cluster.base import ServiceInstance
     from agent.cluster.local import LocalRegistry
     from agent.frontdoor.http_entrance import HttpConfig, start_http
@@ -117,14 +122,19 @@ async def _frontdoor(replicas: list[str], max_seqs: int, deadline_ms: float,
             meta={"max_seqs": str(max_seqs), "active_seqs": "0",
                   "kv_capacity_tokens": str(max_seqs * 512), "kv_used_tokens": "0"}),
             ttl_s=float("inf"))
+    slos = {model: (slo_ms, slo_ms)} if slo_ms and model else {}
     config = FrontDoorConfig(models={model: deadline_ms}, max_queue_depth=queue_depth,
-                             max_wait_s=deadline_ms / 1000.0, max_connections=20_000)
+                             max_wait_s=deadline_ms / 1000.0, max_connections=20_000,
+                             slos=slos)
     fd = FrontDoor(config, registry=registry)
     _, port = await fd.start()
     http = await start_http(fd, HttpConfig(port=0, max_connections=20_000))
+    words = [port, http.address[1]]
+    if metrics:
+        words.append(fd.telemetry.serve_http(0).server_address[1])
     import gc
     gc.freeze()  # as `rewarm frontdoor` does
-    print("READY", port, http.address[1], flush=True)
+    print("READY", *words, flush=True)
     await asyncio.Event().wait()
 
 
@@ -250,23 +260,50 @@ def _real_replica(args, out: dict) -> dict | None:
     try:
         ready = json.loads(replica.stdout.readline())
         name = "smollm2-135m"
-        # the deadline is the warm-hit SLO's order of magnitude on a CPU replica: a minute
-        fd, (_, http_port) = _spawn("--role", "frontdoor", "--replica",
-                                    f"{name}@{ready['ready']}", "--max-seqs", "8",
-                                    "--deadline-ms", "60000")
+        # guidellm sends no deadline header: the budget is the model's, set on the front door
+        # the documented way (docs/http-api.md, "Deadlines"): --real-slo-ms for both TTFT
+        # SLOs and the model's default deadline, as `rewarm frontdoor --model
+        # smollm2-135m=MS --slo smollm2-135m=MS,MS` does.  0: the default SLOs (2 s / 4 s).
+        slo = ["--slo-ms", f"{args.real_slo_ms:g}"] if args.real_slo_ms else []
+        fd, (_, http_port, metrics_port) = _spawn(
+            "--role", "frontdoor", "--replica", f"{name}@{ready['ready']}", "--max-seqs", "8",
+            "--deadline-ms", f"{args.real_slo_ms or 60000:g}", *slo, "--metrics")
         try:
             cpu0 = _cpu_s(fd.pid)
             report = _guidellm(int(http_port), name, model_dir, REPO / "var" / "bench",
                                rate=args.real_rate, requests=args.real_requests,
                                prompt_tokens=64, output_tokens=32)
             cpu = _cpu_s(fd.pid) - cpu0
+            refused = _refusals(int(metrics_port))
         finally:
             fd.kill()
             fd.wait()
     finally:
         replica.terminate()
         replica.wait(30)
-    return _guidellm_summary(report, cpu, args.real_requests)
+    summary = _guidellm_summary(report, cpu, args.real_requests)
+    summary["slo_ms"] = args.real_slo_ms or None
+    summary["refused_by_reason"] = refused
+    return summary
+
+
+def _refusals(metrics_port: int) -> dict[str, int]:
+    """The front door's refusals by reason (``rewarm_rejections_total``, its status port):
+    what a guidellm run counts only as "errored"."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "rewarm_rejections":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = f"{sample.labels['code']} {sample.labels['reason']}"
+                    out[key] = out.get(key, 0) + int(sample.value)
+    return out
 
 
 def _guidellm_summary(report: dict, cpu_s: float, requests: int) -> dict:
@@ -304,6 +341,9 @@ def main() -> None:
     ap.add_argument("--no-real", action="store_true", help="skip the real-replica run")
     ap.add_argument("--real-rate", type=float, default=0.5)
     ap.add_argument("--real-requests", type=int, default=20)
+    ap.add_argument("--real-slo-ms", type=float, default=60_000.0,
+                    help="the real replica's TTFT SLOs and default deadline on the front door "
+                         "(guidellm cannot send x-rewarm-deadline-ms); 0: the defaults")
     ap.add_argument("--only-real", action="store_true", help="skip the stub runs")
     ap.add_argument("--no-pin", action="store_true",
                     help="stub runs: leave the front door, stubs and clients unpinned")
@@ -313,6 +353,8 @@ def main() -> None:
     ap.add_argument("--replica", action="append", default=[], help=argparse.SUPPRESS)
     ap.add_argument("--max-seqs", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--deadline-ms", type=float, default=2000.0, help=argparse.SUPPRESS)
+    ap.add_argument("--slo-ms", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--metrics", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--queue-depth", type=int, default=4096, help=argparse.SUPPRESS)
     ap.add_argument("--uvloop", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -324,12 +366,29 @@ def main() -> None:
             asyncio.run(_stubs(args.count, args.service_ms))
         else:
             asyncio.run(_frontdoor(args.replica, args.max_seqs, args.deadline_ms,
-                                   args.queue_depth))
+                                   args.queue_depth, args.slo_ms, args.metrics))
         return
     out = {"load_generator": _load_generator()} if args.only_real else run_stubs(args)
     out["real_replica"] = None if args.no_real else _real_replica(args, out)
     out["loadavg_1m"] = round(os.getloadavg()[0], 2)
-    _print(out)
+    rows = _print(out)
+    from run_meta import run_meta
+    out["meta"] = run_meta()
+    out["title"] = ("The HTTP door beside the msgpack door (stub replicas), and guidellm "
+                    "through the HTTP door in front of a real SmolLM2-135M replica")
+    out["tables"] = [{"title": "bench/http_load.py", "columns": ["measure", "value"],
+                      "rows": [[name, value] for name, value in rows],
+                      "notes": f"load generator: {out['load_generator']}"}]
+    real = out.get("real_replica")
+    if real:
+        out["tables"].append({
+            "title": "guidellm refusals at the front door, by reason",
+            "columns": ["status and reason", "requests"],
+            "rows": [[k, v] for k, v in sorted(real["refused_by_reason"].items())]
+            or [["none", 0]],
+            "notes": (f"TTFT SLOs and default deadline {real['slo_ms']:g} ms on the front door "
+                      "(guidellm sends no deadline header)" if real.get("slo_ms") else
+                      "the default TTFT SLOs (2 s warm, 4 s restore)")})
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))
@@ -379,7 +438,7 @@ def _stub_runs(args, door_cpus: list[int] | None, other_cpus: list[int] | None) 
             out[f"{name}_cpu_us_per_request"] = round(float(np.median(values)), 1)
             out[f"{name}_cpu_us_rounds"] = [round(v, 1) for v in values]
         out["http_msgpack_cpu_ratio_rounds"] = [round(h / m, 2) for h, m in
-                                                zip(per["http"], per["msgpack"])]
+                                                zip(per["http"], per["msgpack"], strict=True)]
         capacity = _ladder(http_port, args.ladder_s)
         half = capacity / 2
         out["http_capacity_rps"] = round(capacity)
@@ -390,7 +449,7 @@ def _stub_runs(args, door_cpus: list[int] | None, other_cpus: list[int] | None) 
         via_http, busy = _busy(fd.pid, lambda: http_load(http_port, lat_arrivals))
         via_msg, _ = asyncio.run(msgpack_load(msg_port, lat_arrivals))
         out["half_capacity_http_door_cpu_fraction"] = round(busy, 3)
-        out["latency_client"] = dict(zip(("direct", "http", "msgpack"), CLIENT_STATS))
+        out["latency_client"] = dict(zip(("direct", "http", "msgpack"), CLIENT_STATS, strict=True))
         out["half_capacity_rps"] = round(half)
         for q in (50, 99):
             out[f"http_p{q}_added_ms"] = round(pct(via_http, q) - pct(direct, q), 3)
@@ -458,7 +517,8 @@ def _guidellm_version() -> str:
         return "(not installed)"
 
 
-def _print(out: dict) -> None:
+def _print(out: dict) -> list[tuple[str, object]]:
+    """Print the table; returns its rows (name, value) for the JSON's ``tables``."""
     if "http_cpu_us_per_request" not in out:   # --only-real
         out = {**out, **{k: float("nan") for k in (
             "http_cpu_us_per_request", "http_sse_cpu_us_per_request",
@@ -492,7 +552,9 @@ def _print(out: dict) -> None:
         rows += [("real replica TTFT p50 / p99 (ms)",
                   f"{real['ttft_ms_p50']:.1f} / {real['ttft_ms_p99']:.1f}"),
                  ("real replica ITL p50 (ms)", f"{real['itl_ms_p50']:.1f}"),
-                 ("real replica output tokens/s", f"{real['tokens_per_s']:.1f}")]
+                 ("real replica output tokens/s", f"{real['tokens_per_s']:.1f}"),
+                 ("real replica answered 200 / requests",
+                  f"{real['answered_200']} / {real['requests']}")]
     width = max(len(r[0]) for r in rows)
     print(f"load generator: {out['load_generator']}")
     if "cpu_pinning" in out:
@@ -500,7 +562,11 @@ def _print(out: dict) -> None:
               f"{out['cpu_pinning'] or 'not pinned'}")
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    if real and real.get("refused_by_reason"):
+        print("real replica refusals: " + ", ".join(
+            f"{k} x{v}" for k, v in sorted(real["refused_by_reason"].items())))
     print(f"load average {out['loadavg_1m']}")
+    return rows
 
 
 if __name__ == "__main__":

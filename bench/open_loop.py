@@ -38,7 +38,7 @@ class _HttpConn(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection of :func:`http_load`: at most one request in
     flight (``rid``); back in ``idle`` once its answer is complete."""
 
-    def __init__(self, run: "_Run", idle: list, freed: asyncio.Event) -> None:
+    def __init__(self, run: _Run, idle: list, freed: asyncio.Event) -> None:
         import httptools
 
         self.run, self.idle, self.freed, self.rid = run, idle, freed, -1

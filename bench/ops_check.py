@@ -164,9 +164,9 @@ def start_stack(tmp: Path) -> dict:
     rep = spawn([*REWARM, "replica", "--listen", "127.0.0.1:0", "--model-dir", str(model_dir),
                  "--metrics-listen", f"127.0.0.1:{ports['rep_m']}"], logs["replica"])
     wait_for(logs["replica"], r'"ready"', 120, rep)
-    pred = spawn([*REWARM, "predictor", "--model", name, "--frontdoor", f"127.0.0.1:{ports['fd']}",
-                  "--node-agent", f"127.0.0.1:{ports['agent']}", "--metrics-port",
-                  str(ports["pred_m"])], logs["predictor"])
+    spawn([*REWARM, "predictor", "--model", name, "--frontdoor", f"127.0.0.1:{ports['fd']}",
+           "--node-agent", f"127.0.0.1:{ports['agent']}", "--metrics-port",
+           str(ports["pred_m"])], logs["predictor"])
     answers = []
     for _ in range(2):                          # a cold start, then a warm hit
         g = subprocess.run([*REWARM, "generate", "--model", name, "--tokens", "1,2,3",

@@ -2,8 +2,8 @@
 
 Four synthetic 10-minute windows of about 1,500 requests (2.5 req/s on average: steady, step
 bursts, a ramp, a long idle gap), each replayed through the production request path and
-predictor with simulated replicas, as bench/trace_replay.py's ``sim`` column runs.  Target
-(issue 12 brief): well under a minute of CPU per window.  Prints a table and writes JSON.
+predictor with simulated replicas, as bench/trace_replay.py's ``sim`` column runs.  Target:
+well under a minute of CPU per window.  Prints a table and writes JSON.
 
     .venv/bin/python bench/pathsim_speed.py [--json var/bench/pathsim_speed.json]
 """
@@ -54,7 +54,7 @@ def plan_for(shape: str, seed: int = 0) -> list[ReplayRequest]:
     at = np.concatenate([s + np.sort(rng.random(c)) for s, c in enumerate(counts)])
     prompt = np.clip(rng.lognormal(np.log(12), 0.6, at.size), 1, 200).astype(int)
     return [ReplayRequest(float(a), int(p), 1 + int(rng.integers(0, 3)))
-            for a, p in zip(at, prompt)]
+            for a, p in zip(at, prompt, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,10 +3,10 @@
     bench/predictor_tick.py [--models 1,10,100] [--ticks 3600] [--trace PATH] --json PATH
 
 Decision latency is one input of the lead-time rule (lead time > restore p99 + decision
-latency, snapshot design document ../shared/seeds/002_b8b5536ec4319928.txt); ModelPolicy's
+latency, docs/architecture.md, "Sizing"); ModelPolicy's
 default budget is ``decision_latency_s = 1.0``. For N models, each tick observes every model
 and decides (Predictor.tick) against an in-memory scaler; the table gives the mean and p99
-wall time of one whole tick. The trace part replays ../shared/traces/azure_llm_2023_code.csv
+wall time of one whole tick. The trace part replays a trace CSV (``--trace``; docs/architecture.md, "Traces")
 binned per second through one model and reports the 15 s forecast's mean absolute error
 against the mean rate over the next 15 s, next to "the next 15 s are like this second".
 Target: p99 tick time for 100 models far below the 1 s budget (< 10 ms).

@@ -1,7 +1,14 @@
-"""The replay's targets on trace shapes we do not have, in the simulator.
+"""The replay's targets on every shape of traffic, in the simulator.
 
     bench/replay_shapes.py [--from-json REPLAY.json | --profile ENGINE_PROFILE.json]
-                           [--restore-s 2.0] [--load 0.3,3] --json PATH
+                           [--restore-s 2.0] [--load 0.3,3] [--traces DIR] --json PATH
+
+``--traces DIR``: every ``*.csv`` in DIR (the Azure trace format) is first run whole through
+the fleet simulator, as ``rewarm simulate --trace`` runs it (agent/sim/scenarios.py
+``trace_scenario``: every policy, each request held to its own SLO, base + prefill), twice:
+with the deadline equal to the SLO and with the default deadline (agent/slo.py, 3x the SLO).
+It prints per trace and policy the SLA attainment, GPU-hours against always-on, 429s
+(and how many were too large for any replica), 504s and late answers.
 
 Four synthetic 10-minute traces in the Azure format's terms (Poisson arrivals, prompt and
 output lengths drawn like a code-completion trace: lognormal around 1,500 / 20 tokens), each
@@ -19,7 +26,7 @@ The replica's speed and restore time come from a live replay's JSON (``--from-js
 stand-in profile of SmolLM2-135M on a quiet two-core machine (stated in the output).  It
 prints, per shape and load, the SLA attainment, 429s and 504s, TTFT p99 per path and
 GPU-seconds against the always-on pool sized for the shape's busiest 10 s, and which of
-issue 12's targets hold.
+bench/trace_replay.py's targets hold.
 """
 
 from __future__ import annotations
@@ -78,6 +85,67 @@ def synthetic_rows(shape: str, seed: int = 0):
     return arrival, ctx, gen
 
 
+def run_traces(directory: Path) -> list[dict]:
+    """Each ``*.csv`` of ``directory`` through the fleet simulator under both deadline
+    policies; prints a table and returns one row per trace, policy and deadline."""
+    from agent.sim.fleet import StartupTimes
+    from agent.sim.scenarios import trace_scenario
+    from agent.sim.trace import load_trace
+    from agent.slo import DEADLINE_FACTOR, TtftSlo
+
+    files = sorted(directory.glob("*.csv"))
+    if not files:
+        raise SystemExit(f"--traces {directory}: no *.csv file there")
+    rows = []
+    print(f"{'trace':<34} {'deadline':<9} {'policy':<20} {'SLA %':>7} {'GPU x on':>8} "
+          f"{'429':>5} {'(big)':>5} {'504':>5} {'late':>5}")
+    for f in files:
+        w = load_trace(f)
+        for label, factor in (("= SLO", 1.0), (f"{DEADLINE_FACTOR:g}x SLO", DEADLINE_FACTOR)):
+            r = trace_scenario(w, StartupTimes(), slo=TtftSlo(deadline_factor=factor))
+            on = next(p for p in r["policies"] if p["name"] == "always_on")["gpu_hours"]
+            for pol in r["policies"]:
+                ratio = pol["gpu_hours"] / on if on else float("nan")
+                print(f"{f.name[:34]:<34} {label:<9} {pol['name']:<20} "
+                      f"{100 * pol['sla_compliance']:>7.3f} {ratio:>8.3f} {pol['shed']:>5} "
+                      f"{pol['shed_too_large']:>5} {pol['expired']:>5} {pol['late']:>5}")
+                rows.append({"trace": f.name, "requests": r["requests"],
+                             "deadline_factor": factor, "policy": pol["name"],
+                             "sla_compliance": pol["sla_compliance"], "gpu_hours": pol["gpu_hours"],
+                             "gpu_ratio_always_on": ratio, "shed": pol["shed"],
+                             "shed_too_large": pol["shed_too_large"],
+                             "expired": pol["expired"], "late": pol["late"],
+                             "cold_arrivals": pol["cold_arrivals"],
+                             "starts_by_tier": pol["starts_by_tier"]})
+    return rows
+
+
+TITLE = "The simulator on every shape of traffic: the shipped traces and four synthetic shapes"
+
+
+def tables(traces: list[dict], runs: list[dict]) -> list[dict]:
+    """The figures the benchmarks page shows (bench/render_docs.py's ``tables``)."""
+    out = []
+    if traces:
+        out.append({
+            "title": "Fleet simulator, whole trace, per deadline policy (rewarm simulate --trace)",
+            "columns": ["trace", "deadline", "policy", "SLA %", "GPU-h x always-on", "429",
+                        "429 too large", "504", "late"],
+            "rows": [[t["trace"], "= SLO" if t["deadline_factor"] == 1.0
+                      else f"{t['deadline_factor']:g}x SLO", t["policy"],
+                      round(100 * t["sla_compliance"], 3), round(t["gpu_ratio_always_on"], 3),
+                      t["shed"], t["shed_too_large"], t["expired"], t["late"]] for t in traces],
+            "notes": "SLO per request: 2 s warm / 4 s restore plus its own prefill; late = "
+                     "served after its SLO (a miss). 429 too large: KV need beyond one replica."})
+    if runs:
+        out.append({
+            "title": "Request path and predictor on virtual time, synthetic 10-minute shapes",
+            "columns": ["shape", "load", "requests", "SLA", "429", "504", "GPU x always-on"],
+            "rows": [[r["shape"], r["load"], r["requests"], round(r["sla_attainment"], 4),
+                      r["shed_429"], r["expired_504"], round(r["gpu_ratio"], 3)] for r in runs]})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from agent.sim.replay_scale import always_on_replicas, fit_scale, replay_requests
     from agent.speed import SpeedProfile
@@ -91,9 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", default="0.3,3")
     ap.add_argument("--max-replicas", type=int, default=2)
     ap.add_argument("--wall-s", type=positive_float, default=240.0)
+    ap.add_argument("--traces", type=Path, default=None,
+                    help="a folder of trace CSVs to run through the fleet simulator first")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
     logging.getLogger("agent.predictor").setLevel(logging.WARNING)
+    traces = run_traces(args.traces) if args.traces is not None else []
     restore_s, source = args.restore_s, "stand-in (no measurement given)"
     profile = SpeedProfile(**STAND_IN)
     actual = None    # the replicas serve at the speed they report, unless a replay measured it
@@ -135,8 +206,13 @@ def main(argv: list[str] | None = None) -> int:
             out.append({"shape": shape, "load": load, "scale": scale.to_json(), **sim,
                         "verdict": v})
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"profile": profile.to_meta(), "profile_source": source,
-                                     "restore_s": restore_s, "runs": out}, indent=1) + "\n")
+    from run_meta import run_meta
+
+    args.json.write_text(json.dumps({"meta": run_meta(), "title": TITLE,
+                                     "tables": tables(traces, out),
+                                     "profile": profile.to_meta(),
+                                     "profile_source": source, "restore_s": restore_s,
+                                     "traces": traces, "runs": out}, indent=1) + "\n")
     print(f"written to {args.json}")
     return 0
 

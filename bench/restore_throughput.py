@@ -37,11 +37,11 @@ touch pass (every byte read) inside the clock:
   torch.load(mmap=True).  sllm-store is not measured: it builds only with CUDA or ROCm.
 
 Memory: each fresh-process load's peak RSS (VmHWM, reset after its imports) less its baseline.
-GB/s is 10^9 bytes per second.  Targets (issue 16, 1 GiB and 4 GiB, the 2-core machine):
+GB/s is 10^9 bytes per second.  Targets (1 GiB and 4 GiB, the 2-core machine):
 fresh-process verified cold ≥ 0.85 × O_DIRECT limit and warm ≥ 0.8 × first touch; zygote cold
 ≥ 0.9 × limit and warm ≥ 0.6 × memcpy; fresh verified cold ≥ 1.5 × the best peer's cold;
-verification overhead ≤ 10 %; RSS added ≤ snapshot bytes + 64 MiB.  The earlier targets of
-issue 2 (zygote path against safetensors) are kept in the table.
+verification overhead ≤ 10 %; RSS added ≤ snapshot bytes + 64 MiB.  The zygote path's targets
+against safetensors are kept in the table too.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ def _paired(loads: list[dict], raws: list[dict]) -> dict:
     """Each round's cold load GB/s over the raw O_DIRECT read of the same round (the disk's
     speed drifts between rounds on a shared machine; a ratio within one round sees one speed):
     median and min-max over the rounds where both ran."""
-    r = sorted(raw["seconds"] / load["seconds"] for load, raw in zip(loads, raws)
+    r = sorted(raw["seconds"] / load["seconds"] for load, raw in zip(loads, raws, strict=True)
                if "error" not in load and "error" not in raw)
     return {"median": statistics.median(r), "min": r[0], "max": r[-1]} if r else {"median": None}
 
@@ -331,7 +331,7 @@ def in_process(snap: Path, st_path: Path, pt_path: Path, repeat: int, classic: b
         "warm": lambda: rewarm_once(snap, data, buf, False, True, warm_share),
         "warm_nv": lambda: rewarm_once(snap, data, buf, False, False, warm_share),
     }, repeat))
-    del src, dst, buf
+    src = dst = buf = None   # drop the buffers (the lambdas above are done with them)
     gc.collect()
     g = lambda s: nbytes / s / 1e9  # noqa: E731
     res = {"bytes": nbytes, "odirect_limit_gbps": max(max(sweep.values()), g(t["raw"])),

@@ -1,4 +1,4 @@
-"""The judge of issue 12: a live replay of a trace window on the real embedded stack, scaled
+"""The judge of the serving promise (docs/architecture.md, "Admission"): a live replay of a trace window on the real embedded stack, scaled
 to this machine, beside the simulator's replay of the same requests.
 
     bench/trace_replay.py --trace CSV [--load 0.3[,3]] [--minutes 10] [--start-min 0]
@@ -9,7 +9,7 @@ SmolLM2-135M, the front door, the node agent and, for the replay, the predictor)
 
 1. the node agent cold-boots a replica (its ``restore`` op with no snapshot yet; the snapshot
    is captured in the background);
-2. the replica's speed is measured through the front door (:func:`agent.replay.calibrate`);
+2. the replica's speed is measured through the front door (:func:`agent.sim.replay.calibrate`);
    the window is scaled by the profile the replica's own speed meter then reports (the one
    the front door admits and routes with), else by that calibration, or by ``--profile``
    (an engine profile file from bench/engine_profile.py); once its snapshot is ready the replica is drained and restored
@@ -32,7 +32,7 @@ its ``--records`` file) and prints both columns: the simulator can be changed an
 against one live run without running the stack again.
 
 It prints live and simulated side by side and writes ``--json``: per load the keys of
-:func:`agent.replay.summarise` (``requests, served, shed_429, shed_429_within_50ms,
+:func:`agent.sim.replay.summarise` (``requests, served, shed_429, shed_429_within_50ms,
 expired_504, lost, sla_attainment, ttft_ms, gpu_seconds, always_on_gpu_seconds, restores``),
 ``sim`` (the same keys), ``load``, ``speedup``, ``token_scale``, ``trace``, the profile, the
 measured restore and the targets' verdicts.  GPU-seconds are replica-seconds here (a CPU
@@ -61,8 +61,11 @@ sys.path.insert(0, str(REPO))
 from agent.argtypes import nonneg_float, positive_float, positive_int  # noqa: E402
 from agent.errors import ConfigError, InvalidTrace, RewarmError  # noqa: E402
 
-WARM_SLO_MS, RESTORE_SLO_MS = 2000.0, 4000.0   # issue 12 contract item 4 (design document)
+WARM_SLO_MS, RESTORE_SLO_MS = 2000.0, 4000.0   # the default TTFT SLOs (docs/architecture.md)
 DECISION_LATENCY_S = 1.0
+# a sparse window's median gap is kept at least this many times (restore + keep-alive) in
+# wall time: long enough that scaling to zero in it pays and shows (agent/sim/replay_scale.py)
+GAP_FACTOR = 10.0
 
 
 def say(text: str) -> None:
@@ -137,10 +140,31 @@ def predictor_policy(restore_s: float, max_replicas: int) -> dict:
             "costs": KeepAliveCosts(restore_s=restore_s)}
 
 
+def gap_floor(arrival_s, window_s: float, restore_s: float, cap: int) -> dict:
+    """Whether a window is sparse and the compression that keeps its gaps: the predictor's
+    keep-alive for the window's mean rate under the replay's policy (``release_after_s``,
+    agent/predictor/loop.py), the wall floor ``GAP_FACTOR x (restore + keep-alive)`` and
+    :func:`agent.sim.replay_scale.gap_keeping_speedup` (None for a dense window)."""
+    import numpy as np
+
+    from agent.predictor.keepalive import plan_keepalive
+    from agent.predictor.loop import ModelPolicy, release_after_s
+    from agent.sim.replay_scale import gap_keeping_speedup
+
+    policy = ModelPolicy("replay", **predictor_policy(restore_s, cap))
+    rate = len(arrival_s) / window_s
+    keepalive_s = release_after_s(plan_keepalive(rate, policy.costs), policy)
+    floor = GAP_FACTOR * (restore_s + keepalive_s)
+    a = np.asarray(arrival_s, dtype=np.float64)
+    median = float(np.median(np.diff(a))) if a.size > 1 else None
+    return {"keepalive_s": keepalive_s, "gap_floor_s": floor, "median_gap_s": median,
+            "max_speedup": gap_keeping_speedup(a, floor)}
+
+
 def run_one(args, load: float, rows, window_s: float, model_dir, release, note) -> dict:
     """One replay at ``load`` on a fresh stack: live, then simulated (module docstring)."""
-    from agent import replay
-    from agent.demo import Sampler, _fresh_state, _vocabulary, replica_limits, replica_stats
+    from agent.sim import replay
+    from agent.sim.demo import Sampler, _fresh_state, _vocabulary, replica_limits, replica_stats
     from agent.replica.config import LlamaConfig
     from agent.sim.replay_scale import always_on_replicas, fit_scale, replay_requests
     from agent.up import Stack
@@ -179,7 +203,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
             # the front door admits and routes on what the replica reports: scale by the same
             profile, source = meter, "the replica's speed meter (what admission predicts with)"
         else:
-            profile, source = calibrated, "measured through the front door (agent.replay.calibrate)"
+            profile, source = calibrated, "measured through the front door (agent.sim.replay.calibrate)"
         say(f"  scaling by {source}")
         say("  draining the replica to measure a restore")
         for r in live_replicas(stack):
@@ -196,10 +220,16 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
         restore_s = max([float(r["duration_s"]) for r in new_rows if r["outcome"] == "ok"]
                         or [again.ttft_ms / 1000.0])
         say(f"  restore: {restore_s:.2f} s (probe path {again.path}, TTFT {again.ttft_ms:.0f} ms)")
+        gaps = gap_floor(rows.arrival_s, window_s, restore_s, cap)
+        if gaps["max_speedup"] is not None:
+            say(f"  sparse window: median gap {gaps['median_gap_s']:.1f} s; compression held at "
+                f"{gaps['max_speedup']:.2f}x so it stays >= {GAP_FACTOR:g} x (restore "
+                f"{restore_s:.2f} s + keep-alive {gaps['keepalive_s']:.2f} s) = "
+                f"{gaps['gap_floor_s']:.1f} s of wall time (the wall budget is exceeded)")
         scale = fit_scale(rows.context_tokens, rows.generated_tokens, window_s=window_s,
                           profile=profile, load=load, wall_s=args.wall_s,
                           ttft_slo_s=WARM_SLO_MS / 1000.0, max_seqs=max_seqs,
-                          max_tokens_per_request=max_seq_len)
+                          max_tokens_per_request=max_seq_len, max_speedup=gaps["max_speedup"])
         plan = replay_requests(rows.arrival_s, rows.context_tokens, rows.generated_tokens,
                                scale, max_seq_len)
         say(f"  scale: speedup {scale.speedup:.3f} (trace s per wall s), token scale "
@@ -220,7 +250,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
                                                 until_s=scale.wall_s))
         span_s = sampler.stop()
         # the front door's own counts: replica 429s, requests placed again, late first tokens
-        fd_counts = dict(stack.frontdoor.path.counts) if stack.frontdoor is not None else {}
+        fd_counts = dict(stack.frontdoor.path.counts)
         rows_after = stack.agent.catalog.cold_starts(model)
         restores = len(rows_after) - restores_before
         # each restore of the window, as the node agent timed it (the simulator's restores)
@@ -252,7 +282,7 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
         codes[o.code] = codes.get(o.code, 0) + 1
     reasons = sorted({o.reason[:160] for o in outcomes if o.code not in (200,)})[:8]
     out = {**live, "sim": sim, "load": load, "trace": Path(rows.path).name, "speedup": scale.speedup,
-           "token_scale": scale.token_scale, "scale": scale.to_json(),
+           "token_scale": scale.token_scale, "scale": scale.to_json(), "idle_gaps": gaps,
            "profile": profile.to_meta(), "profile_source": source,
            "replica_meter_profile": None if meter is None else meter.to_meta(),
            "calibrated_profile": calibrated.to_meta(),
@@ -278,7 +308,7 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
     (:func:`agent.sim.pathsim.simulate_path`), configured as this replay's stack.  The
     simulated replicas report ``profile`` (what the live replica's meter reported, which
     admission predicts with) and serve at ``actual`` (the speed measured through the front
-    door, :func:`agent.replay.calibrate`: what its clients saw; default ``profile``).  The
+    door, :func:`agent.sim.replay.calibrate`: what its clients saw; default ``profile``).  The
     front door starts with ``restore_s`` measured (the probe's restore, as live); each
     simulated restore takes the median of ``replay_restores_s`` (the restores the node agent
     timed during the live window; default ``restore_s``), plus the time to start a zygote
@@ -363,7 +393,7 @@ def write_records(path: Path, load: float, plan, outcomes, decisions) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     t0 = decisions[0].at_s if decisions else 0.0
     with target.open("w") as f:
-        for r, o in zip(plan, outcomes):
+        for r, o in zip(plan, outcomes, strict=True):
             f.write(_json_line({"kind": "request", "at_s": r.at_s, "sent_s": o.sent_s,
                                 "prompt_tokens": r.prompt_tokens,
                                 "output_tokens": r.output_tokens, "code": o.code,
@@ -385,7 +415,7 @@ def _json_line(row: dict) -> str:
 
 
 def verdict(r: dict) -> dict:
-    """Issue 12's targets for one run (True/False per target)."""
+    """The replay's targets for one run (True/False per target; module docstring)."""
     n = max(1, r["requests"])
     t = r["ttft_ms"]
     p99 = lambda path: t.get(path, {}).get("p99")  # noqa: E731
@@ -429,7 +459,7 @@ def prediction_error(outcomes) -> dict:
     """How the front door's predictions met what the clients saw, over the served requests
     that carried one: ``count``, and ``actual - predicted`` TTFT (ms) at p50, p99 and max
     (positive: optimistic)."""
-    from agent.replay import percentile
+    from agent.sim.replay import percentile
 
     errors = [o.ttft_ms - o.predicted_ttft_ms for o in outcomes
               if o.code == 200 and o.ttft_ms is not None and o.predicted_ttft_ms is not None]
@@ -444,7 +474,9 @@ def _ms(x) -> str:
 def table(r: dict) -> str:
     s = r["sim"]
     lines = [f"load {r['load']:g}: {r['requests']} requests over {r['scale']['wall_s']:.0f} s "
-             f"(speedup {r['speedup']:.2f}, token scale {r['token_scale']:.4f}); load average "
+             f"(speedup {r['speedup']:.2f}"
+             f"{', held to keep idle gaps' if r['scale'].get('bound') == 'idle_gaps' else ''}, "
+             f"token scale {r['token_scale']:.4f}); load average "
              f"{', '.join(f'{x:.1f}' for x in r['loadavg'])}",
              f"{'':<28}{'live':>12}{'simulated':>12}"]
     for key in ("served", "shed_429", "shed_429_within_50ms", "expired_504", "lost",

@@ -76,11 +76,9 @@ job "rewarm-agent" {
       mode     = "delay"
     }
 
-    volume "snapshots" {
-      type      = "host"
-      source    = "rewarm-snapshots"
-      read_only = false
-    }
+    # Leave Consul before the task gets SIGTERM, so no new restore is routed here (Nomad
+    # deregisters the group's services, waits shutdown_delay, then signals the task).
+    shutdown_delay = "2s"
 
     network {
       port "control" { static = 7733 }
@@ -91,8 +89,6 @@ job "rewarm-agent" {
       name     = "rewarm-agent"
       port     = "control"
       provider = "consul"
-      # Leave Consul before the task gets SIGTERM, so no new restore is routed here.
-      shutdown_delay = "2s"
 
       check {
         type     = "tcp"
@@ -115,6 +111,11 @@ job "rewarm-agent" {
       }
     }
 
+    # raw_exec: the agent starts replica processes on the GPUs that the replica allocations
+    # hold, so it needs the host's devices and filesystem without isolation.  raw_exec takes
+    # no volume_mount (its capabilities say MountConfigSupportNone; a host volume fails the
+    # task in prestart), so the snapshot cache is the host path var.state_dir, which the
+    # operator creates on each node.  The client must enable raw_exec (docs/cluster.md).
     task "agent" {
       driver = "raw_exec"
 
@@ -127,7 +128,7 @@ job "rewarm-agent" {
                    "--registry", "consul", "--nomad-metadata",
                    "--nomad-node-id", "${node.unique.id}", "--remote", var.remote_dir,
                    "--threads", "${var.threads}", "--buffer-mib", "${var.buffer_mib}",
-                   "--metrics-listen", "${attr.unique.network.ip-address}:${NOMAD_PORT_metrics}", "--drain-grace-s", "30"]
+                   "--metrics-listen", "${attr.unique.network.ip-address}:${NOMAD_PORT_metrics}", "--drain-grace-s", "25"]
       }
 
       env {
@@ -152,15 +153,22 @@ job "rewarm-agent" {
         env         = true
       }
 
-      volume_mount {
-        volume      = "snapshots"
-        destination = "/var/lib/rewarm"
+      # Consul's ACL token for this task (CONSUL_HTTP_TOKEN, which py-consul reads), rendered
+      # from Nomad Variables: `nomad var put nomad/jobs/rewarm-agent consul_token=<SecretID>` of a
+      # token carrying this job's Consul policy (docs/cluster.md, "ACL").  Empty when unset
+      # (Consul without ACLs).
+      template {
+        data        = <<-EOT
+          CONSUL_HTTP_TOKEN={{ with nomadVar "nomad/jobs/rewarm-agent" }}{{ .consul_token }}{{ end }}
+          EOT
+        destination = "secrets/consul.env"
+        env         = true
       }
 
       kill_signal = "SIGTERM"
-      # The drain grace (--drain-grace-s 30) plus a 5 s margin; Nomad caps this at the client's
-      # max_kill_timeout (30 s unless raised in its configuration).
-      kill_timeout = "35s"
+      # The drain grace (--drain-grace-s 25) plus a 5 s margin, within the client's default
+      # max_kill_timeout (30 s), which caps any longer value.
+      kill_timeout = "30s"
 
       resources {
         cpu    = 2000

@@ -54,6 +54,11 @@ job "rewarm-frontdoor" {
       unlimited      = true
     }
 
+    # Out of Consul first, then SIGTERM: Nomad deregisters the group's services, waits
+    # shutdown_delay, then signals the task, so clients stop choosing this front door before
+    # it drains (a group argument in Nomad; a service block has none).
+    shutdown_delay = "5s"
+
     network {
       port "api" { static = var.api_port }
       port "metrics" {}
@@ -64,9 +69,6 @@ job "rewarm-frontdoor" {
       name     = "rewarm-frontdoor"
       port     = "api"
       provider = "consul"
-      # Out of Consul first, then SIGTERM: clients stop choosing this front door before it
-      # drains.
-      shutdown_delay = "5s"
 
       check {
         type     = "tcp"
@@ -111,7 +113,7 @@ job "rewarm-frontdoor" {
                    "--port", "${NOMAD_PORT_api}", "--http-port", "${NOMAD_PORT_http}",
                    "--consul", var.consul_addr,
                    "--scaler", "nomad", "--tokens", var.tokens_file,
-                   "--metrics-port", "${NOMAD_PORT_metrics}", "--drain-grace-s", "30"]
+                   "--metrics-port", "${NOMAD_PORT_metrics}", "--drain-grace-s", "25"]
       }
 
       env {
@@ -132,10 +134,22 @@ job "rewarm-frontdoor" {
         env         = true
       }
 
+      # Consul's ACL token for this task (CONSUL_HTTP_TOKEN, which py-consul reads), rendered
+      # from Nomad Variables: `nomad var put nomad/jobs/rewarm-frontdoor consul_token=<SecretID>` of a
+      # token carrying this job's Consul policy (docs/cluster.md, "ACL").  Empty when unset
+      # (Consul without ACLs).
+      template {
+        data        = <<-EOT
+          CONSUL_HTTP_TOKEN={{ with nomadVar "nomad/jobs/rewarm-frontdoor" }}{{ .consul_token }}{{ end }}
+          EOT
+        destination = "secrets/consul.env"
+        env         = true
+      }
+
       kill_signal = "SIGTERM"
-      # The drain grace (--drain-grace-s 30: streams finish, new requests get 503) plus a 5 s
-      # margin; Nomad caps this at the client's max_kill_timeout (30 s unless raised).
-      kill_timeout = "35s"
+      # The drain grace (--drain-grace-s 25: streams finish, new requests get 503) plus a 5 s
+      # margin, within the client's default max_kill_timeout (30 s), which caps any longer value.
+      kill_timeout = "30s"
 
       resources {
         cpu    = 1000

@@ -70,7 +70,6 @@ job "rewarm-predictor" {
       name           = "rewarm-predictor"
       port           = "metrics"
       provider       = "consul"
-      shutdown_delay = "2s"
 
       check {
         type     = "http"
@@ -109,6 +108,18 @@ job "rewarm-predictor" {
           REWARM_FRONTDOOR_TOKEN={{ with nomadVar "nomad/jobs/rewarm-predictor" }}{{ .frontdoor_token }}{{ end }}
           EOT
         destination = "secrets/frontdoor.env"
+        env         = true
+      }
+
+      # Consul's ACL token (CONSUL_HTTP_TOKEN, which py-consul reads) for the leader lock, the
+      # catalog and the front doors' discovery: `nomad var put nomad/jobs/rewarm-predictor
+      # frontdoor_token=... consul_token=<SecretID>` (docs/cluster.md, "ACL").  Empty when
+      # unset (Consul without ACLs).
+      template {
+        data        = <<-EOT
+          CONSUL_HTTP_TOKEN={{ with nomadVar "nomad/jobs/rewarm-predictor" }}{{ .consul_token }}{{ end }}
+          EOT
+        destination = "secrets/consul.env"
         env         = true
       }
 

@@ -29,7 +29,11 @@ variable "gpus" {
   description = "GPUs per replica; 0 on CPU-only nodes"
 }
 
-job "rewarm-replica-${var.model}" {
+# HCL2 allows no interpolation in a block label, so the per-model id is the job's `id`
+# argument (jobspec2 takes the label only when `id` is unset).
+job "rewarm-replica" {
+  id          = "rewarm-replica-${var.model}"
+  name        = "rewarm-replica-${var.model}"
   type        = "service"
   datacenters = ["*"]
 
@@ -37,14 +41,18 @@ job "rewarm-replica-${var.model}" {
     rewarm_model = var.model
   }
 
-  # Replace allocations one at a time; a new replica counts as healthy once its task runs
-  # (the replica itself registers in Consul with a TTL check, see below).
+  # No deployments.  A service job without an update block still gets Nomad's default
+  # strategy (api.DefaultUpdateStrategy: max_parallel 1), and the reconciler starts a
+  # deployment whenever a group's count changes (a new job version with allocations to
+  # place or update in place: scheduler/reconciler/reconcile_cluster.go, createDeployment);
+  # while it is active, POST /v1/job/:id/scale answers 400 "job scaling blocked due to
+  # active deployment" (nomad/job_endpoint.go, Job.Scale).  A replica job is scaled by
+  # bursts a few seconds apart, so a deployment per scale would hold the second replica
+  # back for min_healthy_time (10 s by default).  max_parallel = 0 makes the strategy empty
+  # (structs.UpdateStrategy.IsEmpty) and counts move freely; a replica is healthy when its
+  # node agent registers it in Consul, not when Nomad says so.
   update {
-    max_parallel     = 1
-    health_check     = "task_states"
-    min_healthy_time = "5s"
-    healthy_deadline = "5m"
-    auto_revert      = true
+    max_parallel = 0
   }
 
   group "replica" {
@@ -74,7 +82,7 @@ job "rewarm-replica-${var.model}" {
     }
 
     reschedule {
-      delay          = "2s"
+      delay          = "5s"      # Nomad's minimum (structs.go ReschedulePolicyMinDelay)
       delay_function = "exponential"
       max_delay      = "1m"
       unlimited      = true
@@ -95,7 +103,8 @@ job "rewarm-replica-${var.model}" {
       config {
         command = "rewarm"
         args    = ["hold", var.model, "--agent",
-                   "${attr.unique.network.ip-address}:${var.agent_port}"]
+                   "${attr.unique.network.ip-address}:${var.agent_port}",
+                   "--drain-timeout-s", "27"]
       }
 
       # The control API's shared secret, from Nomad Variables (`nomad var put nomad/jobs
@@ -109,9 +118,10 @@ job "rewarm-replica-${var.model}" {
       }
 
       kill_signal = "SIGTERM"
-      # The drain grace (--drain-grace-s, default 30 s) plus a 5 s margin: SIGKILL only after
-      # the agent has had its whole grace to finish in-flight requests.
-      kill_timeout = "35s"
+      # The agent's drain grace (--drain-grace-s 25 in rewarm-agent.nomad.hcl) plus a 5 s
+      # margin: SIGKILL only after the agent has had its whole grace to finish in-flight
+      # requests; within the client's default max_kill_timeout (30 s).
+      kill_timeout = "30s"
 
       resources {
         cpu    = 1000

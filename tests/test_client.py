@@ -122,7 +122,7 @@ def test_each_code_maps_to_its_typed_error(code, cls):
     assert type(err) is cls and err.code == code and "why" in str(err)
 
 
-def test_discovery_through_consul_standin(consul_standin):
+def test_discovery_through_consul_standin(consul_standin):  # noqa: F811 (the fixture imported above)
     import consul
     client = consul.Consul(host=consul_standin.host, port=consul_standin.port)
     s = Served(announcer=ConsulTcpAnnouncer(client))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agent.replay import FAST_REFUSAL_MS, Outcome, _fit_line, prompt_tokens, summarise
+from agent.sim.replay import FAST_REFUSAL_MS, Outcome, _fit_line, prompt_tokens, summarise
 
 
 def test_summarise_counts_classes_and_judges_each_path_by_its_slo():

@@ -85,7 +85,7 @@ def test_demo_end_to_end(tmp_path, tiny_model):
     assert s["probe_match"] is True
     served = sum(s["requests_by_path"].values())
     assert served + s["shed"] + s["expired"] + s["lost"] == s["requests"]
-    from agent.demo import replay_window
+    from agent.sim.demo import replay_window
     assert s["requests"] == 2 + len(replay_window(trace, minutes=1))  # + 2 probes
     assert 0.0 <= s["sla_attainment"] <= 1.0 and s["sla_requests"] == s["requests"] - 1
     assert s["load"] == 0.3 and s["profile"]["prefill_tokens_per_s"]
@@ -130,12 +130,17 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model):
         client = Client(host, int(port))
         try:
             # the first request cold-boots, which no TTFT SLO allows for: it carries its own
-            # deadline (issue 12: admission refuses at once what its SLO cannot be met in)
+            # deadline (admission refuses at once what its SLO cannot be met in)
             done = client.generate("tiny", tokens=[1, 2, 3, 4], max_tokens=4,
                                    deadline_ms=120_000)
         finally:
             client.close()
         assert done.done["path"] == "cold_boot" and len(done.tokens) == 4
+        metrics = lines[-1].split("metrics on ", 1)[1].split()[0].rstrip(";")
+        with urllib.request.urlopen(metrics, timeout=10) as r:   # every part on one port
+            text = r.read().decode()
+        assert 'rewarm_requests_total{code="200",model="tiny",path="cold_boot"} 1.0' in text
+        assert "rewarm_node_restores_total" in text and text.count("# TYPE process_cpu") == 1
         assert processes_mentioning(str(state / "run")), "no replica process was started"
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=90)

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from agent.demo import format_table, gpu_line, replay_window, summarise
-from agent.replay import Outcome, percentile
+from agent.sim.demo import format_table, gpu_line, replay_window, summarise
+from agent.sim.replay import Outcome, percentile
 from agent.errors import ConfigError, InvalidTrace
-from agent.up import register
+from agent.up_cli import register
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -171,7 +171,7 @@ def test_the_demo_front_door_holds_the_first_request_through_a_cold_boot(tmp_pat
     """The first request carries COLD_BOOT_DEADLINE_MS; the front door's max_wait_s caps any
     wait, so the demo's stack must not cap it below that (it did at 60 s: the demo's first
     request got a 429 on a loaded machine whose cold boot took longer)."""
-    from agent.demo import COLD_BOOT_DEADLINE_MS, demo_stack_options
+    from agent.sim.demo import COLD_BOOT_DEADLINE_MS, demo_stack_options
     from agent.up import Stack
 
     options = demo_stack_options()

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from agent import logs
 from agent.argtypes import positive_float, positive_int
 from agent.errors import ConfigError, RewarmError
 from agent.exitcodes import exit_code
@@ -57,7 +58,7 @@ def _render(args) -> int:
     try:
         job = replica_job(nomad_client(), args.model, args.max_replicas, args.template)
     except RewarmError as exc:   # a bad --model: 2; Nomad unreachable: 69, its ACL: 77
-        print(f"error: {exc}", file=sys.stderr)
+        logs.error(f"{exc}")
         return 2 if isinstance(exc, ConfigError) else exit_code(exc)
     json.dump({"Job": job}, sys.stdout, indent=2)
     sys.stdout.write("\n")
@@ -71,7 +72,7 @@ def _run(args) -> int:
     try:
         out = register_job(nomad_client(), args.file.read_text(), dict(args.var))
     except (RewarmError, OSError) as exc:   # and a FILE that does not exist: 66
-        print(f"error: {exc}", file=sys.stderr)
+        logs.error(f"{exc}")
         return 2 if isinstance(exc, ConfigError) else exit_code(exc)
     print(json.dumps(out))
     return 0

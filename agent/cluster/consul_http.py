@@ -88,10 +88,10 @@ def retry_after_s() -> float | None:
 def cluster_error(exc: Exception, endpoint: str) -> ClusterError:
     """Translate a py-consul or transport exception into rewarm's typed error."""
     if isinstance(exc, (consul.exceptions.ACLPermissionDenied, consul.exceptions.ACLDisabled)):
-        status = 401 if isinstance(exc, consul.exceptions.ACLDisabled) else 403
-        return AclDenied(f"consul: ACL token (CONSUL_HTTP_TOKEN) denied {endpoint} ({status}):"
-                         f" {exc}", service="consul", endpoint=endpoint, status=status)
-    status = None
+        denied = 401 if isinstance(exc, consul.exceptions.ACLDisabled) else 403
+        return AclDenied(f"consul: ACL token (CONSUL_HTTP_TOKEN) denied {endpoint} ({denied}):"
+                         f" {exc}", service="consul", endpoint=endpoint, status=denied)
+    status: int | None = None
     m = re.match(r"(\d{3}) ", str(exc))
     if m:
         status = int(m[1])

@@ -12,7 +12,8 @@ cannot move a status backwards between a read and a write.
 from __future__ import annotations
 
 import json
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 import consul
 import consul.exceptions
@@ -79,7 +80,7 @@ class SnapshotKV:
                 if old.get("status") == status and old.get("durable") == new["durable"]:
                     return True
                 if status != old.get("status") and status not in STATUS_MOVES.get(
-                        old.get("status"), frozenset()):
+                        str(old.get("status")), frozenset()):
                     return False
                 if status == old.get("status") and old.get("durable") and not durable:
                     return False                     # durability is not taken back

@@ -20,7 +20,7 @@ import math
 import threading
 import time
 from dataclasses import replace
-from typing import Callable
+from collections.abc import Callable
 
 import consul
 import consul.exceptions

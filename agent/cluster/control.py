@@ -74,7 +74,8 @@ def control_call(address: str, op: str, *, timeout_s: float = 600.0, hint: str =
         message["token"] = control_token()
     answer = request(address, message, timeout_s=timeout_s, service="node agent", hint=hint)[-1]
     if answer.get("type") == "error":
-        code, reason = answer.get("code"), answer.get("reason", "")
+        code: Any = answer.get("code")
+        reason = answer.get("reason", "")
         cls = ReplicaNotFound if code == 404 and "replica" in fields else ERROR_BY_CODE.get(code)
         if cls is not None:
             raise cls(f"agent: {reason}", op=op, status=code, reason=reason)

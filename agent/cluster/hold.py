@@ -24,8 +24,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
+from agent import logs
 from agent.cluster.control import control_call
 from agent.errors import ConfigError, RewarmError
 
@@ -118,6 +120,7 @@ def run_hold(args) -> int:
     try:
         hold.restore()
     except (RewarmError, OSError, KeyError) as exc:
-        print(f"error: restore of {args.model} on {args.agent} failed: {exc}", file=sys.stderr)
+        logs.error(f"restore of {args.model} on {args.agent} failed: {exc}", model=args.model,
+                   exit_code=1)
         return 1
     return hold.watch()

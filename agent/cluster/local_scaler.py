@@ -19,7 +19,8 @@ a retryable ClusterError; so is an unreachable agent.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from agent.clock import Clock, SystemClock
 from agent.errors import ClusterError, ConfigError, RewarmError

@@ -21,7 +21,7 @@ import logging
 import math
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import consul
 import consul.exceptions
@@ -110,7 +110,7 @@ class CatalogWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watch-catalog", daemon=True)
 
-    def start(self) -> "CatalogWatcher":
+    def start(self) -> CatalogWatcher:
         self._thread.start()
         return self
 

@@ -12,7 +12,12 @@ through its generic ``request`` with ``Count``, ``Target {Group}``, ``Message`` 
   logged once per change, no request for ``acl_backoff_s`` (a denied token is not fixed by
   asking every tick);
 - 404: the model's job does not exist yet: ``register_job(model)`` (Nomad parses the HCL
-  in ``jobs/``, :func:`agent.cluster.jobs.replica_job`) is registered, then scaled;
+  in ``jobs/``, :func:`agent.cluster.jobs.replica_job`) is registered, then scaled.  A job
+  Nomad refuses - 400 from the parser, or 500 whose text is Nomad's validation multierror
+  ("1 error occurred: ..."; ``Job.Register`` answers validation errors with 500) - is a
+  permanent :class:`~agent.errors.ClusterError` naming the registration (``POST /v1/jobs``):
+  logged once, and answered from memory for ``job_error_backoff_s`` without a request (the
+  HCL will not fix itself between ticks); any other 5xx of the registration is retryable;
 - 429, 5xx and transport errors: back off (exponential, full jitter between half and all
   of the step, capped; at least the server's ``Retry-After``, itself bounded), raising a
   retryable ClusterError with ``retry_after_s`` until the back-off ends.
@@ -25,8 +30,9 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import nomad
 import nomad.api.exceptions as nexc
@@ -41,6 +47,8 @@ log = logging.getLogger(__name__)
 
 JOB_PREFIX = "rewarm-replica-"
 GROUP = "replica"
+JOB_ERROR_BACKOFF_S = 300.0
+_VALIDATION = re.compile(r"^\d+ errors? occurred:")   # go-multierror, Job.Validate's text
 
 
 class NomadScaler:
@@ -49,7 +57,8 @@ class NomadScaler:
     def __init__(self, client: nomad.Nomad, *, register_job: Callable[[str], dict],
                  clock: Clock | None = None, job_prefix: str = JOB_PREFIX, group: str = GROUP,
                  backoff_base_s: float = 1.0, backoff_cap_s: float = 60.0,
-                 acl_backoff_s: float = ACL_BACKOFF_S, rng: random.Random | None = None) -> None:
+                 acl_backoff_s: float = ACL_BACKOFF_S, rng: random.Random | None = None,
+                 job_error_backoff_s: float = JOB_ERROR_BACKOFF_S) -> None:
         self._n = client
         self._job = register_job
         self._clock = clock or SystemClock()
@@ -63,6 +72,8 @@ class NomadScaler:
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self.acl = AclGate("nomad", clock=self._clock, backoff_s=acl_backoff_s)
+        self.job_error_backoff_s = job_error_backoff_s
+        self._job_errors: dict[str, tuple[ClusterError, float]] = {}   # model -> (error, at)
 
     def job_id(self, model: str) -> str:
         return self._prefix + check_model(model)
@@ -80,6 +91,9 @@ class NomadScaler:
     def _set_target(self, model: str, job: str, count: int, reason: str) -> None:
         self.acl.check()
         now = self._clock.now()
+        held = self._job_errors.get(model)
+        if held is not None and now - held[1] < self.job_error_backoff_s:
+            raise held[0]
         if now < self._retry_at.get(model, 0.0):
             wait = self._retry_at[model] - now
             raise ClusterError(f"nomad: backing off {wait:.1f}s before scaling {model}",
@@ -92,7 +106,7 @@ class NomadScaler:
                 self._n.job.request(job, "scale", method="post", json=body)
             except nexc.URLNotFoundNomadException:
                 log.info("nomad: job %s not found; registering it from jobs/", job)
-                self._n.jobs.register_job({"Job": self._job(model)})
+                self._register(model, job, now)
                 self._n.job.request(job, "scale", method="post", json=body)
         except nexc.BadRequestNomadException as exc:
             text = cause_of(exc)
@@ -117,6 +131,38 @@ class NomadScaler:
         self._failures.pop(model, None)
         self._retry_at.pop(model, None)
         self._targets[model] = count
+
+    def _register(self, model: str, job: str, now: float) -> None:
+        """Parse and register the model's job; a refusal Nomad will repeat is held."""
+        endpoint = "/v1/jobs"
+        try:
+            spec = self._job(model)
+            self._n.jobs.register_job({"Job": spec})
+            return
+        except nexc.BaseNomadException as exc:
+            err = nomad_error(exc, endpoint, "the submit-job capability")
+            text = cause_of(exc)
+            if isinstance(err, AclDenied) or not (
+                    err.status is not None and err.status < 500 or _VALIDATION.match(text)):
+                raise           # the caller's ACL gate or back-off handles it
+            err = ClusterError(f"nomad: registering job {job} (POST {endpoint}) was refused "
+                               f"({err.status}): {text}", service="nomad",
+                               status=err.status, endpoint=endpoint, retryable=False)
+        except ClusterError as exc:
+            if isinstance(exc, AclDenied):
+                self.acl.denied(exc)
+                raise
+            if exc.retryable:
+                wait = self._back_off(model, now, exc.retry_after_s)
+                raise ClusterError(f"{exc.message}; backing off {wait:.2f}s", service="nomad",
+                                   status=exc.status, endpoint=getattr(exc, "endpoint", None),
+                                   retryable=True, retry_after_s=wait) from exc
+            err = ClusterError(f"nomad: registering job {job} failed: Nomad's parser refused "
+                               f"jobs/ HCL: {exc}", service="nomad", status=exc.status,
+                               endpoint=getattr(exc, "endpoint", None), retryable=False)
+        log.error("%s; not registering %s again for %.0f s", err, job, self.job_error_backoff_s)
+        self._job_errors[model] = (err, now)
+        raise err
 
     def _back_off(self, model: str, now: float, retry_after_s: float | None) -> float:
         n = self._failures.get(model, 0)

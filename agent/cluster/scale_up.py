@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from agent.cluster.base import Scaler
 from agent.errors import ClusterError, ConfigError, NoCapacity

@@ -5,8 +5,7 @@ Pure and clock-injected, with no asyncio inside: the asyncio server and the simu
 arrival at the front door; the queue bounds both its depth and the wait it promises.  Past
 either bound :meth:`AdmissionQueue.offer` raises :class:`~agent.errors.Overloaded` (429) with
 ``retry_after_ms``; a request whose deadline passes is handed back by :meth:`expire` (504)
-and is never dispatched.  Heap operations are O(log n) (design document, "Deadline-Aware
-Admission Control").
+and is never dispatched.  Heap operations are O(log n) (docs/architecture.md, "Admission").
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import Any
 
 from agent.clock import Clock
 from agent.errors import ConfigError, Overloaded
+from agent.wire import refusals
 from agent.speed import SpeedProfile
 
 
@@ -89,18 +89,19 @@ class AdmissionQueue:
             raise Overloaded(
                 f"model {self.model!r}: admission queue depth {self._live} is at max_depth"
                 f"({self.max_depth})", model=self.model, retry_after_ms=self.retry_after_ms(),
-                depth=self._live, limit=self.max_depth)
+                depth=self._live, limit=self.max_depth, refusal=refusals.QUEUE_FULL)
         if self.expected_wait_s > self.max_wait_s:
             raise Overloaded(
                 f"model {self.model!r}: expected wait {self.expected_wait_s:.3f} s exceeds "
                 f"max_wait_s({self.max_wait_s})", model=self.model,
                 retry_after_ms=max(1, int(self.expected_wait_s * 1000)), depth=self._live,
-                limit=self.max_wait_s)
+                limit=self.max_wait_s, refusal=refusals.MAX_WAIT)
         if p.deadline_s <= now:
             raise Overloaded(
                 f"model {self.model!r}: request {p.request_id!r} has no time left to wait "
                 f"(deadline {p.deadline_s - now:.3f} s from now)", model=self.model,
-                retry_after_ms=self.retry_after_ms(), depth=self._live, limit=self.max_depth)
+                retry_after_ms=self.retry_after_ms(), depth=self._live, limit=self.max_depth,
+                refusal=refusals.DEADLINE_UNREACHABLE)
         p.give_up_s = min(p.deadline_s, p.arrival_s + self.max_wait_s)
         heapq.heappush(self._heap, (p.give_up_s, next(self._seq), p))
         self._live += 1
@@ -136,7 +137,8 @@ class AdmissionQueue:
             head = self.peek()
             if head is None or head.give_up_s > now:
                 return out
-            out.append(self.pop_earliest())
+            out.append(head)
+            self.pop_earliest()
 
     def drain(self) -> list[Pending]:
         """Take everything (for 503 when no capacity can be made), earliest deadline first."""
@@ -152,11 +154,6 @@ class AdmissionQueue:
             limit + (len(self._heap) - self._live), self._heap)
         out = [entry[2] for entry in entries if not entry[2].cancelled]
         return out if limit is None else out[:limit]
-
-    def next_deadline_s(self) -> float | None:
-        """The earliest ``give_up_s`` held (when :meth:`expire` next has work), or None."""
-        head = self.peek()
-        return None if head is None else head.give_up_s
 
 
 # --- when capacity that is not warm yet can serve a request (pure helpers) ---------------
@@ -204,13 +201,3 @@ def slot_times_s(frees_s: list[float], etas_s: list[float], per_replica: int,
         slots.extend(eta + wait_s for eta in etas_s)
     slots.sort()
     return slots
-
-
-def queued_ttft_s(now_s: float, slots_s: list[float], ahead: int,
-                  prefill_s: float) -> float | None:
-    """Predicted TTFT from now (s) of a request with ``ahead`` requests queued before it
-    (earliest deadline first) on the slots :func:`slot_times_s` gives: its slot, then its
-    own prefill.  None when the capacity in sight does not reach this far down the queue."""
-    if ahead >= len(slots_s):
-        return None
-    return max(0.0, slots_s[ahead] - now_s) + prefill_s

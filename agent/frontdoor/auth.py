@@ -43,7 +43,7 @@ class TokenAuth:
         return found
 
     @classmethod
-    def from_file(cls, path: Path | str) -> "TokenAuth":
+    def from_file(cls, path: Path | str) -> TokenAuth:
         """Lines ``tenant:token``; blank lines and ``#`` comments skipped.  Raises
         ConfigError naming the line for a malformed one."""
         tokens = {}

@@ -14,7 +14,8 @@ import asyncio
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from agent.cluster.base import Scaler
 from agent.errors import ConfigError, NoCapacity
@@ -51,8 +52,8 @@ class RestoreGate:
     ``wanted(model, queued, per_replica)`` says how many more to start now: enough new
     replicas for ``queued`` requests at ``per_replica`` each, less those in flight, within
     both caps.  ``per_replica`` is the measured sustainable concurrency of one replica at
-    the TTFT SLO (:meth:`agent.speed.SpeedProfile.sustainable_concurrency`, issue 12
-    contract point 7), not its KV slots; ``requests_per_restore`` is used only when the
+    the TTFT SLO (:meth:`agent.speed.SpeedProfile.sustainable_concurrency`;
+    docs/architecture.md, "Capacity from measured rates"), not its KV slots; ``requests_per_restore`` is used only when the
     caller has no measurement to give.  ``started_s`` keeps when each in-flight restore
     began (clock seconds), for the admission's ETA.
     """
@@ -102,12 +103,12 @@ class RestoreGate:
 
 class RestoreTimes:
     """Recent restore durations per model and tier (path) and their p99 and p50 (nearest
-    rank over the last ``window`` restores).  The design document sets admission deadlines
-    from the restore latency's p99, not its mean ("Deadline-Aware Admission Control").
-    ``last_path(model)`` is the tier the model's last restore took, cold boots aside: the
-    next restore most likely takes it too, and a cold boot predicts nothing about the next
+    rank over the last ``window`` restores).  Admission plans with the restore latency's
+    p99, not its mean (docs/architecture.md, "Admission").
+    Without a ``path``, :meth:`p99_ms` and :meth:`p50_ms` are of the tier the model's last
+    restore took, cold boots aside: the next restore most likely takes it too, and a cold boot predicts nothing about the next
     one (it happens once per model version; every later start is a snapshot restore,
-    ARCHITECTURE.md), so a model measured only cold-booting has no default p99."""
+    docs/architecture.md), so a model measured only cold-booting has no default p99."""
 
     def __init__(self, window: int = 64) -> None:
         self.window = window
@@ -125,9 +126,6 @@ class RestoreTimes:
                         ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)])
         if path != "cold_boot":
             self._last[model] = path
-
-    def last_path(self, model: str) -> str | None:
-        return self._last.get(model)
 
     def p99_ms(self, model: str, path: str | None = None) -> float | None:
         """p99 (ms) of ``model``'s restores on ``path`` (default: its last restore's)."""
@@ -165,7 +163,7 @@ class NodeAgentCapacity:
                 if result.restore_ms is None:  # the node did not say: what the front door saw
                     result.restore_ms = (loop.time() - started) * 1000.0
                 return result
-            except (OSError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+            except (TimeoutError, OSError, ValueError, KeyError, TypeError) as exc:
                 reasons.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
         raise NoCapacity(f"model {model!r}: no node could restore a replica "
                          f"({'; '.join(reasons) or 'no candidate nodes'})", model=model)

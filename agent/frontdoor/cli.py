@@ -8,7 +8,11 @@ import gc
 import signal
 import sys
 
+from agent import logs
 from agent.argtypes import host_port, port, positive_float, positive_int
+from agent.cluster import (ClusterChoice, add_flags, catalog_watcher, choice_from_args, choose,
+                           consul_client)
+from agent.cluster.base import Registry
 from agent.errors import ConfigError, RewarmError, Unreachable
 
 
@@ -23,16 +27,10 @@ def register(subparsers) -> None:
                    help="listen beyond loopback without tokens")
     p.add_argument("--events", help="append cold-start events (JSON lines) here")
     p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics on this port")
-    p.add_argument("--consul", type=host_port, metavar="HOST:PORT", help="use Consul as the registry")
-    p.add_argument("--node-agent", action="append", default=[], type=host_port, metavar="HOST:PORT",
-                   help="node agent control API to ask for restores (repeatable)")
+    # --registry, --consul, --scaler, --node-agent, --max-replicas (agent/cluster/__init__.py)
+    add_flags(p, max_replicas=True)
     p.add_argument("--replica", action="append", default=[], metavar="MODEL@HOST:PORT",
                    help="a static replica (local registry; 64 seqs, 1 Mi KV tokens assumed)")
-    p.add_argument("--scaler", choices=("agents", "nomad"), default="agents",
-                   help="nomad: ask for capacity by scaling the model's replica job "
-                        "(NOMAD_ADDR, NOMAD_TOKEN); agents: node agents' restore op")
-    p.add_argument("--max-replicas", type=positive_int, default=8,
-                   help="with --scaler nomad: the scaling max of a replica job it registers")
     p.add_argument("--max-queue-depth", type=positive_int, default=1024)
     p.add_argument("--max-wait-s", type=positive_float, default=60.0)
     p.add_argument("--max-connections", type=positive_int, default=4096)
@@ -40,8 +38,11 @@ def register(subparsers) -> None:
                    help="OpenAI-compatible HTTP entrance port (default $REWARM_HTTP_PORT or "
                         "8000; 0: any free port)")
     p.add_argument("--no-http", action="store_true", help="serve the msgpack door only")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGIN[,ORIGIN...]",
+                   help="browser origins allowed to call the HTTP entrance (CORS), e.g. "
+                        "http://localhost:3000, or '*'; default none (no CORS headers)")
     p.add_argument("--warm-slo-ms", type=positive_float, default=2000.0,
-                   help="TTFT SLO of a warm hit, from arrival (design document p99: 2000)")
+                   help="TTFT SLO of a warm hit, from arrival (p99, ms; docs/architecture.md)")
     p.add_argument("--restore-slo-ms", type=positive_float, default=4000.0,
                    help="TTFT SLO of a request that waits for a restore (p99: 4000)")
     p.add_argument("--slo", action="append", default=[], metavar="MODEL=WARM_MS,RESTORE_MS",
@@ -71,26 +72,25 @@ def _hostport(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def _registry(args):
-    if not args.consul:
+def _registry(choice: ClusterChoice, static_replicas: list[str]) -> Registry:
+    """The chosen registry; a local one holds the ``--replica MODEL@HOST:PORT`` entries."""
+    registry = choose("registry", choice)
+    if choice.registry == "local":
         from agent.cluster.base import ServiceInstance
-        from agent.cluster.local import LocalRegistry
-        registry = LocalRegistry()
-        for n, spec in enumerate(getattr(args, "replica", [])):
+        for n, spec in enumerate(static_replicas):
             model, _, address = spec.partition("@")
             host, port = _hostport(address)
             registry.register(ServiceInstance(
                 "rewarm-replica", f"static-{n}", host, port, tags=[f"model={model}"],
                 meta={"max_seqs": "64", "active_seqs": "0", "kv_capacity_tokens": str(1 << 20),
                       "kv_used_tokens": "0"}), ttl_s=float("inf"))
-        return registry
-    from agent.cluster.consul_registry import ConsulRegistry, consul_client
-    return ConsulRegistry(consul_client(args.consul))
+    return registry
 
 
 def _serve(args) -> int:
     from agent.frontdoor.auth import TokenAuth, check_bind
-    from agent.frontdoor.capacity import NodeAgentCapacity, nodes_from_registry
+    from agent.frontdoor.capacity import (CapacityRequester, NodeAgentCapacity,
+                                          nodes_from_registry)
     from agent.frontdoor.server import FrontDoor, FrontDoorConfig
     from agent import sdnotify
     from agent.telemetry import Telemetry
@@ -111,24 +111,28 @@ def _serve(args) -> int:
     telemetry = Telemetry(args.events)
     if args.metrics_port:
         telemetry.serve_http(args.metrics_port, args.host)
-    registry = _registry(args)
-    nodes = [_hostport(a) for a in args.node_agent]
+    choice = choice_from_args(args)
+    registry = _registry(choice, args.replica)
+    nodes = [_hostport(a) for a in choice.node_agents]
     holder: list = []   # the FrontDoor, once built (the scaler's capacity reads its view)
-    if args.scaler == "nomad":
-        from agent.cluster.cluster_mode import nomad_scaler
+    capacity: CapacityRequester
+    if choice.scaler == "nomad":
         from agent.frontdoor.capacity import ScalerCapacity
-        capacity = ScalerCapacity(nomad_scaler(args.max_replicas),
+        capacity = ScalerCapacity(choose("scaler", choice),
                                   lambda m: len(holder[0].router.warm(m)) if holder else 0,
                                   timeout_s=300.0)
     else:
-        # Static node agents when given, else every passing rewarm-agent in the registry.
+        # The local scaler's own request, made by the front door: a node agent's restore op
+        # (static node agents when given, else every passing rewarm-agent in the registry).
         capacity = NodeAgentCapacity((lambda model: list(nodes)) if nodes
                                      else nodes_from_registry(registry))
+    # Consul: a client each for the announcers and the catalog watch (one call at a time per
+    # client).
+    consul = choice.registry == "consul"
     announcer = None
-    if args.consul:
-        from agent.cluster.consul_registry import consul_client
+    if consul:
         from agent.frontdoor.announce import ConsulTcpAnnouncer
-        announcer = ConsulTcpAnnouncer(consul_client(args.consul))
+        announcer = ConsulTcpAnnouncer(consul_client(choice))
     if not args.no_http:
         from agent.frontdoor.http_conn import http_port_from_env
         http_port = args.http_port if args.http_port is not None else http_port_from_env()
@@ -149,28 +153,29 @@ def _serve(args) -> int:
                        telemetry=telemetry, auth=auth, announcer=announcer)
         holder.append(fd)
         catalog = None
-        if args.consul:   # models and their policies from the catalog in Consul KV
-            from agent.cluster.cluster_mode import watch_catalog
-            catalog = watch_catalog(args.consul, _learn_models(fd, asyncio.get_running_loop()))
+        # models and their policies from the catalog in Consul KV (None: local registry)
+        catalog = catalog_watcher(choice, _learn_models(fd, asyncio.get_running_loop()))
         host, port = await fd.start()
         http = None
         if not args.no_http:
             from agent.frontdoor.http_entrance import HttpConfig, start_http
             http_announcer = None
-            if args.consul:
+            if consul:
                 from agent.frontdoor.announce import ConsulHttpAnnouncer
-                http_announcer = ConsulHttpAnnouncer(consul_client(args.consul))
+                http_announcer = ConsulHttpAnnouncer(consul_client(choice))
             try:
+                origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
                 http = await start_http(fd, HttpConfig(host=args.host, port=http_port,
-                                                       max_connections=args.max_connections),
+                                                       max_connections=args.max_connections,
+                                                       allowed_origins=origins),
                                         announcer=http_announcer)
             except BaseException:
                 await fd.stop()
                 raise
         gc.freeze()  # start-up objects leave the collector's generations: shorter GC pauses
-        print(f"front door listening on {host}:{port}", flush=True)
+        logs.say(f"front door listening on {host}:{port}", address=f"{host}:{port}")
         if http is not None:
-            print(f"OpenAI-compatible HTTP entrance on {http.url}/v1", flush=True)
+            logs.say(f"OpenAI-compatible HTTP entrance on {http.url}/v1", address=http.url)
         sdnotify.ready(f"listening on {host}:{port}")
         try:
             await stop.wait()
@@ -315,14 +320,14 @@ def _generate(args) -> int:
     from agent.exitcodes import EX_UNAVAILABLE, exit_code
 
     if (args.prompt is None) == (args.tokens is None):
-        print("error: give a prompt or --tokens ID,ID,... (exactly one)", file=sys.stderr)
+        logs.error("give a prompt or --tokens ID,ID,... (exactly one)")
         return 2
 
     if args.consul:
         host, port = _hostport(args.consul)
         found = discover(consul_host=host, consul_port=port)
         if not found:
-            print("error: no healthy rewarm-frontdoor in Consul", file=sys.stderr)
+            logs.error("no healthy rewarm-frontdoor in Consul")
             return EX_UNAVAILABLE
         address = found[0]
     else:
@@ -330,8 +335,8 @@ def _generate(args) -> int:
     try:
         client = Client(*address, token=args.token)
     except Unreachable as err:
-        print(f"error: {err} (is `rewarm up` or `rewarm frontdoor` running there? pass "
-              "--address or --consul)", file=sys.stderr)
+        logs.error(f"{err} (is `rewarm up` or `rewarm frontdoor` running there? pass "
+                   "--address or --consul)")
         return exit_code(err)
     try:
         done = {}
@@ -349,7 +354,7 @@ def _generate(args) -> int:
               f"path {done.get('path')}, replica {done.get('replica')}]", file=sys.stderr)
         return 0
     except RewarmError as err:
-        print(f"error: {err}", file=sys.stderr)
+        logs.error(f"{err}")
         return exit_code(err)
     finally:
         client.close()

@@ -19,15 +19,15 @@ from agent.speed import SpeedProfile
 class FrontDoorConfig:
     """Knobs, with units in their names.
 
-    TTFT SLOs are per model (issue 12 contract point 4): ``slos`` maps a model to its
-    ``(warm_ms, restore_ms)``; others get ``warm_slo_ms`` / ``restore_slo_ms`` (the snapshot
-    design document's warm-hit p99 2,000 ms and restore-path p99 4,000 ms).  A request with
+    TTFT SLOs are per model (docs/architecture.md, "Admission"): ``slos`` maps a model to its
+    ``(warm_ms, restore_ms)``; others get ``warm_slo_ms`` / ``restore_slo_ms`` (warm-hit
+    p99 2,000 ms and restore-path p99 4,000 ms).  A request with
     no ``deadline_ms`` of its own must get its first token within its path's SLO, counted
     from arrival (and within ``models[model]``, the model's default deadline, when that is
     shorter); a request's own ``deadline_ms`` replaces both.  Models not listed (seen in the
     registry) have a default deadline of ``default_deadline_ms`` until restores are
     measured, then ``max(default_deadline_ms, deadline_per_restore_p99 x restore p99)``
-    (design document, "Deadline-Aware Admission Control").
+    (admission plans with restore p99s: docs/architecture.md, "Admission").
 
     ``drain_grace_s``: on stop, how long streams in flight may take to finish (new requests
     are answered 503 meanwhile).  ``fd_reserve``: descriptors kept back from connections
@@ -45,8 +45,21 @@ class FrontDoorConfig:
     max_queue_depth: int = 1024
     max_wait_s: float = 60.0
     max_connections: int = 4096
-    idle_timeout_s: float = 300.0
-    frame_deadline_s: float = 30.0  # per frame: from its first byte to its last
+    # a connection with no request in flight: closed after this long without a byte, and
+    # a frame begun on it must be complete within idle_frame_deadline_s (a client that drips
+    # one byte at a time holds a slot that long, not frame_deadline_s)
+    idle_timeout_s: float = 30.0
+    idle_frame_deadline_s: float = 10.0
+    frame_deadline_s: float = 30.0  # per frame with requests in flight: first byte to last
+    max_connections_per_peer: int = 64   # per remote address, except component peers
+    # the node's own components (predictor, node agent, operator tools) connect from these
+    # addresses; component_reserve slots of max_connections are theirs alone, and the
+    # per-peer cap does not apply to them (None: max_connections // 64, 64 at the default)
+    component_peers: tuple[str, ...] = ("127.0.0.1", "::1")
+    component_reserve: int | None = None
+    keepalive_idle_s: float = 60.0       # TCP keepalive (tcp(7)): idle before the first probe
+    keepalive_interval_s: float = 10.0   # ... between probes
+    keepalive_count: int = 5             # ... unanswered probes before the connection drops
     close_linger_s: float = 2.0     # closing: drain unread input this long (no reset) ...
     close_linger_bytes: int = 4 << 20  # ... or this many bytes, whichever comes first
     tick_s: float = 0.005          # queue expiry resolution
@@ -60,14 +73,21 @@ class FrontDoorConfig:
     limits: Limits = DEFAULT_LIMITS
     replica_limits: Limits = DEFAULT_LIMITS
     announce: bool = False         # register as rewarm-frontdoor (see announce.py)
-    warm_slo_ms: float = 2000.0    # TTFT SLO of a warm hit (design document: p99 2 s)
-    restore_slo_ms: float = 4000.0  # TTFT SLO of the restore path (design document: p99 4 s)
+    warm_slo_ms: float = 2000.0    # TTFT SLO of a warm hit (p99 2 s)
+    restore_slo_ms: float = 4000.0  # TTFT SLO of the restore path (p99 4 s)
     slos: dict[str, tuple[float, float]] = field(default_factory=dict)  # model -> (warm, restore) ms
     drain_grace_s: float = 30.0    # stop: streams in flight finish within this
     fd_reserve: int = 32           # descriptors never given to client connections
     accept_log_interval_s: float = 10.0  # accept errors: one log line per interval, with a count
     prior_speed: SpeedProfile = DEFAULT_PRIOR
     default_max_seqs: int = 8      # slots of a replica not seen yet (the replica's --max-seqs default)
+
+    @property
+    def reserved_slots(self) -> int:
+        """Connection slots only ``component_peers`` may take."""
+        if self.component_reserve is None:
+            return self.max_connections // 64
+        return self.component_reserve
 
     def slo_s(self, model: str) -> tuple[float, float]:
         """``model``'s (warm, restore) TTFT SLOs in seconds."""
@@ -82,7 +102,8 @@ class FrontDoorConfig:
             raise ConfigError(f"FrontDoorConfig port={self.port!r} must be an int within "
                               f"0..65535", name="port", value=self.port, limit=(0, 65535))
         for name in ("max_queue_depth", "max_connections", "restores_per_model",
-                     "restores_overall", "close_linger_bytes", "fd_reserve", "default_max_seqs"):
+                     "restores_overall", "close_linger_bytes", "fd_reserve", "default_max_seqs",
+                     "max_connections_per_peer", "keepalive_count"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"FrontDoorConfig {name}={value!r} must be an int >= 1",
@@ -90,6 +111,7 @@ class FrontDoorConfig:
         for name in ("default_deadline_ms", "deadline_per_restore_p99", "max_wait_s",
                      "idle_timeout_s", "frame_deadline_s", "close_linger_s", "tick_s", "recheck_s",
                      "sweep_s", "registry_poll_s", "registry_wait_s", "warm_slo_ms",
+                     "idle_frame_deadline_s", "keepalive_idle_s", "keepalive_interval_s",
                      "restore_slo_ms", "drain_grace_s", "accept_log_interval_s"):
             value = getattr(self, name)
             if not _positive(value):
@@ -100,6 +122,19 @@ class FrontDoorConfig:
                               f"{self.at_capacity_backoff_s!r} must be a number >= 0",
                               name="at_capacity_backoff_s", value=self.at_capacity_backoff_s,
                               limit=0)
+        if self.component_reserve is not None and not (
+                isinstance(self.component_reserve, int)
+                and not isinstance(self.component_reserve, bool)
+                and 0 <= self.component_reserve < self.max_connections):
+            raise ConfigError(f"FrontDoorConfig component_reserve={self.component_reserve!r} "
+                              f"must be an int within 0..max_connections-1 "
+                              f"({self.max_connections - 1})", name="component_reserve",
+                              value=self.component_reserve, limit=self.max_connections - 1)
+        if not (isinstance(self.component_peers, tuple)
+                and all(isinstance(a, str) for a in self.component_peers)):
+            raise ConfigError(f"FrontDoorConfig component_peers={self.component_peers!r} must "
+                              f"be a tuple of addresses", name="component_peers",
+                              value=self.component_peers, limit="tuple of str")
         top = self.limits.max_deadline_ms
         for model, pair in self.slos.items():
             if not (isinstance(pair, tuple) and len(pair) == 2 and all(

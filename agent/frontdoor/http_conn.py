@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
+from agent.clock import Clock
 from agent.errors import ConfigError
 from agent.frontdoor import openai_api as oa
 
@@ -38,17 +40,29 @@ class HttpConfig:
     close_linger_s: float = 2.0        # after an answer, read (and drop) an unread body this long
     max_connections: int = 4096
     sweep_s: float = 0.25              # header / idle timeout resolution
+    # A chat without max_tokens is sized for admission as a whole context: the replicas'
+    # (kv_capacity_tokens / max_seqs) once one was seen, else this (the replica's default
+    # --max-seq-len); the replica itself caps the generation to what its context leaves.
+    assumed_context_tokens: int = 512
+    # Origins allowed to call from a browser (CORS); empty: no CORS headers, no preflight.
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) \
                 or not 0 <= self.port <= 65535:
             raise ConfigError(f"HttpConfig port={self.port!r} must be an int within 0..65535",
                               name="http_port", value=self.port, limit=(0, 65535))
-        for name in ("max_body_bytes", "max_header_bytes", "max_headers", "max_connections"):
+        for name in ("max_body_bytes", "max_header_bytes", "max_headers", "max_connections",
+                     "assumed_context_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"HttpConfig {name}={value!r} must be an int >= 1",
                                   name=name, value=value, limit=1)
+        for origin in self.allowed_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ConfigError(f"allowed origin {origin!r} must be '*' or scheme://host[:port]"
+                                  " (RFC 6454 serialisation, no path)", name="allowed_origins",
+                                  value=origin, limit="scheme://host[:port]")
         for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s",
                      "write_timeout_s", "close_linger_s", "sweep_s"):
             value = getattr(self, name)
@@ -73,10 +87,10 @@ def canned(status: int, reason: str) -> bytes:
 class GuardOwner(Protocol):
     """What a :class:`ConnGuard` reports to."""
 
-    clock: object
+    clock: Clock
 
-    def accept(self, guard: "ConnGuard") -> bool: ...
-    def forget(self, guard: "ConnGuard") -> None: ...
+    def accept(self, guard: ConnGuard) -> bool: ...
+    def forget(self, guard: ConnGuard) -> None: ...
 
 
 class ConnGuard(asyncio.Protocol):

@@ -25,6 +25,14 @@ exists yet), body ``max_body_bytes`` (from Content-Length before reading, and wh
 a chunked body: 413), the request's head within ``header_timeout_s`` of its first byte and
 its body within ``body_timeout_s`` (slow senders: 408), ``idle_timeout_s`` between requests,
 ``write_timeout_s`` for a client that stops reading its answer, ``max_connections`` (503).
+``Expect: 100-continue`` with a declared body over ``max_body_bytes`` is 413 before the body
+is sent.
+
+Conventions clients of OpenAI's and vLLM's servers rely on: ``max_model_len`` in
+``/v1/models``; an unknown path is 404 ``Invalid URL`` (``code`` null), a wrong method 405
+with ``Allow``; CORS only for ``HttpConfig.allowed_origins`` (aiohttp-cors); a refusal's code
+(agent/wire/refusals.py) in the ``x-rewarm-refusal`` header and ``error.refusal``.  The
+endpoints, parameters, limits and errors for users: docs/http-api.md.
 """
 
 from __future__ import annotations
@@ -34,99 +42,28 @@ import json
 import logging
 import math
 import re
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 
 from agent.clock import Clock
 from agent.errors import MessageTooLarge, ProtocolError, Unauthorized
 from agent.frontdoor import openai_api as oa
+from agent.frontdoor.announce import Announcer
 from agent.frontdoor.auth import TokenAuth
+from agent.frontdoor.http_answers import (MODEL_STATES, REFUSAL_HEADER,  # noqa: F401 (re-exported)
+                                          CatalogStates, HttpSink, ModelStates,
+                                          allow_origins, error_response)
 from agent.frontdoor.http_conn import (DEFAULT_HTTP_PORT, HTTP_PORT_ENV,  # noqa: F401 (re-exported)
                                        ConnGuard, HttpConfig, canned, http_port_from_env)
-from agent.frontdoor.request_path import Flight, GenerateRequest, RequestPath
+from agent.frontdoor.request_path import GenerateRequest, RequestPath
 
 log = logging.getLogger(__name__)
 # aiohttp logs each malformed request (answered 400 by its parser) with a traceback: a
 # client could fill the log.  Those are counted by their answers, not logged.
 _PARSER_LOG = logging.getLogger(__name__ + ".parser")
 _PARSER_LOG.setLevel(logging.CRITICAL)
-MODEL_STATES = ("warm", "suspended", "snapshot", "cold")
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?", re.ASCII)
-
-
-class ModelStates(Protocol):
-    """Where ``GET /v1/models`` learns the tiers below warm: model -> ``suspended``,
-    ``snapshot`` or ``cold`` (a catalog, a node agent's snapshot list)."""
-
-    def states(self) -> dict[str, str]: ...
-
-
-class CatalogStates:
-    """:class:`ModelStates` from a snapshot catalog (agent/snapshot/catalog.py): a model with
-    a suspended replica is ``suspended``, else one with a ready snapshot is ``snapshot``, else
-    ``cold`` (warm is the router's to say).  ``models``: the names to report."""
-
-    def __init__(self, catalog, models: list[str]) -> None:
-        self.catalog, self.models = catalog, list(models)
-
-    def states(self) -> dict[str, str]:
-        out = {}
-        for name in self.models:
-            if self.catalog.replicas(name, states=["suspended"]):
-                out[name] = "suspended"
-            elif self.catalog.snapshots(name, status="ready"):
-                out[name] = "snapshot"
-            else:
-                out[name] = "cold"
-        return out
-
-
-class HttpSink:
-    """One HTTP request's answers, collected for its handler (the request path calls these
-    from the event loop; the handler awaits :meth:`wait`)."""
-
-    __slots__ = ("parts", "final", "_event", "flight", "n_tokens", "prompt_tokens", "stream")
-
-    def __init__(self, stream: bool = True) -> None:
-        self.stream = stream     # wake the handler per chunk (SSE), or only at the end
-        self.parts: list[str] = []
-        self.n_tokens = 0        # tokens received so far
-        self.prompt_tokens = 0   # from the replica's first tokens message
-        self.final: tuple | None = None   # ("done", message) or ("error", code, reason, ms)
-        self._event = asyncio.Event()
-        self.flight: Flight | None = None
-
-    def tokens(self, message: dict) -> None:
-        self.parts.append(message.get("text") or "")
-        self.n_tokens += len(message.get("tokens") or ())
-        if "prompt_tokens" in message:
-            self.prompt_tokens = int(message["prompt_tokens"])
-        if self.stream:
-            self._event.set()
-
-    def done(self, message: dict) -> None:
-        self.final = ("done", message)
-        self._event.set()
-
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
-        self.final = ("error", code, reason, retry_after_ms)
-        self._event.set()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-        self._event.clear()
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   retry_after_ms: int | None = None) -> web.Response:
-    """OpenAI's error shape with ``status``; 429 and 503 carry ``Retry-After`` (whole
-    seconds, rounded up) beside ``retry_after_ms``."""
-    headers = {}
-    if retry_after_ms is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
-    return web.Response(status=status, headers=headers, content_type="application/json",
-                        text=json.dumps(oa.error_body(status, message, param, retry_after_ms)))
 
 
 class HttpEntrance:
@@ -143,8 +80,9 @@ class HttpEntrance:
         self._runner: web.AppRunner | None = None
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task | None = None
-        self.announcer = None             # set by start_http
+        self.announcer: Announcer | None = None    # set by start_http
         self.instance_id = "frontdoor-http"
+        self.contexts: dict[str, int] = {}  # model -> context (tokens) of its replicas seen
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -153,14 +91,18 @@ class HttpEntrance:
         cfg = self.config
         app = web.Application(client_max_size=cfg.max_body_bytes,
                               middlewares=[self._middleware])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._list_models)
-        app.router.add_get("/v1/models/{model:.+}", self._get_model)
+        routes = [app.router.add_post("/v1/completions", self._completions,
+                                      expect_handler=self._expect),
+                  app.router.add_post("/v1/chat/completions", self._chat,
+                                      expect_handler=self._expect),
+                  app.router.add_get("/v1/models", self._list_models),
+                  app.router.add_get("/v1/models/{model:.+}", self._get_model)]
         for route in ("/health", "/healthz"):
-            app.router.add_get(route, self._health)
+            routes.append(app.router.add_get(route, self._health))
         for route in ("/ready", "/readyz"):
-            app.router.add_get(route, self._ready)
+            routes.append(app.router.add_get(route, self._ready))
+        if cfg.allowed_origins:
+            allow_origins(app, routes, cfg.allowed_origins)
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True,
             keepalive_timeout=cfg.idle_timeout_s, max_line_size=cfg.max_header_bytes,
@@ -168,6 +110,7 @@ class HttpEntrance:
             shutdown_timeout=1.0, logger=_PARSER_LOG, lingering_time=cfg.close_linger_s)
         await self._runner.setup()
         factory = self._runner.server
+        assert factory is not None, "AppRunner.setup() made the server"
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: ConnGuard(self, factory()), cfg.host, cfg.port, backlog=1024,
@@ -177,6 +120,8 @@ class HttpEntrance:
 
     @property
     def address(self) -> tuple[str, int]:
+        if self._server is None:
+            raise RuntimeError("HTTP entrance used before start()")
         return self._server.sockets[0].getsockname()[:2]
 
     @property
@@ -220,11 +165,11 @@ class HttpEntrance:
             if guard.busy:
                 continue
             if guard.head_start_s is not None:
-                if now - guard.head_start_s > cfg.header_timeout_s:
+                if now - guard.head_start_s > cfg.header_timeout_s and guard.transport:
                     self.counts["timeouts"] += 1
                     guard.transport.write(canned(408, "Request Timeout"))
                     guard.transport.close()
-            elif now - guard.last_s > cfg.idle_timeout_s:
+            elif now - guard.last_s > cfg.idle_timeout_s and guard.transport:
                 guard.transport.close()
 
     async def _sweep_loop(self) -> None:
@@ -247,6 +192,13 @@ class HttpEntrance:
             if exc.status == 413:
                 return error_response(413, f"request body exceeds max_body_bytes"
                                       f"({self.config.max_body_bytes})", "body")
+            if exc.status == 404:   # OpenAI's words for a path it does not serve
+                return error_response(404, f"Invalid URL ({request.method} {request.path})",
+                                      code=None)
+            if exc.status == 405:   # RFC 9110 15.5.6: a 405 carries Allow
+                return error_response(405, f"method {request.method} not allowed on "
+                                      f"{request.path}", code=None,
+                                      headers={"Allow": exc.headers.get("Allow", "")})
             return error_response(exc.status, exc.reason or "error")
         except Exception as exc:   # a bug: logged here, answered without its traceback
             writer = request.writer
@@ -280,6 +232,36 @@ class HttpEntrance:
                                 f"(0, {top}] ms", field="x-rewarm-deadline-ms", value=raw[:40],
                                 limit=top)
         return value
+
+    async def _expect(self, request: web.Request) -> web.Response | None:
+        """``Expect: 100-continue`` (RFC 9110 10.1.1): a declared body over
+        ``max_body_bytes`` is refused (413) before the client uploads it, and the connection
+        closes (the body is not read); another expectation is 417, as aiohttp's own
+        handler answers it; otherwise ``100 Continue``."""
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            return error_response(417, f"Expect: {expect[:40]!r} is not supported "
+                                  "(only 100-continue)", "Expect", code=None)
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            resp = error_response(413, f"request body of {request.content_length} bytes "
+                                  f"exceeds max_body_bytes({limit})", "body")
+            resp.force_close()
+            return resp
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0   # the answer's own bytes have not begun
+        return None
+
+    def context_tokens(self, model: str) -> int | None:
+        """The context (tokens per sequence, vLLM's ``max_model_len``) of ``model``'s
+        replicas: ``kv_capacity_tokens / max_seqs`` of the warm ones (a KV slot each), the
+        last seen when none is warm, None before any was seen."""
+        seen = [r.kv_capacity_tokens // r.max_seqs for r in self.path.router.warm(model)
+                if r.max_seqs > 0]
+        if seen:
+            self.contexts[model] = max(seen)
+        return self.contexts.get(model)
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -318,11 +300,16 @@ class HttpEntrance:
             self.path.refused(None, model, err.code)
             return error_response(err.code, err.message, getattr(err, "field", None))
         msg = parsed.message
+        if msg.get("fit_context"):   # a chat without max_tokens: sized as a whole context
+            msg["max_tokens"] = min(msg["max_tokens"], self.context_tokens(msg["model"])
+                                    or self.config.assumed_context_tokens)
         req = GenerateRequest(oa.new_id(parsed.chat), msg["model"], msg.get("tokens"),
                               msg.get("prompt"), msg["max_tokens"], deadline_ms, tenant,
                               msg.get("seed"), msg.get("stop"), msg.get("temperature"),
                               msg.get("top_p"), msg.get("top_k"), wire=msg)
         sink = HttpSink(parsed.stream)
+        if parsed.detokenize:
+            sink.token_ids = []
         sink.flight = self.path.submit(req, sink)
         try:
             if parsed.stream:
@@ -339,8 +326,8 @@ class HttpEntrance:
 
     @staticmethod
     def _refusal(final: tuple) -> web.Response:
-        _, code, reason, retry_after_ms = final
-        return error_response(code, reason, None, retry_after_ms)
+        _, code, reason, retry_after_ms, refusal = final
+        return error_response(code, reason, None, retry_after_ms, refusal=refusal)
 
     async def _whole(self, parsed: oa.Parsed, rid: str, sink: HttpSink) -> web.Response:
         while sink.final is None:
@@ -350,6 +337,9 @@ class HttpEntrance:
         done = sink.final[1]
         text = done.get("text", "".join(sink.parts))
         body = oa.answer(parsed, rid, oa.now_s(), text, done)
+        if sink.token_ids is not None and "text" not in done:
+            # a model without a tokenizer: the ids, as vLLM's return_token_ids gives them
+            body["choices"][0]["token_ids"] = sink.token_ids
         return web.Response(body=json.dumps(body).encode(), content_type="application/json",
                             headers={"x-rewarm-path": str(done.get("path", ""))})
 
@@ -364,6 +354,7 @@ class HttpEntrance:
         if sink.final is not None and sink.final[0] == "error" and not sink.parts:
             return self._refusal(sink.final)
         created = oa.now_s()
+        assert sink.flight is not None, "submitted before the stream starts"
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "x-rewarm-path": sink.flight.path})
@@ -398,8 +389,8 @@ class HttpEntrance:
     def _stream_end(parsed: oa.Parsed, rid: str, created: int, final: tuple, streamed: str,
                     first: bool) -> list[bytes]:
         if final[0] == "error":
-            _, code, reason, retry_after_ms = final
-            event = oa.error_body(code, reason, None, retry_after_ms)
+            _, code, reason, retry_after_ms, refusal = final
+            event = oa.error_body(code, reason, None, retry_after_ms, refusal=refusal)
             return [b"data: " + json.dumps(event).encode() + b"\n\n"]
         done = final[1]
         text = done.get("text")
@@ -426,6 +417,7 @@ class HttpEntrance:
         for name in names:
             state = "warm" if self.path.router.warm(name) else below.get(name, "cold")
             rows.append({"id": name, "object": "model", "created": 0, "owned_by": "rewarm",
+                         "max_model_len": self.context_tokens(name),
                          "state": state if state in MODEL_STATES else "cold"})
         return rows
 
@@ -496,9 +488,10 @@ async def stop_http(frontdoor, entrance: HttpEntrance, grace_s: float = 1.0) -> 
     door (queued requests 503 at once, running ones within ``grace_s``), then the HTTP
     connections, once their handlers have written those answers."""
     entrance.close_listener()
-    if getattr(entrance, "announcer", None) is not None:
+    announcer = getattr(entrance, "announcer", None)
+    if announcer is not None:
         try:
-            await asyncio.to_thread(entrance.announcer.withdraw, entrance.instance_id)
+            await asyncio.to_thread(announcer.withdraw, entrance.instance_id)
         except Exception as exc:  # shutting down: say so, carry on
             log.warning("withdrawing %s failed: %s", entrance.instance_id, exc)
     await frontdoor.stop(grace_s=grace_s)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
 
 import msgpack
 
@@ -43,12 +44,6 @@ class Batched(asyncio.Protocol):
         if self.transport is not None and not self.closed and out:
             self.transport.write(b"".join(out) if len(out) > 1 else out[0])
 
-    def close_after_flush(self) -> None:
-        self._flush()
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
 
 def nodelay(transport: asyncio.BaseTransport) -> None:
     """TCP_NODELAY and keepalive on a TCP transport (a Unix socket is left as it is)."""
@@ -61,11 +56,11 @@ def nodelay(transport: asyncio.BaseTransport) -> None:
 class LinkOwner(Protocol):
     """What a :class:`ReplicaLink` reports to (the request path)."""
 
-    def on_answer(self, link: "ReplicaLink", flight: Any, message: dict) -> None:
+    def on_answer(self, link: ReplicaLink, flight: Any, message: dict) -> None:
         """A message from the replica for ``flight`` (tokens, done or error)."""
         ...
 
-    def replica_failed(self, link: "ReplicaLink", reason: str) -> None:
+    def replica_failed(self, link: ReplicaLink, reason: str) -> None:
         """The link broke or the replica answered garbage."""
         ...
 
@@ -126,7 +121,8 @@ class ReplicaLink(Batched):
             return
         on_answer, in_flight = self.owner.on_answer, self.in_flight
         for message in messages:
-            flight = in_flight.get(message.get("id"))
+            rid: Any = message.get("id")   # whatever the replica sent; unknown ids are dropped
+            flight = in_flight.get(rid)
             if flight is not None:
                 on_answer(self, flight, message)
 

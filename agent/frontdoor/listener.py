@@ -25,7 +25,7 @@ import logging
 import os
 import resource
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 from agent.clock import Clock
 
@@ -34,6 +34,25 @@ log = logging.getLogger(__name__)
 _OUT_OF_FDS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _TRANSIENT = {errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN}
 ACCEPTS_PER_WAKEUP = 64
+
+
+def tune_keepalive(sock: socket.socket, *, idle_s: float, interval_s: float,
+                   count: int) -> None:
+    """TCP keepalive on ``sock`` with its timers set (tcp(7): ``TCP_KEEPIDLE`` seconds idle
+    before the first probe, ``TCP_KEEPINTVL`` seconds between probes, ``TCP_KEEPCNT`` probes
+    unanswered before the kernel drops the connection).  A peer that vanished (its host
+    powered off, a NAT forgot the flow) is then found after ``idle_s + interval_s * count``
+    seconds, not the kernel default of 7,200 s + 9 x 75 s.  Platforms without the options
+    (they are Linux's; macOS spells the first TCP_KEEPALIVE) keep their defaults; a Unix
+    socket is left as it is."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s),
+                        ("TCP_KEEPCNT", count)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, max(1, int(value)))
 
 
 def open_descriptors() -> int:
@@ -87,9 +106,16 @@ class Listener:
         self._loop.add_reader(self.sock.fileno(), self._accept)
         return self.address
 
+    def _started(self) -> tuple[socket.socket, asyncio.AbstractEventLoop]:
+        """The listening socket and its loop; RuntimeError before :meth:`start`."""
+        if self.sock is None or self._loop is None:
+            raise RuntimeError("front door listener used before start()")
+        return self.sock, self._loop
+
     @property
     def address(self) -> tuple[str, int]:
-        return self.sock.getsockname()[:2]
+        sock, _ = self._started()
+        return sock.getsockname()[:2]
 
     def close(self) -> None:
         if self.sock is not None and self._loop is not None:
@@ -101,9 +127,10 @@ class Listener:
         self._flush_errors(force=True)
 
     def _accept(self) -> None:
+        sock, _ = self._started()
         for _ in range(ACCEPTS_PER_WAKEUP):
             try:
-                conn, _addr = self.sock.accept()
+                conn, _addr = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -123,10 +150,12 @@ class Listener:
         """Out of descriptors: answer one waiting connection on the reserve descriptor."""
         if self._spare is None:
             return
+        sock, loop = self._started()
         os.close(self._spare)
         self._spare = None
+        conn: socket.socket | None
         try:
-            conn, _addr = self.sock.accept()
+            conn, _addr = sock.accept()
         except OSError:
             conn = None
         if conn is not None:
@@ -147,20 +176,21 @@ class Listener:
             self._spare = os.open(os.devnull, os.O_RDONLY)
         except OSError:
             self._spare = None           # reopened on the next call that finds one free
-            self._loop.call_later(0.05, self._reopen_spare)
+            loop.call_later(0.05, self._reopen_spare)
 
     def _pause(self, delay_s: float) -> None:
-        fd = self.sock.fileno()
-        self._loop.remove_reader(fd)
-        self._loop.call_later(delay_s, lambda: self.sock.fileno() == fd and
-                              self._loop.add_reader(fd, self._accept))
+        sock, loop = self._started()
+        fd = sock.fileno()
+        loop.remove_reader(fd)
+        loop.call_later(delay_s, lambda: sock.fileno() == fd and
+                        loop.add_reader(fd, self._accept))
 
     def _reopen_spare(self) -> None:
         if self._spare is None:
             try:
                 self._spare = os.open(os.devnull, os.O_RDONLY)
             except OSError:
-                self._loop.call_later(0.05, self._reopen_spare)
+                self._started()[1].call_later(0.05, self._reopen_spare)
 
     def _error(self, exc: OSError) -> None:
         self._errors += 1

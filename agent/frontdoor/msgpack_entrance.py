@@ -5,7 +5,16 @@ A thin adapter over :class:`~agent.frontdoor.request_path.RequestPath`: each dec
 :class:`~agent.frontdoor.request_path.GenerateRequest` and submitted with a
 :class:`MsgpackSink` that packs the answers back onto the connection with the client's id.
 A connection that goes away cancels its requests (queued ones leave their queues,
-dispatched ones are cancelled at the replica).  ``health``, ``models`` and ``stats`` are
+dispatched ones are cancelled at the replica).
+
+Slots are shared fairly (:meth:`MsgpackEntrance.accept`): one remote address holds at most
+``max_connections_per_peer``; ``component_reserve`` of ``max_connections`` are kept for
+the node's own components (``component_peers``: the predictor reads the door's stats over
+it, so a flood of clients must not lock it out); a connection with no request in flight is
+closed after ``idle_timeout_s`` without a byte, and a frame begun on one must be complete
+within ``idle_frame_deadline_s`` (a client dripping a byte at a time cannot hold a slot for
+``frame_deadline_s``); TCP keepalive is tuned so that a vanished peer's slot is freed in
+about ``keepalive_idle_s + keepalive_interval_s * keepalive_count`` seconds.  ``health``, ``models`` and ``stats`` are
 answered from the request path's view.
 """
 
@@ -19,7 +28,7 @@ from agent.errors import ProtocolError, Unauthorized
 from agent.frontdoor.auth import TokenAuth
 from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.links import Batched, nodelay, packb
-from agent.frontdoor.listener import Listener
+from agent.frontdoor.listener import Listener, tune_keepalive
 from agent.frontdoor.request import Flight, GenerateRequest
 from agent.frontdoor.request_path import RequestPath
 from agent.protocol import PROTOCOL_VERSION, Decoder, error_message, reply_id, validate_request
@@ -30,7 +39,7 @@ class MsgpackSink:
 
     __slots__ = ("conn", "rid", "flight")
 
-    def __init__(self, conn: "ClientConn", rid: Any) -> None:
+    def __init__(self, conn: ClientConn, rid: Any) -> None:
         self.conn, self.rid = conn, rid
         self.flight: Flight | None = None
 
@@ -43,8 +52,9 @@ class MsgpackSink:
         self.conn.send(packb(message))
         self.conn.finished(self)
 
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
-        msg = error_message(self.rid, code, reason)
+    def error(self, code: int, reason: str, retry_after_ms: int | None = None,
+              refusal: str | None = None) -> None:
+        msg = error_message(self.rid, code, reason, refusal=refusal)
         if retry_after_ms is not None:
             msg["retry_after_ms"] = retry_after_ms
         self.conn.send(packb(msg))
@@ -58,6 +68,8 @@ class MsgpackEntrance:
                  auth: TokenAuth) -> None:
         self.path, self.config, self.clock, self.auth = path, config, clock, auth
         self.conns: set[ClientConn] = set()
+        self.per_peer: dict[str, int] = {}   # accepted connections per remote address
+        self.refused_per_peer = 0            # connections refused by the per-peer cap
         self._listener: Listener | None = None
         self._starting = 0  # accepted sockets whose connection is being set up
 
@@ -94,6 +106,8 @@ class MsgpackEntrance:
 
     @property
     def address(self) -> tuple[str, int]:
+        if self._listener is None:
+            raise RuntimeError("msgpack entrance used before start()")
         return self._listener.address
 
     def close_listener(self) -> None:
@@ -103,16 +117,39 @@ class MsgpackEntrance:
 
     # --- connections -----------------------------------------------------------------
 
-    def accept(self, conn: "ClientConn", over_cap: bool = False) -> bool:
-        """Take ``conn`` into the set, unless it is past the cap (it is answered 429)."""
-        if over_cap or len(self.conns) >= self.config.max_connections:
-            return False
+    def accept(self, conn: ClientConn, over_cap: bool = False) -> str | None:
+        """Take ``conn`` into the set; else the reason it is refused (it is answered 429):
+        past the descriptor cap (``over_cap``) or ``max_connections``; a peer that is not
+        a component past ``max_connections - component_reserve`` or past
+        ``max_connections_per_peer`` of its own."""
+        cfg = self.config
+        if over_cap or len(self.conns) >= cfg.max_connections:
+            return "too many connections"
+        peer = conn.peer
+        if peer not in cfg.component_peers:
+            if len(self.conns) >= cfg.max_connections - cfg.reserved_slots:
+                return (f"too many connections: the last {cfg.reserved_slots} of "
+                        f"max_connections({cfg.max_connections}) are kept for the node's own "
+                        f"components")
+            if self.per_peer.get(peer, 0) >= cfg.max_connections_per_peer:
+                self.refused_per_peer += 1
+                return (f"too many connections from {peer}: max_connections_per_peer"
+                        f"({cfg.max_connections_per_peer})")
         self.conns.add(conn)
-        return True
+        self.per_peer[peer] = self.per_peer.get(peer, 0) + 1
+        conn.accepted = True
+        return None
 
-    def forget(self, conn: "ClientConn") -> None:
+    def forget(self, conn: ClientConn) -> None:
         """The connection closed: its requests are cancelled (no one to answer)."""
         self.conns.discard(conn)
+        if conn.accepted:
+            conn.accepted = False
+            left = self.per_peer.get(conn.peer, 1) - 1
+            if left > 0:
+                self.per_peer[conn.peer] = left
+            else:
+                self.per_peer.pop(conn.peer, None)
         sinks, conn.sinks = list(conn.sinks), set()
         for sink in sinks:
             if sink.flight is not None:
@@ -125,10 +162,14 @@ class MsgpackEntrance:
         cfg = self.config
         now = self.clock.now()
         for conn in list(self.conns):
-            if conn.frame_start_s is not None and now - conn.frame_start_s > cfg.frame_deadline_s:
+            # with nothing in flight a slow frame holds a slot for nothing: the shorter bound
+            name, bound = ("frame_deadline_s", cfg.frame_deadline_s)
+            if not conn.sinks and cfg.idle_frame_deadline_s < bound:
+                name, bound = "idle_frame_deadline_s", cfg.idle_frame_deadline_s
+            if conn.frame_start_s is not None and now - conn.frame_start_s > bound:
                 conn.fail(ProtocolError(
-                    f"frame not complete within frame_deadline_s({cfg.frame_deadline_s})",
-                    field="frame", value=now - conn.frame_start_s, limit=cfg.frame_deadline_s))
+                    f"frame not complete within {name}({bound})",
+                    field="frame", value=now - conn.frame_start_s, limit=bound))
             elif not conn.sinks and now - conn.last_active_s > cfg.idle_timeout_s:
                 conn.end()
 
@@ -147,7 +188,7 @@ class MsgpackEntrance:
 
     # --- requests --------------------------------------------------------------------
 
-    def handle(self, conn: "ClientConn", message: dict) -> None:
+    def handle(self, conn: ClientConn, message: dict) -> None:
         """One decoded message from a client."""
         try:
             validate_request(message, self.config.limits)
@@ -180,7 +221,7 @@ class MsgpackEntrance:
             conn.send(packb({"v": PROTOCOL_VERSION, "id": rid, "type": "result",
                              "result": self.path.info(op, len(self.conns))}))
 
-    def _refuse(self, conn: "ClientConn", rid: Any, model: str, code: int, reason: str) -> None:
+    def _refuse(self, conn: ClientConn, rid: Any, model: str, code: int, reason: str) -> None:
         self.path.refused(rid, model, code)
         conn.send(packb(error_message(rid, code, reason)))
 
@@ -198,7 +239,7 @@ class ClientConn(Batched):
     kernel does not reset the connection (and lose the answers) over unread input.
     """
 
-    def __init__(self, door: "MsgpackEntrance", over_cap: bool = False) -> None:
+    def __init__(self, door: MsgpackEntrance, over_cap: bool = False) -> None:
         super().__init__()
         self.door = door
         self.over_cap = over_cap
@@ -213,13 +254,22 @@ class ClientConn(Batched):
         self._lingering = False   # our side is half-closed; draining input until close
         self._discarded = 0       # input bytes thrown away since ending (or lingering)
         self._linger: asyncio.TimerHandle | None = None
+        self.peer = ""            # the remote address (no port): the per-peer cap's key
+        self.accepted = False     # counted in the door's set and per-peer counts
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         nodelay(transport)
-        if not self.door.accept(self, self.over_cap):
-            self.send(packb(error_message(None, 429, "too many connections",
-                                           retry_after_ms=1000)))
+        cfg = self.door.config
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            tune_keepalive(sock, idle_s=cfg.keepalive_idle_s,
+                           interval_s=cfg.keepalive_interval_s, count=cfg.keepalive_count)
+        peername = transport.get_extra_info("peername")
+        self.peer = str(peername[0]) if isinstance(peername, tuple) and peername else ""
+        refused = self.door.accept(self, self.over_cap)
+        if refused is not None:
+            self.send(packb(error_message(None, 429, refused, retry_after_ms=1000)))
             self.end()
 
     def data_received(self, data: bytes) -> None:
@@ -289,7 +339,7 @@ class ClientConn(Batched):
         """Requests on this connection not yet finally answered (queued or dispatched)."""
         return len(self.sinks)
 
-    def finished(self, sink: "MsgpackSink") -> None:
+    def finished(self, sink: MsgpackSink) -> None:
         """One request in flight got its final answer (done or error)."""
         self.sinks.discard(sink)
         sink.flight = None   # the flight holds the sink: no cycle left for the collector

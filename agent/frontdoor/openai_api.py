@@ -15,6 +15,11 @@ reference: "Completions", "Chat", "Streaming", "Error codes").  Supported: ``mod
 on every chunk), ``ignore_eos`` (vLLM's extension), ``user``.  A parameter outside these is a 400 naming it, unless it has
 its no-op value (``null``, ``n: 1``, ``logprobs: false``, penalties 0...): never accepted
 and then silently ignored.
+
+A chat without ``max_tokens`` generates up to the context, as OpenAI's and vLLM's do: the
+map gets ``max_tokens`` = ``max_new_tokens`` and ``fit_context`` (the replica caps it to what
+its context leaves after the prompt; docs/protocol.md); a completion's default stays
+OpenAI's 16.  Every parameter, limit and error: docs/http-api.md.
 """
 
 from __future__ import annotations
@@ -184,6 +189,11 @@ def parse_chat(body: Any, limits: Limits = DEFAULT_LIMITS) -> Parsed:
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": "generate", "id": 0,
                                "model": body.get("model"), "messages": turns}
     _common(body, message, ("max_completion_tokens", "max_tokens"))
+    if "max_tokens" not in message:
+        # OpenAI's and vLLM's chat generate up to the context: the replica caps this bound
+        # to what its context leaves after the prompt (docs/protocol.md, fit_context)
+        message["max_tokens"] = limits.max_new_tokens
+        message["fit_context"] = True
     stream, usage, continuous = _stream(body)
     message = _validated(message, limits)
     return Parsed(message, True, stream, usage, False, continuous,
@@ -275,13 +285,23 @@ _ERROR_KIND = {400: ("invalid_request_error", None), 401: ("invalid_request_erro
                503: ("server_error", "service_unavailable"), 504: ("server_error", "timeout")}
 
 
+_NO_CODE = object()
+
+
 def error_body(status: int, message: str, param: str | None = None,
-               retry_after_ms: int | None = None) -> dict:
-    """OpenAI's error shape; rewarm adds ``retry_after_ms`` beside it on 429 and 503."""
-    kind, code = _ERROR_KIND.get(status, (
+               retry_after_ms: int | None = None, *, refusal: str | None = None,
+               code: Any = _NO_CODE) -> dict:
+    """OpenAI's error shape; rewarm adds ``retry_after_ms`` beside it on 429 and 503, and
+    ``refusal`` (why a request was refused: ``deadline_unreachable``, ``no_capacity``,
+    ``overloaded``..., docs/http-api.md) when the refusal says.  ``code`` overrides the
+    status's code (None: an unknown path is no ``model_not_found``)."""
+    kind, default_code = _ERROR_KIND.get(status, (
         "invalid_request_error" if status < 500 else "server_error", None))
-    err: dict[str, Any] = {"message": message, "type": kind, "param": param, "code": code}
+    err: dict[str, Any] = {"message": message, "type": kind, "param": param,
+                           "code": default_code if code is _NO_CODE else code}
     body: dict[str, Any] = {"error": err}
+    if refusal is not None:
+        err["refusal"] = refusal
     if retry_after_ms is not None:
         err["retry_after_ms"] = int(retry_after_ms)
         body["retry_after_ms"] = int(retry_after_ms)

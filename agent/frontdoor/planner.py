@@ -1,51 +1,95 @@
 """Where queued requests will start: the capacity in sight as slots, and each request's place.
 
-A mixin of :class:`~agent.frontdoor.request_path.RequestPath` (the queue-side half of
-admission, kept apart to keep each module readable); it reads the path's ``router``,
-``links``, ``gate``, ``restore_times``, ``queues``, ``config``, ``capacity`` and the
-per-model ``_shape`` (mean prompt, mean max_tokens), ``_max_seqs``, ``_first_seen`` (when
-each replica entered the view), and calls ``_at_cap``.  The pure arithmetic is in
-:mod:`agent.frontdoor.admission` (:func:`capacity_etas_s`, :func:`slot_times_s`).
+The queue-side half of admission.  :class:`QueuePlanner` reads the warm replicas (the
+router, and the requests in flight on each replica link), the restores in flight and
+startable (the :class:`~agent.frontdoor.capacity.RestoreGate`, the measured restore
+times, and :class:`CapacityInSight`), and each model's
+:class:`~agent.frontdoor.model_state.ModelState` (its request shape, largest replica, and
+the cached slots).  The pure arithmetic is in :mod:`agent.frontdoor.admission`
+(:func:`capacity_etas_s`, :func:`slot_times_s`).
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from agent.clock import Clock
 from agent.frontdoor.admission import capacity_etas_s, slot_times_s
-from agent.frontdoor.router import ReplicaLoad
+from agent.frontdoor.capacity import RestoreGate, RestoreTimes
+from agent.frontdoor.config import FrontDoorConfig
+from agent.frontdoor.model_state import ModelStates, Slot, SlotPlan
+from agent.frontdoor.router import ReplicaLoad, Router
 
 if TYPE_CHECKING:  # pragma: no cover
+    from agent.frontdoor.links import ReplicaLink
     from agent.frontdoor.request import Flight
 
 
-_PER_REPLICA_TTL_S = 1.0  # sustainable concurrency recomputed at most this often (O(max_seqs))
+class CapacityInSight(Protocol):
+    """What the planner asks of the restores side (:class:`~agent.frontdoor.restores.Restores`)."""
+
+    @property
+    def can_restore(self) -> bool:
+        """Whether a capacity requester is configured (restores can be asked for)."""
+        ...
+
+    def at_cap(self, model: str) -> bool:
+        """Whether ``model``'s node answered its last restore at its replica cap."""
+        ...
+
+
+class ReplicaArrivals(Protocol):
+    """When each replica entered the view (:class:`~agent.frontdoor.replica_view.ReplicaView`)."""
+
+    def first_seen(self, replica_id: str) -> float:
+        ...
+
+
+class Sizing(Protocol):
+    """One new replica's size (:class:`~agent.frontdoor.budgets.Budgets`)."""
+
+    def per_replica(self, model: str) -> int:
+        ...
 
 
 class QueuePlanner:
     """Slots, ETAs and per-request placement (module docstring)."""
 
-    def _etas_s(self, model: str, now: float) -> list[float]:
+    def __init__(self, config: FrontDoorConfig, clock: Clock, router: Router,
+                 links: dict[str, ReplicaLink], gate: RestoreGate, restore_times: RestoreTimes,
+                 models: ModelStates, sizing: Sizing, arrivals: ReplicaArrivals,
+                 capacity: CapacityInSight) -> None:
+        self.config = config
+        self.clock = clock
+        self.router = router
+        self.links = links
+        self.gate = gate
+        self.restore_times = restore_times
+        self.models = models
+        self.sizing = sizing
+        self.arrivals = arrivals
+        self.capacity = capacity
+
+    def etas_s(self, model: str, now: float) -> list[float]:
         """When new replicas of ``model`` are expected, soonest first
-        (:func:`capacity_etas_s`): the restores in flight, and those :meth:`_maybe_restore`
+        (:func:`capacity_etas_s`): the restores in flight, and those the restores side
         would start for the queue with one more request in it; none while the model's node
-        is at its replica cap (:meth:`_at_cap`: an ask in flight then is a probe, most likely
-        answered by a replica already counted)."""
-        if self._at_cap(model):
+        is at its replica cap (:meth:`CapacityInSight.at_cap`: an ask in flight then is a
+        probe, most likely answered by a replica already counted)."""
+        if self.capacity.at_cap(model):
             return []
         p99, p50 = self.restore_times.p99_ms(model), self.restore_times.p50_ms(model)
         startable = 0
-        if self.capacity is not None:
-            queue = self.queues.get(model)
+        if self.capacity.can_restore:
+            queue = self.models.queue(model)
             startable = self.gate.wanted(model, (len(queue) if queue else 0) + 1,
-                                         self._per_replica(model))
+                                         self.sizing.per_replica(model))
         return capacity_etas_s(now, self.gate.started_s.get(model, []),
                                None if p50 is None else p50 / 1000.0,
                                None if p99 is None else p99 / 1000.0, startable)
 
-    def _slots(self, model: str, now: float
-               ) -> tuple[list[tuple[float, float, float, str]], float, dict[str, float]]:
+    def slots(self, model: str, now: float) -> SlotPlan:
         """The slots for ``model``'s queue, soonest first, as ``(time, when its replica was
         first seen, its decode step, its replica id)``: the expected end of each request at
         the warm replicas (dispatch + predicted TTFT + max_tokens decode steps at a full
@@ -56,13 +100,16 @@ class QueuePlanner:
         warm replica when the prefills queued there are done (the step in progress, then the
         queued prompts: the router's own accounting, as a direct dispatch is predicted): a
         replica prefills one prompt at a time, so a slot there starts no sooner.  Cached for
-        ``tick_s`` (a burst of arrivals shares one computation)."""
-        cached = self._slot_cache.get(model)
-        if cached is not None and now - cached[0] < self.config.tick_s:
-            return cached[1], cached[2], cached[3]
+        ``tick_s`` (a burst of arrivals shares one computation) in the model's
+        :attr:`~agent.frontdoor.model_state.ModelState.slot_plan`."""
+        state = self.models.of(model)
+        cached = state.slot_plan
+        if cached is not None and now - cached.at_s < self.config.tick_s:
+            return cached
         prior = self.router.prior(model)
-        mean_prompt = self._shape.get(model, (1.0, 1.0))[0]
-        slots, busy = [], {}
+        mean_prompt = state.mean_shape()[0]
+        slots: list[Slot] = []
+        busy: dict[str, float] = {}
         for load in self.router.warm(model):
             link = self.links.get(load.replica_id)
             if link is None:
@@ -72,7 +119,7 @@ class QueuePlanner:
             speed = load.speed or prior
             step_s = speed.decode_step_s(load.max_seqs, load.active_ctx_tokens
                                          * max(1, load.max_seqs) // max(1, load.active_seqs))
-            seen = self._first_seen.get(load.replica_id, float("-inf"))
+            seen = self.arrivals.first_seen(load.replica_id)
             rid = load.replica_id
             busy[rid] = now + load.predict_ttft_s(0, prior) - speed.prefill_overhead_s
             idle = load.max_seqs - load.active_seqs
@@ -87,18 +134,17 @@ class QueuePlanner:
                 if end <= now:  # overdue: the estimate was wrong; expect the overrun again
                     end = now + (now - end)
                 slots.append((end + step_s, seen, step_s, rid))
-        per_replica = self._per_replica(model)
+        per_replica = self.sizing.per_replica(model)
         held = self.router.held_prior(model)   # new replicas: the model's measured error too
         fresh_step = held.decode_step_s(per_replica)
         inf = float("inf")
         slots.extend((t, inf, fresh_step, "") for t in slot_times_s(
-            [], self._etas_s(model, now), per_replica, held, mean_prompt))
+            [], self.etas_s(model, now), per_replica, held, mean_prompt))
         slots.sort()  # sorted: a valid heap as it is
-        first = slots[0][0] if slots else inf
-        self._slot_cache[model] = (now, slots, first, busy)
-        return slots, first, busy
+        plan = state.slot_plan = SlotPlan(now, slots, slots[0][0] if slots else inf, busy)
+        return plan
 
-    def _assign(self, model: str, flights: list[Flight], now: float,
+    def assign(self, model: str, flights: list[Flight], now: float,
                 margin_s: float = 0.0, ahead: int = 0) -> tuple[list[float | None], float]:
         """Predicted TTFTs from now (None: no capacity in sight makes its deadline) of
         ``flights`` (earliest deadline first), each taking the soonest slot that those before
@@ -109,8 +155,9 @@ class QueuePlanner:
         A slot taken frees again once that request's ``max_tokens`` are decoded.  ``ahead``
         more requests (not given one by one: a long queue) are taken to hold the first
         ``ahead`` slots.  The last flight must make its deadlines with ``margin_s`` to spare
-        (admission; see :meth:`_hold`).  Also returns the earliest slot's time."""
-        slots, first, busy = self._slots(model, now)
+        (admission; see :meth:`agent.frontdoor.queues.Queues.hold`).  Also returns the
+        earliest slot's time."""
+        slots, first, busy = self.slots(model, now)[1:]
         busy = dict(busy)
         held = self.router.held_prior(model)
         if ahead < len(slots):
@@ -119,7 +166,7 @@ class QueuePlanner:
             # deeper than one slot each: the slots are reused in rounds, each round one
             # request's decode (the model's mean max_tokens, at the slot's step) later
             rounds, start = divmod(ahead, len(slots))
-            gen = self._shape.get(model, (1.0, 1.0))[1] + 1.0
+            gen = self.models.of(model).mean_shape()[1] + 1.0
             heap = [(t + rounds * gen * step, seen, step, r) for t, seen, step, r in slots[start:]]
             heap += [(t + (rounds + 1) * gen * step, seen, step, r)
                      for t, seen, step, r in slots[:start]]
@@ -138,8 +185,8 @@ class QueuePlanner:
                 if now + max(0.0, t - now) + own + spare > flight.deadline_s:
                     passed.append(slot)       # no later slot is sooner
                     break
-                start = max(t, busy.get(rid, t)) if rid else t  # its replica's prefills first
-                ttft_s = max(0.0, start - now) + own
+                begin = max(t, busy.get(rid, t)) if rid else t  # its replica's prefills first
+                ttft_s = max(0.0, begin - now) + own
                 if now + ttft_s + spare <= flight.deadline_s and (
                         seen > flight.arrival_s or now + ttft_s + spare <= flight.warm_deadline_s):
                     found = ttft_s
@@ -154,48 +201,29 @@ class QueuePlanner:
             out.append(found)
         return out, first
 
-    def _choose_in_time(self, flight: Flight, now: float) -> tuple[ReplicaLoad, float] | None:
+    def choose_in_time(self, flight: Flight, now: float) -> tuple[ReplicaLoad, float] | None:
         """The replica with the lowest predicted TTFT that starts ``flight`` within its
-        deadline there (:meth:`_deadline_for`): among all, else among those brought up since
+        deadline there (:meth:`deadline_for`): among all, else among those brought up since
         it arrived (the warm path's deadline may have passed, the restore path's not)."""
-        exclude = flight.tried or frozenset()
+        exclude: set[str] | frozenset[str] = flight.tried or frozenset()
         found = self.router.choose_predicted(flight.model, flight.need_tokens,
                                              flight.prompt_tokens, exclude)
         if found is None:
             return None
-        if now + found[1] <= self._deadline_for(flight, found[0].replica_id):
+        if now + found[1] <= self.deadline_for(flight, found[0].replica_id):
             return found
         if now > flight.warm_deadline_s:
             old = {r.replica_id for r in self.router.warm(flight.model)
-                   if self._first_seen.get(r.replica_id, float("-inf")) <= flight.arrival_s}
+                   if self.arrivals.first_seen(r.replica_id) <= flight.arrival_s}
             found = self.router.choose_predicted(flight.model, flight.need_tokens,
                                                  flight.prompt_tokens, old | set(exclude))
             if found is not None and now + found[1] <= flight.deadline_s:
                 return found
         return None
 
-    def _deadline_for(self, flight: Flight, replica_id: str) -> float:
+    def deadline_for(self, flight: Flight, replica_id: str) -> float:
         """``flight``'s deadline at this replica: the restore path's when the replica was
         first seen after the request arrived, else the warm path's."""
-        if self._first_seen.get(replica_id, float("-inf")) > flight.arrival_s:
+        if self.arrivals.first_seen(replica_id) > flight.arrival_s:
             return flight.deadline_s
         return flight.warm_deadline_s
-
-    def _per_replica(self, model: str) -> int:
-        cached = self._per_replica_cache.get(model)
-        now = self.clock.now()
-        if cached is not None and now - cached[0] < _PER_REPLICA_TTL_S:
-            return cached[1]
-        n = self._per_replica_now(model)
-        self._per_replica_cache[model] = (now, n)
-        return n
-
-    def _per_replica_now(self, model: str) -> int:
-        """Requests one new replica of ``model`` serves within the warm SLO: its sustainable
-        concurrency (agent/speed.py) at the model's mean prompt and max_tokens, with the
-        model's prior speed, within the largest replica's slots seen."""
-        prompt, gen = self._shape.get(model, (1.0, 1.0))
-        max_seqs = self._max_seqs.get(model, 0) or max(
-            (r.max_seqs for r in self.router.warm(model)), default=self.config.default_max_seqs)
-        return self.router.prior(model).sustainable_concurrency(
-            self.config.slo_s(model)[0], prompt, gen, max_seqs)

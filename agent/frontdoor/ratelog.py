@@ -1,5 +1,5 @@
 """A log line per event until ``burst`` in one interval, then one summary line per interval
-with the count: a front door under overload must not fill its log (issue 15)."""
+with the count: a front door under overload must not fill its log."""
 
 from __future__ import annotations
 

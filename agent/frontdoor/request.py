@@ -1,5 +1,5 @@
 """What an entrance hands the request path: a validated request, the sink its answers go
-to, and the handle (:class:`Flight`) it may cancel (issue 12 contract point 5).
+to, and the handle (:class:`Flight`) it may cancel (docs/architecture.md, "Cancellation").
 
 Both entrances (msgpack/TCP, HTTP) build a :class:`GenerateRequest` from their own wire form
 and give :meth:`agent.frontdoor.request_path.RequestPath.submit` a :class:`Sink` that turns
@@ -16,7 +16,8 @@ from agent.protocol import PROTOCOL_VERSION
 if TYPE_CHECKING:  # pragma: no cover
     from agent.frontdoor.admission import Pending
 
-# Sampling fields a request may carry, forwarded to the replica when set (contract point 6).
+# Sampling fields a request may carry, forwarded to the replica when set (docs/architecture.md,
+# "Sampling fields").
 SAMPLING_FIELDS = ("seed", "stop", "temperature", "top_p", "top_k")
 
 
@@ -46,7 +47,7 @@ class GenerateRequest:
     wire: dict | None = None          # the entrance's validated msgpack map, reused as is
 
     @classmethod
-    def from_message(cls, message: dict, tenant: str | None = None) -> "GenerateRequest":
+    def from_message(cls, message: dict, tenant: str | None = None) -> GenerateRequest:
         """From a ``generate`` map already checked by :func:`agent.protocol.validate_request`."""
         get = message.get
         return cls(message["id"], message["model"], get("tokens"), get("prompt"),
@@ -107,14 +108,16 @@ class Sink(Protocol):
         "replica", "queue_wait_ms"}`` (times measured here, from arrival)."""
         ...
 
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
+    def error(self, code: int, reason: str, retry_after_ms: int | None = None,
+              refusal: str | None = None) -> None:
         """A refusal or failure: HTTP-like ``code`` (400..504), ``reason`` naming the value
-        and the limit, ``retry_after_ms`` with 429 and 503."""
+        and the limit, ``retry_after_ms`` with 429 and 503, ``refusal``: why, as data (one of
+        agent/wire/refusals.py's codes; None for a failure that is no refusal)."""
         ...
 
 
 class Canceller(Protocol):
-    def cancel(self, flight: "Flight") -> None:
+    def cancel(self, flight: Flight) -> None:
         """Forget ``flight``: its client is gone."""
         ...
 
@@ -126,9 +129,9 @@ class Flight:
                  "owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
                  "prompt_tokens", "path", "restore_ms", "queue_wait_ms", "replica_id",
                  "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried",
-                 "warm_deadline_s", "cold")
+                 "warm_deadline_s", "cold", "last_token_s", "token_gaps")
 
-    def __init__(self, owner: "Canceller", req: GenerateRequest, sink: Sink,
+    def __init__(self, owner: Canceller, req: GenerateRequest, sink: Sink,
                  arrival_s: float) -> None:
         self.owner, self.req, self.sink, self.model = owner, req, sink, req.model
         self.arrival_s = arrival_s
@@ -150,6 +153,9 @@ class Flight:
         self.pending: Pending | None = None
         self.over = False  # answered (done/error) or cancelled
         self.cold = False  # no warm replica of its model when it arrived
+        self.last_token_s = 0.0  # when its latest tokens message arrived
+        # (seconds since the previous tokens message, tokens in it), for inter-token latency
+        self.token_gaps: list[tuple[float, int]] = []
 
     def cancel(self) -> None:
         """The client went away: forget this request (no answer is sent)."""

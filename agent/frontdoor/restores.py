@@ -1,116 +1,190 @@
 """Asking for capacity from the request path: how many restores, and what their end means.
 
-A mixin of :class:`~agent.frontdoor.request_path.RequestPath`; it reads and updates the
-path's ``capacity`` (the :class:`~agent.frontdoor.capacity.CapacityRequester`), ``gate``,
-``restore_times``, ``queues``, ``router``, ``last_restore``, ``came_up``, ``known_models``,
-``_deadline_ms``, ``_max_seqs``, ``_upserted``, ``_capped_until`` and ``_capped``, and calls its
-``_drain``, ``_recheck``, ``_fail``, ``_per_replica`` and ``upsert``.  The number asked for
-comes from the queue over one replica's measured sustainable concurrency at the SLO (issue 12
-contract point 7), not from KV slots.
+:class:`Restores` owns the :class:`~agent.frontdoor.capacity.CapacityRequester` and the
+restore tasks.  The number asked for comes from the queue over one replica's measured
+sustainable concurrency at the SLO (:meth:`agent.frontdoor.budgets.Budgets.per_replica`),
+not from KV slots.  A restore's end is reported to a :class:`RestoreOwner` (the request
+path: it drains and re-checks the model's queue), its replica to a :class:`Registering`
+(the :class:`~agent.frontdoor.replica_view.ReplicaView`), and what it measured to a
+:class:`Measuring` (the :class:`~agent.frontdoor.budgets.Budgets`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING, Protocol
 
+from agent.clock import Clock
 from agent.errors import RewarmError
-from agent.frontdoor.capacity import NODE_PATHS
+from agent.frontdoor.capacity import NODE_PATHS, CapacityRequester, RestoreGate
+from agent.frontdoor.config import FrontDoorConfig
+from agent.frontdoor.model_state import ModelStates, RestoreRecord
+from agent.frontdoor.router import Router
+from agent.telemetry import Telemetry
+from agent.wire import refusals
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agent.frontdoor.router import ReplicaLoad
 
 log = logging.getLogger("agent.frontdoor.request_path")
+
+
+class RestoreOwner(Protocol):
+    """What a restore's end is reported to (the request path's queue side)."""
+
+    def drain(self, model: str) -> None:
+        """Dispatch what the new capacity can start."""
+        ...
+
+    def recheck(self, model: str) -> None:
+        """Refuse queued requests that capacity in sight no longer starts in time."""
+        ...
+
+    def refuse_queued(self, model: str, reason: str, refusal: str) -> None:
+        """Answer every queued request of ``model`` 503 with ``reason`` and ``refusal``."""
+        ...
+
+
+class Registering(Protocol):
+    """Where a restored replica goes (:class:`~agent.frontdoor.replica_view.ReplicaView`)."""
+
+    def restored(self, model: str, load: ReplicaLoad, record: RestoreRecord) -> None:
+        ...
+
+
+class Measuring(Protocol):
+    """Sizing and measurement (:class:`~agent.frontdoor.budgets.Budgets`)."""
+
+    def per_replica(self, model: str) -> int:
+        ...
+
+    def restore_measured(self, model: str, restore_ms: float, path: str = ...) -> None:
+        ...
 
 
 class Restores:
     """Restores asked for, their outcomes and what they measure (module docstring)."""
 
-    def _maybe_restore(self, model: str) -> None:
+    def __init__(self, config: FrontDoorConfig, clock: Clock, telemetry: Telemetry,
+                 router: Router, gate: RestoreGate, models: ModelStates,
+                 capacity: CapacityRequester | None, sizing: Measuring,
+                 replicas: Registering, owner: RestoreOwner) -> None:
+        self.config = config
+        self.clock = clock
+        self.telemetry = telemetry
+        self.router = router
+        self.gate = gate
+        self.models = models
+        self.capacity = capacity
+        self.sizing = sizing
+        self.replicas = replicas
+        self.owner = owner
+        self._tasks: set[asyncio.Task] = set()  # held: the loop keeps weak references
+
+    @property
+    def can_restore(self) -> bool:
+        """Whether a capacity requester is configured."""
+        return self.capacity is not None
+
+    def maybe_restore(self, model: str) -> None:
         """Ask for the replicas the queue needs: its length over one replica's measured
-        sustainable concurrency at the SLO (:meth:`_per_replica`), less restores in flight."""
-        if self.capacity is None or self.clock.now() < self._capped_until.get(model, 0.0):
+        sustainable concurrency at the SLO, less restores in flight."""
+        if self.capacity is None:
             return
-        self._restore_for(model, self.gate.wanted(model, len(self.queues[model]),
-                                                  self._per_replica(model)))
+        state = self.models.of(model)
+        if self.clock.now() < state.capped_until_s:
+            return
+        queue = state.queue
+        self.restore_for(model, self.gate.wanted(model, len(queue) if queue else 0,
+                                                 self.sizing.per_replica(model)))
+
+    def after_refusal(self, model: str) -> None:
+        """A request of ``model`` was refused at arrival (429): demand is seen, so one
+        restore is asked for the next ones, unless one is in flight or the node's cap
+        backoff runs."""
+        if not self.gate.in_flight.get(model) and \
+                self.clock.now() >= self.models.of(model).capped_until_s:
+            self.restore_for(model, 1)
 
     def _probe_restore(self, model: str) -> None:
         """After a node answered at its cap: ask once more (one restore, not a queue's worth)
         if requests still wait and nothing is in flight."""
-        if self.queues.get(model) and not self.gate.in_flight.get(model):
-            self._restore_for(model, 1)
+        if self.models.queue(model) and not self.gate.in_flight.get(model):
+            self.restore_for(model, 1)
 
-    def _restore_for(self, model: str, n: int) -> None:
+    def restore_for(self, model: str, n: int) -> None:
+        """Start up to ``n`` restores of ``model`` (within the gate's room)."""
         if self.capacity is None:
             return
         now = self.clock.now()
-        self._slot_cache.pop(model, None)
+        self.models.forget_slots(model)
         for _ in range(min(n, self.gate.room(model))):
             self.gate.started(model, now)
             # a reference is kept until it ends: the event loop holds tasks weakly, and one
             # awaiting a future nothing else refers to would be collected mid-restore (its
             # ``finally`` then ends the restore in the gate's count: capacity vanishes)
-            task = asyncio.get_running_loop().create_task(self._restore(model))
-            self._restore_tasks.add(task)
-            task.add_done_callback(self._restore_tasks.discard)
+            task = asyncio.get_running_loop().create_task(self.restore(model))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         self.telemetry.restores_in_flight(self.gate.total)
 
-    async def _restore(self, model: str) -> None:
+    async def restore(self, model: str) -> None:
+        """One restore of ``model``: ask the requester, record what it measured and the
+        replica it made, then let the queue use it (or refuse it when nothing can)."""
         ok = False
+        state = self.models.of(model)
         started = self.clock.now()
         before = {r.replica_id for r in self.router.warm(model)}
         try:
+            assert self.capacity is not None   # restore_for starts none without one
             result = await self.capacity.request_restore(model)
             ok = True
             if result.replica is None:   # it came through the registry (a scaler): which tier?
                 result.path = self._came_up(model, before, result.path)
             self.telemetry.restore_outcome(model, True)
             now = self.clock.now()
-            self.last_restore[model] = (now, result.path, result.restore_ms)
+            record = state.last_restore = RestoreRecord(now, result.path, result.restore_ms)
             if result.path != "warm_hit":  # an existing replica's answer measures nothing
-                self._capped.pop(model, None)  # and a new replica ends the cap
-                self._restore_measured(model, result.restore_ms or (now - started) * 1000.0,
-                                       result.path)
+                state.capped_warm = None       # and a new replica ends the cap
+                self.sizing.restore_measured(model, result.restore_ms or (now - started) * 1000.0,
+                                             result.path)
             if result.replica is not None:
-                self._max_seqs[model] = max(self._max_seqs.get(model, 0),
-                                            result.replica.max_seqs)
-                self.upsert(result.replica)
-                if result.path != "warm_hit":
-                    self.came_up[result.replica.replica_id] = (now, result.path, result.restore_ms)
-                    while len(self.came_up) > 1024:       # oldest first out
-                        del self.came_up[next(iter(self.came_up))]
-                self.known_models.add(model)
-                self._upserted[result.replica.replica_id] = self.clock.now()
+                self.replicas.restored(model, result.replica, record)
             warm = len(self.router.warm(model))
             if result.path == "warm_hit" and warm:
                 # The node is at its replica cap: until one of the ``warm`` replicas (the
                 # answer's included) leaves, admission counts no capacity that could be
-                # restored (:meth:`_at_cap`).  None in view (a scale-in raced the answer):
+                # restored (:meth:`at_cap`).  None in view (a scale-in raced the answer):
                 # no cap, or it could never be seen to lift.
-                self._capped[model] = warm
+                state.capped_warm = warm
         except Exception as exc:  # the requester's failure, whatever it is, ends this restore
             log.warning("restore of %s failed: %s", model, exc)
             reason = exc.message if isinstance(exc, RewarmError) else str(exc)
             self.telemetry.restore_outcome(model, False, reason)
         finally:
             self.gate.finished(model)
-            self._slot_cache.pop(model, None)
+            state.slot_plan = None
             self.telemetry.restores_in_flight(self.gate.total)
-        queue = self.queues.get(model)
+        queue = state.queue
         if not queue:
             return
-        self._drain(model)
-        self._recheck(model)
+        self.owner.drain(model)
+        self.owner.recheck(model)
         if ok:
             if queue and result.path == "warm_hit":
                 # Asking again at once would spin; queued requests go as it frees slots.
                 backoff_s = self.config.at_capacity_backoff_s
-                self._capped_until[model] = self.clock.now() + backoff_s
+                state.capped_until_s = self.clock.now() + backoff_s
                 asyncio.get_running_loop().call_later(backoff_s, self._probe_restore, model)
             elif queue:
-                self._maybe_restore(model)
+                self.maybe_restore(model)
         elif not self.gate.in_flight.get(model) and not self.router.warm(model):
             # nothing can succeed now: say so promptly
-            self.refuse_queued(model, f"model {model!r}: no capacity can be restored: {reason}")
+            self.owner.refuse_queued(model, f"model {model!r}: no capacity can be restored: "
+                                     f"{reason}", refusals.NO_CAPACITY)
 
-    def _at_cap(self, model: str) -> bool:
+    def at_cap(self, model: str) -> bool:
         """Whether ``model``'s last restore was answered by an existing replica (its node at
         the replica cap) and no warm replica of it has left since (of the most seen while
         capped).  Then a request that the warm replicas cannot start in time is refused at
@@ -118,21 +192,16 @@ class Restores:
         next re-check (most late 429s of the live replay at 3x load were such requests).
         Asking again (at most every ``at_capacity_backoff_s``, while demand is seen) still
         finds capacity that returns; a restore that makes a replica ends it."""
-        most = self._capped.get(model)
-        if most is None:
+        state = self.models.get(model)
+        most = None if state is None else state.capped_warm
+        if state is None or most is None:
             return False
         warm = len(self.router.warm(model))
         if warm < most:          # one left (drained, died): its slot may be free now
-            del self._capped[model]
+            state.capped_warm = None
             return False
-        self._capped[model] = warm   # the most seen while capped (one restoring came up)
+        state.capped_warm = warm   # the most seen while capped (one restoring came up)
         return True
-
-    def refuse_queued(self, model: str, reason: str) -> None:
-        """Answer every request queued for ``model`` 503 with ``reason`` (never dispatched)."""
-        for p in self.queues[model].drain():
-            self._fail(p.payload, 503, reason)
-        self.telemetry.queue_depth(model, 0)
 
     def _came_up(self, model: str, before: set[str], path: str) -> str:
         """The path of the replica of ``model`` that appeared since ``before`` (its node
@@ -142,12 +211,3 @@ class Restores:
             if load.replica_id not in before and load.came_up in NODE_PATHS:
                 return NODE_PATHS[load.came_up]
         return path
-
-    def _restore_measured(self, model: str, restore_ms: float,
-                          path: str = "snapshot_restore") -> None:
-        self.restore_times.record(model, restore_ms, path)
-        self._budgets.pop(model, None)
-        if model not in self.config.models:
-            self._deadline_ms[model] = max(
-                self.config.default_deadline_ms,
-                self.config.deadline_per_restore_p99 * self.restore_times.p99_ms(model))

@@ -1,7 +1,7 @@
 """Replica choice: among warm replicas of a model, the one with the lowest predicted TTFT.
 
 Least-loaded by time, not by count.  Each replica's load report (its registry meta, or the
-node agent's ``restore`` answer; issue 12 contract point 2) carries its slots and KV use,
+node agent's ``restore`` answer; docs/architecture.md, "Replica load reports") carries its slots and KV use,
 its measured speed (:data:`~agent.speed.SPEED_META_KEYS`) and its queue
 (:data:`~agent.speed.QUEUE_META_KEYS`); :meth:`ReplicaLoad.predict_ttft_s` turns them into
 the TTFT a new request would meet there (:meth:`agent.speed.SpeedProfile.predict_ttft_s`).
@@ -35,7 +35,7 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from agent.cluster.base import LOAD_META_KEYS as META_KEYS  # the registry meta schema
 from agent.cluster.base import ServiceInstance
@@ -122,7 +122,7 @@ class ReplicaLoad:
 
     @classmethod
     def from_meta(cls, replica_id: str, model: str, address: str,
-                  meta: Mapping[str, object]) -> "ReplicaLoad":
+                  meta: Mapping[str, object]) -> ReplicaLoad:
         """From a load report (ints or decimal strings): :data:`META_KEYS` required (else
         ValueError naming the key and value); speed and queue keys optional (a missing or
         bad speed key means no profile; a missing queue key is 0)."""
@@ -142,7 +142,7 @@ class ReplicaLoad:
         return cls(replica_id, model, address, speed=speed, **values)
 
     @classmethod
-    def from_instance(cls, inst: ServiceInstance) -> "ReplicaLoad":
+    def from_instance(cls, inst: ServiceInstance) -> ReplicaLoad:
         """Build from a ``rewarm-replica`` registry entry (tag ``model=<name>``, meta
         :data:`META_KEYS` and the optional speed and queue keys, optional meta ``address``:
         ``host:port`` or a socket path).  Raises ValueError when the tag or a required meta
@@ -258,7 +258,7 @@ class Router:
                 continue
             if load.speed is None and prior is None:
                 prior = self.prior(model)
-            ttft_s = load.predict_ttft_s(prompt_tokens, prior)  # type: ignore[arg-type]
+            ttft_s = load.predict_ttft_s(prompt_tokens, prior)
             if best is None or ttft_s < best_s:
                 best, best_s = load, ttft_s
             elif ttft_s == best_s:

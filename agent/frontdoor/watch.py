@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from agent.cluster.base import Registry, ServiceInstance
 
@@ -31,7 +31,7 @@ class RegistryWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"watch-{service}", daemon=True)
 
-    def start(self) -> "RegistryWatcher":
+    def start(self) -> RegistryWatcher:
         self._thread.start()
         return self
 

@@ -56,11 +56,15 @@ class ModelSpec:
 class Replica(Protocol):
     replica_id: str
     address: str
-    pid: int | None     # the process the CUDA checkpoint API acts on; None when in-process
+
+    @property
+    def pid(self) -> int | None:
+        """The process the CUDA checkpoint API acts on; None when in-process."""
+        ...
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  seed: int | None = None) -> list[list[int]]: ...
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self, timeout_s: float | None = None) -> dict[str, Any]: ...
     def in_flight(self) -> int: ...
     def capture(self, dest: Path) -> None: ...
     def shutdown(self) -> None: ...
@@ -68,8 +72,12 @@ class Replica(Protocol):
 
 class Zygote(Protocol):
     device: str
-    pid: int | None
     warm: Path | None     # the snapshot it was asked to warm for (None: not warmed)
+
+    @property
+    def pid(self) -> int | None:
+        """Its process; None when in-process."""
+        ...
 
     def restore(self, snapshot: Path, replica_id: str) -> Replica: ...
     def kill(self) -> None: ...
@@ -126,7 +134,9 @@ class InProcessReplica:
         """Why a device restore read through host memory instead, or None."""
         return getattr(self.loaded, "fallback", None)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """The replica's stats (in-process: answered at once; ``timeout_s`` has nothing to
+        bound)."""
         cap = self.loaded.engine.capacity()
         return {"model": self.loaded.identity.name, "version": self.loaded.identity.version,
                 "path": self.loaded.path, **cap, **self.loaded.engine.speed_report(),

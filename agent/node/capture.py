@@ -1,7 +1,7 @@
 """First-boot capture: snapshot a warmed replica, prove the snapshot, only then mark it ready.
 
-Sequence (the snapshot design document, ../shared/seeds/002: "every new snapshot runs against
-a fixed golden prompt set ... before it is marked ready"):
+Sequence (docs/architecture.md, "Verification: fail closed": every new snapshot replays a
+fixed golden prompt set with a fixed seed before it is marked ready):
 
 1. make room in the local tier (eviction by expected reuse; DiskFull when it cannot);
 2. the serving replica writes the snapshot atomically (``<dest>.partial`` → rename);

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from agent import logs
 from agent.argtypes import host_port, nonneg_int, positive_float, positive_int
+from agent.cluster import add_flags
 from agent.cluster.control import DEFAULT_AGENT, default_agent
 from agent.errors import RewarmError
 from agent.exitcodes import exit_code
-
 
 
 def _client(op: str, **fields):
@@ -27,7 +27,7 @@ def _client(op: str, **fields):
         try:
             result = control_call(args.agent, op, timeout_s=args.timeout_s, fields=values)
         except (RewarmError, OSError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            logs.error(f"{exc}")
             return exit_code(exc)
         print(json.dumps(result, indent=2, default=str))
         return 0
@@ -72,8 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-host", default=None, metavar="HOST",
                    help="replicas also listen on HOST (TCP, any free port) and register that "
                         "address, so front doors on other hosts reach them (process backend)")
-    p.add_argument("--registry", choices=["local", "consul"], default="local",
-                   help="consul honours CONSUL_HTTP_ADDR and CONSUL_HTTP_TOKEN")
+    add_flags(p, scaler=False, node_agents=False)   # --registry, --consul (agent/cluster)
     p.add_argument("--nomad-metadata", action="store_true",
                    help="publish cached snapshots as Nomad dynamic node metadata "
                         "(rewarm_snapshots; NOMAD_ADDR, NOMAD_TOKEN honoured)")

@@ -41,7 +41,7 @@ from agent.protocol import Decoder, error_message, pack, read_messages, reply_id
 
 log = logging.getLogger(__name__)
 
-_FIELDS: dict[str, tuple[tuple[str, type, bool], ...]] = {   # (name, type, required)
+_FIELDS: dict[str, tuple[tuple[str, type | tuple[type, ...], bool], ...]] = {   # (name, type, required)
     "restore": (("model", str, True), ("device", str, False)),
     "drain": (("replica", str, True), ("timeout_s", (int, float), False), ("force", bool, False)),
     "suspend": (("replica", str, True),),

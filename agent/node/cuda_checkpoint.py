@@ -17,7 +17,8 @@ from __future__ import annotations
 import enum
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from agent.errors import ConfigError, CudaCheckpointError, DriverUnavailable
 

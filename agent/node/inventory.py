@@ -50,7 +50,7 @@ def read_gpus(nvml: Any = None) -> tuple[list[Gpu], str | None]:
     """
     if nvml is None:
         try:
-            import pynvml as nvml  # nvidia-ml-py
+            import pynvml as nvml  # type: ignore[no-redef]  # nvidia-ml-py, in place of the injected one
         except ImportError as exc:
             return [], f"pynvml not importable ({exc})"
     try:
@@ -80,7 +80,7 @@ class Inventory:
         self.cpu_reason = cpu_reason
 
     @classmethod
-    def detect(cls, nvml: Any = None, *, announce: bool = True) -> "Inventory":
+    def detect(cls, nvml: Any = None, *, announce: bool = True) -> Inventory:
         """Read NVML; with no GPU, log once per process that replicas run on the CPU."""
         global _said_cpu_only
         gpus, reason = read_gpus(nvml)

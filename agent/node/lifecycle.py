@@ -20,8 +20,8 @@
 * ``warm ⇄ suspended``: CUDA checkpoint lock+checkpoint / restore+unlock (GPU nodes only).
 * ``warm | suspended → draining → dead``; any state may go to ``dead`` when its process dies.
 
-Replica states and names follow the ``replicas`` table of the snapshot design document
-(../shared/seeds/002), plus ``suspended`` from the tiers of warmth in ARCHITECTURE.md.
+Replica states and names are the catalog's ``replicas`` states (docs/architecture.md,
+"Snapshots"), plus ``suspended`` (docs/architecture.md, "Tiers of warmth").
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from agent.clock import Clock, SystemClock
 from agent.errors import RewarmError
 
 
-class ReplicaState(str, enum.Enum):
+class ReplicaState(enum.StrEnum):
     COLD = "cold"
     RESTORING = "restoring"
     WARM = "warm"

@@ -17,28 +17,26 @@ Labels are bounded: ``node`` (this node's id), ``model`` (configured models only
                                                took the host path (:data:`FALLBACK_KINDS`)
 ``rewarm_node_snapshot_cache_bytes``           {node, kind} used / free (capacity - used)
 ``rewarm_node_snapshot_cache_lookups_total``   {node, result} hit / miss (local copy present)
-``rewarm_node_snapshot_cache_hit_ratio``       {node} hits / lookups since start (NaN before any)
 ``rewarm_node_snapshot_evictions_total``       {node} local copies removed to make room
 ``rewarm_node_zygotes_ready``                  {node} pre-started workers waiting for a restore
 ``rewarm_node_replicas``                       {node, state} replicas by lifecycle state
 ``rewarm_node_suspended_replicas``             {node} (also a state above; the tier's own gauge)
 ``rewarm_node_restores_in_flight``             {node, phase} restores under way by step
-``rewarm_replica_tokens_per_second``           {node, model} summed over warm replicas
-``rewarm_replica_batch_size``                  {node, model} sequences in the last step, summed
-``rewarm_replica_queued_prefill_tokens``       {node, model} prompt tokens not yet prefilled
-``rewarm_replica_kv_slots_used``               {node, model} KV slots holding a sequence
 ``process_*``                                  this agent process (ProcessCollector)
 =============================================  =============================================
 
+One exporter per metric name: a replica's load (``rewarm_replica_*``) is exported by the
+replica's own status port (agent/replica/meter.py), never again here, so a sum over every
+port counts each once; the cache hit ratio is
+``rate(rewarm_node_snapshot_cache_lookups_total{result="hit"}[5m])`` over all results.
 Counters and histograms are prometheus-client's own; the gauges are read from the agent at
 scrape time by a custom collector, so the agent never pushes them.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
@@ -46,11 +44,17 @@ from prometheus_client.core import GaugeMetricFamily
 from agent.telemetry import BUCKETS_S
 
 if TYPE_CHECKING:
-    from agent.node.agent import NodeAgent, ReplicaRecord
+    import threading as _threading
+
+    from agent.clock import Clock
+    from agent.node.backend import ModelSpec, Zygote
+    from agent.node.inventory import Inventory
+    from agent.node.state import ReplicaRecord
+    from agent.snapshot.store import LocalStore
 
 TIERS = {"restore": "local", "staged_restore": "remote", "cold_boot": "cold",
          "resume": "suspended", "warm": "warm"}
-"""The agent's ``path`` names -> the ``tier`` label (ARCHITECTURE.md's tiers of warmth)."""
+"""The agent's ``path`` names -> the ``tier`` label (docs/architecture.md, "Tiers of warmth")."""
 
 PHASES = {"weights_s": "weights", "package_s": "package", "compile_s": "package",
           "golden_s": "golden"}
@@ -74,14 +78,6 @@ def fallback_kind(reason: str | None) -> str:
     return {"DriverUnavailable": "driver", "SnapshotCorrupt": "checksum",
             "OutOfMemoryError": "memory", "RuntimeError": "io", "OSError": "io"}.get(error, "other")
 
-REPLICA_KEYS = (("tokens_per_s", "rewarm_replica_tokens_per_second",
-                 "Tokens generated per second over the replica's recent window"),
-                ("batch_size", "rewarm_replica_batch_size",
-                 "Sequences in the replica's last engine step"),
-                ("queued_prefill_tokens", "rewarm_replica_queued_prefill_tokens",
-                 "Prompt tokens waiting to be prefilled"),
-                ("active_seqs", "rewarm_replica_kv_slots_used", "KV slots holding a sequence"))
-
 
 def failure_kind(attempt: dict[str, Any]) -> str:
     """The ``kind`` label of one failed ladder step (``ReplicaRecord.attempts`` entry)."""
@@ -92,6 +88,32 @@ def failure_kind(attempt: dict[str, Any]) -> str:
         return "pins"
     return {"SnapshotTampered": "signature", "SnapshotCorrupt": "checksum",
             "GoldenMismatch": "golden", "TimeoutError": "timeout"}.get(error, "other")
+
+
+class AgentView(Protocol):
+    """What the metrics read of the node agent (agent/node/agent.py's NodeAgent) at scrape
+    time; ``lock`` guards ``replicas`` and ``pool``."""
+
+    @property
+    def store(self) -> LocalStore: ...
+    @property
+    def lock(self) -> _threading.RLock: ...
+    @property
+    def pool(self) -> dict[str, list[Zygote]]: ...
+    @property
+    def replicas(self) -> dict[str, ReplicaRecord]: ...
+    @property
+    def closing(self) -> bool: ...
+    @property
+    def last_tick_s(self) -> float | None: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def inventory(self) -> Inventory: ...
+    @property
+    def models(self) -> dict[str, ModelSpec]: ...
+    @property
+    def metrics(self) -> NodeMetrics: ...
 
 
 class NodeMetrics:
@@ -132,21 +154,20 @@ class NodeMetrics:
         for kind in FAILURE_KINDS:
             self.failures.labels(node_id, kind)
         self.evictions.labels(node_id)
-        self._hits = self._lookups = 0
         self.outcomes: dict[str, tuple[bool, str]] = {}   # model -> latest restore (ok, why)
         self._lock = threading.Lock()
-        self.agent: NodeAgent | None = None
+        self.agent: AgentView | None = None
         if process_metrics:
             ProcessCollector(registry=r)
 
-    def attach(self, agent: "NodeAgent") -> "NodeMetrics":
+    def attach(self, agent: AgentView) -> NodeMetrics:
         """Read ``agent``'s gauges at scrape time (once)."""
         self.agent = agent
         self.registry.register(_AgentCollector(self))
         return self
 
     # -- events from the agent ---------------------------------------------------------------
-    def restore_finished(self, rec: "ReplicaRecord", duration_s: float, ok: bool,
+    def restore_finished(self, rec: ReplicaRecord, duration_s: float, ok: bool,
                          catalog=None, *, reason: str = "") -> None:
         """One ``restore()`` ended: its tier (``rec.path``), duration, each failed step
         (``rec.attempts``), the phases the replica reports, bytes restored (the size of
@@ -158,9 +179,6 @@ class NodeMetrics:
         tried_local = any(a.get("path") == "restore" for a in rec.attempts)
         if rec.path in ("restore", "staged_restore", "cold_boot") or rec.attempts:
             hit = rec.path == "restore" or tried_local
-            with self._lock:
-                self._lookups += 1
-                self._hits += hit
             self.lookups.labels(node, "hit" if hit else "miss").inc()
         for attempt in rec.attempts:
             kind = failure_kind(attempt)
@@ -188,10 +206,6 @@ class NodeMetrics:
     def evicted(self, snapshot_id: str) -> None:
         self.evictions.labels(self.node).inc()
 
-    def hit_ratio(self) -> float:
-        with self._lock:
-            return self._hits / self._lookups if self._lookups else math.nan
-
 
 def _size_bytes(catalog, snapshot_id: str | None) -> int | None:
     from agent.errors import SnapshotError
@@ -212,7 +226,7 @@ def restores_in_flight(records, now_s: float) -> list[dict[str, Any]]:
             for r in records if r.phase is not None]
 
 
-def _phases(rec: "ReplicaRecord") -> dict[str, float]:
+def _phases(rec: ReplicaRecord) -> dict[str, float]:
     """The load phases from the replica's last ``stats`` (read by ``describe(load=True)``;
     no call of its own: the restore path asks the replica once)."""
     phases = (getattr(rec, "last_stats", None) or {}).get("phases_s") or {}
@@ -226,7 +240,7 @@ class _AgentCollector:
     def collect(self):
         from agent.node.lifecycle import ReplicaState
 
-        m, agent, node = self.m, self.m.agent, self.m.node
+        agent, node = self.m.agent, self.m.node
         def g(name: str, doc: str, labels: tuple = ("node",)) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=labels)
         used, capacity = agent.store.used_bytes, agent.store.capacity_bytes
@@ -234,10 +248,7 @@ class _AgentCollector:
         cache.add_metric((node, "used"), used)
         cache.add_metric((node, "free"), max(0, capacity - used))
         yield cache
-        ratio = g("rewarm_node_snapshot_cache_hit_ratio", "Restores with a local copy / restores")
-        ratio.add_metric((node,), m.hit_ratio())
-        yield ratio
-        with agent._lock:
+        with agent.lock:
             zygotes = sum(len(z) for z in agent.pool.values())
             records = list(agent.replicas.values())
         ready = g("rewarm_node_zygotes_ready", "Pre-started workers waiting for a restore")
@@ -263,24 +274,10 @@ class _AgentCollector:
         for phase, n in phases.items():
             flight.add_metric((node, phase), n)
         yield flight
-        per_model: dict[str, dict[str, float]] = {}
-        for rec in records:
-            stats = getattr(rec, "last_stats", None)
-            if rec.lifecycle.state is not ReplicaState.WARM or not stats:
-                continue
-            row = per_model.setdefault(rec.spec.name, {k: 0.0 for k, _n, _d in REPLICA_KEYS})
-            for key, _name, _doc in REPLICA_KEYS:
-                value = stats.get(key)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    row[key] += value
-        for key, name, doc in REPLICA_KEYS:
-            fam = g(name, doc + " (warm replicas on this node, summed)", ("node", "model"))
-            for model, row in sorted(per_model.items()):
-                fam.add_metric((node, model), row[key])
-            yield fam
 
 
-def readiness(agent: "NodeAgent", *, stall_s: float = 10.0) -> tuple[bool, str]:
+
+def readiness(agent: AgentView, *, stall_s: float = 10.0) -> tuple[bool, str]:
     """Whether ``agent`` can restore now, and why not: not while it shuts down, before its
     loop's first tick or when the loop has not ticked for ``stall_s``, with no device or no
     model, or while the latest restore of every model that asked for one failed."""

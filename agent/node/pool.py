@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from agent.node.backend import Backend, Zygote
 

@@ -74,8 +74,10 @@ class WorkerProcess:
         self.data_address = self.ready.get("data")   # TCP, for other hosts (None: unix only)
 
     def _wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        stdout = self.proc.stdout
+        assert stdout is not None, "started with stdout=PIPE"
         sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        sel.register(stdout, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout_s
         line = b""
         while not line.endswith(b"\n"):
@@ -84,7 +86,7 @@ class WorkerProcess:
                 self.kill()
                 raise TimeoutError(f"worker pid {self.pid} not ready within {timeout_s} s "
                                    f"(log: {self.log_path})")
-            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            chunk = os.read(stdout.fileno(), 4096)
             if not chunk:
                 self.proc.wait()
                 raise RuntimeError(f"worker pid {self.pid} exited with {self.proc.returncode} "
@@ -173,8 +175,10 @@ class ProcessReplica:
             out.append([t for a in res["answers"] if a.get("type") == "tokens" for t in a["tokens"]])
         return out
 
-    def stats(self) -> dict[str, Any]:
-        res = self.worker.call({"op": "stats"}, self.timeout_s)
+    def stats(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """The worker's stats, waiting at most ``timeout_s`` (default: the request timeout);
+        OSError (a socket timeout) when it does not answer in time."""
+        res = self.worker.call({"op": "stats"}, self.timeout_s if timeout_s is None else timeout_s)
         res.pop("answers", None)
         return res
 

@@ -15,9 +15,14 @@ import logging
 import signal
 import socket
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent import sdnotify
+from agent import logs
+from agent.cluster import (ClusterChoice, choice_from_args, choose, model_catalog, node_metadata,
+                           snapshot_summary)
 from agent.cluster.base import Registry
 from agent.errors import ConfigError
 from agent.health import serve_status
@@ -31,6 +36,9 @@ from agent.node.metrics import readiness
 from agent.snapshot.catalog import Catalog
 from agent.snapshot.store import LocalStore
 
+if TYPE_CHECKING:
+    from agent.cluster.model_catalog import ModelCatalog
+
 log = logging.getLogger(__name__)
 
 
@@ -41,13 +49,14 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                 zygotes_per_device: int = 1, suspender=None, summary=None,
                 node_meta=None, **config) -> NodeAgent:
     """A NodeAgent with its catalog (``state_dir/catalog.db``) and local tier
-    (``state_dir/snapshots``).  Defaults: in-process backend, embedded LocalRegistry, and on a
-    node with a GPU the CUDA checkpoint suspender when the driver has the API (r570+)."""
-    from agent.cluster.local import LocalRegistry
-
+    (``state_dir/snapshots``).  Defaults: in-process backend, at most the replicas the
+    node's cores or devices serve at speed (``limit_to_node``, agent/node/capacity.py), the
+    embedded default's registry (:func:`agent.cluster.choose` of a default :class:`~agent.cluster.ClusterChoice`),
+    and on a node with a GPU the CUDA checkpoint suspender when the driver has the API (r570+)."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     host, _, port = listen.rpartition(":")
+    config.setdefault("limit_to_node", True)   # a node runs what its cores serve at speed
     cfg = AgentConfig(node_id=node_id or socket.gethostname(), remote_root=remote_root,
                       zygotes_per_device=zygotes_per_device,
                       control_address=host if port.isdigit() else listen,
@@ -58,31 +67,16 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
     return NodeAgent(cfg, models=[ModelSpec(Path(d), release) for d in model_dirs],
                      backend=backend or InProcessBackend(), catalog=Catalog(state_dir / "catalog.db"),
                      store=LocalStore(state_dir / "snapshots", capacity_bytes),
-                     registry=registry or LocalRegistry(), inventory=inventory,
+                     registry=registry or choose("registry", ClusterChoice()), inventory=inventory,
                      suspender=suspender, summary=summary, node_meta=node_meta)
 
 
-def _registry(kind: str):
-    """(registry, per-model snapshot summary or None) for ``--registry``."""
-    if kind == "consul":
-        from agent.cluster.consul_kv import SnapshotKV
-        from agent.cluster.consul_registry import ConsulRegistry, consul_client
-
-        return ConsulRegistry(consul_client()), SnapshotKV(consul_client())
-    from agent.cluster.local import LocalRegistry
-
-    return LocalRegistry(), None
-
-
-def _announce_models(agent: NodeAgent) -> None:
+def _announce_models(agent: NodeAgent, catalog: ModelCatalog) -> None:
     """Put this node's models in the cluster catalog (``rewarm/models/<m>``, created once)
     so that front doors accept them before any snapshot exists.  Best effort: a failure is
     logged (the snapshot summary announces the model later too)."""
-    from agent.cluster.consul_http import consul_client
-    from agent.cluster.model_catalog import ModelCatalog
     from agent.errors import RewarmError
 
-    catalog = ModelCatalog(consul_client())
     for spec in agent.models.values():
         try:
             catalog.announce(spec.name, spec.version, agent.config.node_id)
@@ -109,7 +103,7 @@ async def _feed_watchdog(agent: NodeAgent, interval_s: float, stall_s: float) ->
 
 
 async def serve(agent: NodeAgent, listen: str, stop: asyncio.Event,
-                restore: list[str] = (), token: str | None = None,
+                restore: Sequence[str] = (), token: str | None = None,
                 metrics_listen: str | None = None) -> None:
     """Control API (``token``: required of every op when set) + agent loop until ``stop``;
     the status port on ``metrics_listen`` (HOST:PORT) when given."""
@@ -129,8 +123,8 @@ async def serve(agent: NodeAgent, listen: str, stop: asyncio.Event,
             raise ConfigError(f"--metrics-listen {metrics_listen}: cannot listen: {exc}",
                               name="metrics_listen", value=metrics_listen,
                               limit="a free HOST:PORT") from exc
-    print(f"rewarm agent {agent.config.node_id} listening on {address}"
-          + (f"; metrics on {status.url}/metrics" if status else ""), flush=True)
+    logs.say(f"rewarm agent {agent.config.node_id} listening on {address}"
+             + (f"; metrics on {status.url}/metrics" if status else ""), address=address)
     loop_stop = threading.Event()
     loop_thread = threading.Thread(target=agent.run, args=(loop_stop,), daemon=True,
                                    name="agent-loop")
@@ -167,13 +161,11 @@ def run_agent(args: argparse.Namespace) -> int:
                                  data_host=getattr(args, "replica_host", None))
     else:
         backend = InProcessBackend(buffer_bytes=args.buffer_mib << 20)
-    registry, summary = _registry(args.registry)
+    choice = choice_from_args(args)
+    registry, summary = choose("registry", choice), snapshot_summary(choice)
     node_meta = None
     if getattr(args, "nomad_metadata", False):
-        from agent.cluster.node_meta import SnapshotMetadata
-        from agent.cluster.nomad_http import nomad_client
-
-        node_meta = SnapshotMetadata(nomad_client(), args.nomad_node_id)
+        node_meta = node_metadata(args.nomad_node_id)
     agent = build_agent(state, [Path(d) for d in args.model_dir], backend=backend,
                         registry=registry, summary=summary,
                         remote_root=Path(args.remote) if args.remote else None,
@@ -184,8 +176,9 @@ def run_agent(args: argparse.Namespace) -> int:
                         node_meta=node_meta,
                         drain_timeout_s=args.drain_grace_s)
 
-    if args.registry == "consul":
-        _announce_models(agent)
+    catalog = model_catalog(choice)
+    if catalog is not None:
+        _announce_models(agent, catalog)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -1,24 +1,43 @@
 """The node agent's snapshot bookkeeping: start-up reconciliation, eviction hook, the
 operator's list/verify/evict, the cluster summary and the scale-in durability test.
 
-A mixin of :class:`agent.node.agent.NodeAgent` (it uses the agent's ``catalog``, ``store``,
-``config``, ``summary``); kept apart so that agent.py holds the lifecycle work.
+:class:`Snapshots` works on the catalog and the local tier alone (agent/snapshot/), and
+publishes to the cluster summary (agent/cluster/consul_kv.py's SnapshotKV) when given one.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from agent.errors import RewarmError, SnapshotCorrupt, SnapshotError
+from agent.snapshot.catalog import Catalog
 from agent.snapshot.reader import read_manifest, verify_chunks
+from agent.snapshot.store import LocalStore
 
 log = logging.getLogger("agent.node.agent")
 
 
-class SnapshotOps:
+class SnapshotSummary(Protocol):
+    """The cluster-wide per-model summary (agent/cluster/consul_kv.py's SnapshotKV)."""
+
+    def publish(self, model: str, snapshot_id: str, status: str, *, durable: bool,
+                node: str = "", updated_s: float = 0.0) -> bool: ...
+
+
+class Snapshots:
+    """Snapshot bookkeeping of node ``node_id`` over ``catalog`` and the local tier
+    ``store``; ``remote_root`` is the remote tier (None: none configured, so a ready local
+    copy is as durable as this node gets)."""
+
+    def __init__(self, catalog: Catalog, store: LocalStore, *, node_id: str,
+                 remote_root: Path | None, summary: SnapshotSummary | None) -> None:
+        self.catalog, self.store = catalog, store
+        self.node_id, self.remote_root, self.summary = node_id, remote_root, summary
+
     # -- start-up ----------------------------------------------------------------------------
-    def _reconcile(self) -> None:
+    def reconcile(self) -> None:
         """Make catalog and local tier agree after a restart or a crash mid-capture."""
         from agent.snapshot.writer import clean_partials
 
@@ -33,7 +52,8 @@ class SnapshotOps:
             elif not present and row.status == "ready" and row.remote_uri is None:
                 self.catalog.set_status(row.snapshot_id, "stale", "local copy gone; no remote copy")
 
-    def _on_evict(self, snapshot_id: str) -> None:
+    def on_evict(self, snapshot_id: str) -> None:
+        """The local tier evicted ``snapshot_id``: without a remote copy it is stale."""
         try:
             row = self.catalog.snapshot(snapshot_id)
         except SnapshotError:
@@ -73,7 +93,7 @@ class SnapshotOps:
         row = self.catalog.snapshot(snapshot_id)
         try:
             self.summary.publish(row.model_name, snapshot_id, row.status,
-                                 durable=row.remote_uri is not None, node=self.config.node_id,
+                                 durable=row.remote_uri is not None, node=self.node_id,
                                  updated_s=row.updated_s)
         except (RewarmError, OSError) as exc:
             log.warning("snapshot summary for %s not published: %s", row.model_name, exc)
@@ -81,6 +101,6 @@ class SnapshotOps:
     def snapshot_durable(self, model: str) -> bool:
         """A ready snapshot that survives this node: pushed remotely (or, with no remote tier
         configured, ready locally)."""
-        if self.config.remote_root is None:
+        if self.remote_root is None:
             return any(True for _ in self.catalog.snapshots(model, status="ready"))
         return self.catalog.durable_ready(model)

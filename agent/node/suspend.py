@@ -13,14 +13,14 @@ Failures leave the process in a known, reported state:
 * restore or unlock fails: :class:`ResumeFailed` carries the driver's state afterwards; the
   caller (the agent) kills the process and falls back to a snapshot restore.
 
-The suspended tier through the node agent (:class:`SuspendOps`): a replica is parked only once
-its in-flight requests are done (it is deregistered first, so none arrive), it answers no
+The suspended tier through the node agent (:class:`SuspendResume`): a replica is parked only
+once its in-flight requests are done (it is deregistered first, so none arrive), it answers no
 request while parked (not in the registry; its CUDA calls block in the driver), and the
-registry shows the tier on the agent's own instance (:class:`ParkedTier`: which replicas are
+registry shows the tier on the agent's own entry (:class:`ParkedTier`: which replicas are
 parked, and the resume ETA, the p99 of this node's measured resumes), so a front door asking
 for capacity tries that node first (agent/frontdoor/capacity.py ``nodes_from_registry``).  A
 ``restore`` of a model with a parked replica resumes it (path ``resume``) before any snapshot
-is read.
+is read (:meth:`SuspendResume.resume_parked`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,21 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from agent.clock import Clock, SystemClock
 from agent.cluster.base import RESUME_P99_META_KEY, SUSPENDED_META_KEY
 from agent.errors import ConfigError, CudaCheckpointError, DriverUnavailable
+from agent.node.bounded import call_within
 from agent.node.cuda_checkpoint import CudaCheckpointDriver, ProcessState
 from agent.node.lifecycle import IllegalTransition, ReplicaState as S
+
+if TYPE_CHECKING:
+    import threading as _threading
+
+    from agent.cluster.base import ServiceInstance
+    from agent.node.registration import Registrar
+    from agent.node.state import AgentConfig, ReplicaRecord
 
 log = logging.getLogger("agent.node.agent")
 
@@ -90,7 +98,12 @@ class Suspender:
     def _timed(self, times: StepTimes, step: str, fn: Callable[[], T]) -> T:
         start = self.clock.now()
         try:
-            return _bounded(fn, self.toggle_timeout_s, step)
+            return call_within(fn, self.toggle_timeout_s, step)
+        except TimeoutError:
+            raise CudaCheckpointError(
+                f"{step} did not finish within toggle_timeout_s={self.toggle_timeout_s}",
+                call=step, result=None, name="timeout", value=self.toggle_timeout_s,
+                limit=self.toggle_timeout_s) from None
         finally:
             times.steps_s[step] = self.clock.now() - start
 
@@ -134,28 +147,6 @@ class Suspender:
         return times
 
 
-def _bounded(fn: Callable[[], T], timeout_s: float, step: str) -> T:
-    """Run ``fn`` on a helper thread; raise CudaCheckpointError past ``timeout_s``."""
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed back to the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name=f"cuda-checkpoint-{step}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise CudaCheckpointError(
-            f"{step} did not finish within toggle_timeout_s={timeout_s}",
-            call=step, result=None, name="timeout", value=timeout_s, limit=timeout_s)
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
-
-
 class ParkedTier:
     """This node's suspended tier as its registry entry shows it.
 
@@ -190,14 +181,44 @@ class ParkedTier:
                 RESUME_P99_META_KEY: "" if eta is None else repr(round(eta, 4))}
 
 
-class SuspendOps:
-    """The node agent's ``suspend``/``resume`` ops over :class:`Suspender`.
+class SuspendView(Protocol):
+    """What suspend/resume needs of the node agent's state (agent/node/state.py)."""
 
-    A mixin of :class:`agent.node.agent.NodeAgent` (it uses the agent's ``suspender``,
-    ``registrar``, ``restore`` and replica records); kept apart so that agent.py holds the
-    restore ladder and capture."""
+    @property
+    def registrar(self) -> Registrar: ...
+    @property
+    def config(self) -> AgentConfig: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def lock(self) -> _threading.RLock: ...
+    @property
+    def replicas(self) -> dict[str, ReplicaRecord]: ...
+    @property
+    def agent_id(self) -> str: ...
+    def rec(self, replica_id: str) -> ReplicaRecord: ...
+    def record(self, rec: ReplicaRecord, snapshot_id: str | None = None) -> None: ...
+    def replica_instance(self, rec: ReplicaRecord) -> ServiceInstance: ...
+    def agent_meta(self) -> dict[str, str]: ...
 
-    def _need_suspender(self, rec, op: str) -> tuple[Suspender, int]:
+
+class SuspendResume:
+    """The node agent's ``suspend``/``resume`` ops over :class:`Suspender` (None: this node
+    cannot suspend).  ``restore(model, device)`` brings a replica up from a snapshot when a
+    resume fails (the node agent's restore ladder); ``sleep`` waits between in-flight polls
+    (the clock's, in tests); ``tier`` keeps the measured resume times (the registry's ETA)."""
+
+    def __init__(self, state: SuspendView, suspender: Suspender | None,
+                 restore: Callable[[str, str | None], dict[str, Any]], *,
+                 sleep: Callable[[float], None] | None = None,
+                 tier: ParkedTier | None = None) -> None:
+        import time
+
+        self.state, self.suspender, self._restore = state, suspender, restore
+        self._sleep = sleep or time.sleep
+        self.tier = tier or ParkedTier()
+
+    def _need_suspender(self, rec: ReplicaRecord, op: str) -> tuple[Suspender, int]:
         """The suspender and the replica's pid for ``op`` ("suspend" or "resume"); ConfigError
         (409) naming the op, the replica and why when this node or replica cannot do it."""
         if self.suspender is None or rec.handle is None or rec.handle.pid is None:
@@ -216,50 +237,48 @@ class SuspendOps:
         ``drain_timeout_s`` (a request frozen mid-decode would be served late).  Raises
         ConfigError (not suspendable, or still busy past that bound: it is registered again
         and keeps serving), CudaCheckpointError (it keeps serving)."""
-        rec = self._rec(replica_id)
+        st = self.state
+        rec = st.rec(replica_id)
         suspender, pid = self._need_suspender(rec, "suspend")
         if rec.lifecycle.state is not S.WARM:
             raise IllegalTransition(
                 f"replica {replica_id} is {rec.lifecycle.state.value}; only a warm replica "
                 "can be suspended", replica=replica_id,
                 value=(rec.lifecycle.state.value, S.SUSPENDED.value), limit=[S.WARM.value])
-        self.registrar.drop(replica_id)
+        st.registrar.drop(replica_id)
         try:
             self._quiesce(rec)
             times = suspender.suspend(pid)
         except (CudaCheckpointError, ConfigError):
-            self.registrar.want(self._replica_instance(rec))
+            st.registrar.want(st.replica_instance(rec))
             raise
         rec.lifecycle.move(S.SUSPENDED, "lock+checkpoint")
-        self._record(rec)
+        st.record(rec)
         self._publish_tier()
         return {**rec.describe(), "steps_s": times.steps_s}
 
-    def _quiesce(self, rec) -> None:
+    def _quiesce(self, rec: ReplicaRecord) -> None:
         """Wait (``drain_poll_s`` steps, at most ``drain_timeout_s``) until ``rec`` has no
         request in flight; ConfigError naming the count when it still has some."""
-        start = self.clock.now()
+        cfg, clock = self.state.config, self.state.clock
+        assert rec.handle is not None        # _need_suspender checked it
+        start = clock.now()
         while (busy := rec.handle.in_flight()) > 0:
-            if self.clock.now() - start >= self.config.drain_timeout_s:
+            if clock.now() - start >= cfg.drain_timeout_s:
                 raise ConfigError(
                     f"replica {rec.lifecycle.replica_id} still has {busy} requests in flight "
-                    f"after drain_timeout_s={self.config.drain_timeout_s}; not suspended",
+                    f"after drain_timeout_s={cfg.drain_timeout_s}; not suspended",
                     name="in_flight", value=busy, limit=0)
-            self._sleep(self.config.drain_poll_s)
+            self._sleep(cfg.drain_poll_s)
 
-    def parked(self, model: str | None = None) -> list:
+    def parked(self, model: str | None = None) -> list[ReplicaRecord]:
         """The suspended replicas' records (of ``model`` when given), oldest first."""
-        with self._lock:
-            return [r for r in self.replicas.values() if r.lifecycle.state is S.SUSPENDED
+        with self.state.lock:
+            return [r for r in self.state.replicas.values() if r.lifecycle.state is S.SUSPENDED
                     and (model is None or r.spec.name == model)]
 
-    def tier_meta(self) -> dict[str, str]:
-        """:meth:`ParkedTier.meta` of this node's parked replicas (the agent instance's meta)."""
-        return self.tier.meta([(r.spec.name, r.spec.version, r.lifecycle.replica_id)
-                               for r in self.parked()])
-
     def _publish_tier(self) -> None:
-        self.registrar.update_meta(self.agent_instance.id, self._agent_meta())
+        self.state.registrar.update_meta(self.state.agent_id, self.state.agent_meta())
 
     def resume_parked(self, model: str) -> dict[str, Any] | None:
         """Resume the newest parked replica of ``model`` (the fastest way up: no snapshot is
@@ -275,14 +294,15 @@ class SuspendOps:
     def resume(self, replica_id: str) -> dict[str, Any]:
         """Restore + unlock.  A failed resume kills the process and restores the model from
         its snapshot instead (the answer then describes the new replica)."""
-        rec = self._rec(replica_id)
+        st = self.state
+        rec = st.rec(replica_id)
         suspender, pid = self._need_suspender(rec, "resume")
         if rec.lifecycle.state is not S.SUSPENDED:
             raise IllegalTransition(
                 f"replica {replica_id} is {rec.lifecycle.state.value}, not suspended",
                 replica=replica_id, value=(rec.lifecycle.state.value, S.WARM.value),
                 limit=[S.SUSPENDED.value])
-        start = self.clock.now()
+        start = st.clock.now()
         try:
             times = suspender.resume(pid)
         except ResumeFailed as exc:
@@ -292,13 +312,13 @@ class SuspendOps:
             except ProcessLookupError:
                 pass
             rec.lifecycle.move(S.DEAD, f"resume failed: {exc.name}")
-            self._record(rec)
+            st.record(rec)
             self._publish_tier()
-            return {**self.restore(rec.spec.name, rec.device), "resume_failed": str(exc)}
-        self.tier.record_resume(self.clock.now() - start)
+            return {**self._restore(rec.spec.name, rec.device), "resume_failed": str(exc)}
+        self.tier.record_resume(st.clock.now() - start)
         rec.lifecycle.move(S.WARM, "restore+unlock")
         rec.path = "resume"     # registry meta came_up: the front door counts the tier
-        self._record(rec)
-        self.registrar.want(self._replica_instance(rec))
+        st.record(rec)
+        st.registrar.want(st.replica_instance(rec))
         self._publish_tier()
         return {**rec.describe(load=True), "steps_s": times.steps_s}

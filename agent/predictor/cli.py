@@ -10,26 +10,23 @@ steps and prints each decision as a JSON line (for scripts and tests).
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
 
-log = logging.getLogger(__name__)
+from agent.argtypes import port, positive_float, positive_int
+from agent.cluster import add_flags, choice_from_args, choose, leader_lock, snapshot_summary
 
-from agent.argtypes import host_port, port, positive_float, positive_int
+log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("predictor", help="forecast demand and keep warm-pool targets")
     p.add_argument("--model", action="append", required=True, metavar="NAME[:MIN:MAX]",
                    help="a model to manage, optionally with its replica bounds (repeatable)")
-    p.add_argument("--registry", choices=("local", "consul"), default="local")
-    p.add_argument("--consul", type=host_port, metavar="HOST:PORT", help="Consul agent (CONSUL_HTTP_ADDR)")
-    p.add_argument("--scaler", choices=("local", "nomad"), default="local")
-    p.add_argument("--node-agent", action="append", default=[], type=host_port, metavar="HOST:PORT",
-                   help="node agent control API (repeatable; default $REWARM_AGENT or "
-                        "127.0.0.1:7733)")
+    # --registry, --consul, --scaler, --node-agent (agent/cluster/__init__.py); a replica
+    # job's scaling max is the model's MAX.
+    add_flags(p)
     p.add_argument("--frontdoor", action="append", default=[], metavar="HOST:PORT")
     p.add_argument("--catalog", help="SQLite catalog for forecast rows (agent/snapshot)")
     p.add_argument("--lead-time-s", type=positive_float, default=15.0)
@@ -63,14 +60,6 @@ def parse_model(spec: str) -> tuple[str, int, int]:
                       value=spec, limit="NAME[:MIN:MAX]")
 
 
-def node_agents(args) -> list[str]:
-    """``--node-agent`` addresses, else ``$REWARM_AGENT``, else the node agent's default
-    control address (``rewarm agent run`` and ``rewarm up`` listen there)."""
-    from agent.cluster.control import default_agent
-
-    return list(args.node_agent) or [default_agent()]
-
-
 def build(args, clock):
     """Predictor, service and the handles to close, from parsed arguments."""
     from agent.predictor.keepalive import KeepAliveCosts
@@ -89,37 +78,21 @@ def build(args, clock):
             occupancy_s=args.occupancy_s, seqs_per_replica=args.seqs_per_replica,
             mean_context_tokens=args.mean_context_tokens,
             utilisation=args.utilisation, step_s=args.tick_s, costs=costs))
-    consul_c = kv = leader = registry = None
-    if args.registry == "consul":
-        from agent.cluster.consul_kv import SnapshotKV
-        from agent.cluster.consul_registry import ConsulRegistry, consul_client
-        from agent.cluster.leader import LeaderLock
-        import socket
+    import os
+    import socket
 
-        consul_c = consul_client(args.consul)
-        registry = ConsulRegistry(consul_c)
-        kv = SnapshotKV(consul_c)
-        import os
-        # Unique per instance: two predictors may share a host name (network namespaces,
-        # containers); in Nomad the allocation id is.
-        name = os.environ.get("NOMAD_ALLOC_ID") or f"{socket.gethostname()}-{os.getpid()}"
-        leader = LeaderLock(consul_c, clock=clock, name=name)
-    if args.scaler == "nomad":
-        from agent.cluster.jobs import replica_job
-        from agent.cluster.nomad_http import nomad_client
-        from agent.cluster.nomad_scaler import NomadScaler
-
-        # NOMAD_TOKEN: the task's workload identity (jobs/rewarm-predictor.nomad.hcl).
-        bounds = {p.model: p.max_replicas for p in policies}
-        client = nomad_client()
-        scaler = NomadScaler(client, clock=clock, register_job=lambda m: replica_job(
-            client, m, max(1, bounds[m])))
-    else:
-        from agent.cluster.local_scaler import LocalScaler
-        from agent.cluster.control import control_call
-
-        scaler = LocalScaler({a: functools.partial(control_call, a, timeout_s=600.0)
-                              for a in node_agents(args)}, clock=clock)
+    choice = choice_from_args(args)
+    # With Consul: front doors found in the registry, the snapshot summary in KV, and a
+    # leader lock held as a name unique per instance (two predictors may share a host name:
+    # network namespaces, containers; in Nomad the allocation id is).
+    registry = choose("registry", choice, clock=clock) if choice.registry == "consul" else None
+    kv = snapshot_summary(choice)
+    leader = leader_lock(choice, clock=clock, name=os.environ.get("NOMAD_ALLOC_ID")
+                         or f"{socket.gethostname()}-{os.getpid()}")
+    # Nomad: NOMAD_TOKEN is the task's workload identity (jobs/rewarm-predictor.nomad.hcl);
+    # a replica job it registers scales up to the model's MAX.
+    bounds = {p.model: p.max_replicas for p in policies}
+    scaler = choose("scaler", choice, clock=clock, max_replicas=lambda m: max(1, bounds[m]))
     catalog = None
     if args.catalog:
         from agent.snapshot.catalog import Catalog
@@ -128,7 +101,6 @@ def build(args, clock):
     predictor = Predictor(policies, clock=clock, scaler=scaler,
                           snapshot_durable=snapshot_durable(catalog, kv), catalog=catalog)
 
-    import os
     # A tenant token for front doors that require one (jobs/rewarm-predictor.nomad.hcl
     # renders it from Nomad Variables).
     doors_token = os.environ.get("REWARM_FRONTDOOR_TOKEN") or None
@@ -170,6 +142,12 @@ def _run(args) -> int:
                               ready=service.ready, component="predictor")
     sdnotify.ready()
     stop = threading.Event()
+    import signal
+
+    # SIGTERM (Nomad's kill_signal for the job) ends the loop, and the finally below releases
+    # the leader lock at once, so a standby takes over on its next tick instead of waiting for
+    # the lock's check TTL.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         if args.ticks is not None:
             for i in range(args.ticks):

@@ -2,8 +2,8 @@
 
 The predictor samples each model's request rate once per step (1 s by default) and forecasts
 it ``lead_time_s`` ahead, far enough that a replica restored now is warm when the demand
-arrives (snapshot design document, ../shared/seeds/002_b8b5536ec4319928.txt, "Cold Start
-Predictor": the lead time must exceed restore latency plus decision latency).
+arrives (docs/architecture.md, "Sizing": the lead time must exceed restore latency plus
+decision latency).
 
 Holt's method with optional damping (Gardner & McKenzie 1985), one step per sample:
 
@@ -195,6 +195,35 @@ class UpperQuantile:
         return ordered[k]
 
 
+class InFlightRate:
+    """Feeds ``inner`` the mean of the last ``window`` samples instead of each sample.
+
+    Little's law counts the requests in flight now as those that arrived within one
+    occupancy, so with ``window`` = the occupancy in steps this is the rate whose forecast
+    sizes the pool: arrivals in synchronised batches every few seconds (the Mooncake
+    conversation trace) have 1 s rates many times their in-flight rate, and a quantile of
+    those provisions for batches that never overlap.  Missing samples are skipped; ``window``
+    >= 1, else ConfigError."""
+
+    def __init__(self, inner: Forecaster, window: int) -> None:
+        if not (isinstance(window, int) and window >= 1):
+            raise ConfigError(f"InFlightRate: window={window!r}; limit is an integer >= 1",
+                              name="window", value=window, limit=1)
+        self.inner = inner
+        self._buf: collections.deque[float] = collections.deque(maxlen=window)
+
+    def update(self, x: float | None) -> None:
+        x = _finite(x)
+        if x is None:
+            self.inner.update(None)
+            return
+        self._buf.append(x)
+        self.inner.update(sum(self._buf) / len(self._buf))
+
+    def forecast(self, h_steps: float) -> float:
+        return self.inner.forecast(h_steps)
+
+
 class Backstop:
     """The larger of a slow forecaster and a fast, reactive one (default: an exponential
     average with weight ``react_alpha`` on the newest sample).  The slow one carries the
@@ -216,11 +245,15 @@ class Backstop:
 
 def build_forecaster(kind: str, *, alpha: float = 0.1, beta: float = 0.01, phi: float = 0.9,
                      react_alpha: float = 0.5, quantile: float = 0.9,
-                     quantile_window: int = 60) -> Forecaster:
+                     quantile_window: int = 60, in_flight_window: int = 1) -> Forecaster:
     """The forecaster named ``kind`` (one of :data:`FORECASTERS`); ConfigError otherwise.
 
+    With ``in_flight_window`` > 1 (steps; the predictor passes one occupancy) the slow part
+    of the ``*_backstop`` kinds reads the mean rate over that window (:class:`InFlightRate`)
+    while the fast term still reads each step's rate: a burst from zero is still met at once.
+
     ``holt`` is Holt's linear trend with the predictor's smoothing weights; ``damped_holt``
-    the predictor's Holt as it was configured before issue 12 (``phi`` 0.9); the two
+    Holt damped with ``phi`` 0.9; the two
     ``*_backstop`` kinds take the larger of that forecaster and a fast average of the rate
     (the predictor loop's reactive term)."""
     if kind == "persistence":
@@ -231,10 +264,13 @@ def build_forecaster(kind: str, *, alpha: float = 0.1, beta: float = 0.01, phi: 
         return Holt(alpha, beta, phi)
     if kind == "upper_quantile":
         return UpperQuantile(quantile_window, quantile)
+    def slow(inner: Forecaster) -> Forecaster:
+        return inner if in_flight_window <= 1 else InFlightRate(inner, in_flight_window)
+
     if kind == "holt_backstop":
-        return Backstop(Holt(alpha, beta, phi), react_alpha)
+        return Backstop(slow(Holt(alpha, beta, phi)), react_alpha)
     if kind == "quantile_backstop":
-        return Backstop(UpperQuantile(quantile_window, quantile), react_alpha)
+        return Backstop(slow(UpperQuantile(quantile_window, quantile)), react_alpha)
     raise ConfigError(f"forecaster {kind!r} is unknown; limit is one of {', '.join(FORECASTERS)}",
                       name="forecaster", value=kind, limit=FORECASTERS)
 

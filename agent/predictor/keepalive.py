@@ -1,8 +1,11 @@
 """Keep-alive per model: how long an idle replica stays warm, then suspended, then stops.
 
-Each tier down is a breakeven decision (``sizing.breakeven_keepalive_s``, from the snapshot
-design document's "Optimal Keep-Alive Window", ../shared/seeds/002_b8b5536ec4319928.txt),
-recomputed every tick from the observed arrival rate:
+Each tier down is a breakeven decision, recomputed every tick.  Once the model has idle gaps
+on record (:class:`IdleGaps`) the breakeven is read from their distribution
+(:func:`gap_breakeven_s`: the keep-alive that minimises the expected idle cost plus cold-start
+penalty over the observed gaps); before any, from the observed arrival rate under a Poisson
+assumption (``sizing.breakeven_keepalive_s``: docs/architecture.md, "Sizing", breakeven
+keep-alive):
 
 - warm -> suspended: staying warm costs ``gpu_cost_per_s - suspended_cost_per_s`` more per
   second and avoids a resume (``resume_s``);
@@ -15,20 +18,21 @@ The penalty of a cold start lasting ``d`` seconds is what it costs: the GPU time
 restore burns plus the waiting it inflicts, ``d * (gpu_cost_per_s + wait_cost_per_s *
 max(1, lambda * d))`` (at least one request waits the whole ``d``; at rate lambda about
 ``lambda * d`` do). ``wait_cost_per_s`` is the configured price of one request waiting one
-second (an SLA figure), ``gpu_cost_per_s`` the GPU price ($2.80/GPU-hour in the design
-document's cost table = 2.80 / 3600 per second).
+second (an SLA figure), ``gpu_cost_per_s`` the GPU price ($2.80/GPU-hour in the cost model,
+docs/architecture.md = 2.80 / 3600 per second).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.errors import ConfigError
 from agent.predictor.sizing import breakeven_keepalive_s
 
-GPU_COST_PER_S_DEFAULT = 2.80 / 3600.0   # design document, "Cost and Token Economics"
+GPU_COST_PER_S_DEFAULT = 2.80 / 3600.0   # $2.80/GPU-hour (docs/architecture.md, "Cost model")
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class KeepAliveCosts:
     gpu_cost_per_s: float = GPU_COST_PER_S_DEFAULT
     suspended_cost_per_s: float = GPU_COST_PER_S_DEFAULT / 20.0   # host RAM only
     wait_cost_per_s: float = 0.01
-    restore_s: float = 3.6      # measured cold start (design document: 3.6 s restore)
+    restore_s: float = 3.6      # a 13B snapshot restore (docs/architecture.md, "Cost model")
     resume_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -95,17 +99,73 @@ class KeepAlivePlan:
         return "suspend" if self.stop_s > self.warm_s else "stop"
 
 
-def plan_keepalive(rate_rps: float, costs: KeepAliveCosts) -> KeepAlivePlan:
-    """The keep-alive ladder for an arrival rate ``rate_rps`` (req/s) under ``costs``."""
+def gap_breakeven_s(gaps_s: Sequence[float], idle_cost_per_s: float,
+                    penalty: float) -> float:
+    """The keep-alive ``T`` (s) that minimises the expected cost of one idle gap over the
+    observed gaps ``gaps_s`` (seconds, any order, at least one):
+
+        C(T) = idle_cost_per_s * mean(min(g, T)) + penalty * share(g > T)
+
+    A gap no longer than ``T`` is bridged warm (its idle seconds are paid); a longer one pays
+    ``T`` idle seconds and then the cold-start ``penalty`` (money).  This is the ski-rental
+    (rent-or-buy) threshold chosen against the input distribution rather than the worst case:
+    A. R. Karlin, K. Li, M. S. Manasse, S. Owicki, "Empirical Studies of Competitive Spinning
+    for a Shared-Memory Multiprocessor" (SOSP 1991), which sets a spin-then-block threshold
+    from the observed distribution of waiting times in the same way (spinning = staying warm,
+    blocking = releasing and paying the restore).  ``C`` is linear and increasing between
+    consecutive gap lengths and drops at each, so its minimum lies at 0 or at one of the gaps;
+    ties go to the longer keep-alive (fewer cold starts at the same cost).  With every gap
+    longer than ``penalty / idle_cost_per_s`` (the deterministic breakeven) the answer is 0;
+    with every gap shorter, the longest gap: a steady stream keeps its replica.
+
+    Raises :class:`ConfigError` for no gaps, a negative or non-finite gap, cost or penalty.
+    """
+    for name, value in (("idle_cost_per_s", idle_cost_per_s), ("penalty", penalty)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise ConfigError(f"gap_breakeven_s: {name}={value}; limit is >= 0 and finite",
+                              name=name, value=value, limit=">= 0")
+    ordered = sorted(float(g) for g in gaps_s)
+    if not ordered:
+        raise ConfigError("gap_breakeven_s: no idle gaps; limit is at least one",
+                          name="gaps_s", value=0, limit=1)
+    if not (ordered[0] >= 0 and math.isfinite(ordered[-1])):
+        bad = ordered[0] if ordered[0] < 0 else ordered[-1]
+        raise ConfigError(f"gap_breakeven_s: gap {bad}; limit is >= 0 and finite",
+                          name="gaps_s", value=bad, limit=">= 0")
+    n = len(ordered)
+    best_t, best_cost = 0.0, penalty * sum(1 for g in ordered if g > 0)
+    bridged = 0.0      # idle seconds of the gaps no longer than the candidate
+    for k, t in enumerate(ordered):
+        bridged += t
+        if k + 1 < n and ordered[k + 1] == t:
+            continue   # the candidate is the last of equal gaps
+        longer = n - k - 1
+        cost = idle_cost_per_s * (bridged + longer * t) + penalty * longer
+        if cost <= best_cost:
+            best_t, best_cost = t, cost
+    return best_t
+
+
+def plan_keepalive(rate_rps: float, costs: KeepAliveCosts,
+                   gaps_s: Sequence[float] = ()) -> KeepAlivePlan:
+    """The keep-alive ladder for an arrival rate ``rate_rps`` (req/s) under ``costs``.
+
+    With observed idle gaps ``gaps_s`` (seconds) each tier's breakeven is read from them
+    (:func:`gap_breakeven_s`); without, from the Poisson breakeven at ``rate_rps``.  The
+    cold-start penalties are priced at ``rate_rps`` either way (:func:`penalty_cost`)."""
     restore_pen = penalty_cost(costs.restore_s, rate_rps, costs)
+
+    def breakeven(idle_cost: float, pen: float) -> float:
+        if gaps_s:
+            return gap_breakeven_s(gaps_s, idle_cost, pen)
+        return breakeven_keepalive_s(idle_cost, pen, rate_rps)
+
     if costs.resume_s is None:
-        warm = breakeven_keepalive_s(costs.gpu_cost_per_s, restore_pen, rate_rps)
+        warm = breakeven(costs.gpu_cost_per_s, restore_pen)
         return KeepAlivePlan(warm_s=warm, stop_s=warm)
     resume_pen = penalty_cost(costs.resume_s, rate_rps, costs)
-    warm = breakeven_keepalive_s(costs.gpu_cost_per_s - costs.suspended_cost_per_s,
-                                 resume_pen, rate_rps)
-    suspended = breakeven_keepalive_s(costs.suspended_cost_per_s,
-                                      max(0.0, restore_pen - resume_pen), rate_rps)
+    warm = breakeven(costs.gpu_cost_per_s - costs.suspended_cost_per_s, resume_pen)
+    suspended = breakeven(costs.suspended_cost_per_s, max(0.0, restore_pen - resume_pen))
     return KeepAlivePlan(warm_s=warm, stop_s=max(warm, suspended))
 
 
@@ -143,15 +203,20 @@ class IdleGaps:
                for v in (gap_s, now_s)) and gap_s > 0:
             self._gaps.append((float(now_s), min(float(gap_s), self.window_s)))
 
-    def quantile(self, q: float, now_s: float) -> float | None:
-        """The ``q`` quantile (nearest rank, 0 < q <= 1) of the gaps that ended within
-        ``window_s`` of ``now_s``; None when there are none.  Gaps are forgotten by when they
-        ended, not by arrival order, so a clock that jumped forward and back keeps none past
-        the window; one that ended after ``now_s`` is kept but not yet counted."""
+    def values(self, now_s: float) -> list[float]:
+        """The gaps (seconds, in the order they ended) that ended within ``window_s`` of
+        ``now_s``.  Gaps are forgotten by when they ended, not by arrival order, so a clock
+        that jumped forward and back keeps none past the window; one that ended after
+        ``now_s`` is kept but not yet counted."""
         old = [i for i, (end, _) in enumerate(self._gaps) if now_s - end > self.window_s]
         for i in reversed(old):
             del self._gaps[i]
-        ordered = sorted(g for end, g in self._gaps if end <= now_s)
+        return [g for end, g in self._gaps if end <= now_s]
+
+    def quantile(self, q: float, now_s: float) -> float | None:
+        """The ``q`` quantile (nearest rank, 0 < q <= 1) of :meth:`values`; None when there
+        are none."""
+        ordered = sorted(self.values(now_s))
         if not ordered:
             return None
         return ordered[max(0, math.ceil(q * len(ordered)) - 1)]

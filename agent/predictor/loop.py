@@ -17,7 +17,8 @@ Per model, every tick::
                                    │ yes
                              idle past the keep-alive? ──no──► hold ("keep-alive")
                                    │ yes   (to zero: idle since the last request, for
-                                   │        the breakeven keep-alive, and the 0.99
+                                   │        the breakeven keep-alive over the model's
+                                   │        observed idle gaps, and the 0.99
                                    │        quantile of observed idle gaps once cold
                                    │        arrivals miss the SLO, IdleGaps;
                                    │        otherwise: low for the breakeven time)
@@ -28,6 +29,9 @@ Per model, every tick::
 The keep-alive is computed from the model's long-run arrival rate (an average over
 ``rate_window_s``), not from the forecast: after traffic stops the forecast falls to zero at
 once, but the chance that the next request comes soon is set by the rate the model has had.
+The last replica's ladder is read from the model's observed idle gaps once it has any
+(:func:`~agent.predictor.keepalive.gap_breakeven_s`): a trickle whose gaps run to minutes is
+released soon after its requests, a stream whose gaps are all short keeps its replica.
 
 The last replica's keep-alive is SLO-aware: a release is only as cheap as its breakeven
 says while the requests that then find no warm replica are served within their SLO (the
@@ -48,7 +52,7 @@ the backstop.
 Replicas per demand come from the replica's measured speed when the model has one
 (:meth:`Predictor.update_speed`: :func:`~agent.predictor.sizing.replicas_for_rate`, Little's
 law at the sustainable concurrency for the TTFT SLO), else from the policy's occupancy and
-sequences per replica (the design document's worked example). Scale-down
+sequences per replica (docs/architecture.md, "Sizing", its worked example). Scale-down
 never happens unless ``snapshot_durable(model)`` says the model's snapshot is ready and
 durable (catalog + Consul KV): a replica removed without one would come back by a full
 cold boot.
@@ -60,7 +64,8 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable, Iterable
 
 from agent.clock import Clock
 from agent.cluster.base import Scaler
@@ -87,7 +92,7 @@ class ForecastSink(Protocol):
 class ModelPolicy:
     """One model's sizing and timing configuration.
 
-    Defaults follow the snapshot design document's worked example (7.0 s occupancy, 80
+    Defaults follow docs/architecture.md's worked example ("Sizing": 7.0 s occupancy, 80
     sequences per replica, 0.75 utilisation, 15 s lead time, 3.6 s restore). Raises
     ConfigError when ``lead_time_s <= restore_p99_s + decision_latency_s`` (the forecast
     would be structurally too late), naming both numbers, or when a value is out of range.
@@ -109,6 +114,9 @@ class ModelPolicy:
     forecaster: str = "quantile_backstop"
     quantile: float = 0.9
     quantile_window_s: float = 60.0
+    # seconds of arrivals the slow forecaster averages before it forecasts (InFlightRate,
+    # forecast.py): Little's law's window, one occupancy; None = occupancy_s
+    in_flight_window_s: float | None = None
     ttft_slo_s: float = 2.0
     # Sizing from a measured speed fills a replica to its sustainable concurrency: that batch
     # is already the SLO's limit, and the upper-quantile forecast is the headroom.
@@ -120,9 +128,16 @@ class ModelPolicy:
     step_s: float = 1.0
     scale_down_cooldown_s: float = 30.0
     # SLO-aware keep-alive: the last replica stays warm for this quantile of the model's
-    # observed idle gaps (over rate_window_s), at least the breakeven keep-alive; 0 = the
+    # observed idle gaps (over gap_window_s), at least the breakeven keep-alive; 0 = the
     # breakeven alone.  0.99: Shahrad et al., "Serverless in the Wild" (ATC 2020).
     keepalive_gap_quantile: float = 0.99
+    # how long idle gaps are remembered, and the longest one counted: 4 hours, the range of
+    # the idle-time histogram in Shahrad et al. (a trickle's gaps run to many minutes, so a
+    # window of a few minutes would never hold enough of them to read a breakeven from)
+    gap_window_s: float = 4 * 3600.0
+    # idle gaps on record before the last replica's breakeven is read from them rather than
+    # from the Poisson formula: the empirical distribution of fewer says little about the next
+    keepalive_min_gaps: int = 10
     # the SLO attainment the keep-alive protects: the gap quantile applies once more than
     # 1 - slo_attainment of the requests that found no warm replica missed their SLO
     slo_attainment: float = 0.99
@@ -145,6 +160,11 @@ class ModelPolicy:
         Holt(self.alpha, self.beta, self.phi)
         Holt(self.react_alpha, 0.0)
         self.make_forecaster()
+        if not (self.in_flight_s > 0 and math.isfinite(self.in_flight_s)):
+            raise ConfigError(f"ModelPolicy {self.model}: in_flight_window_s="
+                              f"{self.in_flight_window_s}; limit is > 0",
+                              name="in_flight_window_s", value=self.in_flight_window_s,
+                              limit="> 0")
         if not (self.ttft_slo_s > 0 and math.isfinite(self.ttft_slo_s)):
             raise ConfigError(f"ModelPolicy {self.model}: ttft_slo_s={self.ttft_slo_s}; "
                               "limit is > 0", name="ttft_slo_s", value=self.ttft_slo_s,
@@ -155,6 +175,10 @@ class ModelPolicy:
                 raise ConfigError(f"ModelPolicy {self.model}: {name}={value}; limit is >= 0",
                                   name=name, value=value, limit=">= 0")
         seqs_per_replica(0, self.mean_context_tokens)   # > 0, else ConfigError
+        if not (type(self.keepalive_min_gaps) is int and self.keepalive_min_gaps >= 1):
+            raise ConfigError(f"ModelPolicy {self.model}: keepalive_min_gaps="
+                              f"{self.keepalive_min_gaps!r}; limit is an integer >= 1",
+                              name="keepalive_min_gaps", value=self.keepalive_min_gaps, limit=1)
         if not 0.0 < self.slo_attainment <= 1.0:
             raise ConfigError(f"ModelPolicy {self.model}: slo_attainment={self.slo_attainment}; "
                               "limit is 0 < a <= 1", name="slo_attainment",
@@ -164,6 +188,11 @@ class ModelPolicy:
                 f"ModelPolicy {self.model}: keepalive_gap_quantile="
                 f"{self.keepalive_gap_quantile}; limit is 0 <= q <= 1",
                 name="keepalive_gap_quantile", value=self.keepalive_gap_quantile, limit="[0, 1]")
+        if not (self.gap_window_s >= self.step_s and math.isfinite(self.gap_window_s)):
+            raise ConfigError(
+                f"ModelPolicy {self.model}: gap_window_s={self.gap_window_s}; limit is "
+                f">= step_s ({self.step_s})", name="gap_window_s", value=self.gap_window_s,
+                limit=self.step_s)
         if not self.rate_window_s >= self.step_s:
             raise ConfigError(
                 f"ModelPolicy {self.model}: rate_window_s={self.rate_window_s}; limit is "
@@ -176,7 +205,13 @@ class ModelPolicy:
         window = max(1, round(self.quantile_window_s / self.step_s))
         return build_forecaster(self.forecaster, alpha=self.alpha, beta=self.beta, phi=self.phi,
                                 react_alpha=self.react_alpha, quantile=self.quantile,
-                                quantile_window=window)
+                                quantile_window=window,
+                                in_flight_window=max(1, round(self.in_flight_s / self.step_s)))
+
+    @property
+    def in_flight_s(self) -> float:
+        """The window (s) the slow forecaster averages arrivals over."""
+        return self.occupancy_s if self.in_flight_window_s is None else self.in_flight_window_s
 
 
 def release_after_s(plan: KeepAlivePlan, policy: ModelPolicy,
@@ -240,6 +275,7 @@ class _State:
     forecaster: Forecaster
     longrun: Holt
     seqs: int
+    gaps: IdleGaps
     speed: SpeedProfile | None = None
     max_seqs: int = 0
     arrivals: int = 0
@@ -251,7 +287,6 @@ class _State:
     acting: bool = False
     acting_since_s: float | None = None
     low_since_s: float | None = None
-    gaps: IdleGaps | None = None
     cold: deque = field(default_factory=lambda: deque(maxlen=COLD_SAMPLES))
 
 
@@ -276,7 +311,7 @@ class Predictor:
                                            longrun=Holt(min(1.0, p.step_s / p.rate_window_s),
                                                         0.0),
                                            seqs=p.seqs_per_replica,
-                                           gaps=IdleGaps(p.rate_window_s))
+                                           gaps=IdleGaps(p.gap_window_s))
 
     @property
     def models(self) -> list[str]:
@@ -358,7 +393,8 @@ class Predictor:
     def update_speed(self, model: str, profile: SpeedProfile, max_seqs: int, *,
                      mean_prompt_tokens: float | None = None,
                      mean_gen_tokens: float | None = None) -> int:
-        """Size ``model`` from a replica's measured speed from now on (contract item 7):
+        """Size ``model`` from a replica's measured speed from now on (docs/architecture.md,
+        "Capacity from measured rates"):
         ``profile`` (the slowest replica's, agent/speed.py), its ``max_seqs`` KV slots and,
         when given, the observed mean prompt and output lengths (tokens).  Returns the
         sustainable concurrency per replica at the policy's TTFT SLO."""
@@ -366,7 +402,7 @@ class Predictor:
         if max_seqs < 1:
             raise ConfigError(f"update_speed {model}: max_seqs={max_seqs}; limit is >= 1",
                               name="max_seqs", value=max_seqs, limit=1)
-        changes = {k: float(v) for k, v in (("mean_prompt_tokens", mean_prompt_tokens),
+        changes: dict[str, Any] = {k: float(v) for k, v in (("mean_prompt_tokens", mean_prompt_tokens),
                                             ("mean_gen_tokens", mean_gen_tokens))
                    if v is not None and math.isfinite(v) and v >= 0}
         if changes:
@@ -381,7 +417,11 @@ class Predictor:
         st = self._state(model)
         p = st.policy
         check_lead_time(model, p.lead_time_s, restore_p99_s, p.decision_latency_s)
-        st.policy = replace(p, restore_p99_s=restore_p99_s)
+        # the measured restore is also the cold-start cost the keep-alive weighs
+        st.policy = replace(p, restore_p99_s=restore_p99_s,
+                            costs=replace(p.costs, restore_s=restore_p99_s,
+                                          resume_s=None if p.costs.resume_s is None
+                                          else min(p.costs.resume_s, restore_p99_s)))
 
     def tick(self, act: bool = True) -> list[Decision]:
         """One step for every model; with ``act=False`` (standby) forecast but do not scale."""
@@ -436,7 +476,12 @@ class Predictor:
         else:
             desired = target_replicas(demand, p.occupancy_s, st.seqs, p.utilisation,
                                       p.min_replicas, p.max_replicas)
-        plan = plan_keepalive(st.longrun.forecast(0), p.costs)
+        rate = st.longrun.forecast(0)
+        # the last replica's ladder comes from the model's own idle gaps once it has any;
+        # excess replicas (demand fell, traffic goes on) from the Poisson breakeven
+        gaps = st.gaps.values(now)
+        plan = plan_keepalive(rate, p.costs, gaps if len(gaps) >= p.keepalive_min_gaps else ())
+        excess_plan = plan_keepalive(rate, p.costs)
         if act and not st.acting:   # first tick as the actor: learn what is running
             st.target = self._scaler.target(p.model)
             st.low_since_s = None
@@ -458,7 +503,8 @@ class Predictor:
         if idle_s >= keepalive_s:
             desired = p.min_replicas   # an idle model is released whatever the forecast recalls
         previous = st.target if st.target is not None else 0
-        action, reason = self._decide(st, now, desired, plan, idle_s, act, keepalive_s)
+        action, reason = self._decide(st, now, desired, plan, idle_s, act, keepalive_s,
+                                      excess_plan)
         decision = Decision(p.model, now, actual, forecast, level, desired, previous,
                             st.target if st.target is not None else 0, action, reason,
                             plan, idle_s, keepalive_s, self.cold_miss_fraction(p.model))
@@ -486,11 +532,13 @@ class Predictor:
         return st.gaps.quantile(p.keepalive_gap_quantile, now)
 
     def _decide(self, st: _State, now: float, desired: int, plan: KeepAlivePlan,
-                idle_s: float, act: bool, keepalive_s: float) -> tuple[str, str]:
+                idle_s: float, act: bool, keepalive_s: float,
+                excess_plan: KeepAlivePlan) -> tuple[str, str]:
         p = st.policy
         if not act:
             return "standby", "not the leader"
         current = st.target
+        assert current is not None, "an acting predictor read its target on its first tick"
         if desired >= current:
             st.low_since_s = None
             if desired == current:
@@ -514,7 +562,7 @@ class Predictor:
         # quantile included); excess replicas wait for the breakeven time of low demand.
         waited = idle_s if desired == 0 else low_for
         if desired > 0:
-            keepalive_s = release_after_s(plan, p)
+            keepalive_s = release_after_s(excess_plan, p)
         if waited < keepalive_s:
             return "hold", f"keep-alive: {waited:.1f}s of {keepalive_s:.1f}s"
         if not self._durable(p.model):

@@ -12,8 +12,8 @@ SLO-aware) and ``replicas: {id: {model, kv_capacity_tokens, ...}}``; the smalles
 model re-sizes its sequences per replica (``Predictor.update_capacity`` with the policy's
 ``mean_context_tokens``). When the replicas' entries carry their measured speed (``SPEED_META_KEYS`` of agent/speed.py,
 with ``max_seqs``), the slowest replica's profile sizes the model from then on
-(``Predictor.update_speed``: Little's law at the sustainable concurrency, issue 12 contract
-item 7), and the front door's ``mean_prompt_tokens``/``mean_gen_tokens`` per model, when it
+(``Predictor.update_speed``: Little's law at the sustainable concurrency; docs/architecture.md,
+"Capacity from measured rates"), and the front door's ``mean_prompt_tokens``/``mean_gen_tokens`` per model, when it
 reports them, set the lengths it is sized for.  Counters that go down (a restarted front door) and gaps are handled by
 :class:`~agent.predictor.forecast.CounterRate`; a front door that stops answering simply
 contributes no sample (a missing sample, not a zero).
@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Callable, Mapping, Protocol
+from typing import Any, Protocol, TypeGuard
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -35,7 +36,7 @@ from agent.predictor.loop import Decision, Predictor
 
 log = logging.getLogger(__name__)
 
-StatsFetch = Callable[[], Mapping[str, Mapping[str, Mapping[str, int]]]]
+StatsFetch = Callable[[], Mapping[str, Mapping[str, Any]]]
 """() -> {front door id: {"arrivals": {model: cumulative requests},
 "kv_capacity_tokens": {model: tokens}}} (what :func:`frontdoor_stats` returns per door)."""
 
@@ -177,7 +178,7 @@ class PredictorService:
 
 
 def frontdoor_stats(address: str, *, timeout_s: float = 2.0,
-                    token: str | None = None) -> dict[str, dict[str, int]]:
+                    token: str | None = None) -> dict[str, Any]:
     """One front door's counters and replica capacities from its ``stats`` op (msgpack/TCP).
 
     Returns ``{"arrivals": {model: count}, "kv_capacity_tokens": {model: tokens}}``
@@ -214,11 +215,12 @@ def _speeds(stats: Mapping, known: set[str]) -> dict:
     return out
 
 
-def _count(v) -> bool:
+def _count(v: object) -> TypeGuard[int]:
+    """``v`` is a non-negative int (not a bool)."""
     return type(v) is int and v >= 0
 
 
-def _parse_stats(address: str, result: dict) -> dict[str, dict[str, int]]:
+def _parse_stats(address: str, result: dict) -> dict[str, Any]:
     counters = result.get("arrivals") or {}
     replicas = result.get("replicas") or {}
     for name, value in (("arrivals", counters), ("replicas", replicas)):

@@ -1,13 +1,13 @@
 """Warm-pool sizing: Little's law for replicas, and the breakeven keep-alive.
 
-Both formulas come from the snapshot design document (../shared/seeds/002_b8b5536ec4319928.txt):
+The formulas (docs/architecture.md, "Sizing"):
 
 - "Scaling and Performance": sequences in flight = rate x occupancy (Little's law);
   replicas = ceil(in flight / (concurrent sequences per replica x target utilisation)).
   Worked example: 20 req/s x 7.0 s = 140 in flight, ceil(140 / (80 x 0.75)) = 3;
   200 req/s -> 1,400 in flight -> 24. Concurrent sequences per replica come from the
   replica's KV capacity: 72,089 tokens / 900 tokens per sequence = ~80.
-- Issue 12 / contract item 7: with a replica's measured speed (agent/speed.py) the sequences
+- Capacity from measured rates (docs/architecture.md): with a replica's measured speed (agent/speed.py) the sequences
   per replica are its sustainable concurrency at the TTFT SLO, not its KV slots, and the
   rate one replica serves is ``SpeedProfile.service_rps`` at that concurrency; replicas =
   ``ceil(rate / (service_rps * utilisation))`` (:func:`replicas_for_rate`), which is

@@ -2,8 +2,8 @@
 
 ``rewarm build MODEL_DIR --out RELEASE_DIR`` exports the model's forward (the KV cache passed
 in, see agent/replica/model.py) with three independent dynamic sizes — active batch B, cache
-batch C, new tokens S — and compiles it ahead of time with AOTInductor, the path the AOT design
-document (seeds/000, "Compiling for multiple targets") takes to cut a 5.6-minute start to 26 s.
+batch C, new tokens S — and compiles it ahead of time with AOTInductor, per CPU or GPU
+target, so that a start loads compiled code instead of compiling it.
 Layout of a release::
 
     RELEASE_DIR/<target>/model.pt2      the AOTInductor package: generated code, no weights
@@ -40,7 +40,8 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 

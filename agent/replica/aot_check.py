@@ -27,7 +27,8 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -90,7 +91,7 @@ def _run(forward: Callable, inputs, k, v, device: str, dtype: torch.dtype | None
 def _error(got, got_caches, ref, ref_caches) -> tuple[float, float]:
     """Largest absolute error of the logits and of the written caches against the reference."""
     return (float((got - ref).abs().max()),
-            max(float((a - b).abs().max()) for a, b in zip(got_caches, ref_caches)))
+            max(float((a - b).abs().max()) for a, b in zip(got_caches, ref_caches, strict=True)))
 
 
 def check_package(package: Path, eager: torch.nn.Module, weights: Mapping[str, torch.Tensor],

@@ -20,7 +20,8 @@ synchronisation per call): the price of refusing an out-of-bounds write instead 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -66,7 +67,7 @@ class InputSpec:
     device: torch.device
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping[str, Any], device: str, where: Any) -> "InputSpec":
+    def from_manifest(cls, manifest: Mapping[str, Any], device: str, where: Any) -> InputSpec:
         """From ``package.json``'s ``ranges`` and ``kv``.  Raises InvalidCheckpoint when they
         are missing or malformed."""
         kv = manifest.get("kv")

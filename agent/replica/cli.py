@@ -1,7 +1,5 @@
-"""``rewarm model ...`` (model engineer) and ``rewarm build`` / ``rewarm replica`` (AOT/worker).
-
-Each group registers itself in :func:`register`; the AOT/worker engineer adds theirs in the
-marked place.
+"""``rewarm model ...`` (import and synthesise models) and ``rewarm build`` / ``rewarm replica``
+(the AOT package and the replica process); :func:`register` adds both groups.
 """
 
 from __future__ import annotations
@@ -86,7 +84,6 @@ def _register_model(sub: argparse._SubParsersAction) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     _register_model(sub)
-    # --- AOT/worker engineer: register `rewarm build` and `rewarm replica` below -----------
     _register_build_and_replica(sub)
 
 

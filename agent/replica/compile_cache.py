@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import MutableMapping
+from collections.abc import MutableMapping
 
 import torch
 

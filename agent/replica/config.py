@@ -82,7 +82,7 @@ class LlamaConfig:
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes per token: ``2 * layers * kv_heads * head_dim * dtype_bytes``.
 
-        The formula is the snapshot design document's (seeds/002, "Scaling and Performance":
+        The formula is docs/architecture.md's ("Sizing":
         2 * 40 * 8 * 128 * 2 = 163,840 bytes for a 13B model in FP16).
         """
         itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
@@ -124,7 +124,7 @@ class LlamaConfig:
                                         path=path, field=name, value=value, limit=0)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], path: Path | str | None = None) -> "LlamaConfig":
+    def from_dict(cls, data: dict[str, Any], path: Path | str | None = None) -> LlamaConfig:
         """Build from a config.json mapping; unknown keys are ignored, missing ones are errors."""
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in fields}
@@ -150,7 +150,7 @@ class LlamaConfig:
         return config
 
     @classmethod
-    def from_dir(cls, model_dir: Path | str) -> "LlamaConfig":
+    def from_dir(cls, model_dir: Path | str) -> LlamaConfig:
         """Read ``model_dir/config.json``.  Raises InvalidCheckpoint (missing, too big, bad JSON)."""
         path = Path(model_dir) / CONFIG_NAME
         try:

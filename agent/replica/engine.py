@@ -28,7 +28,7 @@ import collections
 import dataclasses
 import secrets
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ def mark_dynamic_inputs(tokens: torch.Tensor, input_pos: torch.Tensor, cache_bat
                         k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
     """Mark the three dynamic sizes for ``torch.compile``: active batch (dim 0 of tokens,
     input_pos, cache_batch_idx), sequence length (dim 1 of tokens, input_pos) and cache batch
-    (dim 0 of every cache), as the AOT design document's ``Dim``s do (seeds/000)."""
+    (dim 0 of every cache): the ``Dim``s the AOT export declares (agent/replica/aot.py)."""
     mark = torch._dynamo.mark_dynamic
     for t in (tokens, input_pos):
         mark(t, 0)
@@ -143,10 +143,12 @@ class Engine(Lockstep):
         if weights is not None and any(t.device != torch.device(device) for t in weights.values()):
             weights = {k: t.to(device) for k, t in weights.items()}  # e.g. host restore -> GPU
         self.model = Transformer.from_weights(config, weights) if weights is not None else None
-        if forward is None and self.model is None:
-            raise ProtocolError("Engine needs weights or a forward callable", field="weights",
-                                value=None, limit=None)
-        self.forward: Forward = forward if forward is not None else self.model
+        if forward is None:
+            if self.model is None:
+                raise ProtocolError("Engine needs weights or a forward callable",
+                                    field="weights", value=None, limit=None)
+            forward = self.model
+        self.forward: Forward = forward
         self.device = torch.device(device)
         self.kv = KVSlotAllocator(max_seqs, max_seq_len)
         self.k_caches, self.v_caches = new_kv_caches(config, max_seqs, max_seq_len, self.device)
@@ -162,7 +164,7 @@ class Engine(Lockstep):
 
     @classmethod
     def sized(cls, config: LlamaConfig, weights, *, budget_bytes: int, max_seq_len: int,
-              max_seqs_limit: int | None = None, **kwargs) -> "Engine":
+              max_seqs_limit: int | None = None, **kwargs) -> Engine:
         """An engine with as many slots as ``budget_bytes`` holds (see agent/replica/kv.py)."""
         plan = plan_kv(config, budget_bytes, max_seq_len, max_seqs_limit)
         engine = cls(config, weights, max_seqs=plan.max_seqs, max_seq_len=max_seq_len, **kwargs)
@@ -387,13 +389,14 @@ class Engine(Lockstep):
 
     def _prefill_chunks(self, seq: _Seq) -> torch.Tensor:
         idx = torch.tensor([seq.slot], dtype=torch.int64, device=self.device)
-        logits = None
+        logits: torch.Tensor | None = None
         for start in range(0, len(seq.prompt), self.prefill_chunk):
             chunk = seq.prompt[start:start + self.prefill_chunk]
             tokens = torch.tensor([chunk], dtype=torch.int64, device=self.device)
             pos = torch.arange(start, start + len(chunk), device=self.device).unsqueeze(0)
             logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)[0, -1]
         seq.pos = len(seq.prompt)
+        assert logits is not None, "submit refuses an empty prompt"
         return logits
 
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> int:

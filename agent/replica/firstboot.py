@@ -1,7 +1,6 @@
 """The very first boot: prefill the first request while the weights are still streaming in.
 
-A model version with no snapshot anywhere pays one full boot (issue 3, "The very first boot
-streams").  A loader thread reads the safetensors group by group (embedding, layer 0 ... layer
+A model version with no snapshot anywhere pays one full boot, and that boot streams.  A loader thread reads the safetensors group by group (embedding, layer 0 ... layer
 L-1, final norm/head; :func:`agent.replica.weights.stream_hf_weights`), converting each to the
 runtime layout as it lands; the calling thread runs the first request's prefill through each
 layer as soon as that layer is there.  The first token is ready when the last group lands plus
@@ -18,7 +17,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -100,6 +99,7 @@ def streamed_first_boot(model_dir: Path | str, prompt: Sequence[int], max_tokens
     load_done_s = time.perf_counter() - t0
     engine = Engine(config, weights, max_seqs=max_seqs, max_seq_len=max_seq_len)
     engine.k_caches, engine.v_caches = k_caches, v_caches
+    assert engine.model is not None and h is not None, "built from weights; the plan has layers"
     with torch.inference_mode():
         logits = engine.model.head(h)[0, -1]
     seq_id, token = engine.adopt_prefilled(list(prompt), logits, max_tokens, seed=seed, stop=stop)

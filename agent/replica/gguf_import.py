@@ -173,8 +173,8 @@ def import_gguf(path: Path | str, out_dir: Path | str, *, dtype: str = "float32"
     tok = build_from_gguf(tokens, list(_field(reader, "tokenizer.ggml.merges")), types)
     bos, eos = config.bos_token_id, config.eos_token_id
     template = reader.fields.get("tokenizer.chat_template")
-    save_tokenizer(tok, tmp, bos=tokens[bos] if 0 <= (bos or -1) < len(tokens) else None,
-                   eos=tokens[eos] if 0 <= (eos or -1) < len(tokens) else None,
+    save_tokenizer(tok, tmp, bos=tokens[bos] if bos and 0 < bos < len(tokens) else None,
+                   eos=tokens[eos] if eos and 0 < eos < len(tokens) else None,
                    chat_template=template.contents() if template is not None else None)
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": bos, "eos_token_id": eos}) + "\n")

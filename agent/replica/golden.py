@@ -39,7 +39,8 @@ another thread than the restore the same check took 372 ms (agent/replica/worker
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Sequence
 
 from agent.errors import GoldenMismatch, SnapshotIncompatible
 from agent.snapshot.format import GoldenCheck
@@ -73,13 +74,13 @@ def record_golden(engine: Generates, prompts: Sequence[Sequence[int]], seed: int
     after ``max_tokens`` replays the record is consistent and one more confirms it; in practice
     one replay, two where a near-tie split the kernels.  Raises GoldenMismatch when it does not
     settle (a forward that is not deterministic)."""
-    prompts = [list(map(int, p)) for p in prompts]
-    tokens = engine.generate_lockstep(prompts, max_tokens, seed=seed)
+    rows = [list(map(int, p)) for p in prompts]
+    tokens = engine.generate_lockstep(rows, max_tokens, seed=seed)
     previous = tokens
     for _ in range(max_tokens + 1):
-        replayed = engine.teacher_forced(prompts, tokens, seed=seed)
+        replayed = engine.teacher_forced(rows, tokens, seed=seed)
         if replayed == tokens:
-            return GoldenCheck(prompts=prompts, seed=seed, max_tokens=max_tokens,
+            return GoldenCheck(prompts=rows, seed=seed, max_tokens=max_tokens,
                                expected=tokens, method=GOLDEN_METHOD)
         previous, tokens = tokens, replayed
     i, pos, want, got = _first_difference(previous, tokens)
@@ -141,8 +142,8 @@ def verify_golden(engine: Generates, golden: GoldenCheck, where: Any = None) -> 
 
 def _first_difference(want: list[list[int]], got: list[list[int]]):
     """``(prompt, position, wanted, got)`` of the first differing token, or None."""
-    for i, (a, b) in enumerate(zip(want, got)):
-        for j, (x, y) in enumerate(zip(a, b)):
+    for i, (a, b) in enumerate(zip(want, got, strict=False)):
+        for j, (x, y) in enumerate(zip(a, b, strict=False)):
             if x != y:
                 return i, j, x, y
         if len(a) != len(b):

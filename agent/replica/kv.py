@@ -1,6 +1,6 @@
 """KV-cache sizing and the slot allocator.
 
-Sizing follows the snapshot design document (seeds/002, "Scaling and Performance"): the KV
+Sizing follows docs/architecture.md ("Sizing"): the KV
 cache gets the memory left after the weights and a fixed overhead, divided by the bytes one
 token costs (``2 * layers * kv_heads * head_dim * dtype_bytes``).  For the document's 13B
 model on a 40 GB A100 that is 11 GB / 160 KB = 72,089 tokens, ~80 sequences of 900 tokens
@@ -41,7 +41,7 @@ class KVPlan:
 
     def seqs_at(self, context_len: int) -> int:
         """Concurrent sequences of ``context_len`` tokens the budget holds (tokens // context),
-        the design document's figure; never more than the slot count when slots are that long."""
+        docs/architecture.md's figure; never more than the slot count when slots are that long."""
         if context_len < 1:
             raise ConfigError(f"context_len={context_len} must be >= 1", name="context_len",
                               value=context_len, limit=1)
@@ -70,7 +70,7 @@ def plan_kv(config: LlamaConfig, budget_bytes: int, max_seq_len: int,
 
 def kv_budget_bytes(weights_bytes: int, *, device: str = "cpu", cpu_budget_bytes: int | None = None,
                     overhead_bytes: int = 0) -> int:
-    """Memory the KV cache may take, the design document's way (seeds/002: 40 GB - 26 GB weights
+    """Memory the KV cache may take (docs/architecture.md, "Sizing": 40 GB - 26 GB weights
     - ~3 GB activations/CUDA context = 11 GB).
 
     On CUDA: free device memory now (the weights, ``weights_bytes``, are already resident, so

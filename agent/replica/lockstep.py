@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -50,7 +50,8 @@ class Lockstep:
                                 value=len(self._active) + len(self._waiting), limit=0)
         for i, p in enumerate(prompts):
             self.submit(p, max_tokens, None if seed is None else seed + i)
-        seqs, self._waiting = list(self._waiting), collections.deque()
+        empty: collections.deque = collections.deque()
+        seqs, self._waiting = list(self._waiting), empty
         self._publish()   # else :attr:`load` keeps counting the prompts as waiting
         return seqs
 
@@ -137,7 +138,7 @@ class Lockstep:
         seqs = self._lockstep_seqs([[int(t) for t in p] for p in prompts], n, seed)
         out: list[list[int]] = []
         with torch.inference_mode():
-            for start, group in zip(range(0, len(seqs), self.kv.max_seqs), self._groups(seqs)):
+            for start, group in zip(range(0, len(seqs), self.kv.max_seqs), self._groups(seqs), strict=True):
                 inputs = [s.prompt + tokens[start + row][:n - 1] for row, s in enumerate(group)]
                 with self._slots(group) as idx:
                     out += self._replay_group(group, idx, inputs, n)
@@ -156,6 +157,7 @@ class Lockstep:
         tail = self._decode_rows([r[-1] for r in inputs], [len(r) - 1 for r in inputs], idx)
         out = []
         for row, seq in enumerate(group):
-            got = [self._sample(seq, head[row][k]) for k in range(n - 1)]
+            rows = head[row]     # None only when n == 1: nothing before the last position
+            got = [] if rows is None else [self._sample(seq, rows[k]) for k in range(n - 1)]
             out.append(got + [self._sample(seq, tail[row])])
         return out

@@ -1,7 +1,9 @@
 """A replica's load, measured where it happens: tokens per second, batch size, queued prefill
-tokens, KV slots in use.  Read by the worker's ``stats`` op (so the node agent exports them,
-agent/node/metrics.py) and by the replica's own status port (``rewarm replica
---metrics-listen``).
+tokens, KV slots in use.  Read by the worker's ``stats`` op (the node agent's view of its
+replicas) and exported only by the replica's own status port (``rewarm replica
+--metrics-listen``), as ``rewarm_replica_*``: tokens as a counter
+(``rewarm_replica_generated_tokens_total``, whose ``rate()`` is the tokens per second),
+never as a precomputed rate.
 
 ``tokens_per_s`` is the tokens emitted in the last ``window_s`` seconds divided by that wall
 time (or by the time since the first step began, when that is shorter): a sliding window of
@@ -13,7 +15,8 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -48,6 +51,7 @@ class ReplicaMeter:
         if not self._steps:
             self.batch_size = 0
             return 0.0
+        assert self._first_s is not None, "set by the first record()"
         wall_s = min(self.window_s, now - self._first_s)
         return sum(n for _t, n in self._steps) / wall_s if wall_s > 0 else 0.0
 
@@ -75,8 +79,6 @@ class _Collector:
             fam.add_metric((model,), float(s.get(key) or 0))
             return fam
 
-        yield gauge("rewarm_replica_tokens_per_second", "Tokens generated per second (window)",
-                    "tokens_per_s")
         yield gauge("rewarm_replica_batch_size", "Sequences in the last engine step", "batch_size")
         yield gauge("rewarm_replica_queued_prefill_tokens", "Prompt tokens waiting to be prefilled",
                     "queued_prefill_tokens")

@@ -1,7 +1,7 @@
 """A Llama-family decoder whose forward is a pure function of its inputs and the KV cache.
 
-The KV cache is an *input*, not module state (the AOT design document, seeds/000: "A compiled
-model can't keep state, so the conversation's memory has to become an input").  Signature::
+The KV cache is an *input*, not module state: a compiled (AOT) model cannot keep state, so
+the conversation's memory has to be passed in.  Signature::
 
     forward(tokens, input_pos, cache_batch_idx, k_caches, v_caches) -> logits
 
@@ -252,7 +252,7 @@ class Transformer(nn.Module):
         state_dict.update(converted)
 
     @classmethod
-    def from_weights(cls, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> "Transformer":
+    def from_weights(cls, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> Transformer:
         """Build on the meta device and adopt ``weights`` without copying (``assign=True``).
 
         ``weights`` is the runtime layout (or Hugging Face layout).  Raises InvalidCheckpoint
@@ -297,7 +297,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos_sin(input_pos)
         mask = self.causal_mask(input_pos, k_caches[0].shape[1])
         h = self.embed(tokens)
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             h = layer(h, cos, sin, input_pos, cache_batch_idx, k_cache, v_cache, mask)
         return self.head(h)
 

@@ -11,7 +11,7 @@ tail is shorter than the longest stop string.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class StopText:

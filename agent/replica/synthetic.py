@@ -1,7 +1,7 @@
 """``rewarm model make-synthetic``: deterministic seeded weights in the Hugging Face layout.
 
 For tests and size sweeps, where the real model is too small or too slow.  ``13b-shaped`` is
-the snapshot design document's 13B geometry (seeds/002: 40 layers, 8 KV heads, head dim 128,
+a 13B model's geometry (docs/architecture.md, "Sizing": 40 layers, 8 KV heads, head dim 128,
 KV 160 KB per token in 16-bit) with hidden size, MLP width and vocabulary scaled down by
 ``scale`` so that it fits a development machine; ``scale=1`` is the full 40 x 5120 shape
 (Llama-2-13B's, with the document's 8 KV heads: 11.3 B parameters, 22.7 GB in bf16).

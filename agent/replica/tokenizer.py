@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -31,11 +31,11 @@ def build_from_gguf(tokens: Sequence[str], merges: Sequence[str],
     Raises InvalidCheckpoint for a duplicate token or a malformed merge.
     """
     vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        if tok in vocab:
-            raise InvalidCheckpoint(f"GGUF vocabulary: token {tok!r} at id {i} duplicates id {vocab[tok]}",
-                                    path=None, field="tokenizer.ggml.tokens", value=i, limit=vocab[tok])
-        vocab[tok] = i
+    for i, text in enumerate(tokens):
+        if text in vocab:
+            raise InvalidCheckpoint(f"GGUF vocabulary: token {text!r} at id {i} duplicates id {vocab[text]}",
+                                    path=None, field="tokenizer.ggml.tokens", value=i, limit=vocab[text])
+        vocab[text] = i
     pairs = []
     for rank, merge in enumerate(merges):
         parts = merge.split(" ")

@@ -1,6 +1,6 @@
 """Load a Hugging Face checkpoint into the runtime layout, streaming layer by layer.
 
-"The very first boot streams" (issue 3): a model with no snapshot anywhere pays one full boot,
+The very first boot streams: a model with no snapshot anywhere pays one full boot,
 so that boot reads ``*.safetensors`` with large sequential reads (one ``readinto`` per layer
 group, never an mmap that page-faults 4 KiB at a time), converts each group to the runtime
 layout (fused QKV / gate-up, runtime dtype) as it lands, and hands it on at once, so that the
@@ -18,7 +18,7 @@ import math
 import re
 import struct
 from pathlib import Path
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -87,7 +87,7 @@ def read_header(path: Path) -> tuple[int, dict[str, dict]]:
     header.pop("__metadata__", None)
     data_start, data_len = 8 + n, size - 8 - n
     for name, entry in header.items():
-        dtype = _ST_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        dtype = _ST_DTYPES.get(str(entry.get("dtype"))) if isinstance(entry, dict) else None
         if dtype is None:
             raise InvalidCheckpoint(f"{path}: tensor {name!r} has unsupported dtype "
                                     f"{entry.get('dtype') if isinstance(entry, dict) else entry!r}",
@@ -151,7 +151,7 @@ def stream_hf_weights(model_dir: Path | str, config: LlamaConfig | None = None
             buf = torch.empty(hi - lo, dtype=torch.uint8)
             with open(path, "rb", buffering=0) as f:
                 f.seek(lo)
-                view = memoryview(buf.numpy())
+                view = buf.numpy().data
                 got = 0
                 while got < len(view):
                     n = f.readinto(view[got:])

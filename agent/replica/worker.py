@@ -8,10 +8,9 @@ States (a zygote starts in ZYGOTE, a booted replica in SERVING)::
       +--------shutdown / SIGTERM / parent died--------------------------> CLOSED
 
 Requests multiplex over one connection by ``id``.  ``generate`` requests from every
-connection feed one batching loop: each tick submits what arrived, then runs one engine step
-on a single worker thread — :meth:`Engine.admit` one sequence at a time (the prefill of each
-admitted sequence, whose first token is sent before the next prefill starts) then
-:meth:`Engine.decode` (one batched decode step for all active ones) — so the event loop keeps answering ``health`` and ``stats`` while the model runs.
+connection are checked against the wire's schema (agent/wire/schema.py) and feed one batching
+loop (agent/replica/batching.py's :class:`BatchScheduler`), so the event loop keeps answering
+``health`` and ``stats`` while the model runs.
 
 Speed: ``stats`` carries the engine's measured speed (agent/speed.py ``SPEED_META_KEYS``,
 once measured), its queue (``QUEUE_META_KEYS``, counting requests accepted but not yet handed
@@ -35,21 +34,21 @@ import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.errors import (ConfigError, InvalidCheckpoint, Overloaded, ProtocolError,
-                          RewarmError, Unauthorized)
-from agent.protocol import (DEFAULT_LIMITS, DEFAULT_MAX_TOKENS, Decoder, check_stop,
-                            error_message, pack, read_messages)
+from agent.errors import (ConfigError, ContextLengthExceeded, InvalidCheckpoint, Overloaded,
+                          ProtocolError, RewarmError, Unauthorized)
+from agent.protocol import (DEFAULT_LIMITS, REPLICA_SCHEMAS, Decoder, error_message,
+                            read_messages, validate_request)
+from agent.replica.batching import BatchScheduler, Request, request_key, send
 from agent.replica.meter import ReplicaMeter
 from agent.replica.stops import StopText
+from agent.wire import refusals
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-MAX_TOKENS_LIMIT = 1 << 16
 CONTROL_OPS = frozenset({"restore", "capture", "shutdown"})
 
 
@@ -87,33 +86,6 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
 
 
-@dataclass
-class _Request:
-    request_id: Any
-    writer: asyncio.StreamWriter
-    started_s: float
-    text: bool
-    seq_id: int = -1
-    first_s: float | None = None
-    tokens: list[int] = field(default_factory=list)
-    prefix_at: int = 0        # incremental detokenization: text sent covers tokens[:read_at]
-    read_at: int = 0
-    prompt_tokens: int = 0
-    stops: StopText = field(default_factory=StopText)
-    fed: str = ""             # detokenized text fed to ``stops`` so far
-    sent: str = ""            # text let out so far (the done message's ``text``)
-    owner: dict | None = None  # the connection's requests by id (left when answered)
-
-    def finished(self) -> None:
-        if self.owner is not None and self.owner.get(_key(self.request_id)) is self:
-            del self.owner[_key(self.request_id)]
-
-
-def _key(request_id: Any) -> Any:
-    """A request id as a dict key (ids are ints or strings; anything else shares None)."""
-    return request_id if type(request_id) in (int, str) else None
-
-
 class Worker:
     """The replica server.  ``loaded`` (agent/replica/zygote.Loaded) or None for a zygote that
     restores into ``buffer``.  ``parent_pid``: exit when the parent changes (None: no watchdog)."""
@@ -126,18 +98,15 @@ class Worker:
         # restore/capture/shutdown read or write files on this host or end the process: on a
         # TCP listener they are refused unless ``tcp_control`` (a unix socket's file mode
         # already says who may connect).
-        self.tcp_control, self._tcp = tcp_control, False
+        self.tcp_control = tcp_control
         self.state = State.SERVING if loaded is not None else State.ZYGOTE
         self.parent_pid, self.watchdog_s = parent_pid, watchdog_s
         # the engine's one thread (make_engine_thread); pass the one that loaded the model
         self._pool = engine_thread if engine_thread is not None else make_engine_thread()
-        self._submits: list[tuple[_Request, dict]] = []
-        self._cancels: list[int] = []
-        self._by_seq: dict[int, _Request] = {}
-        self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._tokenizer = None
         self.meter = ReplicaMeter()
+        self.batch = BatchScheduler(self, self._pool, self.meter)
         self.drain_grace_s, self.draining = drain_grace_s, False
         self._chat_template = None  # loaded on first use; False: the model has none
 
@@ -147,7 +116,6 @@ class Worker:
         once listening (port 0 picks a free port).  ``data_listen`` (``HOST:PORT``) is a second,
         TCP listener for other hosts' front doors (a node agent keeps ``listen`` a unix socket
         for its control ops); its address is ``self.data_address``."""
-        self._tcp = not listen.startswith("unix:")
         self.data_address = None
         extra = None
         if data_listen:
@@ -169,7 +137,7 @@ class Worker:
                 loop.add_signal_handler(sig, self.drain)
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
-        tasks = [asyncio.create_task(self._batch_loop())]
+        tasks = [asyncio.create_task(self.batch.run())]
         if self.parent_pid is not None:
             tasks.append(asyncio.create_task(self._watch_parent()))
         if ready is not None:
@@ -181,9 +149,11 @@ class Worker:
             if extra is not None:
                 extra.close()
             self.state = State.CLOSED
-            held = list(self._by_seq.values())
-            for request in held + [r for r, _ in self._submits]:
-                self._send(request.writer, error_message(request.request_id, 503, "replica shutting down"))
+            held = list(self.batch.by_seq.values())
+            for request in held + [r for r, _ in self.batch.submits]:
+                self._send(request.writer, error_message(request.request_id, 503,
+                                                         "replica shutting down",
+                                                         refusal=refusals.DRAINING))
             for task in tasks:
                 task.cancel()
             if self.loaded is not None and held:
@@ -210,7 +180,7 @@ class Worker:
         asyncio.get_running_loop().create_task(self._drain_then_stop())
 
     def in_flight(self) -> int:
-        return len(self._by_seq) + len(self._submits)
+        return self.batch.in_flight()
 
     async def _drain_then_stop(self, poll_s: float = 0.05) -> None:
         loop = asyncio.get_running_loop()
@@ -228,13 +198,10 @@ class Worker:
             await asyncio.sleep(self.watchdog_s)
 
     # --- connections ---------------------------------------------------------------------
-    @staticmethod
-    def _send(writer: asyncio.StreamWriter, message: dict) -> None:
-        if not writer.is_closing():
-            writer.write(pack(message))
+    _send = staticmethod(send)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        mine: dict[Any, _Request] = {}  # this connection's generate requests by id
+        mine: dict[Any, Request] = {}  # this connection's generate requests by id
         try:
             async for message in read_messages(reader, Decoder()):
                 await self._dispatch(message, writer, mine)
@@ -242,9 +209,8 @@ class Worker:
         except ProtocolError as exc:
             # The stream cannot be trusted past this point: what is still running for this
             # connection is cancelled below, and said so, before the framing error and close.
-            pending = {id(r) for r, _ in self._submits}
             for request in mine.values():
-                if request.seq_id in self._by_seq or id(request) in pending:
+                if self.batch.holds(request):
                     self._send(writer, error_message(
                         request.request_id, 503, "cancelled: a framing error on this "
                         "connection closes it"))
@@ -256,14 +222,14 @@ class Worker:
                 self._cancel(request)
             writer.close()
 
-    def _cancel(self, request: _Request) -> None:
-        """Stop ``request`` (its client left or sent ``cancel``): out of the submit list, or
-        its engine sequence cancelled (KV slot freed) on the next tick; no answer is sent."""
-        self._submits = [(r, m) for r, m in self._submits if r is not request]
-        if request.seq_id >= 0 and self._by_seq.get(request.seq_id) is request:
-            del self._by_seq[request.seq_id]
-            self._cancels.append(request.seq_id)
-            self._wake.set()
+    def _cancel(self, request: Request) -> None:
+        self.batch.cancel(request)
+
+    @property
+    def _submits(self) -> list[tuple[Request, dict]]:
+        """Requests accepted, not yet handed to the engine (the scheduler's list: the
+        deadline check counts them, as agent/sim/worker.py's stand-in does its own)."""
+        return self.batch.submits
 
     async def _dispatch(self, msg: dict, writer: asyncio.StreamWriter, mine: dict) -> None:
         op, rid = msg.get("op"), msg.get("id")
@@ -276,14 +242,14 @@ class Worker:
             if op == "generate" and self.draining:
                 self._send(writer, error_message(rid, 503, "replica draining: it stops within "
                                                  f"drain_grace_s({self.drain_grace_s})",
-                                                 retry_after_ms=1000))
+                                                 retry_after_ms=1000, refusal=refusals.DRAINING))
             elif op == "generate":
                 request = self._accept(msg, writer)
                 request.owner = mine
-                mine[_key(rid)] = request
-                self._wake.set()
+                mine[request_key(rid)] = request
+                self.batch.wake.set()
             elif op == "cancel":
-                request = mine.pop(_key(rid), None)
+                request = mine.pop(request_key(rid), None)
                 if request is not None:
                     self._cancel(request)
             elif op == "health":
@@ -303,7 +269,7 @@ class Worker:
                                     limit=["generate", "cancel", "health", "stats", "restore",
                                            "capture", "shutdown"])
         except RewarmError as exc:
-            self._send(writer, error_message(rid, exc.code, exc.message,
+            self._send(writer, error_message(rid, exc.code, exc.message, refusal=exc.refusal,
                                              **getattr(exc, "answer", {})))
         except Exception as exc:  # a bug or a torch error: answer, keep serving the others
             log.exception("op %s failed", op)
@@ -337,24 +303,23 @@ class Worker:
             prompt_tokens, waiting_seqs=len(pending),
             queued_prefill_tokens=sum(len(p) for p in pending))
 
-    def _accept(self, msg: dict, writer) -> _Request:
-        """Check one generate (docs/protocol.md) and queue it for the next tick.  A ``prompt``
-        is tokenized here and ``messages`` rendered with the model's chat template first;
-        both stop at the model's end-of-sequence token beside the ``stop`` they name (text
-        in, text out), while a ``tokens`` request stops only at the ids it names."""
+    def _accept(self, msg: dict, writer) -> Request:
+        """Check one generate against the wire's schema (agent/wire/schema.py's
+        :data:`REPLICA_SCHEMAS`: the front door's fields, limits and sampling ranges) and
+        queue it for the next tick.  A ``prompt`` is tokenized here and ``messages`` rendered
+        with the model's chat template first; both stop at the model's end-of-sequence token
+        beside the ``stop`` they name (text in, text out), while a ``tokens`` request stops
+        only at the ids it names."""
         if self.state is not State.SERVING:
             raise ProtocolError(f"replica is {self.state.value}, not serving", field="state",
                                 value=self.state.value, limit=State.SERVING.value)
-        tokens, prompt = msg.get("tokens"), msg.get("prompt")
-        if tokens is None and isinstance(msg.get("messages"), list):
+        validate_request(msg, DEFAULT_LIMITS, REPLICA_SCHEMAS)
+        # exactly one of tokens, prompt and messages (the schema's check)
+        tokens: list[int] | None = msg.get("tokens")
+        prompt: str | None = msg.get("prompt")
+        if tokens is None and "messages" in msg:
             prompt = self.chat_template().render(msg["messages"])
         stop = msg.get("stop") or []
-        if not isinstance(stop, list) or not all(type(t) in (int, str) for t in stop):
-            raise ProtocolError("stop must be a list of token ids and strings", field="stop",
-                                value=stop, limit="[int | str]")
-        # the protocol's counts and lengths (the front door's too): each stop string is
-        # searched for at every token, on the event loop
-        check_stop(stop, DEFAULT_LIMITS)
         stop_ids = {t for t in stop if type(t) is int}
         stop_strs = [t for t in stop if type(t) is str and t]
         text = tokens is None or bool(stop_strs) or msg.get("detokenize") is True
@@ -363,39 +328,37 @@ class Worker:
             eos = self.loaded.config.eos_token_id
             if eos is not None and eos >= 0 and msg.get("ignore_eos") is not True:
                 stop_ids.add(eos)
+        if text and tokens is not None and not stop_strs and not self.has_tokenizer():
+            text = False   # detokenize is "text too, when the model has a tokenizer"
         if text:
-            self.tokenizer_for("stop")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise ProtocolError("generate needs tokens: [int], prompt: str or messages",
-                                field="tokens", value=type(tokens).__name__, limit="list of int")
-        max_tokens, seed = msg.get("max_tokens", DEFAULT_MAX_TOKENS), msg.get("seed")
-        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-            raise ProtocolError(f"max_tokens={max_tokens!r} must be an int in [1, {MAX_TOKENS_LIMIT}]",
-                                field="max_tokens", value=max_tokens, limit=MAX_TOKENS_LIMIT)
-        if seed is not None and not isinstance(seed, int):
-            raise ProtocolError(f"seed={seed!r} must be an int or absent", field="seed", value=seed, limit=None)
+            self.tokenizer_for("stop" if stop_strs else "prompt")
+        assert tokens is not None   # given, or the prompt's (a prompt or rendered messages)
+        max_tokens, seed = msg["max_tokens"], msg.get("seed")   # the schema fills max_tokens
         sampling = _sampling(msg)
+        # The context: a slot holds max_seq_len tokens (vLLM's max_model_len).  With
+        # fit_context (an OpenAI chat without max_tokens) max_tokens is what the slot leaves,
+        # as vLLM's serving_engine.py sets it; either way prompt + max_tokens must fit.
+        context = self.loaded.engine.kv.max_seq_len
+        if msg.get("fit_context") is True:
+            max_tokens = max(1, min(max_tokens, context - len(tokens)))
+        if len(tokens) + max_tokens > context:
+            raise ContextLengthExceeded(context, len(tokens), max_tokens)
         # The engine checks the rest (token range, KV capacity, sampling ranges) before
         # anything is allocated.
         self.loaded.engine.kv.check(len(tokens) + max_tokens)
         self._check_deadline(msg.get("deadline_ms"), len(tokens))
-        request = _Request(msg.get("id"), writer, time.perf_counter(), text,
-                           prompt_tokens=len(tokens), stops=StopText(stop_strs))
-        self._submits.append((request, {"prompt": tokens, "max_tokens": max_tokens,
-                                        "seed": seed, "stop": stop_ids, "sampling": sampling}))
+        request = Request(msg.get("id"), writer, time.perf_counter(), text,
+                          prompt_tokens=len(tokens), stops=StopText(stop_strs))
+        self.batch.accept(request, {"prompt": tokens, "max_tokens": max_tokens,
+                                    "seed": seed, "stop": stop_ids, "sampling": sampling})
         return request
 
     def _check_deadline(self, deadline_ms: Any, prompt_tokens: int) -> None:
         """Refuse (Overloaded, 429) a request whose ``deadline_ms`` (ms left for its first
         token) the predicted TTFT here exceeds; the answer names both and, as
         ``retry_after_ms``, how far over the prediction is."""
-        if deadline_ms is None:
+        if deadline_ms is None:   # (its type and range are the schema's)
             return
-        if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float)) \
-                or not deadline_ms > 0 or deadline_ms == float("inf"):
-            raise ProtocolError(f"deadline_ms={deadline_ms!r} must be a finite number > 0 (ms "
-                                "left for the first token)", field="deadline_ms",
-                                value=deadline_ms, limit="> 0")
         predicted_ms = self.predict_ttft_s(prompt_tokens) * 1e3
         if predicted_ms > deadline_ms:
             exc = Overloaded(
@@ -403,11 +366,19 @@ class Worker:
                 f"deadline_ms {deadline_ms:g}", model=self.loaded.identity.name,
                 retry_after_ms=max(1, round(predicted_ms - deadline_ms)),
                 depth=len(self._submits) + self.loaded.engine.load.waiting_seqs,
-                limit=deadline_ms)
+                limit=deadline_ms, refusal=refusals.DEADLINE_UNREACHABLE)
             exc.answer = {"predicted_ttft_ms": round(predicted_ms, 3),
                           "deadline_ms": deadline_ms,
                           "retry_after_ms": exc.retry_after_ms}
             raise exc
+
+    def has_tokenizer(self) -> bool:
+        """Whether the model has a tokenizer (False for a checkpoint without one)."""
+        try:
+            self.tokenizer()
+        except InvalidCheckpoint:
+            return False
+        return True
 
     def tokenizer_for(self, field_name: str):
         """The tokenizer, or a 400 naming ``field_name`` when the model has none."""
@@ -478,184 +449,14 @@ class Worker:
         return {"dest": msg["dest"], "total_bytes": manifest.total_bytes,
                 "golden_prompts": len(manifest.golden.prompts) if manifest.golden else 0}
 
-    # --- the batching loop ----------------------------------------------------------------
-    def _tick(self, submits: list[tuple[_Request, dict]], cancels: list[int]):
-        """On the engine thread: cancel, submit, then the first prefill of the step (if a
-        slot admits one); :meth:`_admit_one` does the rest, one per call, and the decode half
-        follows once their first tokens are sent."""
-        engine = self.loaded.engine
-        for seq_id in cancels:
-            engine.cancel(seq_id)
-        failed = []
-        for request, args in submits:
-            try:
-                request.seq_id = engine.submit(**args)
-            except RewarmError as exc:
-                failed.append((request, exc))
-        return failed, (engine.admit(1) if engine.busy else [])
-
-    def _admit_one(self, cancels: list[int]):
-        """On the engine thread: cancel, then prefill the next waiting sequence (if any)."""
-        engine = self.loaded.engine
-        for seq_id in cancels:
-            engine.cancel(seq_id)
-        return engine.admit(1)
-
-    async def _fail_held(self, exc: RewarmError, submitting: list[_Request]) -> None:
-        """An engine step raised a typed error (a forward refusing its inputs, e.g.
-        PackageInputError: nothing ran).  Fail what the engine holds and ``submitting``,
-        answer each request with the error, and keep serving the next ones."""
-        log.error("engine step failed; failing the requests in it: %s", exc)
-        held = list(self._by_seq.values()) + submitting
-        ids = [r.seq_id for r in held if r.seq_id >= 0]
-        self._by_seq.clear()
-        engine = self.loaded.engine
-        await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: [engine.cancel(i) for i in ids])
-        for request in {id(r): r for r in held}.values():
-            request.finished()
-            self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
-
-    async def _batch_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not (self._submits or self._cancels or (self.loaded and self.loaded.engine.busy)):
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            submits, self._submits = self._submits, []
-            cancels, self._cancels = self._cancels, []
-            for request, _ in submits:
-                request.seq_id = -2  # being submitted
-            started = time.perf_counter()
-            try:
-                failed, events = await loop.run_in_executor(self._pool, self._tick, submits, cancels)
-            except RewarmError as exc:
-                await self._fail_held(exc, [r for r, _ in submits])
-                continue
-            for request, exc in failed:
-                request.finished()
-                self._send(request.writer, error_message(request.request_id, exc.code, exc.message))
-            for request, _ in submits:
-                if request.seq_id >= 0 and (request.writer.is_closing()
-                                            or request.owner is not None
-                                            and request.owner.get(_key(request.request_id))
-                                            is not request):  # left or cancelled meanwhile
-                    self._cancels.append(request.seq_id)
-                elif request.seq_id >= 0:
-                    self._by_seq[request.seq_id] = request
-            for seq_id in cancels:
-                self._by_seq.pop(seq_id, None)
-            self._deliver(events)
-            try:
-                # One prefill per call, its first token sent at once: a request's TTFT is
-                # the prefills queued ahead of it and its own (agent/speed.py's model), not
-                # every prefill of the step (the ones behind it too).
-                while self.loaded.engine.can_admit:
-                    cancels, self._cancels = self._cancels, []
-                    for seq_id in cancels:
-                        self._by_seq.pop(seq_id, None)
-                    admitted = await loop.run_in_executor(self._pool, self._admit_one, cancels)
-                    self._deliver(admitted)
-                    events += admitted
-                decoded = await loop.run_in_executor(self._pool, self.loaded.engine.decode)
-            except RewarmError as exc:
-                await self._fail_held(exc, [])
-                continue
-            self._deliver(decoded)
-            events += decoded  # one tick for the meter: the admitted prefills and the decode step
-            self.meter.step(sum(1 for e in events if e.token >= 0),
-                            len({e.seq_id for e in events}), time.perf_counter() - started)
-
-    def _deliver(self, events) -> None:
-        """Send each event's token (and the ``done`` answer) to its request's connection."""
-        now = time.perf_counter()
-        for event in events:
-            request = self._by_seq.get(event.seq_id)
-            if request is not None:
-                self._on_event(request, event, now)
-
-    def _on_event(self, request: _Request, event, now: float) -> None:
-        """Answer one engine event: a ``tokens`` message (with the text that can be let out:
-        never past a stop string), and ``done`` when the sequence ended — at ``max_tokens``
-        (``finish_reason: length``), a stop token or a stop string (``stop``; the engine's
-        sequence is then cancelled, freeing its slot)."""
-        finish = None
-        if event.token >= 0:
-            request.first_s = request.first_s or now
-            request.tokens.append(event.token)
-            out = {"id": request.request_id, "type": "tokens", "tokens": [event.token]}
-            if len(request.tokens) == 1:
-                out["prompt_tokens"] = request.prompt_tokens
-            if request.text:
-                piece = next_text(self.tokenizer(), request)
-                request.fed += piece
-                out["text"] = self._let_out(request, piece, event.done)
-                if request.stops.stopped:
-                    finish = "stop"
-            self._send(request.writer, out)
-        if event.done and finish is None:
-            finish = "stop" if event.token < 0 else "length"
-            if request.text and event.token < 0:  # a stop token: no tokens message carried
-                self._let_out(request, "", True)  # the last text; done's ``text`` does
-        if finish is None:
-            return
-        del self._by_seq[event.seq_id]
-        if not event.done:  # a stop string ended it: the engine stops too
-            self._cancels.append(event.seq_id)
-        request.finished()
-        done = {"id": request.request_id, "type": "done",
-                "ttft_ms": round(((request.first_s or now) - request.started_s) * 1e3, 3),
-                "total_ms": round((now - request.started_s) * 1e3, 3),
-                "path": self.loaded.path, "replica": self.replica_id,
-                "n_tokens": len(request.tokens), "prompt_tokens": request.prompt_tokens,
-                "finish_reason": finish}
-        if request.text:
-            done["text"] = request.sent
-        self._send(request.writer, done)
-
-    def _let_out(self, request: _Request, piece: str, last: bool) -> str:
-        """Feed ``piece`` to the request's stop strings; returns the text that may be sent.
-        On the last token, the text the window decode still held back (a last character
-        cut, a tail that might have begun a stop string) is matched and let out too."""
-        out = request.stops.feed(piece)
-        if last and not request.stops.stopped:
-            full = self.tokenizer().decode(request.tokens)
-            rest = full[len(request.fed):] if full.startswith(request.fed) else ""
-            request.fed += rest
-            out += request.stops.feed(rest)
-            out += request.stops.flush()
-        request.sent += out
-        return out
-
-
 def _sampling(msg: dict):
-    """The engine's Sampling from a generate's ``temperature``, ``top_p`` and ``top_k``
-    (ranges are the engine's to check; types here)."""
+    """The engine's Sampling from a generate's ``temperature``, ``top_p`` and ``top_k``,
+    already checked by the wire's schema (types and ranges)."""
     from agent.replica.engine import Sampling
 
-    values = {}
-    for name, kinds in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", (int,))):
-        value = msg.get(name)
-        if value is not None:
-            if type(value) not in kinds:
-                raise ProtocolError(f"{name}={value!r} must be a number", field=name,
-                                    value=value, limit=[k.__name__ for k in kinds])
-            values[name] = value
+    values = {name: msg[name] for name in ("temperature", "top_p", "top_k")
+              if msg.get(name) is not None}
     return Sampling(**values)
-
-
-def next_text(tokenizer, request: _Request) -> str:
-    """The text ``request.tokens`` add since the last call ("" while the newest tokens end in
-    the middle of a character).  Decodes a short window — from the token before the text
-    already sent — rather than each token alone, so byte-level BPE pieces of one character are
-    joined before they are sent (the usual incremental detokenization of serving engines)."""
-    prefix = tokenizer.decode(request.tokens[request.prefix_at:request.read_at])
-    window = tokenizer.decode(request.tokens[request.prefix_at:])
-    if len(window) <= len(prefix) or window.endswith("\ufffd"):
-        return ""
-    request.prefix_at, request.read_at = request.read_at, len(request.tokens)
-    return window[len(prefix):]
 
 
 def _over_tcp(writer: asyncio.StreamWriter) -> bool:

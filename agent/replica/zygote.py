@@ -37,16 +37,17 @@ from agent.replica.config import LlamaConfig
 from agent.replica.engine import Engine
 from agent.replica.speedmeter import SpeedMeter, boot_profile
 from agent.speed import SpeedProfile
+from agent.replica.golden import DEFAULT_MAX_TOKENS as GOLDEN_MAX_TOKENS
+from agent.replica.golden import DEFAULT_SEED as GOLDEN_SEED
+from agent.replica.golden import GOLDEN_TEXTS
 from agent.snapshot.format import GoldenCheck, Manifest, ModelIdentity
 
 log = logging.getLogger(__name__)
 
-from agent.replica.golden import DEFAULT_MAX_TOKENS as GOLDEN_MAX_TOKENS
-from agent.replica.golden import DEFAULT_SEED as GOLDEN_SEED
-from agent.replica.golden import GOLDEN_TEXTS
 DEFAULT_BUFFER_BYTES = 1 << 30
 MAX_SEQS_LIMIT = 4096
-"""Most KV slots a snapshot may ask for (the design document sizes ~80 sequences per A100)."""
+"""Most KV slots a snapshot may ask for (a 13B model holds ~80 sequences per A100:
+docs/architecture.md, "Sizing")."""
 
 
 @dataclass
@@ -164,6 +165,7 @@ def warm_zygote(buffer, snapshot: Path) -> Warmed | None:
                         max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
                         forward=forward, device=device)
         golden = manifest.golden
+        assert golden is not None, "check_replica_manifest refuses a snapshot without one"
         engine.teacher_forced([list(p) for p in golden.prompts],
                               [list(r) for r in golden.expected], seed=golden.seed)
     except (RewarmError, OSError, ValueError, RuntimeError) as exc:
@@ -241,7 +243,7 @@ def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
     engine = Engine(config, None if forward is not None else weights, max_seqs=max_seqs,
                     max_seq_len=max_seq_len, forward=forward, device=device)
     if compile and forward is None:
-        engine.forward = torch.compile(engine.model, dynamic=True)
+        engine.forward = torch.compile(engine.model, dynamic=True)  # type: ignore[assignment]  # the compiled module, called as the module is
         path = "jit"
     phases["package_s" if release is not None else "compile_s"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -302,6 +304,7 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
                         "thread, agent/replica/worker.py make_engine_thread)", snapshot)
         forward = warmed.forward
         if forward is not None:
+            assert ref is not None, "a warmed package came from the manifest's aot_package"
             digest, package_dir = ref["digest"], str(forward.path)
             ranges = {k: list(v) for k, v in forward.ranges.items()}
     elif ref:
@@ -330,6 +333,7 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     phases["package_s"] = time.perf_counter() - t
     t = time.perf_counter()
     golden = restored.manifest.golden
+    assert golden is not None, "check_replica_manifest refuses a snapshot without one"
     verify_golden(engine, golden, snapshot)
     phases["golden_s"] = time.perf_counter() - t
     if recorded is None:
@@ -384,7 +388,7 @@ def check_replica_manifest(manifest: Manifest, where: Any) -> dict[str, Any]:
     missing = [k for k in REPLICA_EXTRA_KEYS if extra.get(k) is None]
     if manifest.golden is None:
         missing.append("golden")
-    if not missing:
+    if not missing and manifest.golden is not None:
         from agent.replica.golden import check_method
 
         check_method(manifest.golden, where)   # a record this rewarm cannot check: recapture

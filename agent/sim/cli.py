@@ -2,6 +2,12 @@
 
     rewarm simulate --scenario spike|cost [--json PATH] [--plot PATH.png]
     rewarm simulate --trace PATH [--speedup X] [--background-rps R] [--json PATH] [--plot PATH.png]
+                    [--deadline-factor F | --sla-s S]
+
+A trace's requests are each held to their own TTFT SLO, ``base + prefill`` (2 s warm, 4 s
+when they wait for a restore; agent/slo.py), and refused or expired against a deadline of
+``--deadline-factor`` times it (default 3); ``--sla-s S`` instead holds every request to one
+fixed S, which is also its deadline.
 
 ``--startup-json PATH`` takes start-up times per tier from a benchmark's JSON (keys
 ``restore_s``/``zygote_restore_s``, ``suspended_s``/``resume_s``, ``naive_s``).
@@ -44,7 +50,12 @@ def register(subparsers) -> None:
                    help="trace: replicas at this engine profile's speed (bench/engine_profile.py)")
     p.add_argument("--token-scale", type=positive_float, default=1.0,
                    help="trace with --replica-profile: multiply token counts (1.0)")
-    p.add_argument("--sla-s", type=positive_float, default=4.0, help="trace: TTFT SLO (4.0 s)")
+    p.add_argument("--sla-s", type=positive_float, default=None,
+                   help="trace: one fixed TTFT SLO for every request, which is also its deadline "
+                        "(default: per request, base + prefill, agent/slo.py)")
+    p.add_argument("--deadline-factor", type=positive_float, default=None,
+                   help="trace: the default deadline over each request's SLO (agent/slo.py: "
+                        "3; 1 = the deadline is the SLO)")
     p.add_argument("--policy", action="append", help="only these policies (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -63,7 +74,7 @@ def _table(result: dict) -> str:
                     "5.6 min is short > 4 min with ~800 calls stranded at worst")
         return "\n".join(rows)
     rows = [f"{'policy':<20} | GPU-h/day (doc) | $/1k req (doc basis) | SLA % (doc) | shed | "
-            f"expired | TTFT p99 queued ms"]
+            f"expired | late | TTFT p99 queued ms"]
     for p in result["policies"]:
         d = result["doc"].get(p["name"], {})
         q99 = p["ttft_ms"]["queued"]["p99"]
@@ -74,6 +85,7 @@ def _table(result: dict) -> str:
             f"{p['cost_per_1000_requests']:.3f} ({basis};"
             f" doc {d.get('cost_per_1000_requests', '-')}) | {100 * p['sla_compliance']:.3f} "
             f"({100 * d['sla_compliance'] if d else '-'}) | {p['shed']} | {p['expired']} | "
+            f"{p.get('late', '-')} | "
             f"{'-' if q99 is None else f'{q99:.0f}'}")
     return "\n".join(rows)
 
@@ -122,9 +134,17 @@ def run(args) -> int:
                                   prefill_s=float(np.median(w.prefill_s)),
                                   need_tokens=int(w.need_tokens.mean()),
                                   rng=np.random.default_rng(args.seed)))
+        from agent.slo import DEADLINE_FACTOR, TtftSlo
+
+        slo = None
+        if args.sla_s is None:
+            slo = TtftSlo(deadline_factor=args.deadline_factor or DEADLINE_FACTOR)
+        elif args.deadline_factor is not None:
+            args.parser.error("--deadline-factor applies to the per-request SLO; --sla-s "
+                              "fixes one SLO that is also the deadline")
         result = scenarios.trace_scenario(w, startup, seed=args.seed, progress=progress, only=only,
-                                          sla_s=args.sla_s, replica=replica,
-                                          token_scale=args.token_scale)
+                                          sla_s=args.sla_s or 4.0, replica=replica,
+                                          token_scale=args.token_scale, slo=slo)
         result["trace"] = str(args.trace)
     print(_table(result))
     print(f"sim_wall_s_per_sim_hour: {result['sim_wall_s_per_sim_hour']}")

@@ -1,7 +1,6 @@
 """Capacity and cost arithmetic, and the numbers a run reports.
 
-Formulas and worked figures come from the snapshot design document
-(../shared/seeds/002_b8b5536ec4319928.txt):
+Formulas and worked figures are those of docs/architecture.md ("Sizing", "Cost model"):
 
 - "Scaling and Performance": KV bytes per token ``2 * layers * kv_heads * head_dim *
   dtype_bytes`` (2 * 40 * 8 * 128 * 2 = 163,840 B = 160 KB); KV headroom ``gpu - weights -
@@ -22,7 +21,8 @@ from agent.errors import ConfigError
 
 PRICE_PER_GPU_HOUR = 2.80
 DOC_REQUESTS_PER_DAY = 20 * 86_400
-# The design document's table ("Cost and Token Economics"), for printing beside ours.
+# The reference table of the cost model (docs/architecture.md, "Cost model": GPU-hours per day
+# of a 13B fleet at 20 req/s with 200 req/s bursts), for printing beside ours.
 DOC_COST_TABLE = {
     "always_on": {"gpu_hours_per_day": 576, "cost_per_day": 1613, "cost_per_1000_requests": 0.93,
                   "sla_compliance": 1.0},
@@ -79,8 +79,9 @@ def summarise(rec, workload, *, sla_s: float, seqs_per_replica: int,
               price_per_gpu_hour: float = PRICE_PER_GPU_HOUR) -> dict:
     """Every number one run reports (a JSON-ready dict).
 
-    ``sla_compliance``: share of all requests whose TTFT is within ``sla_s`` (shed, expired
-    and never-served requests count as misses).  ``idle_gpu_hours``: billed GPU-hours minus
+    ``sla_compliance``: share of all requests whose TTFT is within their SLO (``rec.slo_s``
+    per request when the run had one, agent/slo.py; else ``sla_s``); shed, expired and
+    never-served requests count as misses, and ``late`` counts those served after it.  ``idle_gpu_hours``: billed GPU-hours minus
     the slot-hours requests used (``busy_slot_s / seqs_per_replica``).  ``peak_shortfall``:
     the worst instant (sampled each tick) of offered concurrency (requests that would be in
     flight had none waited) minus warm slots, and ``shortage_minutes`` the time it was > 0.
@@ -92,7 +93,9 @@ def summarise(rec, workload, *, sla_s: float, seqs_per_replica: int,
     served = int(np.count_nonzero(status == SERVED))
     gpu_h = rec.gpu_s / 3600.0
     busy_h = rec.busy_slot_s / seqs_per_replica / 3600.0
-    within = int(np.count_nonzero(ttft <= sla_s))
+    slo = rec.slo_s if getattr(rec, "slo_s", None) is not None else np.full(n, sla_s)
+    within = int(np.count_nonzero(ttft <= slo))
+    cold = rec.cold if getattr(rec, "cold", None) is not None else np.zeros(n, dtype=bool)
     demand = workload.offered_concurrency(rec.tick_t_s + 0.0) if len(rec.tick_t_s) else np.zeros(0)
     short = np.maximum(0, demand - rec.warm_replicas.astype(np.int64) * seqs_per_replica)
     tick_s = float(rec.tick_t_s[1] - rec.tick_t_s[0]) if len(rec.tick_t_s) > 1 else 1.0
@@ -101,6 +104,7 @@ def summarise(rec, workload, *, sla_s: float, seqs_per_replica: int,
         "served": served,
         "queued": int(rec.queued),
         "shed": int(np.count_nonzero(status == SHED)),
+        "shed_too_large": int(getattr(rec, "too_large", 0)),
         "expired": int(np.count_nonzero(status == EXPIRED)),
         "unfinished": int(np.count_nonzero(status == 0)),
         "ttft_ms": {
@@ -109,8 +113,12 @@ def summarise(rec, workload, *, sla_s: float, seqs_per_replica: int,
                    "count": int(np.count_nonzero((rec.path == code) & (status == SERVED)))}
             for name, code in (("warm", PATH_WARM), ("queued", PATH_QUEUED))
         },
-        "sla_s": sla_s,
+        "sla_s": sla_s if getattr(rec, "slo_s", None) is None else "per request",
         "sla_compliance": within / n if n else 1.0,
+        # served, but after the SLO: counted as misses above, never hidden
+        "late": int(np.count_nonzero((status == SERVED) & ~(ttft <= slo))),
+        "cold_arrivals": int(np.count_nonzero(cold)),
+        "cold_within_slo": int(np.count_nonzero(cold & (ttft <= slo))),
         "sim_hours": rec.sim_s / 3600.0,
         "gpu_hours": gpu_h,
         "idle_gpu_hours": max(0.0, gpu_h - busy_h),

@@ -8,9 +8,10 @@ the clock to the next event and hands control to the same methods production cal
 
 Events, in time order (ties: completions and READYs, then the tick, then arrivals):
 
-- arrival ``i`` (read from the workload's arrays, never a heap entry): if nothing waits and
-  ``Router.choose`` finds a replica with room, dispatch; else ``AdmissionQueue.offer``
-  (``Overloaded`` = shed, 429).
+- arrival ``i`` (read from the workload's arrays, never a heap entry): a request whose KV
+  need exceeds one replica's capacity is shed at once (429: no replica can ever hold it);
+  if nothing waits and ``Router.choose`` finds a replica with room, dispatch; else
+  ``AdmissionQueue.offer`` (``Overloaded`` = shed, 429).
 - completion (heap): ``Router.on_complete``, then drain the queue earliest deadline first.
   With replicas at a measured speed (``Fleet.engines``, agent/sim/replica.py) a dispatch
   queues the request at its replica and the replica's steps are heap events instead: the
@@ -37,7 +38,7 @@ from agent.clock import ManualClock
 from agent.errors import ConfigError, Overloaded
 from agent.frontdoor.admission import AdmissionQueue, Pending
 from agent.frontdoor.router import Router
-from agent.sim.fleet import READY, Fleet, WARM
+from agent.sim.fleet import BOOTING, READY, Fleet, WARM
 from agent.sim.trace import Workload
 
 COMPLETE = 0
@@ -50,7 +51,7 @@ PATH_WARM, PATH_QUEUED = 0, 1
 class Controller(Protocol):
     """Sizes the fleet once per tick (a baseline policy or the production predictor)."""
 
-    def tick(self, now_s: float, arrivals: int, sim: "Simulation") -> None:
+    def tick(self, now_s: float, arrivals: int, sim: Simulation) -> None:
         ...
 
 
@@ -72,18 +73,28 @@ class RunRecord:
     sim_s: float                  # simulated seconds (start to end of the run)
     wall_s: float = 0.0
     starts_by_tier: dict = field(default_factory=dict)
+    too_large: int = 0                # of SHED: KV need beyond one replica's capacity
+    slo_s: np.ndarray | None = None   # float64 [N]: each request's TTFT SLO (with ``slo``)
+    cold: np.ndarray | None = None    # bool [N]: no warm replica could take it on arrival
 
 
 class Simulation:
     """Replays ``workload`` through ``queue`` and ``router`` onto ``fleet`` under ``controller``.
 
     ``max_wait_s`` sets each request's deadline (arrival + max_wait_s): the admission queue
-    answers 504 past it.  ``end_s`` defaults to the last arrival plus the longest occupancy.
+    answers 504 past it.  With ``slo`` (an :class:`agent.slo.TtftSlo`) each request instead
+    gets its own SLO (``base + prefill``, the restore base when no warm replica could take
+    it on arrival) and a deadline from it; it must start by ``deadline - prefill``.  ``end_s``
+    defaults to the last arrival plus the longest occupancy.  ``restore_on_cold``: a request
+    that finds no replica warm or starting asks the fleet for one at once, as the front door
+    asks its scaler for capacity (agent/frontdoor/restores.py), instead of waiting for the
+    controller's next tick.
     """
 
     def __init__(self, workload: Workload, *, clock: ManualClock, queue: AdmissionQueue,
                  router: Router, fleet: Fleet, controller: Controller, model: str,
-                 max_wait_s: float, tick_s: float = 1.0, end_s: float | None = None) -> None:
+                 max_wait_s: float, tick_s: float = 1.0, end_s: float | None = None,
+                 slo=None, restore_on_cold: bool = False) -> None:
         self.w = workload
         self.clock = clock
         self.queue = queue
@@ -105,6 +116,11 @@ class Simulation:
         self.path = np.zeros(n, dtype=np.int8)
         self.queued = 0
         self.busy_slot_s = 0.0
+        self.slo = slo
+        self.too_large = 0   # refused on arrival: KV need beyond one replica's capacity
+        self.restore_on_cold = restore_on_cold
+        self.slo_s = np.full(n, np.nan) if slo is not None else None
+        self.cold = np.zeros(n, dtype=bool) if slo is not None else None
         self.engines = fleet.engines if fleet.cfg.replica is not None else None
         if self.engines is not None and (workload.prompt_tokens is None
                                          or workload.output_tokens is None):
@@ -113,7 +129,9 @@ class Simulation:
                               name="workload", value="no tokens", limit="prompt_tokens")
         self._dispatched_s = np.zeros(n) if self.engines is not None else None
         # prompt tokens per request for the router's prefill-queue accounting (profile mode)
-        self._prompt = workload.prompt_tokens.tolist() if self.engines is not None else None
+        self._prompt: list[int] | None = None
+        if self.engines is not None and workload.prompt_tokens is not None:
+            self._prompt = workload.prompt_tokens.tolist()
 
     def schedule(self, t_s: float, kind: int, a: int, b: int) -> None:
         self._seq += 1
@@ -141,8 +159,9 @@ class Simulation:
         self.status[i] = SERVED
         if self.engines is not None:
             eng = self.engines[r]
-            eng.submit(i, int(self.w.prompt_tokens[i]), int(self.w.output_tokens[i]))
-            self._dispatched_s[i] = now
+            prompt, output, dispatched = self._profiled()
+            eng.submit(i, prompt[i], int(output[i]))
+            dispatched[i] = now
             if not eng.stepping:
                 self._start_step(r, now)
             return
@@ -152,27 +171,38 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self.heap, (now + occ, self._seq, COMPLETE, r, i))
 
+    def _profiled(self) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Prompt and output tokens and dispatch times per request (profile mode only)."""
+        prompt, output, dispatched = self._prompt, self.w.output_tokens, self._dispatched_s
+        assert prompt is not None and output is not None and dispatched is not None, \
+            "replicas at a measured speed (checked in __init__)"
+        return prompt, output, dispatched
+
     def _start_step(self, r: int, now: float) -> None:
+        assert self.engines is not None, "profile mode only"
         eng = self.engines[r]
+        prompt = self._profiled()[0]
         firsts, end_s = eng.start_step(now)
         arrival = self.w.arrival_s
         warm = self.fleet.state[r] == WARM
         for req, t in firsts:
             self.ttft_s[req] = t - float(arrival[req])
             if warm:   # the front door sees the first token (at its time; accounting only)
-                self.router.on_first_token(self.fleet.ids[r], self._prompt[req])
+                self.router.on_first_token(self.fleet.ids[r], prompt[req])
         self.schedule(end_s, STEP, r, eng.generation)
 
     def _step_end(self, r: int, generation: int, t: float) -> None:
+        assert self.engines is not None, "profile mode only"
         eng = self.engines[r]
+        prompt, _, dispatched = self._profiled()
         if generation != eng.generation or not eng.stepping:
             return
         fleet, need = self.fleet, self.w.need_tokens
         for req in eng.end_step():
             self.in_flight -= 1
-            self.busy_slot_s += t - float(self._dispatched_s[req])
+            self.busy_slot_s += t - float(dispatched[req])
             if fleet.state[r] == WARM:
-                self.router.on_complete(fleet.ids[r], int(need[req]), self._prompt[req])
+                self.router.on_complete(fleet.ids[r], int(need[req]), prompt[req])
             fleet.on_complete(r)
         if eng.busy:
             self._start_step(r, t)
@@ -203,6 +233,22 @@ class Simulation:
             self.path[p.request_id] = PATH_QUEUED
             self._dispatch(load, p.request_id, now)
 
+    def _judge(self, i: int, t_arr: float, cold: bool) -> float:
+        """Request ``i``'s SLO and deadline (``self.slo``); returns the latest start time.
+        ``cold``: no warm replica could take it on arrival, so it is served by a replica
+        that starts (a restore) or frees up, within the restore budget."""
+        assert self.slo is not None and self.cold is not None and self.slo_s is not None
+        prefill = float(self.w.prefill_s[i])
+        self.cold[i] = cold
+        self.slo_s[i] = self.slo.slo_s(prefill, cold)
+        return t_arr + self.slo.deadline_s(prefill, cold) - prefill
+
+    def _ask_on_cold(self) -> None:
+        fleet = self.fleet
+        if fleet.count[WARM] == 0 and fleet.count[BOOTING] == 0 and fleet.pending_starts == 0:
+            fleet.set_target(self.model, max(1, fleet.target(self.model)),
+                             reason="front door: request with no replica warm or starting")
+
     # --- the loop ------------------------------------------------------------------------
     def run(self, progress: bool = False) -> RunRecord:
         import time
@@ -217,6 +263,7 @@ class Simulation:
         choose, queue, model, router = self.router.choose, self.queue, self.model, self.router
         fleet = self.fleet
         prompt = self._prompt
+        kv_limit = fleet.cfg.kv_capacity_tokens
         ticks_t, warm_s, billed_s, depth_s = [], [], [], []
         next_tick = t0
         arrivals_in_tick = 0
@@ -270,13 +317,23 @@ class Simulation:
                 if self._head is None and not len(queue):
                     load = choose(model, need[i]) if prompt is None \
                         else choose(model, need[i], prompt[i])
-                if load is not None:
+                give_up = t_arr + self.max_wait_s
+                if self.slo is not None:
+                    give_up = self._judge(i, t_arr, load is None)
+                if need[i] > kv_limit:
+                    # no replica of this model can ever hold it: refused at once (429 with
+                    # its reason), never left to block the queue's head until it expires
+                    self.status[i] = SHED
+                    self.too_large += 1
+                elif load is not None:
                     self._dispatch(load, i, t_arr)
                 else:
                     self.queued += 1
                     self.path[i] = PATH_QUEUED
+                    if self.restore_on_cold:
+                        self._ask_on_cold()
                     try:
-                        queue.offer(Pending(i, model, t_arr, t_arr + self.max_wait_s, need[i]))
+                        queue.offer(Pending(i, model, t_arr, give_up, need[i]))
                     except Overloaded:
                         self.status[i] = SHED
                 i += 1
@@ -289,4 +346,5 @@ class Simulation:
                          np.asarray(ticks_t), np.asarray(warm_s, dtype=np.int32),
                          np.asarray(billed_s, dtype=np.int32), np.asarray(depth_s, dtype=np.int32),
                          fleet.gpu_s, fleet.suspended_s, self.busy_slot_s,
-                         clock.now() - t0, time.perf_counter() - wall0, dict(fleet.starts_by_tier))
+                         clock.now() - t0, time.perf_counter() - wall0, dict(fleet.starts_by_tier),
+                         self.too_large, self.slo_s, self.cold)

@@ -11,14 +11,14 @@ Replica states (one per slot index)::
      ▲                │ cancel          │ scale-in, busy              │ resume (suspended_s)
      └────────────────┴───── DRAINING ◄─┘ (off when its last request completes)
 
-Start-up tier, fastest first (ARCHITECTURE.md, "Tiers of warmth"): a SUSPENDED replica
+Start-up tier, fastest first (docs/architecture.md, "Tiers of warmth"): a SUSPENDED replica
 resumes in ``suspended_s``; otherwise a snapshot restore takes ``restore_s`` when snapshots
 are in use; otherwise a cold boot takes ``naive_s``.  BOOTING, WARM and DRAINING replicas
 hold a GPU and are billed; SUSPENDED ones hold host RAM only (counted separately).
 
 How a replica serves: with ``FleetConfig.replica`` (a profile measured on the real engine,
 agent/sim/profile.py) each replica is a :class:`~agent.sim.replica.SimReplica` that batches
-and steps at that speed (``Fleet.engines``); without it, the design documents' fixed model: a
+and steps at that speed (``Fleet.engines``); without it, a fixed occupancy model: a
 request holds one slot for its ``occupancy_s`` (the document scenarios keep it).
 """
 
@@ -28,15 +28,16 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 from agent.errors import ConfigError
 from agent.frontdoor.router import ReplicaLoad, Router
+from agent.speed import SpeedProfile
 
 OFF, BOOTING, WARM, DRAINING, SUSPENDED = range(5)
-STATE_NAMES = ("off", "booting", "warm", "draining", "suspended")
 READY = 1  # event kind the simulation hands back to :meth:`Fleet.on_ready`
 
 
@@ -45,8 +46,8 @@ class StartupTimes:
     """Seconds from a scale-out decision to a routable replica, per tier: ``(low, high)``.
 
     Equal bounds are a fixed time; otherwise each start draws uniformly in the range.
-    Defaults: ``restore_s`` 3.6 s and ``naive_s`` 60-90 s from the snapshot design document
-    (../shared/seeds/002, "Non-Functional Requirements"); ``suspended_s`` 2.0 s is an
+    Defaults: ``restore_s`` 3.6 s and ``naive_s`` 60-90 s, a 13B model's snapshot restore
+    against its uncached boot (docs/architecture.md, "Cost model"); ``suspended_s`` 2.0 s is an
     estimate for a CUDA checkpoint resume of ~26 GB from pinned host RAM at ~13 GB/s until
     bench/ measures it (``--startup-json``).
     """
@@ -56,7 +57,7 @@ class StartupTimes:
     naive_s: tuple[float, float] = (60.0, 90.0)
 
     @classmethod
-    def from_json(cls, path: Path, base: "StartupTimes | None" = None) -> "StartupTimes":
+    def from_json(cls, path: Path, base: StartupTimes | None = None) -> StartupTimes:
         """Override tiers from a benchmark JSON with keys ``restore_s`` (or
         ``zygote_restore_s``, preferred), ``suspended_s``/``resume_s`` and ``naive_s``:
         each a number or a ``[low, high]`` pair.  Raises :class:`ConfigError` on negative or
@@ -72,7 +73,7 @@ class StartupTimes:
 
     @classmethod
     def from_dict(cls, data: dict, where: object = "start-up times",
-                  base: "StartupTimes | None" = None) -> "StartupTimes":
+                  base: StartupTimes | None = None) -> StartupTimes:
         """:meth:`from_json` on an object already read (``where`` names it in errors)."""
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: start-up times must be an object, not "
@@ -100,6 +101,13 @@ class StartupTimes:
         return cls(**values)
 
 
+class Profiled(Protocol):
+    """What :attr:`FleetConfig.replica` gives the fleet (agent.sim.profile.ReplicaProfile)."""
+
+    @property
+    def speed(self) -> SpeedProfile: ...
+
+
 @dataclass
 class FleetConfig:
     """One model's replicas.  ``seqs_per_replica`` concurrent sequences (KV slots) and
@@ -116,7 +124,10 @@ class FleetConfig:
     suspended_ttl_s: float = 3600.0
     max_concurrent_starts: int = 0
     max_replicas: int = 10_000
-    replica: object = None   # agent.sim.profile.ReplicaProfile: replicas step at its speed
+    replica: Profiled | None = None   # agent.sim.profile.ReplicaProfile: replicas step at its speed
+    # the front door asks for a replica the moment a request finds none warm or starting
+    # (rewarm's request path does; the baselines' autoscalers only see their own ticks)
+    restore_on_cold: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seqs_per_replica", "kv_capacity_tokens", "max_replicas"):
@@ -132,7 +143,7 @@ class Fleet:
     ``router`` is the production :class:`Router` the simulation dispatches through.
     """
 
-    def __init__(self, cfg: FleetConfig, *, router: Router, clock, schedule: Callable,
+    def __init__(self, cfg: FleetConfig, *, router: Router, clock, schedule: Callable | None,
                  rng: np.random.Generator) -> None:
         self.cfg = cfg
         self.router = router
@@ -198,6 +209,11 @@ class Fleet:
         return self.count[WARM]
 
     @property
+    def pending_starts(self) -> int:
+        """Starts asked for that wait for a start slot (``max_concurrent_starts``)."""
+        return self._pending_starts
+
+    @property
     def billed(self) -> int:
         return self.count[BOOTING] + self.count[WARM] + self.count[DRAINING]
 
@@ -241,6 +257,7 @@ class Fleet:
             self._set(i, BOOTING)
             self._booting += 1
             self.gen[i] += 1
+            assert self._schedule is not None, "the Simulation gives the fleet its schedule"
             self._schedule(self.clock.now() + dt, READY, i, self.gen[i])
 
     def start_warm(self, n: int) -> None:

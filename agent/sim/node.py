@@ -53,13 +53,12 @@ class SimRecord:
 
     replica_id: str
     worker: SimWorker
+    ready: asyncio.Future             # done when it turns warm
     state: str = "restoring"          # restoring | warm | draining | dead
     path: str = "restore"             # how it came up (the node agent's word)
-    born_s: float = 0.0
     warm_s: float | None = None
     dead_s: float | None = None
     meta: dict[str, str] = field(default_factory=dict)
-    ready: asyncio.Future | None = None
 
     def describe(self) -> dict[str, Any]:
         return {"replica": self.replica_id, "model": self.worker.model, "state": self.state,
@@ -141,8 +140,7 @@ class SimNode:
         rid = f"sim-{self.model}-{next(self._ids)}"
         worker = SimWorker(rid, self.model, self.actual, max_seqs=self.max_seqs,
                            max_seq_len=self.max_seq_len, reported=self.speed)
-        rec = SimRecord(rid, worker, path=path, born_s=self.now())
-        rec.ready = asyncio.get_running_loop().create_future()
+        rec = SimRecord(rid, worker, asyncio.get_running_loop().create_future(), path=path)
         self._bill()
         self.records[rid] = rec
         self.peak = max(self.peak, self.alive())
@@ -170,7 +168,7 @@ class SimNode:
     def _first_warm(self) -> SimRecord | None:
         up = [r for r in self.records.values() if r.state in UP]
         warm = [r for r in up if r.state == "warm"]
-        return (warm or up or [None])[0]
+        return next(iter(warm or up), None)
 
     def _restore_later(self, rec: SimRecord, start_s: float) -> float:
         """Make ``rec`` warm ``restore_s`` after ``start_s`` (``zygote_s`` more when no

@@ -20,8 +20,8 @@ Everything runs on one :class:`~agent.sim.vloop.VirtualLoop`; every component's 
 :class:`~agent.sim.vloop.LoopClock`.  The loops the live processes run around these objects
 (the front door's queue ticker and registry watcher, the node agent's tick, the predictor
 service's ``run``) are re-created here as tasks with the live periods
-(:class:`PathSimConfig`).  Results are :func:`agent.replay.summarise`'s keys, from an
-:class:`~agent.replay.Outcome` per request (times from its arrival: there is no network),
+(:class:`PathSimConfig`).  Results are :func:`agent.sim.replay.summarise`'s keys, from an
+:class:`~agent.sim.replay.Outcome` per request (times from its arrival: there is no network),
 GPU-seconds as replica-seconds of every replica not dead over the window's span.
 """
 
@@ -30,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
-from agent.replay import Outcome, summarise
+from agent.sim.replay import Outcome, summarise
 from agent.sim.replay_scale import ReplayRequest
 from agent.sim.vloop import LoopClock, run_virtual
 from agent.speed import SpeedProfile
@@ -82,7 +83,8 @@ class _Sink:
         self.out.code, self.out.path = 200, message.get("path")
         self._end()
 
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
+    def error(self, code: int, reason: str, retry_after_ms: int | None = None,
+              refusal: str | None = None) -> None:
         self.out.code, self.out.reason = code, reason
         self.out.ttft_ms = None
         self._end()
@@ -108,7 +110,7 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
                   mean_prompt_tokens: float, mean_gen_tokens: float, initial_replicas: int,
                   until_s: float, always_on_replicas: int, stats: dict,
                   actual: SpeedProfile | None, measured_restore_s: float) -> dict[str, Any]:
-    from agent.cluster.local_scaler import LocalScaler
+    from agent.cluster import ClusterChoice, choose
     from agent.frontdoor.config import FrontDoorConfig
     from agent.frontdoor.request import GenerateRequest
     from agent.frontdoor.request_path import RequestPath
@@ -137,7 +139,7 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
         node.start_warm()
     path.apply_replicas(node.instances())
 
-    scaler = LocalScaler({"sim": node.call}, clock=clock)
+    scaler = choose("scaler", ClusterChoice(), clock=clock, agents={"sim": node.call})
     mpolicy = ModelPolicy(model, step_s=cfg.predictor_step_s, **policy)
     service = PredictorService(Predictor([mpolicy], clock=clock, scaler=scaler,
                                          snapshot_durable=lambda m: True),
@@ -212,7 +214,7 @@ def simulate_path(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, max_s
                   measured_restore_s: float | None = None) -> dict[str, Any]:
     """Replay ``plan`` (wall seconds from the window's start) through the production request
     path and predictor with simulated replicas (module docstring); returns
-    :func:`agent.replay.summarise`'s keys plus ``peak_replicas``, ``always_on_replicas``,
+    :func:`agent.sim.replay.summarise`'s keys plus ``peak_replicas``, ``always_on_replicas``,
     ``one_replica_gpu_seconds``, ``counts`` (the request path's), ``replica_429`` and
     ``sim_wall_s`` (CPU-bound wall seconds the simulation took).  ``profile``: what the
     replicas report and predict with (their speed meter's); ``actual``: how fast they serve

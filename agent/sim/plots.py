@@ -23,7 +23,7 @@ def _spike_axes(result: dict, ax_time, ax_frontier) -> None:
     demand = np.asarray(result["demand"]["calls"])
     colours = plt.cm.viridis(np.linspace(0, 0.9, len(result["series"])))
     ax_time.plot(demand_t, demand, color="black", lw=1.6, label="demand (calls in flight)")
-    for colour, s in zip(colours, result["series"]):
+    for colour, s in zip(colours, result["series"], strict=True):
         t = np.asarray(s["t_s"]) / 60.0
         cap = np.interp(demand_t, t, np.asarray(s["capacity"], dtype=float))
         ax_time.plot(demand_t, cap, color=colour, lw=1.0,
@@ -64,7 +64,7 @@ def _cost_axes(result: dict, ax_bars, ax_time) -> None:
     x = np.arange(len(names))
     ax_bars.bar(x - 0.2, doc, 0.4, color="lightgrey", label="snapshot document")
     bars = ax_bars.bar(x + 0.2, ours, 0.4, color="tab:blue", label="rewarm sim")
-    for b, p in zip(bars, result["policies"]):
+    for b, p in zip(bars, result["policies"], strict=True):
         ax_bars.annotate(f"SLA {100 * p['sla_compliance']:.2f}%\n"
                          f"${p['cost_per_1000_requests']:.3f}/1k",
                          (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",

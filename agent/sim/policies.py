@@ -1,24 +1,21 @@
 """Fleet-sizing policies the simulator compares, each a :class:`~agent.sim.events.Controller`.
 
 Every policy sizes through the production code: Little's law from
-:func:`agent.predictor.sizing.target_replicas`, forecasts from
-:class:`agent.predictor.forecast.Holt`, and rewarm's own policy is the production
-:class:`agent.predictor.loop.Predictor` itself (:class:`PredictorPolicy`).  The baselines
-reproduce the design documents' alternatives:
+:func:`agent.predictor.sizing.target_replicas`, and rewarm's own policy is the production
+:class:`agent.predictor.loop.Predictor` itself (:class:`PredictorPolicy`, with the forecaster
+its :class:`~agent.predictor.loop.ModelPolicy` names).  The baselines
+are the alternatives a scale-to-zero fleet is compared with:
 
 - :class:`FixedPool`: always-on, a constant number of replicas.
 - :class:`Reactive`: size for the arrival rate measured over the last ``window_s`` plus the
   waiting backlog, at a utilisation (``1 / (1 + buffer)`` for the AOT document's "spare
   capacity buffer"); hold the peak for ``keepalive_s`` before scaling in.
-- :class:`HoltForecast`: the snapshot document's predictor ("Cold Start Predictor":
-  alpha 0.35, beta 0.15, 15 s lead time), sizing for the larger of forecast and current rate.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from agent.predictor.forecast import Holt
 from agent.predictor.sizing import target_replicas
 
 
@@ -55,10 +52,11 @@ class Reactive:
         self.min_replicas = min_replicas
         self.max_replicas = max_replicas
         self.tick_s = tick_s
-        self._window = deque(maxlen=max(1, round(window_s / tick_s)))
-        self._held = deque(maxlen=max(1, round(keepalive_s / tick_s)))
+        window = max(1, round(window_s / tick_s))
+        self._window: deque[float] = deque(maxlen=window)
+        self._held: deque[int] = deque(maxlen=max(1, round(keepalive_s / tick_s)))
         # a run starts in steady state: the window has seen ``initial_rate_rps`` already
-        self._window.extend([initial_rate_rps * tick_s] * self._window.maxlen)
+        self._window.extend([initial_rate_rps * tick_s] * window)
         self._held.append(target_replicas(initial_rate_rps, occupancy_s, seqs_per_replica,
                                           utilisation, min_replicas, max_replicas))
 
@@ -72,25 +70,6 @@ class Reactive:
         rate = sum(self._window) / (len(self._window) * self.tick_s)
         self._held.append(self._need(rate, sim))
         sim.fleet.set_target(self.model, max(self._held), reason="reactive")
-
-
-class HoltForecast(Reactive):
-    """Size for ``max(forecast lead_time_s ahead, measured rate)`` with a production Holt."""
-
-    def __init__(self, model: str, *, lead_time_s: float = 15.0, alpha: float = 0.35,
-                 beta: float = 0.15, **kw) -> None:
-        kw.setdefault("window_s", 1.0)
-        super().__init__(model, **kw)
-        self.holt = Holt(alpha, beta)
-        self.lead_steps = lead_time_s / self.tick_s
-
-    def tick(self, now_s: float, arrivals: int, sim) -> None:
-        rate = arrivals / self.tick_s
-        self.holt.update(rate)
-        self._window.append(arrivals)
-        measured = sum(self._window) / (len(self._window) * self.tick_s)
-        self._held.append(self._need(max(self.holt.forecast(self.lead_steps), measured), sim))
-        sim.fleet.set_target(self.model, max(self._held), reason="holt forecast")
 
 
 class ConcurrencyBuffer:

@@ -32,7 +32,7 @@ class ReplicaProfile:
     source: str = ""
 
     @classmethod
-    def from_file(cls, path: Path) -> "ReplicaProfile":
+    def from_file(cls, path: Path) -> ReplicaProfile:
         """Raises :class:`ConfigError` naming the file and the key (as
         :meth:`SpeedProfile.from_file`, plus an ``engine`` size that is not an int >= 1)."""
         data = read_profile_file(path)

@@ -31,6 +31,14 @@ mean lengths; ``1 / service_s`` is ``SpeedProfile.service_rps``).  Then:
    ``c = c0 * target / load(k, c0)`` (equal to ``c0`` unless the rounding of lengths or a
    bound of ``k`` moved it; at a bound the wall time is longer or shorter than asked, and
    :class:`ReplayScale` says so).
+
+A sparse window (a trickle whose typical gap between requests is long enough for the stack
+to scale to zero) loses what it tests when compressed into the budget: fifteen-minute gaps
+become one minute, and the replay reports a saving real time would not show, or none.  With
+``max_speedup`` (:func:`gap_keeping_speedup`: the largest compression that keeps the
+window's median gap at least ``gap_floor_s`` wall seconds) the compression never exceeds it;
+the replay then takes longer than the budget, offers less load than asked where the trace's
+own lengths cannot make it up, and ``bound`` is ``"idle_gaps"``.
 """
 
 from __future__ import annotations
@@ -79,7 +87,8 @@ class ReplayScale:
     scaled means; ``window_s`` trace seconds replayed, ``wall_s`` their wall duration;
     ``bound`` is ``""``, ``"min_tokens"`` (even 1-token requests overload at the asked wall
     time, so the replay is slower) or ``"trace_tokens"`` (the trace's own lengths underload
-    it, so the replay is faster)."""
+    it, so the replay is faster) or ``"idle_gaps"`` (the compression was held at
+    ``max_speedup`` to keep a sparse window's gaps, so the replay is slower)."""
 
     speedup: float
     token_scale: float
@@ -112,6 +121,23 @@ def scale_lengths(context_tokens: np.ndarray, generated_tokens: np.ndarray, toke
     return np.minimum(prompt, max_tokens_per_request - out), out
 
 
+def gap_keeping_speedup(arrival_s: np.ndarray, gap_floor_s: float) -> float | None:
+    """The largest compression (trace s per wall s) that keeps the median gap between
+    consecutive arrivals of ``arrival_s`` [N] (trace seconds, sorted) at least
+    ``gap_floor_s`` wall seconds, when the window is sparse: its own median gap is at least
+    ``gap_floor_s``.  None for a dense window (its typical gap is no idle time worth keeping:
+    the budget's compression applies) or fewer than two arrivals.  ConfigError for a floor
+    that is not a finite number > 0."""
+    if not (gap_floor_s > 0 and math.isfinite(gap_floor_s)):
+        raise ConfigError(f"gap_keeping_speedup: gap_floor_s={gap_floor_s}; limit is a finite "
+                          "number > 0", name="gap_floor_s", value=gap_floor_s, limit="> 0")
+    a = np.asarray(arrival_s, dtype=np.float64)
+    if a.size < 2:
+        return None
+    median = float(np.median(np.diff(a)))
+    return median / gap_floor_s if median >= gap_floor_s else None
+
+
 def _capacity(profile: SpeedProfile, prompt: np.ndarray, output: np.ndarray, *,
               ttft_slo_s: float, max_seqs: int) -> tuple[float, int]:
     """(requests/s one replica serves at its sustainable batch, that batch)."""
@@ -121,18 +147,23 @@ def _capacity(profile: SpeedProfile, prompt: np.ndarray, output: np.ndarray, *,
     # distinct (prompt, output) pairs are few after scaling, so each is computed once
     pairs, counts = np.unique(np.stack([prompt, output]), axis=1, return_counts=True)
     total = sum(c * profile.service_s(float(p), float(o), batch)
-                for (p, o), c in zip(pairs.T.tolist(), counts.tolist()))
+                for (p, o), c in zip(pairs.T.tolist(), counts.tolist(), strict=True))
     service = total / int(prompt.shape[0])
     return 1.0 / service, batch
 
 
 def fit_scale(context_tokens: np.ndarray, generated_tokens: np.ndarray, *, window_s: float,
               profile: SpeedProfile, load: float, wall_s: float, ttft_slo_s: float,
-              max_seqs: int, max_tokens_per_request: int) -> ReplayScale:
+              max_seqs: int, max_tokens_per_request: int,
+              max_speedup: float | None = None) -> ReplayScale:
     """The :class:`ReplayScale` that makes a window of ``len(context_tokens)`` requests over
     ``window_s`` trace seconds offer ``load`` of one replica of ``profile`` in about
-    ``wall_s`` wall seconds (module docstring).  Raises ConfigError for an empty window or a
-    ``load``/``wall_s``/``window_s`` that is not a finite number > 0."""
+    ``wall_s`` wall seconds (module docstring), compressed at most ``max_speedup`` when given
+    (:func:`gap_keeping_speedup`).  Raises ConfigError for an empty window or a
+    ``load``/``wall_s``/``window_s``/``max_speedup`` that is not a finite number > 0."""
+    if max_speedup is not None and not (max_speedup > 0 and math.isfinite(max_speedup)):
+        raise ConfigError(f"fit_scale: max_speedup={max_speedup}; limit is a finite number > 0",
+                          name="max_speedup", value=max_speedup, limit="> 0")
     for name, value in (("load", load), ("wall_s", wall_s), ("window_s", window_s),
                         ("ttft_slo_s", ttft_slo_s)):
         if not (value > 0 and math.isfinite(value)):
@@ -151,6 +182,9 @@ def fit_scale(context_tokens: np.ndarray, generated_tokens: np.ndarray, *, windo
         return n * c / window_s / cap, cap, batch
 
     c0 = window_s / wall_s
+    held = False
+    if max_speedup is not None and c0 > max_speedup:
+        c0, held = max_speedup, True
     k_min = 0.5 / max(1.0, float(max(ctx.max(), gen.max())))   # every length rounds to 1
     k_max = 1.0
     bound = ""
@@ -169,6 +203,10 @@ def fit_scale(context_tokens: np.ndarray, generated_tokens: np.ndarray, *, windo
         k = math.exp(lo)   # the largest scale whose load does not exceed the target
     rho, cap, batch = load_at(k, c0)
     c = c0 * load / rho
+    if max_speedup is not None and c > max_speedup:
+        c, held = max_speedup, True
+    if held:
+        bound = "idle_gaps"
     p, o = scale_lengths(ctx, gen, k, max_tokens_per_request)
     return ReplayScale(speedup=c, token_scale=k, load=n * c / window_s / cap, capacity_rps=cap,
                        offered_rps=n * c / window_s, batch=batch,
@@ -183,7 +221,7 @@ def replay_requests(arrival_s: np.ndarray, context_tokens: np.ndarray,
     p, o = scale_lengths(context_tokens, generated_tokens, scale.token_scale,
                          max_tokens_per_request)
     return [ReplayRequest(float(a) / scale.speedup, int(x), int(y))
-            for a, x, y in zip(np.asarray(arrival_s), p, o)]
+            for a, x, y in zip(np.asarray(arrival_s), p, o, strict=True)]
 
 
 def always_on_replicas(at_s: np.ndarray, capacity_rps: float, max_replicas: int,

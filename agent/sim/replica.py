@@ -47,7 +47,7 @@ class SimReplica:
     def reset(self) -> None:
         """Empty it (the replica stopped); a step in flight is ignored when it ends."""
         generation = self.generation + 1
-        self.__init__(self.speed, self.max_seqs, self.reported)
+        self.__init__(self.speed, self.max_seqs, self.reported)  # type: ignore[misc]  # a fresh replica of the same class
         self.generation = generation
 
     def submit(self, request: int, prompt_tokens: int, output_tokens: int) -> None:

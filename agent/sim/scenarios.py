@@ -1,13 +1,11 @@
 """The scenarios ``rewarm simulate`` runs: spike (AOT document) and cost (snapshot document).
 
-``spike`` follows the AOT design document (../shared/seeds/000_f945d6c794d3cae0.txt, "A toy
-simulation: replaying a real traffic spike"): one tenant's steady traffic jumps tenfold
+``spike`` replays a traffic spike (agent/sim/README.md, "Spike"): one tenant's steady traffic jumps tenfold
 within ten minutes and stays up for most of an hour, on a shared platform beside other
 tenants' steady traffic; an autoscaler keeps a spare-capacity buffer and its new replicas
 serve only after their cold start.  We sweep cold-start time against buffer size.
 
-``cost`` follows the snapshot design document (../shared/seeds/002_b8b5536ec4319928.txt,
-"Scaling and Performance" and "Cost and Token Economics"): 13B-class replicas on 40 GB GPUs,
+``cost`` follows docs/architecture.md ("Sizing", "Cost model"): 13B-class replicas on 40 GB GPUs,
 80 sequences per replica at 0.75 utilisation, 20 req/s baseline with bursts to 200 req/s,
 7.0 s occupancy, $2.80 per GPU-hour, TTFT SLA 4 s; five policies.
 """
@@ -15,6 +13,8 @@ serve only after their cold start.  We sweep cold-start time against buffer size
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from typing import Any
 
 import numpy as np
 
@@ -33,10 +33,12 @@ MODEL = "m"
 def run_workload(workload: Workload, cfg: FleetConfig, make_controller, *, max_wait_s: float,
                  sla_s: float, initial_replicas: int = 0, max_depth: int = 1_000_000,
                  seed: int = 0, end_s: float | None = None, progress: bool = False,
-                 clock: ManualClock | None = None) -> tuple[dict, RunRecord, Simulation]:
+                 clock: ManualClock | None = None, slo=None) -> tuple[dict, RunRecord, Simulation]:
     """One run on fresh production objects: a ManualClock, an ``AdmissionQueue``, a
     ``Router``, a :class:`Fleet` and the controller ``make_controller(cfg)`` builds
-    (it receives the fleet config and may hold the fleet through ``sim.fleet``)."""
+    (it receives the fleet config and may hold the fleet through ``sim.fleet``).  With
+    ``slo`` (:class:`agent.slo.TtftSlo`) each request has its own SLO and deadline and
+    ``max_wait_s`` only bounds the queue's hold (it should be the longest deadline)."""
     clock = clock or ManualClock()
     router = Router()
     queue = AdmissionQueue(cfg.model, clock=clock, max_depth=max_depth, max_wait_s=max_wait_s)
@@ -44,7 +46,8 @@ def run_workload(workload: Workload, cfg: FleetConfig, make_controller, *, max_w
                   rng=np.random.default_rng(seed + 1))
     sim = Simulation(workload, clock=clock, queue=queue, router=router, fleet=fleet,
                      controller=make_controller(cfg, clock, fleet), model=cfg.model,
-                     max_wait_s=max_wait_s, end_s=end_s)
+                     max_wait_s=max_wait_s, end_s=end_s, slo=slo,
+                     restore_on_cold=cfg.restore_on_cold)
     fleet._schedule = sim.schedule
     fleet.start_warm(initial_replicas)
     rec = sim.run(progress=progress)
@@ -96,7 +99,7 @@ def spike_rates(shape: SpikeShape) -> tuple[np.ndarray, np.ndarray]:
 def spike_workload(shape: SpikeShape, seed: int = 0) -> Workload:
     rng = np.random.default_rng(seed)
     tenant, bg = spike_rates(shape)
-    common = dict(step_s=1.0, occupancy_s=shape.call_s, prefill_s=0.0, need_tokens=1, rng=rng,
+    common: dict[str, Any] = dict(step_s=1.0, occupancy_s=shape.call_s, prefill_s=0.0, need_tokens=1, rng=rng,
                   occupancy_cv=0.5)
     return mix(synthetic(tenant, tenant=0, **common), synthetic(bg, tenant=1, **common))
 
@@ -258,19 +261,26 @@ def _predictor(model: str, clock, fleet, **policy_kw):
                      snapshot_durable=lambda m: fleet.cfg.use_snapshot)
 
 
-def cost_policies(shape: CostShape, startup: StartupTimes = StartupTimes()) -> dict:
-    """name -> (FleetConfig, make_controller, initial replicas), the five policies compared."""
+def cost_policies(shape: CostShape, startup: StartupTimes = StartupTimes(),
+                  cap_at_peak: bool = False) -> dict:
+    """name -> (FleetConfig, make_controller, initial replicas), the five policies compared.
+
+    Scaling policies may run up to 4x the always-on pool (``peak``); with ``cap_at_peak``
+    no more than it: the fleet an operator would provision for the peak is then the most any
+    policy may hold, so that scaling is compared with not scaling at the same maximum."""
     from agent.predictor.keepalive import KeepAliveCosts
+    from agent.predictor.loop import ModelPolicy
     from agent.sim.policies import FixedPool, PredictorPolicy, Reactive
 
     s = shape
     peak = int(np.ceil(s.burst_rps * s.occupancy_s / (s.seqs_per_replica * s.utilisation)))
     base = int(np.ceil(s.base_rps * s.occupancy_s / (s.seqs_per_replica * s.utilisation)))
+    most = peak if cap_at_peak else 4 * peak
     cfg = FleetConfig(model=MODEL, seqs_per_replica=s.seqs_per_replica,
                       kv_capacity_tokens=s.kv_capacity_tokens, startup=startup,
-                      max_replicas=4 * peak)
+                      max_replicas=most)
     naive_cfg = replace(cfg, use_snapshot=False)
-    rewarm_cfg = replace(cfg, keep_suspended=True)
+    rewarm_cfg = replace(cfg, keep_suspended=True, restore_on_cold=True)
     restore_p99 = startup.restore_s[1]
     resume_s = startup.suspended_s[1]
     gpu_per_s = s.price_per_gpu_hour / 3600.0
@@ -278,31 +288,33 @@ def cost_policies(shape: CostShape, startup: StartupTimes = StartupTimes()) -> d
 
     def reactive(min_replicas, window_s, keepalive_s):
         return lambda c, clock, fleet: Reactive(
-            MODEL, utilisation=s.utilisation, min_replicas=min_replicas, max_replicas=4 * peak,
+            MODEL, utilisation=s.utilisation, min_replicas=min_replicas, max_replicas=most,
             window_s=window_s, keepalive_s=keepalive_s, initial_rate_rps=s.base_rps, **common)
 
     def doc_predictive(c, clock, fleet):
         # the document's Holt (alpha 0.35, beta 0.15, 15 s lead), 3 warm, no suspended tier
         return PredictorPolicy(_predictor(
-            MODEL, clock, fleet, utilisation=s.utilisation, min_replicas=base, max_replicas=4 * peak,
+            MODEL, clock, fleet, utilisation=s.utilisation, min_replicas=base, max_replicas=most,
             alpha=0.35, beta=0.15, phi=1.0, forecaster="holt_backstop", lead_time_s=15.0,
             restore_p99_s=restore_p99,
             costs=KeepAliveCosts(gpu_cost_per_s=gpu_per_s, restore_s=restore_p99), **common), MODEL)
 
     def rewarm(c, clock, fleet):
-        # rewarm's defaults: damped Holt + fast reaction, breakeven keep-alive with the
-        # suspended tier, measured restore/resume, fuller replicas (0.9), no fixed floor
-        # beyond one replica
-        return PredictorPolicy(_predictor(
-            MODEL, clock, fleet, utilisation=0.9, min_replicas=1, max_replicas=4 * peak,
-            lead_time_s=max(15.0, restore_p99 + 2.0), restore_p99_s=restore_p99,
-            costs=KeepAliveCosts(gpu_cost_per_s=gpu_per_s, suspended_cost_per_s=gpu_per_s / 20,
-                                 restore_s=restore_p99, resume_s=min(resume_s, restore_p99)),
-            **common), MODEL)
+        # the production policy (ModelPolicy's defaults, as `rewarm up` and `rewarm
+        # predictor` build it: no replica floor), given what a deployment measures: the
+        # workload's occupancy and slots, the restore and resume times, the GPU price
+        policy = dict(max_replicas=most, restore_p99_s=restore_p99,
+                      lead_time_s=max(ModelPolicy.lead_time_s, restore_p99 + 2.0),
+                      costs=KeepAliveCosts(gpu_cost_per_s=gpu_per_s,
+                                           suspended_cost_per_s=gpu_per_s / 20,
+                                           restore_s=restore_p99,
+                                           resume_s=min(resume_s, restore_p99)), **common)
+        return PredictorPolicy(_predictor(MODEL, clock, fleet, **policy), MODEL)
 
     return {
         "always_on": (cfg, lambda c, clock, fleet: FixedPool(MODEL, peak), peak),
-        "scale_to_zero": (naive_cfg, reactive(min(peak, 20), 10.0, 300.0), min(peak, 20)),
+        # reactive, cold boots, and to zero after a fixed keep-alive (the document's 300 s)
+        "scale_to_zero": (naive_cfg, reactive(0, 10.0, 300.0), base),
         "snapshot_reactive": (cfg, reactive(base, 30.0, 60.0), base),
         "snapshot_predictive": (cfg, doc_predictive, base),
         "rewarm": (rewarm_cfg, rewarm, base),
@@ -371,18 +383,23 @@ def trace_scenario(workload: Workload, startup: StartupTimes = StartupTimes(), *
                    sla_s: float = 4.0, seqs_per_replica: int = 80,
                    kv_capacity_tokens: int = 72_089, seed: int = 0, progress: bool = False,
                    only: tuple[str, ...] | None = None, replica=None,
-                   token_scale: float = 1.0) -> dict:
+                   token_scale: float = 1.0, slo=None) -> dict:
     """Replay a trace through the cost scenario's policies, sized from the trace itself.
 
-    The always-on pool is sized for the trace's busiest 10 s; occupancy and KV need come
+    With ``slo`` (:class:`agent.slo.TtftSlo`) every request is held to its own SLO, ``base +
+    prefill`` (the restore base when it found no warm replica), and waits until its deadline
+    (``slo.deadline_factor`` times that); without, to the fixed ``sla_s`` for both.
+
+    The always-on pool is sized for the trace's busiest 10 s, and no policy runs more
+    replicas than it (``cap_at_peak``); occupancy and KV need come
     from its tokens (:class:`~agent.sim.trace.TokenTiming`).  With ``replica`` (a
     :class:`~agent.sim.profile.ReplicaProfile`) the replicas batch and step at its measured
     speed with its slots (:func:`profiled_workload`; policies size by its sustainable batch),
-    and the run continues until the last request could have finished.
+    and the run continues until the last request could have finished (after a restore).
     """
     from agent.predictor.sizing import seqs_per_replica as kv_seqs
 
-    derived = {}
+    derived: dict[str, Any] = {}
     if replica is not None:
         workload, derived = profiled_workload(workload, replica, sla_s=sla_s,
                                               token_scale=token_scale)
@@ -400,16 +417,20 @@ def trace_scenario(workload: Workload, startup: StartupTimes = StartupTimes(), *
                       kv_capacity_tokens=kv_capacity_tokens, seqs_per_replica=seqs_per_replica,
                       sla_s=sla_s)
     out, wall, sim_h = [], 0.0, 0.0
-    end_s = duration if replica is None else duration + float(workload.occupancy_s.max())
-    for name, (cfg, make, initial) in cost_policies(shape, startup).items():
+    # the run lasts until the last request could have finished, after a cold start at worst
+    end_s = duration + float(workload.occupancy_s.max()) + max(startup.restore_s[1],
+                                                                startup.suspended_s[1])
+    for name, (cfg, make, initial) in cost_policies(shape, startup, cap_at_peak=True).items():
         if only and name not in only:
             continue
         if replica is not None:  # the router's hard limit is the replica's slots
             cfg = replace(cfg, replica=replica, seqs_per_replica=replica.max_seqs,
                           kv_capacity_tokens=replica.kv_capacity_tokens)
-        summary, rec, _ = run_workload(workload, cfg, make, max_wait_s=sla_s, sla_s=sla_s,
+        max_wait = sla_s if slo is None else \
+            slo.deadline_s(float(workload.prefill_s.max()), True)
+        summary, rec, _ = run_workload(workload, cfg, make, max_wait_s=max_wait, sla_s=sla_s,
                                        initial_replicas=initial, end_s=end_s, seed=seed,
-                                       progress=progress)
+                                       progress=progress, slo=slo)
         summary["name"] = name
         summary["series"] = {"t_s": rec.tick_t_s[::10].tolist(),
                              "billed": rec.billed_replicas[::10].tolist(),
@@ -418,6 +439,7 @@ def trace_scenario(workload: Workload, startup: StartupTimes = StartupTimes(), *
         wall += rec.wall_s
         sim_h += rec.sim_s / 3600.0
     return {"scenario": "trace", "shape": shape.__dict__, "startup": startup.__dict__,
+            "slo": None if slo is None else slo.__dict__,
             "requests": len(workload), "policies": out, "doc": {},
             "replica_profile": None if replica is None else {
                 "source": replica.source, "speed": replica.speed.to_dict(),

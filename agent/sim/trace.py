@@ -4,7 +4,7 @@ A :class:`Workload` is a struct of arrays (one row per request, sorted by arriva
 720,000-request hour costs a few numpy arrays and no Python object per request.
 
 The trace format is the Azure LLM inference trace 2023 (``TIMESTAMP,ContextTokens,
-GeneratedTokens``; see ``../shared/traces/README.md``): one request per line, timestamps as
+GeneratedTokens``; docs/architecture.md, "Traces"): one request per line, timestamps as
 ``YYYY-MM-DD HH:MM:SS.fffffff``.  Any CSV with those three columns is accepted.
 
 Per-request timing comes from tokens (:class:`TokenTiming`): occupancy (how long the request
@@ -15,6 +15,7 @@ prefill time.
 from __future__ import annotations
 
 import csv
+from typing import Any
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +83,7 @@ class Workload:
     def duration_s(self) -> float:
         return float(self.arrival_s[-1]) if len(self) else 0.0
 
-    def sorted(self) -> "Workload":
+    def sorted(self) -> Workload:
         order = np.argsort(self.arrival_s, kind="stable")
         return Workload(*(c[order] for c in self._columns()))
 
@@ -116,7 +117,7 @@ class TraceRows:
     def __len__(self) -> int:
         return int(self.arrival_s.shape[0])
 
-    def window(self, start_s: float, length_s: float) -> "TraceRows":
+    def window(self, start_s: float, length_s: float) -> TraceRows:
         """Rows arriving in ``[start_s, start_s + length_s)``, re-based so the window starts
         at 0 (its first second, not its first request: a quiet start stays quiet)."""
         keep = (self.arrival_s >= start_s) & (self.arrival_s < start_s + length_s)
@@ -309,6 +310,7 @@ def synthetic(rate_rps: np.ndarray, *, step_s: float, occupancy_s: float, prefil
     """
     arrival = poisson_arrivals(rate_rps, step_s=step_s, rng=rng)
     n = arrival.shape[0]
+    occ: Any
     if occupancy_cv > 0:
         shape = 1.0 / occupancy_cv ** 2
         occ = rng.gamma(shape, occupancy_s / shape, n)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import selectors
-from typing import Any, Awaitable, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Awaitable
 
 from agent.errors import ConfigError
 

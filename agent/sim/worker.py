@@ -24,7 +24,8 @@ it, on a virtual-time loop (agent/sim/vloop.py):
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from agent.errors import Overloaded, ProtocolError, RewarmError
 from agent.protocol import Decoder, error_message, pack
@@ -36,16 +37,17 @@ from agent.speed import SpeedProfile
 class SimTransport(asyncio.Transport):
     """The link's transport: bytes written go to ``worker.receive`` as decoded messages."""
 
-    def __init__(self, worker: "SimWorker") -> None:
+    def __init__(self, worker: SimWorker) -> None:
         super().__init__()
         self.worker = worker
         self.decoder = Decoder()
         self.closed = False
+        self.link: Any = None    # the front door's ReplicaLink, set by SimWorker.connect
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         if self.closed:
             return
-        for message in self.decoder.feed(data):
+        for message in self.decoder.feed(bytes(data)):
             self.worker.receive(self, message)
 
     def close(self) -> None:
@@ -71,7 +73,7 @@ class _Loaded:
         waiting_seqs = 0
 
     class _Engine:
-        pass
+        load: Any
 
     def __init__(self, model: str) -> None:
         self.identity = _Identity(model)
@@ -137,7 +139,7 @@ class SimWorker:
                 raise ProtocolError(f"prompt {prompt} + max_tokens {max_tokens} exceeds "
                                     f"max_seq_len {self.max_seq_len}", field="max_tokens",
                                     value=prompt + max_tokens, limit=self.max_seq_len)
-            Worker._check_deadline(self, message.get("deadline_ms"), prompt)
+            Worker._check_deadline(self, message.get("deadline_ms"), prompt)  # type: ignore[arg-type]  # the replica's own check, over the same attributes
         except Overloaded as exc:
             self.refused += 1
             self._send(transport, error_message(rid, exc.code, exc.message, **exc.answer))

@@ -1,7 +1,6 @@
 """The node's SQLite catalog: snapshots, replicas, cold-start events and traffic forecasts.
 
-Tables follow the data model of the snapshot design document (../shared/seeds/002, "Data
-Model"): ``snapshots`` (status pending/ready/corrupt/stale, the driver pin, size and digest,
+Tables follow the data model of docs/architecture.md ("Snapshots", "Data model"): ``snapshots`` (status pending/ready/corrupt/stale, the driver pin, size and digest,
 remote URI), ``replicas`` (lifecycle state and the snapshot it came from), ``traffic_forecasts``
 and a ``cold_starts`` event log (the document's ColdStartEvent as rows).  Status only moves
 along :data:`STATUS_MOVES`; a snapshot that went corrupt or stale never becomes ready again.
@@ -17,7 +16,8 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from agent.clock import Clock, SystemClock
 from agent.errors import ConfigError, SnapshotError, SnapshotNotFound
@@ -202,7 +202,7 @@ class Catalog:
 
     def durable_ready(self, model_name: str) -> bool:
         """True when a ready snapshot of ``model_name`` also has a remote copy (the scale-in
-        guard of the design document's "idle-timeout race")."""
+        guard against the idle-timeout race: docs/architecture.md, "Failure modes")."""
         rows = self._exec("SELECT 1 FROM snapshots WHERE model_name = ? AND status = 'ready' "
                           "AND remote_uri IS NOT NULL LIMIT 1", (model_name,))
         return bool(rows)

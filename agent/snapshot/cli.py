@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
+from agent import logs
 from agent.argtypes import positive_int
 from agent.errors import RewarmError
 from agent.exitcodes import exit_code
@@ -57,7 +57,7 @@ def _guard(func):
         try:
             return func(args)
         except RewarmError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            logs.error(f"{exc}")
             return exit_code(exc)
     return run
 

@@ -183,7 +183,7 @@ def _list(path: Any, what: str, value: Any, limit: int | None = None) -> list:
     return value
 
 
-def _record(path: Any, what: str, value: Any, cls: type) -> dict:
+def _record(path: Any, what: str, value: Any, cls: Any) -> dict:
     value = _typed(path, what, value, dict)
     names = set(cls.__dataclass_fields__)
     if set(value) != names:
@@ -251,7 +251,8 @@ def manifest_from_dict(d: Any, path: Any = None) -> Manifest:
         tensors.append(TensorEntry(name, dt, shape, strides, off, nbytes))
         if nbytes:
             prev = tensors[-1]
-    chunks, cursor, file_end = [], 0, {}      # file_end: file -> (end of its last chunk, index)
+    chunks, cursor = [], 0
+    file_end: dict[str, tuple[int, int]] = {}   # file -> (end of its last chunk, index)
     for i, row in enumerate(_list(path, "chunks", d["chunks"])):
         what = f"chunks[{i}]"
         if not isinstance(row, list) or len(row) != 7:
@@ -259,7 +260,7 @@ def manifest_from_dict(d: Any, path: Any = None) -> Manifest:
         fname = _typed(path, f"{what}.file", row[0], str)
         if not _FILE_NAME.match(fname):
             raise _bad(path, f"{what}.file", "a plain file name", fname)
-        off, length, boff = (_int(path, f"{what}.{k}", v) for k, v in zip(("offset", "length", "buffer_offset"), row[1:4]))
+        off, length, boff = (_int(path, f"{what}.{k}", v) for k, v in zip(("offset", "length", "buffer_offset"), row[1:4], strict=True))
         if off % ALIGN or length % ALIGN or length == 0:
             raise _bad(path, what, f"offset and length multiples of {ALIGN}, length > 0", (off, length))
         if boff != cursor:

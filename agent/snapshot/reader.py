@@ -42,7 +42,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -70,7 +70,7 @@ class HostBuffer:
         self.locked = False          # True for a locked file map (map_locked)
 
     @classmethod
-    def allocate(cls, nbytes: int, *, prefault: bool = False, huge: bool | None = None) -> "HostBuffer":
+    def allocate(cls, nbytes: int, *, prefault: bool = False, huge: bool | None = None) -> HostBuffer:
         """Allocate ``nbytes`` rounded up to ALIGN (at least one page). Raises ConfigError if < 0.
 
         ``huge`` (default: ``prefault``): ask for transparent huge pages.  A zygote's buffer
@@ -93,7 +93,7 @@ class HostBuffer:
         return cls(memory, capacity)
 
     @classmethod
-    def map_locked(cls, fd: int, nbytes: int) -> "HostBuffer | None":
+    def map_locked(cls, fd: int, nbytes: int) -> HostBuffer | None:
         """A private, writable map of the first ``nbytes`` of file ``fd``, locked with
         mlock2(MLOCK_ONFAULT) (pages are locked as they are faulted in); None when the lock is
         refused (RLIMIT_MEMLOCK) or the kernel lacks it.  ``nbytes`` must not pass the file's
@@ -141,7 +141,7 @@ class Restored:
     tensors: dict[str, torch.Tensor]   # views into ``buffer``, in manifest order
     manifest: Manifest
     stats: RestoreStats
-    buffer: HostBuffer
+    buffer: HostBuffer | None   # None: restored into device memory (agent/snapshot/gpu.py)
 
 
 # pread sizes.  Direct reads: large requests keep the device queue full.  Buffered reads (a
@@ -174,7 +174,7 @@ def page_cache_share(path: Path, manifest: Manifest, fds: dict[str, tuple[int, i
     as not cached: this is only the heuristic that picks direct or buffered reads.
     """
     own = fds is None
-    if own:
+    if fds is None:
         try:
             fds = _open_files(path, manifest, direct=False)
         except SnapshotError:
@@ -278,8 +278,8 @@ def _close(fds: dict[str, tuple[int, int]]) -> None:
 
 def _check_results(path: Path, manifest: Manifest, indices: list[int], results: list, verify: bool) -> int:
     """Raise SnapshotCorrupt naming the first bad chunk (and how many were bad); return direct count."""
-    bad = []
-    for i, (err, short, _direct, actual) in zip(indices, results):
+    bad: list[tuple[int, str, object, object]] = []   # (chunk, what, expected, actual)
+    for i, (err, short, _direct, actual) in zip(indices, results, strict=True):
         c = manifest.chunks[i]
         if err:
             bad.append((i, f"read error {os.strerror(err)} (errno {err})", None, err))
@@ -356,7 +356,7 @@ def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, veri
         if direct:
             _add_direct(path, fds)
         fresh = buffer is None
-        if fresh:
+        if buffer is None:
             buffer = HostBuffer.allocate(total, huge=huge)
         jobs = [(*fds[c.file], c.offset, c.length, c.buffer_offset, c.checksum) for c in manifest.chunks]
         piece = DIRECT_PIECE_BYTES if direct else BUFFERED_PIECE_BYTES
@@ -398,7 +398,7 @@ def _restore_mapped(path: Path, manifest: Manifest, fds: dict[str, tuple[int, in
                                             workers, MAP_AHEAD, "read", MAP_PIECE_BYTES, verify)
         seconds = time.perf_counter() - start
         _check_results(path, manifest, list(range(len(hashes))),
-                       [(e, 0, 0, h) for e, h in zip(errs, hashes)], verify)
+                       [(e, 0, 0, h) for e, h in zip(errs, hashes, strict=True)], verify)
     except BaseException:
         buffer.memory.close()
         raise

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from typing import BinaryIO
 from collections.abc import Callable
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def push(snapshot_dir: Path | str, remote_root: Path | str, *, key: bytes | None
     partial.mkdir(parents=True)
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
     chunks: list[ChunkEntry] = []
-    outs: dict[str, object] = {}
+    outs: dict[str, BinaryIO] = {}
     try:
         for c in manifest.chunks:
             if c.file not in outs:

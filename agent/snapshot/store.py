@@ -12,7 +12,7 @@ Trans. Computers 50(12), 2001), kept incrementally: ``score ← score · 2^(−�
 A model the predictor expects to need soon is pinned until a time and never evicted before
 it; a snapshot being read (``with store.reading(id)``) is never evicted.  This answers the
 "NVMe cache eviction of a trending model's snapshot" failure mode of the snapshot design
-document (../shared/seeds/002, failure-modes table).
+document (docs/architecture.md, "Failure modes").
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from agent.clock import Clock, SystemClock
 from agent.errors import ConfigError, DiskFull, SnapshotNotFound

@@ -84,10 +84,11 @@ def _write_data(fd: int, tensors: Mapping[str, torch.Tensor], entries: list[Tens
                 total: int, chunk_bytes: int) -> list[ChunkEntry]:
     """Stream the buffer's bytes to ``fd`` one chunk at a time, hashing each chunk."""
     staging_mem = bytearray(min(chunk_bytes, max(total, 1)))
-    staging = torch.frombuffer(staging_mem, dtype=torch.uint8) if staging_mem else None
+    staging = torch.frombuffer(staging_mem, dtype=torch.uint8)   # never empty (max(total, 1))
     view = memoryview(staging_mem)
     values = list(tensors.values())
-    chunks, k, flats = [], 0, {}
+    chunks, k = [], 0
+    flats: dict[int, torch.Tensor] = {}
     for lo in range(0, total, chunk_bytes):
         hi = min(lo + chunk_bytes, total)
         staging[: hi - lo].zero_()

@@ -48,6 +48,7 @@ class Node:
     meta: dict[str, str] = field(default_factory=dict)            # static (client config)
     dynamic_meta: dict[str, str | None] = field(default_factory=dict)   # /v1/client/metadata
     devices: dict[str, list[str]] = field(default_factory=dict)
+    max_kill_timeout_s: float = 30.0      # the client's max_kill_timeout (its default)
 
     def merged_meta(self) -> dict[str, str]:
         out = dict(self.meta)
@@ -144,10 +145,15 @@ def affinity_score(node: Node, affinities: list[dict]) -> float:
 def choose(nodes: list[Node], *, constraints: list[dict], affinities: list[dict],
            group_nodes: set[str], device_need: dict[str, int],
            devices_used: dict[str, set[str]], job_allocs: dict[str, int],
-           penalty_nodes: set[str]) -> Node | None:
-    """The best feasible node, or None (the allocation stays pending)."""
+           penalty_nodes: set[str], drivers: set[str] = frozenset()) -> Node | None:
+    """The best feasible node, or None (the allocation stays pending).  ``drivers``: the task
+    drivers the group needs; a node qualifies only when it fingerprints each as
+    ``driver.<name>`` (``scheduler/feasible``: DriverChecker; raw_exec fingerprints only when
+    the client enables it)."""
     ranked = []
     for node in nodes:
+        if any(node.attributes.get(f"driver.{d}") not in ("1", "true") for d in drivers):
+            continue
         if not feasible(node, constraints, group_nodes=group_nodes, device_need=device_need,
                         devices_used=devices_used):
             continue

@@ -6,8 +6,10 @@ Written from Nomad's documentation:
   the client with no isolation; here in the node's network namespace (``ip netns exec``) when
   the node has one, its own process group, cwd the task directory;
 - "task block": ``kill_signal`` (default SIGINT) is sent to stop the task, SIGKILL after
-  ``kill_timeout`` (default 5 s); "service block": ``shutdown_delay`` waits between the
-  service's deregistration and the kill signal;
+  ``kill_timeout`` (default 5 s) capped at the client's ``max_kill_timeout`` (30 s by
+  default; ``client/allocrunner/taskrunner/driver_handle.go``: ``min(task.KillTimeout,
+  maxKillTimeout)``); the group's or task's ``shutdown_delay`` waits between the services'
+  deregistration and the kill signal;
 - "Runtime Environment" (docs/runtime/environment): ``NOMAD_ALLOC_ID``, ``NOMAD_ALLOC_NAME``,
   ``NOMAD_ALLOC_INDEX``, ``NOMAD_JOB_ID``, ``NOMAD_JOB_NAME``, ``NOMAD_GROUP_NAME``,
   ``NOMAD_TASK_NAME``, ``NOMAD_NAMESPACE``, ``NOMAD_REGION``, ``NOMAD_DC``, ``NOMAD_ALLOC_DIR``,
@@ -83,10 +85,12 @@ class TaskRunner:
     ``on_exit(runner, failed)`` is called once when the task is dead for good."""
 
     def __init__(self, *, alloc: dict, task: dict, node, env: dict[str, str], netns: str | None,
-                 task_dir: Path, restart: dict, on_exit, shutdown_delay_s: float = 0.0) -> None:
+                 task_dir: Path, restart: dict, on_exit, shutdown_delay_s: float = 0.0,
+                 max_kill_timeout_s: float = 30.0) -> None:
         self.alloc, self.task, self.node, self.netns = alloc, task, node, netns
         self.env, self.task_dir, self.restart = env, task_dir, restart
         self.on_exit, self.shutdown_delay_s = on_exit, shutdown_delay_s
+        self.kill_timeout_s = min((task.get("KillTimeout") or 5e9) * NS, max_kill_timeout_s)
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.events: list[dict] = []
@@ -104,7 +108,7 @@ class TaskRunner:
             return value if value is not None else m.group(0)
         return _INTERP.sub(one, text)
 
-    def start(self) -> "TaskRunner":
+    def start(self) -> TaskRunner:
         self._thread.start()
         return self
 
@@ -176,7 +180,7 @@ class TaskRunner:
             self._event("Killing", Signal=int(sig))
             _signal_group(proc, sig)
             try:
-                proc.wait(timeout=(self.task.get("KillTimeout") or 5e9) * NS)
+                proc.wait(timeout=self.kill_timeout_s)
             except subprocess.TimeoutExpired:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()

@@ -13,14 +13,18 @@ import sys
 import pytest
 
 KEYS = {"steps", "first_token_via_nomad_s", "restore_s", "requests", "lost",
-        "leader_failover_s", "watch_requests_per_s_at_index_0", "hosts"}
-STEPS = ["job submitted at count 0", "first request scales from zero through Nomad",
+        "leader_failover_s", "watch_requests_per_s_at_index_0", "hosts", "jobspec_check",
+        "second_scale_during_deployment_s", "acl_enforced", "meta"}
+STEPS = ["every job parses with HashiCorp's HCL2, 0 unknown arguments, 0 validation errors",
+         "an invalid job's registration is answered once, clearly, no retry loop",
+         "job submitted at count 0", "first request scales from zero through Nomad",
          "served by a Nomad allocation", "snapshot durable",
          "caching node publishes the snapshot in Nomad node metadata",
          "idle: the predictor scales in after the snapshot is durable",
+         "burst: a second replica within 5 s of the first scale-up",
          "next request restores on the caching node",
          "node agent killed: allocation rescheduled, traffic moves",
-         "leader predictor killed: a new leader within TTL + one tick",
+         "leader predictor killed: a new leader within 12 s (Consul's 2 x TTL is 20 s)",
          "watch at index 0 stays slow"]
 
 
@@ -38,6 +42,10 @@ def test_the_whole_scenario_on_three_hosts(tmp_path, repo_root):
     assert [s["name"] for s in res["steps"] if not s["name"].startswith("cast")] == STEPS
     assert all(isinstance(s["at_s"], float) for s in res["steps"])
     assert res["hosts"]["kind"] in ("netns", "loopback") and len(res["hosts"]["addresses"]) == 3
+    assert res["acl_enforced"] is True and res["lost"] == 0
+    assert all(c == {"parsed": True, "unknown_arguments": [], "validation_errors": []}
+               for c in res["jobspec_check"].values()) and len(res["jobspec_check"]) == 4
+    assert res["invalid_job_registration"]["register_requests"] == 1
     assert res["lost"] == 0 and res["requests"] > 0
     assert res["restore_s"] > 0 and res["first_token_via_nomad_s"] > 0
     assert res["total_s"] <= res["limit_s"]
@@ -57,7 +65,7 @@ def test_a_refused_request_fails_the_scenario_with_the_json_written(repo_root, m
     monkeypatch.setitem(sys.modules, spec.name, bench)   # its dataclasses look it up
     spec.loader.exec_module(bench)
     closed = []
-    monkeypatch.setattr(bench, "standin_cast", lambda run, work, netns: (
+    monkeypatch.setattr(bench, "standin_cast", lambda run, work, netns, tick_s: (
         None, None, "t", [lambda: closed.append(True)], None, None))
 
     def refused(run, cluster, door, token, **kw):

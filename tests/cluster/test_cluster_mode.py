@@ -1,15 +1,16 @@
-"""Cluster-mode wiring of the front door: its scaler registers a missing job through Nomad's
-parser and scales it; catalog models reach the front door's known models on its loop."""
+"""Cluster-mode wiring of the front door: the Nomad scaler it chooses registers a missing job
+through Nomad's parser and scales it; catalog models reach the front door's known models on
+its loop."""
 
 import asyncio
 import types
 
-from agent.cluster.cluster_mode import nomad_scaler
+from agent.cluster import ClusterChoice, choose
 
 
 def test_nomad_scaler_registers_from_jobs_and_scales(nomad_standin, monkeypatch):
     monkeypatch.setenv("NOMAD_ADDR", nomad_standin.url)
-    scaler = nomad_scaler(max_replicas=3)
+    scaler = choose("scaler", ClusterChoice(scaler="nomad", max_replicas=3))
     assert scaler.target("tiny") == 0
     scaler.set_target("tiny", 1, reason="front door: requests queued")
     job = nomad_standin.job("rewarm-replica-tiny")

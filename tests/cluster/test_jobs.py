@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agent.cluster.cli import register
-from agent.cluster.jobs import (JOBS_DIR, parse_job, register_job, replica_job,
+from agent.cluster.jobs import (JOBS_DIR, parse_job, replica_job,
                                 variables_file)
 from agent.cluster.nomad_http import nomad_client
 from agent.cluster.nomad_scaler import GROUP, JOB_PREFIX
@@ -18,7 +18,8 @@ from agent.errors import ClusterError, ConfigError
 
 JOBS = ["rewarm-agent.nomad.hcl", "rewarm-frontdoor.nomad.hcl", "rewarm-predictor.nomad.hcl",
         "rewarm-replica.nomad.hcl"]
-DRAIN_GRACE_S = 30          # --drain-grace-s default of the front door, agent and replicas
+DRAIN_GRACE_S = 25          # --drain-grace-s of the front door and agent in jobs/
+MAX_KILL_TIMEOUT_S = 30     # a Nomad client's default max_kill_timeout (command/agent/config.go)
 
 
 def parsed(standin, name, **variables):
@@ -38,7 +39,11 @@ def test_every_job_parses_with_its_variables_and_has_operator_stanzas(nomad_stan
     sent = nomad_standin.parse_requests[-1]
     assert sent["JobHCL"] == (JOBS_DIR / name).read_text() and sent["Canonicalize"] is True
     if job["Type"] != "system":
-        assert job["Update"]["MaxParallel"] == 1
+        # the replica job opts out of deployments (max_parallel 0, see its comment); the
+        # others roll one allocation at a time
+        want = 0 if name == "rewarm-replica.nomad.hcl" else 1
+        assert job["Update"]["MaxParallel"] == want
+        assert all(g["Update"]["MaxParallel"] == want for g in groups(job))
     for g in groups(job):
         assert g["RestartPolicy"]["Mode"] in ("fail", "delay")
         if job["Type"] == "service":
@@ -58,10 +63,20 @@ def test_every_job_parses_with_its_variables_and_has_operator_stanzas(nomad_stan
 
 @pytest.mark.parametrize("name", ["rewarm-agent.nomad.hcl", "rewarm-frontdoor.nomad.hcl",
                                   "rewarm-replica.nomad.hcl"])
-def test_kill_timeout_is_the_drain_grace_plus_a_margin(nomad_standin, name):
+def test_kill_timeout_is_the_drain_grace_plus_a_margin_within_the_clients_cap(nomad_standin,
+                                                                              name):
     task = groups(parsed(nomad_standin, name))[0]["Tasks"][0]
-    assert task["KillTimeout"] == (DRAIN_GRACE_S + 5) * 10**9
+    assert task["KillTimeout"] == (DRAIN_GRACE_S + 5) * 10**9 <= MAX_KILL_TIMEOUT_S * 10**9
     assert "--drain-grace-s" in (JOBS_DIR / name).read_text()   # the comment says why
+    agent = groups(parsed(nomad_standin, "rewarm-agent.nomad.hcl"))[0]["Tasks"][0]
+    args = agent["Config"]["args"]
+    assert float(args[args.index("--drain-grace-s") + 1]) == DRAIN_GRACE_S
+
+
+def test_shutdown_delay_is_on_the_groups_clients_route_to(nomad_standin):
+    for name, seconds in (("rewarm-frontdoor.nomad.hcl", 5), ("rewarm-agent.nomad.hcl", 2)):
+        g = groups(parsed(nomad_standin, name))[0]
+        assert g["ShutdownDelay"] == seconds * 10**9
 
 
 def test_agent_system_job_reserves_no_gpu_and_publishes_node_metadata(nomad_standin):
@@ -72,7 +87,9 @@ def test_agent_system_job_reserves_no_gpu_and_publishes_node_metadata(nomad_stan
     args = task["Config"]["args"]
     assert "--nomad-metadata" in args and args[args.index("--nomad-node-id") + 1] == "${node.unique.id}"
     assert task["Identity"]["Env"] is True
-    assert groups(job)[0]["Volumes"]["snapshots"]["Type"] == "host"
+    # raw_exec has no mounts (MountConfigSupportNone): the cache is a host path, no volume
+    assert task["Driver"] == "raw_exec" and task["VolumeMounts"] is None
+    assert groups(job)[0]["Volumes"] is None
 
 
 def test_replica_job_from_the_template(nomad_standin):
@@ -158,7 +175,8 @@ def test_cli_render_and_run(nomad_standin, capsys, monkeypatch):
 def test_no_hcl_is_converted_inside_agent():
     root = Path(__file__).resolve().parents[2] / "agent"
     offenders = [str(p) for p in root.rglob("*.py")
-                 if re.search(r"^\s*(import hcl2|from hcl2)", p.read_text(), re.M)]
+                 if re.search(r"^\s*(import hcl2|from hcl2|import pygohcl|from pygohcl)",
+                              p.read_text(), re.M)]
     assert offenders == []
 
 
@@ -166,9 +184,20 @@ def test_no_hcl_is_converted_inside_agent():
                                   "rewarm-frontdoor.nomad.hcl"])
 def test_tasks_get_the_control_token_from_nomad_variables(nomad_standin, name):
     task = groups(parsed(nomad_standin, name))[0]["Tasks"][0]
-    tmpl, = task["Templates"]
+    tmpl, = [t for t in task["Templates"] if "REWARM_CONTROL_TOKEN" in t["EmbeddedTmpl"]]
     assert tmpl["Envvars"] is True and tmpl["DestPath"].startswith("secrets/")
     assert tmpl["EmbeddedTmpl"].strip().startswith("REWARM_CONTROL_TOKEN={{ with nomadVar")
+
+
+@pytest.mark.parametrize("name,job", [("rewarm-agent.nomad.hcl", "rewarm-agent"),
+                                      ("rewarm-frontdoor.nomad.hcl", "rewarm-frontdoor"),
+                                      ("rewarm-predictor.nomad.hcl", "rewarm-predictor")])
+def test_consul_callers_get_their_consul_token_from_a_template(nomad_standin, name, job):
+    task = groups(parsed(nomad_standin, name))[0]["Tasks"][0]
+    tmpl, = [t for t in task["Templates"] if "CONSUL_HTTP_TOKEN" in t["EmbeddedTmpl"]]
+    assert tmpl["Envvars"] is True and tmpl["DestPath"] == "secrets/consul.env"
+    assert f'nomadVar "nomad/jobs/{job}"' in tmpl["EmbeddedTmpl"]
+    assert "{{ .consul_token }}" in tmpl["EmbeddedTmpl"]
 
 
 @pytest.mark.parametrize("name", ["rewarm-predictor.nomad.hcl", "rewarm-frontdoor.nomad.hcl"])

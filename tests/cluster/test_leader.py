@@ -8,6 +8,7 @@ from agent.errors import ConfigError
 from agent.predictor.loop import ModelPolicy, Predictor
 
 TTL_S = 10
+CHECK_TTL_S = 3.0
 TICK_S = 1.0
 
 
@@ -25,28 +26,43 @@ class RecordingScaler:
 
 def lock(standin, clock, name):
     return LeaderLock(consul_client(f"{standin.host}:{standin.port}"), clock=clock, name=name,
-                      ttl_s=TTL_S)
+                      ttl_s=TTL_S, check_ttl_s=CHECK_TTL_S)
 
 
-def test_one_leader_then_takeover_within_ttl_plus_one_tick(consul_standin, consul_clock):
+def test_one_leader_then_takeover_within_the_check_ttl_plus_one_tick(consul_standin,
+                                                                      consul_clock):
     a, b = lock(consul_standin, consul_clock, "a"), lock(consul_standin, consul_clock, "b")
     leaders = []
     for _ in range(5):
         consul_clock.advance(TICK_S)
         leaders.append((a.tick(), b.tick()))
     assert leaders == [(True, False)] * 5
-    killed_at = consul_clock.now()           # a stops renewing (process gone)
+    killed_at = consul_clock.now()           # a stops feeding its check (process gone)
     took_over = None
     while took_over is None:
         consul_clock.advance(TICK_S)
-        assert not a.is_leader or consul_clock.now() - killed_at < TTL_S
+        assert not a.is_leader or consul_clock.now() - killed_at < CHECK_TTL_S
         if b.tick():
             took_over = consul_clock.now() - killed_at
         assert not (a.is_leader and b.is_leader)
-        assert consul_clock.now() - killed_at <= TTL_S + 2 * TICK_S
-    assert TTL_S < took_over <= TTL_S + TICK_S
+        assert consul_clock.now() - killed_at <= CHECK_TTL_S + TICK_S
+    # the check went critical CHECK_TTL_S after the last pass: the session went with it,
+    # long before Consul's 2 x TTL session timer
+    assert took_over <= CHECK_TTL_S + TICK_S < 2 * TTL_S
     consul_clock.advance(TICK_S)             # a comes back: its session is gone
     assert a.tick() is False and b.tick() is True
+
+
+def test_without_the_check_a_dead_leaders_session_lives_for_2_x_ttl(consul_standin,
+                                                                     consul_clock):
+    c = consul_client(f"{consul_standin.host}:{consul_standin.port}")
+    sid = c.session.create(ttl=TTL_S, lock_delay=0)
+    assert c.kv.put(LEADER_KEY, "old", acquire=sid)
+    consul_clock.advance(2 * TTL_S - 0.1)    # past the TTL: Consul still holds it
+    assert c.session.info(sid)[1] is not None
+    consul_clock.advance(0.1)
+    assert c.session.info(sid)[1] is None    # invalidated at 2 x TTL (session_ttl.go)
+    assert "Session" not in consul_standin.kv[LEADER_KEY]
 
 
 def test_two_predictors_never_act_in_the_same_tick(consul_standin, consul_clock):
@@ -74,7 +90,7 @@ def test_two_predictors_never_act_in_the_same_tick(consul_standin, consul_clock)
     assert all(len(a) <= 1 for a in per_tick)
     assert per_tick[0] == ["p1"] and per_tick[-1] == ["p2"]
     gap = [i for i, a in enumerate(per_tick) if not a]
-    assert gap and len(gap) <= TTL_S         # nobody acts for at most TTL ticks
+    assert gap and len(gap) <= CHECK_TTL_S   # nobody acts for at most the check's TTL
     assert {n for n, _ in acted} == {"p1", "p2"}
 
 
@@ -90,14 +106,14 @@ def test_losing_consul_means_losing_the_lock(consul_standin, consul_clock):
     assert a.tick() is True                  # its session still lives: it leads again
 
 
-def test_leader_cut_off_stops_before_the_ttl(consul_standin, consul_clock):
+def test_leader_cut_off_stops_before_consul_can_let_go(consul_standin, consul_clock):
     a = lock(consul_standin, consul_clock, "a")
     consul_clock.advance(TICK_S)
     assert a.tick()
-    consul_clock.advance(TTL_S - 0.5)
-    assert a.is_leader                        # still within its lease
+    consul_clock.advance(CHECK_TTL_S - 0.5)
+    assert a.is_leader                        # its check still passes
     consul_clock.advance(0.5)
-    assert not a.is_leader                    # lease over without a renew
+    assert not a.is_leader                    # Consul may now invalidate the session
 
 
 def test_release_hands_over_at_once(consul_standin, consul_clock):
@@ -107,10 +123,12 @@ def test_release_hands_over_at_once(consul_standin, consul_clock):
     a.release()
     assert b.tick()
     assert consul_standin.kv[LEADER_KEY]["Session"] == b.session
+    assert a.service_id not in consul_standin.services       # its check is gone too
+    assert consul_standin.sessions[b.session]["checks"] == ["serfHealth", b.check_id]
 
 
-@pytest.mark.parametrize("ttl", [9, 86401])
-def test_ttl_limits(consul_standin, consul_clock, ttl):
+@pytest.mark.parametrize("ttl,check_ttl", [(9, 3.0), (86401, 3.0), (10, 0.0), (10, 10.0)])
+def test_ttl_limits(consul_standin, consul_clock, ttl, check_ttl):
     with pytest.raises(ConfigError):
         LeaderLock(consul_client(f"{consul_standin.host}:{consul_standin.port}"),
-                   clock=consul_clock, name="x", ttl_s=ttl)
+                   clock=consul_clock, name="x", ttl_s=ttl, check_ttl_s=check_ttl)

@@ -10,7 +10,10 @@ import requests
 
 from tests.cluster.nomad_runner import TemplateError, env_lines, render_template
 
-JOB = {"ID": "j", "Name": "j", "Type": "service", "Meta": {"k": "v"}, "TaskGroups": [{
+RAW_EXEC = ("raw_exec",)      # clients enable it in their plugin config; off by default
+# Update MaxParallel 0: no deployment, so the test may scale at once (see nomad_deployments)
+JOB = {"ID": "j", "Name": "j", "Type": "service", "Meta": {"k": "v"},
+       "Update": {"MaxParallel": 0}, "TaskGroups": [{
     "Name": "g", "Count": 1, "RestartPolicy": {"Attempts": 0, "Mode": "fail"},
     "ReschedulePolicy": {"Delay": int(60e9), "DelayFunction": "constant", "Unlimited": True},
     "Networks": [{"DynamicPorts": [{"Label": "http", "Value": 0}]}],
@@ -51,7 +54,7 @@ def wait(cond, timeout_s=60):
 
 
 def test_an_allocation_runs_with_its_environment_and_is_killed_after_kill_timeout(nomad_standin):
-    node = nomad_standin.add_node("n1", "127.0.0.1", gpus=1)
+    node = nomad_standin.add_node("n1", "127.0.0.1", gpus=1, drivers=RAW_EXEC)
     nomad_standin.variables[("default", "nomad/jobs")] = {"Path": "nomad/jobs",
                                                          "Items": {"s": "sekrit"}}
     job = json.loads(json.dumps(JOB).replace("PROGRAM", PROGRAM.replace('"', '\\"')))
@@ -89,10 +92,10 @@ def test_an_allocation_runs_with_its_environment_and_is_killed_after_kill_timeou
 
 
 def test_a_task_that_exits_fails_its_allocation_and_is_rescheduled(nomad_standin):
-    nomad_standin.add_node("n1", "127.0.0.1", gpus=1)
-    nomad_standin.add_node("n2", "127.0.0.1", gpus=1)
+    nomad_standin.add_node("n1", "127.0.0.1", gpus=1, drivers=RAW_EXEC)
+    nomad_standin.add_node("n2", "127.0.0.1", gpus=1, drivers=RAW_EXEC)
     job = json.loads(json.dumps(JOB).replace("PROGRAM", "import sys; sys.exit(3)"))
-    job["TaskGroups"][0]["ReschedulePolicy"]["Delay"] = int(0.2e9)
+    job["TaskGroups"][0]["ReschedulePolicy"]["Delay"] = int(5e9)    # Nomad's minimum
     job["TaskGroups"][0]["Tasks"][0]["Templates"] = None
     requests.post(f"{nomad_standin.url}/v1/jobs", json={"Job": job}, timeout=5)
     wait(lambda: len(nomad_standin.job_allocs("j")) >= 2)
@@ -104,7 +107,7 @@ def test_a_task_that_exits_fails_its_allocation_and_is_rescheduled(nomad_standin
 
 
 def test_a_template_the_task_may_not_read_fails_the_allocation(nomad_standin):
-    nomad_standin.add_node("n1", "127.0.0.1", gpus=1)
+    nomad_standin.add_node("n1", "127.0.0.1", gpus=1, drivers=RAW_EXEC)
     job = json.loads(json.dumps(JOB).replace("PROGRAM", "pass"))
     job["TaskGroups"][0]["Tasks"][0]["Templates"][0]["EmbeddedTmpl"] = (
         '{{ with nomadVar "nomad/jobs/other-job" }}{{ .s }}{{ end }}')
@@ -114,3 +117,37 @@ def test_a_template_the_task_may_not_read_fails_the_allocation(nomad_standin):
     events = nomad_standin.job_allocs("j")[0]["TaskStates"]["t"]["Events"]
     assert events[0]["Type"] == "Template Failure" and "Permission denied" in events[0][
         "DisplayMessage"]
+
+
+def test_raw_exec_runs_only_on_clients_that_enable_it(nomad_standin):
+    nomad_standin.add_node("n1", "127.0.0.1", gpus=1)          # default drivers: exec only
+    job = json.loads(json.dumps(JOB).replace("PROGRAM", "pass"))
+    assert requests.post(f"{nomad_standin.url}/v1/jobs", json={"Job": job},
+                         timeout=5).status_code == 200
+    time.sleep(0.5)                                             # a few scheduler ticks
+    assert nomad_standin.job_allocs("j") == []                  # no feasible node
+    nomad_standin.add_node("n2", "127.0.0.1", gpus=1, drivers=RAW_EXEC)
+    wait(lambda: [a["NodeName"] for a in nomad_standin.job_allocs("j")] == ["n2"])
+
+
+def test_kill_timeout_is_capped_at_the_clients_max_kill_timeout(nomad_standin):
+    nomad_standin.add_node("n1", "127.0.0.1", gpus=1, drivers=RAW_EXEC, max_kill_timeout_s=0.25)
+    job = json.loads(json.dumps(JOB).replace("PROGRAM", PROGRAM.replace('"', '\\"')))
+    job["TaskGroups"][0]["Tasks"][0]["KillTimeout"] = int(35e9)
+    requests.post(f"{nomad_standin.url}/v1/jobs", json={"Job": job}, timeout=5)
+    wait(lambda: nomad_standin.job_allocs("j")
+         and nomad_standin.job_allocs("j")[0]["ClientStatus"] == "running")
+    runner = nomad_standin.runner(nomad_standin.job_allocs("j")[0]["ID"])
+    assert runner.kill_timeout_s == 0.25                        # min(35 s, max_kill_timeout)
+
+
+def test_a_host_volume_on_raw_exec_fails_the_task_in_prestart(nomad_standin):
+    nomad_standin.add_node("n1", "127.0.0.1", gpus=1, drivers=RAW_EXEC)
+    job = json.loads(json.dumps(JOB).replace("PROGRAM", "pass"))
+    job["TaskGroups"][0]["Volumes"] = {"v": {"Name": "v", "Type": "host", "Source": "v"}}
+    job["TaskGroups"][0]["Tasks"][0]["VolumeMounts"] = [{"Volume": "v", "Destination": "/d"}]
+    requests.post(f"{nomad_standin.url}/v1/jobs", json={"Job": job}, timeout=5)
+    wait(lambda: nomad_standin.job_allocs("j")
+         and nomad_standin.job_allocs("j")[0]["ClientStatus"] == "failed")
+    event = nomad_standin.job_allocs("j")[0]["TaskStates"]["t"]["Events"][0]
+    assert event["DisplayMessage"] == 'task driver "raw_exec" for "t" does not support host volumes'

@@ -34,16 +34,33 @@ def test_404_registers_the_job_then_scales(nomad_standin):
 
 
 def test_400_while_deployment_active_is_retryable(nomad_standin):
+    # a replica job with an update strategy (the template has none: max_parallel 0): each
+    # count change starts a deployment, and Job.Scale refuses while it is active
+    client = nomad_client(address=nomad_standin.url)
+    job = replica_job(client, "m", 4)
+    job["Update"] = job["TaskGroups"][0]["Update"] = {"MaxParallel": 1}
+    client.jobs.register_job({"Job": job})
     scaler, _ = make(nomad_standin)
     scaler.set_target("m", 1, reason="up")
-    nomad_standin.active_deployments.add("rewarm-replica-m")
+    dep = client.job.request("rewarm-replica-m", "deployment", method="get").json()
+    assert dep["Status"] == "running" and dep["TaskGroups"]["replica"]["DesiredTotal"] == 1
     with pytest.raises(ClusterError) as err:
         scaler.set_target("m", 2, reason="up")
     assert err.value.status == 400 and err.value.retryable is True
-    assert "deployment" in str(err.value)
-    nomad_standin.active_deployments.clear()
+    assert "job scaling blocked due to active deployment" in str(err.value)
+    with nomad_standin.lock:                 # the deployment ends (no node: cancel it by hand)
+        nomad_standin.deployments.by_id[dep["ID"]]["Status"] = "cancelled"
     scaler.set_target("m", 2, reason="up")               # next tick succeeds
     assert nomad_standin.job("rewarm-replica-m")["TaskGroups"][0]["Count"] == 2
+
+
+def test_the_replica_template_starts_no_deployment_so_counts_move_freely(nomad_standin):
+    scaler, _ = make(nomad_standin)
+    for count in (1, 2, 3):
+        scaler.set_target("m", count, reason="burst")
+    client = nomad_client(address=nomad_standin.url)
+    assert client.job.request("rewarm-replica-m", "deployments", method="get").json() == []
+    assert nomad_standin.job("rewarm-replica-m")["Version"] == 3    # one version per scale
 
 
 def test_400_over_scaling_max_is_not_retryable(nomad_standin):
@@ -164,3 +181,43 @@ def test_model_names_are_checked_before_a_url_is_built(nomad_standin, model):
     with pytest.raises(ConfigError):
         scaler.target(model)
     assert nomad_standin.requests == []
+
+
+def test_an_invalid_job_is_refused_once_naming_the_registration(nomad_standin, caplog):
+    client = nomad_client(address=nomad_standin.url)
+
+    def bad_job(model):
+        job = replica_job(client, model, 4)
+        job["TaskGroups"][0]["ReschedulePolicy"]["Delay"] = 2 * 10**9   # under Nomad's 5 s
+        return job
+    clock = ManualClock()
+    scaler = NomadScaler(client, register_job=bad_job, clock=clock, job_error_backoff_s=300)
+    with pytest.raises(ClusterError) as err:
+        scaler.set_target("m", 1, reason="up")
+    assert err.value.retryable is False and err.value.status == 500
+    assert "registering job rewarm-replica-m (POST /v1/jobs) was refused" in str(err.value)
+    assert "Delay cannot be less than 5s (got 2s)" in str(err.value)
+    n = len(nomad_standin.requests)
+    for _ in range(5):                                    # later ticks: answered from memory
+        clock.advance(10.0)
+        with pytest.raises(ClusterError) as again:
+            scaler.set_target("m", 1, reason="up")
+        assert again.value is err.value
+    assert len(nomad_standin.requests) == n and nomad_standin.register_requests == [
+        (500, "rewarm-replica-m")]
+    assert sum("not registering" in r.message for r in caplog.records) == 1
+    clock.advance(300.0)                                  # after the hold: asked again, once
+    with pytest.raises(ClusterError):
+        scaler.set_target("m", 1, reason="up")
+    assert len(nomad_standin.register_requests) == 2
+
+
+def test_a_transient_500_on_registration_is_retried_with_back_off(nomad_standin):
+    scaler, clock = make(nomad_standin)
+    nomad_standin.fail_next(500, "/v1/jobs", body="rpc error: No cluster leader")
+    with pytest.raises(ClusterError) as err:
+        scaler.set_target("m", 1, reason="up")
+    assert err.value.retryable is True and err.value.retry_after_s
+    clock.advance(err.value.retry_after_s)
+    scaler.set_target("m", 1, reason="up")
+    assert nomad_standin.job("rewarm-replica-m")["TaskGroups"][0]["Count"] == 1

@@ -32,7 +32,9 @@ def test_session_ttl_range_and_default_lock_delay(consul_standin, consul_clock):
                          timeout=5).json()["ID"]
     assert requests.put(f"{base}/v1/kv/lock?acquire={sid}", timeout=5).json() is True
     assert requests.put(f"{base}/v1/kv/lock?acquire={other}", timeout=5).json() is False
-    consul_clock.advance(10.5)                # the first session expires, lock released...
+    consul_clock.advance(10.5)                # past its TTL, Consul still holds it...
+    assert "Session" in requests.get(f"{base}/v1/kv/lock", timeout=5).json()[0]
+    consul_clock.advance(9.5)                 # ...until 2 x TTL (session_ttl.go): released
     assert "Session" not in requests.get(f"{base}/v1/kv/lock", timeout=5).json()[0]
     # ...but the default 15 s lock-delay keeps it from being taken at once
     assert requests.put(f"{base}/v1/kv/lock?acquire={other}", timeout=5).json() is False
@@ -44,6 +46,10 @@ def test_session_ttl_range_and_default_lock_delay(consul_standin, consul_clock):
 def test_nomad_scale_needs_a_group_and_a_known_job(nomad_standin):
     base = nomad_standin.url
     job = {"ID": "j", "TaskGroups": [{"Name": "g", "Count": 0}]}
+    # no task: Job.Validate refuses it, an uncoded RPC error, so 500 (errCodeFromHandler)
+    r = requests.post(f"{base}/v1/jobs", json={"Job": job}, timeout=5)
+    assert r.status_code == 500 and "Missing tasks for task group" in r.text
+    job["TaskGroups"][0]["Tasks"] = [{"Name": "t", "Driver": "exec"}]
     assert requests.post(f"{base}/v1/jobs", json={"Job": job}, timeout=5).status_code == 200
     assert requests.post(f"{base}/v1/job/j/scale", json={"Count": 1},
                          timeout=5).status_code == 400

@@ -59,15 +59,15 @@ def test_model_label_is_bounded():
     assert models == {"m0", "m1", OTHER_MODEL}
 
 
-def test_reject_reason_classifies_the_front_doors_texts():
-    assert reject_reason(429, "queue for 'm' is full: depth 2 = max_depth(2)") == "queue_full"
-    assert reject_reason(429, "waited max_wait_s(5.0) for model 'm'") == "max_wait"
-    assert reject_reason(504, "deadline passed after 30001 ms queued") == "deadline"
-    assert reject_reason(429, "expected wait exceeds the deadline") == "deadline_unreachable"
-    assert reject_reason(503, "front door is draining") == "draining"
-    assert reject_reason(429, None) == "other" and reject_reason(503, "") == "no_capacity"
-    assert reject_reason(429, "fd_reserve") == "fd_reserve"
-    assert set(REJECT_REASONS) >= {"queue_full", "max_connections", "fd_reserve"}
+def test_reject_reason_is_the_refusal_code_never_the_text():
+    assert reject_reason(429, "queue_full") == "queue_full"
+    assert reject_reason(503, "draining") == "draining"
+    # text is never classified: a message naming capacity is no no_capacity
+    assert reject_reason(429, "no capacity in sight can start it in time") == "other"
+    assert reject_reason(503, "front door is draining") == "other"
+    assert reject_reason(504, None) == "deadline" and reject_reason(429, None) == "other"
+    assert set(REJECT_REASONS) >= {"queue_full", "max_connections", "fd_reserve",
+                                   "deadline_unreachable", "context_length"}
 
 
 def _get(url):
@@ -97,3 +97,39 @@ def test_status_port_paths_and_readiness():
         assert _get(base + "/readyz") == (200, "ready\n")
     finally:
         server.close()
+
+
+def test_token_counters_and_end_to_end_and_inter_token_histograms():
+    t = Telemetry()
+    done = {"prompt_tokens": 7, "n_tokens": 5, "total_ms": 250.0}
+    # 5 tokens: the first, then messages of 1, 1 and 2 tokens 10, 30 and 40 ms apart
+    t.event(1, "m", "warm_hit", 200, 0.0, None, 50.0, False, done=done,
+            token_gaps=[(0.01, 1), (0.03, 1), (0.04, 2)])
+    t.event(2, "m", "snapshot_restore", 200, 0.0, 900.0, 1000.0, False,
+            done={"prompt_tokens": 3, "n_tokens": 1, "total_ms": 1000.0}, token_gaps=[])
+    t.event(3, "m", "refused", 429, 0.0, None, None, False, reason="queue_full")
+    f = families(t)
+    prompt = {s.labels["path"]: s.value for s in samples(f["rewarm_prompt_tokens"], "_total")}
+    generated = {s.labels["path"]: s.value
+                 for s in samples(f["rewarm_generation_tokens"], "_total")}
+    assert prompt == {"warm_hit": 7, "snapshot_restore": 3}
+    assert generated == {"warm_hit": 5, "snapshot_restore": 1}
+    e2e = f["rewarm_e2e_request_latency_seconds"]
+    assert {s.labels["path"]: s.value for s in samples(e2e, "_sum")} == {
+        "warm_hit": pytest.approx(0.25), "snapshot_restore": pytest.approx(1.0)}
+    itl = f["rewarm_inter_token_latency_seconds"]
+    [count] = samples(itl, "_count")
+    assert count.labels == {"model": "m", "path": "warm_hit"} and count.value == 4
+    assert samples(itl, "_sum")[0].value == pytest.approx(0.08)
+    le = {float(s.labels["le"]): s.value for s in samples(itl, "_bucket")}
+    assert le[0.01] == 1 and le[0.025] == 3 and le[0.05] == 4   # 10 ms, 2 x 20 ms, 30 ms
+
+
+def test_the_refusal_code_is_the_label():
+    t = Telemetry()
+    t.event(1, "m", "refused", 429, 0.0, None, None, False, reason="deadline_unreachable")
+    t.event(2, "m", "refused", 503, 0.0, None, None, False,
+            reason="model 'm': no warm replica and no capacity requester configured")
+    rej = {(s.labels["code"], s.labels["reason"]): s.value
+           for s in samples(families(t)["rewarm_rejections"], "_total")}
+    assert rej == {("429", "deadline_unreachable"): 1, ("503", "other"): 1}

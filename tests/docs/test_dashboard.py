@@ -31,10 +31,13 @@ PROMQL_WORDS = {"sum", "by", "without", "rate", "increase", "histogram_quantile"
 SCRAPE_LABELS = {"le", "job", "instance"}
 
 
-def exposed() -> dict[str, set[str]]:
-    """Every sample name rewarm exposes -> the label names seen on it."""
+def registries() -> dict:
+    """Each component's registry, as its status port serves it, after some traffic:
+    front door, node agent, replica, predictor."""
     t = Telemetry()
-    t.event(1, "m", "warm_hit", 200, 5.0, None, 12.0, False, predicted_ttft_ms=10.0)
+    t.event(1, "m", "warm_hit", 200, 5.0, None, 12.0, False, predicted_ttft_ms=10.0,
+            done={"prompt_tokens": 4, "n_tokens": 3, "total_ms": 30.0},
+            token_gaps=[(0.01, 1), (0.02, 2)])
     t.event(2, "m", "refused", 429, 0.0, None, None, False, reason="queue_full")
     t.queue_depth("m", 1)
     node = NodeMetrics("n1")
@@ -47,10 +50,10 @@ def exposed() -> dict[str, set[str]]:
     record.last_stats["phases_s"] = {"weights_s": 0.1, "package_s": 0.1, "golden_s": 0.2}
     node.attach(SimpleNamespace(store=SimpleNamespace(used_bytes=1, capacity_bytes=2),
                                 pool={"cpu": []}, replicas={"r": record},
-                                _lock=threading.Lock()))
+                                lock=threading.Lock()))
     catalog = SimpleNamespace(snapshot=lambda sid: SimpleNamespace(size_bytes=100))
     node.restore_finished(record, 1.0, True, catalog)
-    replica = replica_registry(lambda: {"model": "m", "tokens_per_s": 1.0})
+    replica = replica_registry(lambda: {"model": "m", "generated_tokens": 3})
     clock = ManualClock()
 
     class Scaler:
@@ -66,8 +69,14 @@ def exposed() -> dict[str, set[str]]:
     for _ in range(3):
         clock.advance(1)
         predictor.step()
+    return {"frontdoor": t.registry, "agent": node.registry, "replica": replica,
+            "predictor": predictor.registry}
+
+
+def exposed() -> dict[str, set[str]]:
+    """Every sample name rewarm exposes -> the label names seen on it."""
     out: dict[str, set[str]] = {}
-    for registry in (t.registry, node.registry, replica, predictor.registry):
+    for registry in registries().values():
         text = generate_latest(registry).decode()
         for family in text_string_to_metric_families(text):
             for s in family.samples:
@@ -101,7 +110,9 @@ def test_dashboard_loads_and_has_panels_for_each_component():
     assert dash["title"] == "rewarm" and dash["uid"]
     exprs = " ".join(t["expr"] for p in panels() for t in p["targets"])
     for prefix in ("rewarm_ttft_seconds", "rewarm_node_", "rewarm_replica_", "rewarm_predictor_",
-                   "process_"):
+                   "process_", "rewarm_prompt_tokens_total", "rewarm_generation_tokens_total",
+                   "rewarm_e2e_request_latency_seconds_bucket",
+                   "rewarm_inter_token_latency_seconds_bucket"):
         assert prefix in exprs
     ids = [p["id"] for p in json.loads(DASHBOARD.read_text())["panels"]]
     assert len(ids) == len(set(ids))

@@ -72,7 +72,7 @@ async def raw_http(entrance, data: bytes, *, timeout_s: float = 5.0) -> bytes:
             if not chunk:
                 break
             out += chunk
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     writer.close()
     return out

@@ -4,12 +4,12 @@ Each request gets one ``tokens`` message (``max_tokens`` ids counting up from th
 length) and a ``done``.  ``hold`` keeps answers back until :meth:`release`; ``fail_with``
 answers every request with that error code instead; ``refuse`` answers the first ``refuse``
 requests 429 as a replica does when it predicts it cannot start one within its
-``deadline_ms`` (contract point 3: ``predicted_ttft_ms``, ``deadline_ms``,
+``deadline_ms`` (docs/architecture.md, "The replica's refusal": ``predicted_ttft_ms``, ``deadline_ms``,
 ``retry_after_ms``); ``crash`` hangs up on the first request.
 
 The stub reports its ``speed`` (agent/speed.py; :data:`INSTANT`, the speed of answering at
 once, unless given; ``speed=None``: no profile, as a replica that has not measured itself) in
-its registry meta with its queue (contract point 2).  ``paced``: answer at that speed — the
+its registry meta with its queue (docs/architecture.md, "Replica load reports").  ``paced``: answer at that speed — the
 first token after the TTFT the profile predicts for its queue at arrival, ``done`` after
 ``max_tokens`` decode steps more (event-loop timers; tests never assert on wall time).
 ``cancel`` ops are honoured (the answer is dropped).
@@ -46,7 +46,7 @@ class StubReplica:
         self.active = 0          # sequences admitted and not done (paced mode)
         self.waiting_tokens = 0  # prompt tokens not yet prefilled (paced mode)
 
-    async def start(self) -> "StubReplica":
+    async def start(self) -> StubReplica:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Conn(self), "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]

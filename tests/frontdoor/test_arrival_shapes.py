@@ -68,7 +68,7 @@ def test_no_504_when_predictions_are_right(shape, restore_s):
     warm = [s for s in served if s.final["path"] == "warm_hit"]
     assert all(s.first_s - s.arrival_s <= 2.0 for s in warm)
     refused = [s for s in f.sinks if s.code == 429]
-    at_once = [s for s in refused if s.at_s - s.arrival_s <= 0.050]   # issue 12's bound
+    at_once = [s for s in refused if s.at_s - s.arrival_s <= 0.050]   # answered at once: 50 ms
     assert len(at_once) >= 0.95 * len(refused), (len(at_once), len(refused))
     if shape in ("steady", "idle_gap", "ramp") or restore_s < 4.0:  # capacity can follow
         assert len(served) >= 0.9 * len(codes), (len(served), len(codes))

@@ -1,4 +1,4 @@
-"""The front door at its descriptor limit (issue 15): under ``resource.setrlimit`` in a
+"""The front door at its descriptor limit: under ``resource.setrlimit`` in a
 subprocess, more connections than descriptors each get an answer (served, or 429 and closed),
 none hangs, and accept errors are logged once per interval, not once per failure."""
 
@@ -46,7 +46,7 @@ async def one(port: int, results: list, hold: asyncio.Event) -> None:
             for msg in decoder.feed(chunk):
                 answer = msg
         results.append(("answer", answer and answer.get("code")))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         results.append(("hung", None))
     except OSError as exc:
         results.append(("reset", repr(exc)))

@@ -90,7 +90,7 @@ def test_overload_on_prefill_bound_replicas_refuses_at_arrival(shape, restore_s,
         slo_s = 2.0 if s.final["path"] == "warm_hit" else 4.0
         assert s.first_s - s.arrival_s <= slo_s
     late = [round(s.at_s - s.arrival_s, 3) for s in refused if s.at_s - s.arrival_s > 0.050]
-    assert len(late) <= 0.05 * len(refused), late                 # issue 12: >= 95 % at once
+    assert len(late) <= 0.05 * len(refused), late                 # >= 95 % at once
 
 
 def test_a_replica_slower_than_it_knows_is_predicted_slower_after_its_first_tokens():
@@ -154,12 +154,12 @@ def test_a_node_at_its_cap_counts_no_restorable_capacity_until_a_replica_leaves(
         f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=2, restore_s=1.0, max_replicas=2,
                   measured_restores_s=(1.0,))
         now = f.clock.now()
-        assert f.path._etas_s("m", now) and not f.path._at_cap("m")
-        f.path._restore_for("m", 1)
+        assert f.path.planner.etas_s("m", now) and not f.path.restores.at_cap("m")
+        f.path.restores.restore_for("m", 1)
         await f.timeline.run_until(now + 0.5)
-        assert f.path._at_cap("m") and f.path._etas_s("m", f.clock.now()) == []
+        assert f.path.restores.at_cap("m") and f.path.planner.etas_s("m", f.clock.now()) == []
         f.path.router.remove("r1")                  # scaled in: its slot may be free
-        assert not f.path._at_cap("m") and f.path._etas_s("m", f.clock.now())
+        assert not f.path.restores.at_cap("m") and f.path.planner.etas_s("m", f.clock.now())
     asyncio.run(main())
 
 
@@ -175,9 +175,9 @@ def test_an_at_cap_answer_with_no_replica_in_view_does_not_cap():
     async def main():
         f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=0, measured_restores_s=(1.0,))
         f.path.capacity = Racing()
-        f.path._restore_for("m", 1)
+        f.path.restores.restore_for("m", 1)
         await f.timeline.run_until(f.clock.now() + 0.1)
-        assert not f.path._at_cap("m") and f.path._etas_s("m", f.clock.now())
+        assert not f.path.restores.at_cap("m") and f.path.planner.etas_s("m", f.clock.now())
     asyncio.run(main())
 
 
@@ -193,13 +193,13 @@ def test_capacity_is_found_again_when_a_node_joins_while_capped():
         for t in np.sort(rng.uniform(0, 8.0, int(3 * capacity_rps() * 8.0))):
             f.arrive(t0 + t, int(rng.integers(*PROMPT)), int(rng.integers(*GEN)))
         await f.timeline.run_until(t0 + 2.0)
-        assert f.path._at_cap("m") and len(f.path.router.warm("m")) == 2
+        assert f.path.restores.at_cap("m") and len(f.path.router.warm("m")) == 2
         f.capacity.max_replicas = 3                  # a node with room joins
         await f.timeline.run_until(t0 + 20.0)
         warm = {r.replica_id for r in f.path.router.warm("m")}
         assert len(warm) == 3 and any(r.startswith("restored-") for r in warm)
         # capped again only at the new total (the joined node filled too), not at the old 2
-        assert f.path._capped.get("m") in (None, 3)
+        assert f.path.models.of("m").capped_warm in (None, 3)
         codes, served, refused = outcome(f)
         assert None not in codes and set(codes) <= {200, 429}
         assert any(s.final["replica"].startswith("restored-") for s in served)

@@ -195,7 +195,7 @@ def test_each_answer_passes_its_prediction_to_telemetry_when_telemetry_takes_it(
             self.seen = []
 
         def event(self, request_id, model, path, code, queue_wait_ms, restore_ms, ttft_ms,
-                  sla_breached, *, reason=None, predicted_ttft_ms=None):
+                  sla_breached, *, reason=None, predicted_ttft_ms=None, **_answer):
             self.seen.append((code, ttft_ms, predicted_ttft_ms, reason))
 
     async def main():
@@ -275,7 +275,7 @@ def test_requests_that_find_no_warm_replica_are_counted_with_their_misses():
         assert f.path.info("stats")["cold"] == {"m": {"arrivals": 2, "misses": 0}}
         warm = f.submit()                           # a replica is warm now: not cold
         await f.timeline.run_until(t0 + 8)
-        assert warm.code == 200 and f.path.cold["m"] == [2, 0]
+        assert warm.code == 200 and (f.path.models.of("m").cold_arrivals, f.path.models.of("m").cold_misses) == (2, 0)
         # restores too slow for the 4 s restore SLO: refused at once, each a cold miss
         g = Fleet(max_seqs=4, warm=0, restore_s=10.0, measured_restores_s=(10.0,))
         refused = [g.submit() for _ in range(3)]
@@ -293,7 +293,7 @@ def test_a_replicas_garbage_retry_after_or_prediction_never_reaches_the_client_o
     for code, retry, predicted in ((503, -5, None), (429, 0, float("inf")),
                                    (429, RETRY_AFTER_MAX_MS + 1, float("nan")),
                                    (429, True, -1e9), (503, 2.5, None)):
-        async def main():
+        async def main(code, retry, predicted):
             f = Fleet(warm=1)
             replica = f.replicas[0]
             s = f.submit()
@@ -306,7 +306,7 @@ def test_a_replicas_garbage_retry_after_or_prediction_never_reaches_the_client_o
             assert s.code == 429 and s.final["retry_after_ms"] == RETRY_AFTER_MS, (code, retry)
             load = f.path.router.get("r0")
             assert load is None or load.penalty_s == 0.0, (predicted, load.penalty_s)
-        run(main())
+        run(main(code, retry, predicted))
     async def fine():
         f = Fleet(warm=1)
         replica = f.replicas[0]
@@ -369,10 +369,11 @@ def test_a_replicas_client_error_on_a_cold_request_is_no_slo_miss():
             f.submit()
             rid, flight = next(iter(replica.in_flight.items()))
             flight.cold = True                 # as if it had found no warm replica
-            f.path.cold["m"] = [1, 0]
+            f.path.models.of("m").cold_arrivals, f.path.models.of("m").cold_misses = 1, 0
             f.path.on_answer(replica, flight, {"id": rid, "type": "tokens", "tokens": [1]}) \
                 if code == 500 else None
             f.path.on_answer(replica, flight, {"id": rid, "type": "error", "code": code,
                                                "reason": "prompt 600 + max_tokens 8 exceeds"})
-            assert f.path.cold["m"] == [1, misses], code
+            assert (f.path.models.of("m").cold_arrivals,
+                    f.path.models.of("m").cold_misses) == (1, misses), code
     run(main())

@@ -42,18 +42,18 @@ def run_one(came_up: str):
     async def main():
         fd = FrontDoor(FrontDoorConfig(models={"m": 60_000.0}), registry=LocalRegistry())
         fd.path.capacity = AppearsThroughRegistry(fd, came_up)
-        await fd.path._restore("m")
+        await fd.path.restores.restore("m")
         return fd.path
     return asyncio.run(main())
 
 
 def test_a_cold_boot_through_the_scaler_is_not_a_snapshot_restore_eta():
     path = run_one("cold_boot")
-    assert path.last_restore["m"][1] == "cold_boot"
+    assert path.models.of("m").last_restore.path == "cold_boot"
     assert path.restore_times.p99_ms("m", "snapshot_restore") is None
 
 
 def test_a_restore_through_the_scaler_is_measured_as_one():
     path = run_one("restore")
-    assert path.last_restore["m"][1] == "snapshot_restore"
+    assert path.models.of("m").last_restore.path == "snapshot_restore"
     assert path.restore_times.p99_ms("m", "snapshot_restore") == 8000.0

@@ -439,8 +439,8 @@ def test_measured_restore_p99_sets_default_deadlines_and_refuses_hopeless_waits(
         c = await AsyncClient.connect(host, port, max_retries=0)
         g = await c.generate("n", tokens=[1], max_tokens=1)
         assert g.done["path"] == "snapshot_restore"
-        assert fd.path._deadline_ms["n"] == 30_000.0       # 1.5 x p99, above the 5 s default
-        assert fd.path._deadline_ms["m"] == 5000.0         # configured models keep theirs
+        assert fd.path.models.of("n").deadline_ms == 30_000.0       # 1.5 x p99, above the 5 s default
+        assert fd.path.models.of("m").deadline_ms == 5000.0         # configured models keep theirs
         for rid in list(fd.router._replicas):         # the restored replicas go away
             fd.router.remove(rid)
         with pytest.raises(Overloaded, match="cannot start within 4000 ms") as err:

@@ -25,7 +25,7 @@ async def until(predicate, timeout_s=5.0):
         await asyncio.sleep(0.01)
 
 
-def test_replicas_appear_and_leave_through_consul_blocking_queries(consul_standin):
+def test_replicas_appear_and_leave_through_consul_blocking_queries(consul_standin):  # noqa: F811 (the fixture imported above)
     async def main():
         registry = ConsulRegistry(consul.Consul(host=consul_standin.host,
                                                 port=consul_standin.port))

@@ -29,7 +29,7 @@ class TextStub:
         self.held: dict = {}     # (conn, id) -> [message, tokens sent]
         self._server = None
 
-    async def start(self) -> "TextStub":
+    async def start(self) -> TextStub:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Conn(self), "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]

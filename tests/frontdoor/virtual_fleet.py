@@ -5,7 +5,7 @@ when each answer came.  Nothing sleeps; the event loop only runs the path's rest
 :class:`SimReplica` stands in for a :class:`~agent.frontdoor.links.ReplicaLink`: at dispatch
 it computes its TTFT from its own queue with the same :class:`~agent.speed.SpeedProfile`
 (the "predictions are right" case), refuses with 429 a request whose ``deadline_ms`` it
-predicts it cannot meet (contract point 3), and schedules the first token and the ``done``
+predicts it cannot meet (docs/architecture.md, "The replica's refusal"), and schedules the first token and the ``done``
 (after ``max_tokens`` decode steps at its batch).
 """
 
@@ -55,9 +55,10 @@ class Sink:
             self.first_s = self.clock.now()
         self.final, self.at_s = {"type": "done", **message}, self.clock.now()
 
-    def error(self, code: int, reason: str, retry_after_ms: int | None = None) -> None:
+    def error(self, code: int, reason: str, retry_after_ms: int | None = None,
+              refusal: str | None = None) -> None:
         self.final = {"type": "error", "code": code, "reason": reason,
-                      "retry_after_ms": retry_after_ms}
+                      "retry_after_ms": retry_after_ms, "refusal": refusal}
         self.at_s = self.clock.now()
 
     @property
@@ -176,7 +177,7 @@ class SimCapacity:
 
     AT_CAP_ANSWER_S = 0.1
 
-    def __init__(self, fleet: "Fleet", restore_s: float, *, hang: bool = False,
+    def __init__(self, fleet: Fleet, restore_s: float, *, hang: bool = False,
                  fail: bool = False, max_replicas: int | None = None) -> None:
         self.fleet, self.restore_s, self.hang, self.fail = fleet, restore_s, hang, fail
         self.max_replicas = max_replicas

@@ -337,7 +337,7 @@ def test_restore_answer_carries_the_load_and_the_cap_reuses_the_warm_replica(mak
     from agent.errors import NoCapacity
     from agent.speed import QUEUE_META_KEYS, SPEED_META_KEYS
     from agent.node.lifecycle import Lifecycle
-    from agent.node.agent import ReplicaRecord
+    from agent.node.state import ReplicaRecord
 
     agent = make_agent(max_replicas_per_model=1, restore_timeout_s=5.0)
     first = agent.restore("tiny")

@@ -1,7 +1,7 @@
 """The node agent publishes a replica's measured speed and queue (agent/speed.py's keys) in the
 ``rewarm-replica`` registry meta as decimal strings, beside its load, and keeps them current."""
 
-from agent.node.agent import _load_meta, _load_report
+from agent.node.state import load_meta, load_report
 from agent.speed import QUEUE_META_KEYS, SPEED_META_KEYS, SpeedProfile
 
 
@@ -24,9 +24,9 @@ def test_replica_meta_carries_speed_and_queue_and_follows_the_replica(make_agent
 def test_load_report_leaves_out_a_partial_or_missing_speed():
     stats = {"max_seqs": 4, "active_seqs": 1, "kv_capacity_tokens": 100, "kv_used_tokens": 9,
              "waiting_seqs": 2, "prefill_tokens_per_s": 10.0}
-    assert _load_report(stats) == {"max_seqs": 4, "active_seqs": 1, "kv_capacity_tokens": 100,
+    assert load_report(stats) == {"max_seqs": 4, "active_seqs": 1, "kv_capacity_tokens": 100,
                                    "kv_used_tokens": 9, "waiting_seqs": 2}
     full = {**stats, **{k: 0.5 for k in SPEED_META_KEYS}}
-    meta = _load_meta(full)
+    meta = load_meta(full)
     assert meta["decode_base_s"] == "0.5" and meta["max_seqs"] == "4"
     assert SpeedProfile.from_meta(meta) == SpeedProfile(**{k: 0.5 for k in SPEED_META_KEYS})

@@ -131,7 +131,7 @@ def _trace_per_second(path):
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE} "
-                    "(../shared/traces/azure_llm_2023_code.csv next to the repository)")
+                    "(shared/traces/azure_llm_2023_code.csv under the checkout)")
 def test_azure_code_trace_forecast_is_sane_and_beats_naive():
     counts = _trace_per_second(TRACE)
     assert sum(counts) > 1000 and len(counts) > 600   # an hour of arrivals

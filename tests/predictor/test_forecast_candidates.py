@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from agent.errors import ConfigError
-from agent.predictor.evaluate import evaluate, forecasts_at_lead, pinball_loss, rate_series
+from agent.sim.forecast_eval import evaluate, forecasts_at_lead, pinball_loss, rate_series
 from agent.predictor.forecast import (FORECASTERS, Backstop, Holt, Persistence, UpperQuantile,
                                       build_forecaster)
 

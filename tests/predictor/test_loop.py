@@ -44,6 +44,8 @@ def make(durable=True, **policy):
     # of the Holt + backstop forecaster they were written for; the default forecaster has
     # its own tests below.
     policy.setdefault("forecaster", "holt_backstop")
+    # ... reading each step's rate (the in-flight window averaging them has its own tests)
+    policy.setdefault("in_flight_window_s", 1.0)
     pol = ModelPolicy("m", **policy)
     p = Predictor([pol], clock=clock, scaler=scaler,
                   snapshot_durable=lambda m: state["durable"], catalog=catalog)
@@ -236,7 +238,7 @@ def test_a_scale_up_by_someone_else_is_seen_and_scaled_in_when_idle():
     assert d.action == "scale_down" and d.target == 0 and scaler.targets["m"] == 0
 
 
-# --- the default forecaster and sizing from measured speed (issue 12) ----------------------
+# --- the default forecaster and sizing from measured speed -------------------------------
 
 def _speed():
     from agent.speed import SpeedProfile

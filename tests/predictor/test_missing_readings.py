@@ -1,4 +1,4 @@
-"""inf and NaN readings are missing readings, not builtin OverflowError/ValueError (issue 12)."""
+"""inf and NaN readings are missing readings, not builtin OverflowError/ValueError."""
 
 import math
 

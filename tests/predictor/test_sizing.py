@@ -10,7 +10,7 @@ from agent.predictor.sizing import breakeven_keepalive_s, seqs_per_replica, targ
 
 
 def test_design_document_worked_example():
-    # ../shared/seeds/002: 72,089 KV tokens / 900 tokens = 80 sequences per replica
+    # docs/architecture.md, "Sizing": 72,089 KV tokens / 900 tokens = 80 sequences per replica
     assert seqs_per_replica(72_089, 900) == 80
     assert target_replicas(20, 7.0, 80, 0.75, 0, 100) == 3       # ceil(140 / 60)
     assert target_replicas(200, 7.0, 80, 0.75, 0, 100) == 24     # ceil(1400 / 60)
@@ -117,7 +117,7 @@ def test_costs_limits(kw):
         KeepAliveCosts(**kw)
 
 
-# --- sizing from a measured speed (issue 12, contract item 7) -------------------------------
+# --- sizing from a measured speed (docs/architecture.md, "Capacity from measured rates") --
 
 def _profile():
     from agent.speed import SpeedProfile

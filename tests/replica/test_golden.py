@@ -71,7 +71,7 @@ class _Rule:
         self.replays += 1
         flip = self.flaky and self.replays % 2
         return [[(self.rule(p + row[:k]) + flip) % 50 for k in range(len(row))]
-                for p, row in zip(prompts, tokens)]
+                for p, row in zip(prompts, tokens, strict=True)]
 
 
 def test_a_near_tie_between_kernels_is_recorded_the_way_the_check_sees_it():

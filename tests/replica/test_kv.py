@@ -1,4 +1,4 @@
-"""KV sizing reproduces the snapshot design document's figures; the allocator's limits."""
+"""KV sizing reproduces docs/architecture.md's figures ("Sizing"); the allocator's limits."""
 
 import pytest
 
@@ -8,7 +8,7 @@ from agent.replica.synthetic import preset_config
 
 
 def test_design_document_13b_on_a100_figures():
-    # seeds/002: 160 KB per token; 11 GB headroom = 11,534,336 KB -> 72,089 tokens -> ~80 at 900
+    # docs/architecture.md, "Sizing": 160 KB per token; 11 GB headroom = 11,534,336 KB -> 72,089 tokens -> ~80 at 900
     config = preset_config("13b-shaped")
     assert config.kv_bytes_per_token == 163_840
     budget = 11_534_336 * 1024
@@ -37,7 +37,7 @@ def test_max_seq_len_limit_is_the_context_length():
 
 
 def test_cpu_budget_is_configuration():
-    # the design document's A100 arithmetic with GB as 2**30: 40 - 26 - 3 = 11
+    # the A100 arithmetic of docs/architecture.md with GB as 2**30: 40 - 26 - 3 = 11
     gib = 1 << 30
     assert kv_budget_bytes(26 * gib, cpu_budget_bytes=40 * gib, overhead_bytes=3 * gib) == 11 * gib
     assert kv_budget_bytes(100, cpu_budget_bytes=50) == 0

@@ -88,7 +88,7 @@ def test_cli_generate_and_import_reused(smollm2_dir, capsys):
 
 
 def test_streamed_text_joins_the_pieces_of_one_character(smollm2_dir):
-    from agent.replica.worker import _Request, next_text
+    from agent.replica.batching import Request as _Request, next_text
 
     tok = load_tokenizer(smollm2_dir)
     text = " Café 日本語 🙂 Paris."

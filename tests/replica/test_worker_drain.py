@@ -50,6 +50,7 @@ def test_drain_finishes_the_stream_and_refuses_new_requests(booted):
     [refused] = [a for a in answers if a["id"] == 2]
     assert refused["type"] == "error" and refused["code"] == 503
     assert refused["retry_after_ms"] == 1000 and "draining" in refused["reason"]
+    assert refused["refusal"] == "draining"
     stats = worker.stats()
     assert stats["draining"] is True and stats["generated_tokens"] == 40
     assert stats["kv_slots_used"] == 0 and stats["kv_slots"] == 4
@@ -84,7 +85,9 @@ def test_status_port(tmp_path):
     try:
         text = urllib.request.urlopen(server.url + "/metrics", timeout=5).read().decode()
         fams = {f.name: f for f in text_string_to_metric_families(text)}
-        for name in ("rewarm_replica_tokens_per_second", "rewarm_replica_batch_size",
+        assert "rewarm_replica_tokens_per_second" not in fams   # a counter and rate() instead
+        assert fams["rewarm_replica_generated_tokens"].samples[0].value == 0
+        for name in ("rewarm_replica_batch_size",
                      "rewarm_replica_queued_prefill_tokens", "rewarm_replica_kv_slots_used"):
             [sample] = fams[name].samples
             assert sample.labels == {"model": booted.identity.name} and sample.value == 0

@@ -95,6 +95,7 @@ def test_late_request_is_refused_with_the_prediction_and_on_time_one_served(boot
         {"op": "generate", "id": "none", "tokens": [3, 4], "max_tokens": 2}]))
     (late,) = answers["late"]
     assert late["type"] == "error" and late["code"] == 429
+    assert late["refusal"] == "deadline_unreachable"
     assert late["predicted_ttft_ms"] == pytest.approx(want_ms)
     assert late["deadline_ms"] == 100 and late["retry_after_ms"] == round(want_ms - 100)
     assert "r9" in late["reason"] and "150.0 ms" in late["reason"] and "100" in late["reason"]
@@ -136,13 +137,13 @@ def test_each_first_token_is_sent_once_its_own_prefill_is_done(booted):
         return forward(tokens, input_pos, idx, k, v)
     engine.forward = logged_forward
     worker = Worker(loaded)
-    send = worker._send
+    send = worker.batch.send
 
     def logged_send(writer, message):
         if message.get("type") == "tokens" and "prompt_tokens" in message:
             log.append(("first", message["id"]))
         send(writer, message)
-    worker._send = logged_send
+    worker.batch.send = logged_send
     answers = asyncio.run(_session(worker, [
         {"op": "generate", "id": i, "tokens": list(range(1, 6)), "max_tokens": 2}
         for i in ("a", "b", "c")]))

@@ -1,5 +1,5 @@
-"""Cost and capacity arithmetic against the snapshot design document's worked numbers
-(../shared/seeds/002_b8b5536ec4319928.txt, "Scaling and Performance", "Cost and Token Economics")."""
+"""Cost and capacity arithmetic against the worked numbers of docs/architecture.md ("Sizing",
+"Cost model")."""
 
 import math
 

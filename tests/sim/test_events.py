@@ -21,7 +21,7 @@ ROWS = [
     (2.0, 5.0, 0.5, 10),    # r2: full -> queued; deadline 5 < 10 -> expired (504)
     (9.0, 5.0, 0.5, 10),    # r3: queued; r0 ends at 10 -> dispatched, TTFT 1 + 0.5
     (9.5, 5.0, 0.5, 10),    # r4: queue holds r3 (depth 1) -> shed (429)
-    (20.0, 5.0, 0.5, 200),  # r5: needs 200 KV tokens > 100 -> never fits -> expired at 23
+    (20.0, 5.0, 0.5, 200),  # r5: needs 200 KV tokens > 100 -> can never fit -> shed at once
 ]
 
 
@@ -29,9 +29,10 @@ def test_hand_checked_outcome(workload_factory):
     w = workload_factory(ROWS)
     s, rec, sim = run_workload(w, CFG, fixed(1), max_wait_s=3.0, sla_s=1.0, max_depth=1,
                                initial_replicas=1, end_s=30.0)
-    assert list(rec.status) == [SERVED, SERVED, EXPIRED, SERVED, SHED, EXPIRED]
-    assert s["served"] == 3 and s["shed"] == 1 and s["expired"] == 2
-    assert s["queued"] == 4                                  # r2, r3, r4, r5 found no slot
+    assert list(rec.status) == [SERVED, SERVED, EXPIRED, SERVED, SHED, SHED]
+    assert s["served"] == 3 and s["shed"] == 2 and s["expired"] == 1
+    assert s["shed_too_large"] == 1                          # r5, refused on arrival
+    assert s["queued"] == 3                                  # r2, r3, r4 found no slot
     np.testing.assert_allclose(rec.ttft_s[[0, 1, 3]], [0.5, 0.5, 1.5])
     assert list(rec.path[[0, 1, 3]]) == [PATH_WARM, PATH_WARM, PATH_QUEUED]
     assert rec.gpu_s == pytest.approx(30.0)                  # one replica, 0 -> 30 s

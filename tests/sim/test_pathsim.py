@@ -1,7 +1,7 @@
 """The replay through the production request path (agent/sim/pathsim.py) on synthetic traces
 of several shapes: it ends, answers every request, refuses early when no capacity can make the
 SLO, serves through a restore when one can, and agrees with the older simulator
-(agent/sim/replay_sim.py) where both model the same thing.  Virtual time only: no test sleeps."""
+(tests/sim/replay_sim.py) where both model the same thing.  Virtual time only: no test sleeps."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def test_overload_is_refused_early_not_expired():
 def test_agrees_with_the_old_simulator_on_a_warm_steady_replay():
     """One warm replica, no restores needed: both simulators serve every request warm with
     the same replica model, so their counts agree and their TTFTs are close."""
-    from agent.sim.replay_sim import simulate_plan
+    from tests.sim.replay_sim import simulate_plan
 
     plan = poisson(1.0, 200.0, seed=7)
     new = run(plan, cap=1)
@@ -164,7 +164,7 @@ def test_agrees_with_the_old_simulator_on_a_warm_steady_replay():
 def test_a_plan_request_that_is_no_time_or_count_is_refused_by_name(at_s, prompt, output, field):
     with pytest.raises(ConfigError) as err:
         ReplayRequest(at_s, prompt, output)
-    assert err.value.name == field and repr(getattr(err.value, "value")) in str(err.value)
+    assert err.value.name == field and repr(err.value.value) in str(err.value)
 
 
 def test_plans_at_the_edges_end_and_answer_every_request():

@@ -27,7 +27,7 @@ def fit(ctx, gen, **kw):
 def measured_load(ctx, gen, s, max_tokens=512):
     p, o = scale_lengths(ctx, gen, s.token_scale, max_tokens)
     batch = PROFILE.sustainable_concurrency(2.0, float(p.mean()), float(o.mean()), 8)
-    service = np.mean([PROFILE.service_s(float(a), float(b), batch) for a, b in zip(p, o)])
+    service = np.mean([PROFILE.service_s(float(a), float(b), batch) for a, b in zip(p, o, strict=True)])
     return len(ctx) * s.speedup / 600.0 * service
 
 

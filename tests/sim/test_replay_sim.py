@@ -3,7 +3,7 @@
 import pytest
 
 from agent.sim.replay_scale import ReplayRequest
-from agent.sim.replay_sim import plan_workload, simulate_plan
+from tests.sim.replay_sim import plan_workload, simulate_plan
 from agent.speed import SpeedProfile
 
 PROFILE = SpeedProfile(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.02,

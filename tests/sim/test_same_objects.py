@@ -4,7 +4,6 @@ Each test patches a method of the production class and checks that the simulatio
 changes: a simulator with its own admission or predictor would not notice.
 """
 
-import numpy as np
 import pytest
 
 from agent.errors import Overloaded

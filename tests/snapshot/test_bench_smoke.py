@@ -13,7 +13,7 @@ import pytest
 KEYS = {"bytes", "odirect_limit_gbps", "memcpy_gbps", "rewarm_cold_gbps", "rewarm_warm_gbps",
         "rewarm_cold_noverify_gbps", "verify_overhead_pct", "safetensors_cold_gbps", "safetensors_warm_gbps",
         "torch_load_warm_gbps", "cache_drop_effective", "baseline_rss_bytes", "peak_rss_bytes",
-        # issue 16
+        # the peers' comparison
         "peers", "rewarm_fresh_cold_gbps", "rewarm_fresh_warm_gbps", "rewarm_zygote_cold_gbps",
         "rewarm_zygote_warm_gbps", "first_touch_gbps"}
 PEER_KEYS = {"cold_gbps", "warm_gbps", "verified", "peak_rss_delta_bytes"}

@@ -8,7 +8,7 @@ Phases (against the :class:`agent.up.Stack` started here):
    allows — the demo shortens the keep-alive's inputs (:data:`DEMO_POLICY`) so this takes
    seconds instead of minutes, and says so;
    Before it is released, the warm replica's speed is measured through the front door
-   (:func:`agent.replay.calibrate`) and handed to the predictor;
+   (:func:`agent.sim.replay.calibrate`) and handed to the predictor;
 3. the same probe request again (answered by a snapshot restore; its tokens must equal phase
    1's), then a replay of the first ``--minutes`` of the Azure LLM code trace, scaled to the
    measured replica as bench/trace_replay.py scales it (:mod:`agent.sim.replay_scale`: one
@@ -16,7 +16,7 @@ Phases (against the :class:`agent.up.Stack` started here):
    is ``--load`` of the replica's capacity and its burst shape is kept);
 4. the table (:func:`format_table`) and, with ``--json PATH``, the numbers (:func:`summarise`).
 
-Outcome classes per request (agent/replay.py): 200 → served (counted by the ``path`` the
+Outcome classes per request (agent/sim/replay.py): 200 → served (counted by the ``path`` the
 front door reports), 429 → ``shed``, 504 → ``expired``, anything else (503, a broken
 connection, no answer) → ``lost``, which must stay 0.  The SLA attainment is the share of the
 replay's requests answered within their path's TTFT SLO (warm hit 2 s, restore path 4 s).
@@ -32,13 +32,12 @@ import json
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agent.errors import ConfigError, RewarmError
-from agent.replay import PATH_SLO_MS, Outcome, percentile
-from agent.replay import summarise as replay_summary
+from agent.sim.replay import PATH_SLO_MS, Outcome, percentile
+from agent.sim.replay import summarise as replay_summary
 
 PATHS = ("cold_boot", "snapshot_restore", "suspended_resume", "warm_hit")
 PROBE_TEXT = "The capital of France is"
@@ -46,7 +45,7 @@ PROBE_MAX_TOKENS = 12
 MAX_REPLAY_REQUESTS = 5000
 COLD_BOOT_DEADLINE_MS = 300_000.0   # the demo's first request waits for the cold boot
 SAMPLE_S = 0.25
-# Keep-alive inputs shortened for the demo (the production defaults are the design document's
+# Keep-alive inputs shortened for the demo (the production defaults are the cost model's
 # $2.80/GPU-hour, a 600 s rate window and a 30 s cooldown, which keep an idle replica minutes).
 DEMO_POLICY_TEXT = ("demo keep-alive: GPU cost 0.05/s, wait cost 0.01/s, restore 2 s, "
                     "rate window 20 s, cooldown 10 s (production: 2.80/h, 600 s, 30 s); "
@@ -96,7 +95,7 @@ def summarise(outcomes: list[Outcome], *, restores: list[dict], golden: dict[str
     ttft_ms {path: {p50, p99}}, golden_checks_passed/failed, shed, expired, lost, gpu_seconds,
     always_on_gpu_seconds, example_completion, restores, requests, and ``sla_attainment``
     with ``sla_requests``: the share of ``sla_of`` (default: all outcomes; the demo passes
-    the replay's) answered 200 within their path's TTFT SLO (agent/replay.py)."""
+    the replay's) answered 200 within their path's TTFT SLO (agent/sim/replay.py)."""
     by_path = {p: 0 for p in PATHS}
     ttft: dict[str, list[float]] = {p: [] for p in PATHS}
     shed = expired = lost = 0
@@ -210,7 +209,7 @@ class Sampler:
         last = time.monotonic()
         while not self._stop.wait(SAMPLE_S):
             now = time.monotonic()
-            with self.agent._lock:
+            with self.agent.lock:
                 recs = list(self.agent.replicas.values())
             alive = [r for r in recs if r.lifecycle.state.value != "dead"]
             self.replica_s += len(alive) * (now - last)
@@ -233,7 +232,7 @@ class Sampler:
 
 def replica_stats(stack) -> dict:
     """The ``stats`` answer of a warm replica of ``stack`` (RuntimeError when none is)."""
-    with stack.agent._lock:
+    with stack.agent.lock:
         recs = list(stack.agent.replicas.values())
     for r in recs:
         if r.lifecycle.state.value == "warm" and r.handle is not None:
@@ -252,7 +251,7 @@ def golden_counts(agent) -> dict[str, int]:
     """Golden checks the replicas ran: each snapshot restore that served passed one; each
     restore attempt that failed with GoldenMismatch failed one."""
     passed = failed = 0
-    with agent._lock:
+    with agent.lock:
         recs = list(agent.replicas.values())
     for r in recs:
         if r.path in ("restore", "staged_restore") and r.handle is not None:
@@ -264,7 +263,7 @@ def golden_counts(agent) -> dict[str, int]:
 async def _replay(address: str, model: str, plan: list, base: list[int],
                   probe: list[int]) -> tuple[Outcome, list[Outcome]]:
     """The probe (answered by a restore after scale-to-zero), then the plan at its times."""
-    from agent.replay import one_request_at, send_plan
+    from agent.sim.replay import one_request_at, send_plan
 
     # the probe waits for the restore (its own deadline), so the front door measures the
     # snapshot restore before the replay's requests are admitted against its p99
@@ -285,9 +284,13 @@ def demo_stack_options() -> dict[str, Any]:
 
 # --- the scenario ----------------------------------------------------------------------------
 
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "bench" / "traces" / "azure_llm_2023_code.csv"
+"""The Azure LLM code trace kept in the repository (bench/traces/README.md: source, licence)."""
+
+
 def default_trace() -> Path:
-    """``<repo>/../shared/traces/azure_llm_2023_code.csv``."""
-    return Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_code.csv"
+    """:data:`DEFAULT_TRACE` (``bench/traces/azure_llm_2023_code.csv``)."""
+    return DEFAULT_TRACE
 
 
 def trace_path(args: argparse.Namespace) -> Path:
@@ -351,7 +354,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
     if logging.getLogger().getEffectiveLevel() >= logging.INFO:
         logging.getLogger("agent.predictor.loop").setLevel(logging.WARNING)
 
-    from agent import replay
+    from agent.sim import replay
     from agent.sim.replay_scale import fit_scale, replay_requests
 
     trace = trace_path(args)
@@ -398,6 +401,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
 
         say(f"2. idle until the keep-alive scales the model to zero ({DEMO_POLICY_TEXT})")
         waited = wait_scaled_to_zero(stack, args.idle_timeout_s, say, on_ready=measure)
+        assert stack.predictor is not None, "started by start_predicting() above"
         stack.predictor.predictor.update_speed(
             model, measured["profile"], measured["max_seqs"],
             mean_prompt_tokens=measured["scale"].mean_prompt_tokens,

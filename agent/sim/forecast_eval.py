@@ -2,8 +2,7 @@
 
 A forecast made at step ``t`` is used to size the warm pool for demand at ``t + h``, where
 ``h`` = restore p99 + decision latency (in steps): a replica asked for now is warm then
-(snapshot design document, ../shared/seeds/002_b8b5536ec4319928.txt, "Cold Start
-Predictor").  So each candidate is fed the series one step at a time and, after step ``t``,
+(docs/architecture.md, "Sizing": forecast lead time >= restore p99 + decision latency).  So each candidate is fed the series one step at a time and, after step ``t``,
 its ``forecast(h)`` is compared with the sample at ``t + h``.
 
 Scores (lower is better):
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 

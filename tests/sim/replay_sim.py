@@ -1,10 +1,10 @@
 """A scaled replay through the event simulator (agent/sim/events.py): the same scaled requests,
 the same speed profile, the same predictor policy, on a virtual clock.
 
-bench/trace_replay.py's ``sim`` column now comes from :mod:`agent.sim.pathsim` (the whole
-production request path); this one drives only the front door's router and admission queue
-(no early 429, no replica-side refusal), and stays as the cross-check that the two simulators
-agree where both model the same thing (tests/sim/test_pathsim.py).
+A test helper: bench/trace_replay.py's ``sim`` column comes from :mod:`agent.sim.pathsim` (the
+whole production request path); this one drives only the front door's router and admission
+queue (no early 429, no replica-side refusal), the cross-check that the two simulators agree
+where both model the same thing (tests/sim/test_pathsim.py, tests/sim/test_replay_sim.py).
 
 The simulated replicas are :class:`~agent.sim.replica.SimReplica` engines at the measured
 :class:`~agent.speed.SpeedProfile` (prefill the admitted prompts, then one decode step over the
@@ -20,7 +20,8 @@ front door's ``snapshot_restore`` when it waited for a replica to come up.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -49,7 +50,7 @@ def simulate_plan(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, batch
                   restore_slo_s: float, max_seqs: int, mean_prompt_tokens: float,
                   mean_gen_tokens: float, seed: int = 0,
                   span_s: float = 0.0, always_on_replicas: int = 1) -> dict[str, Any]:
-    """Run ``plan`` through the simulator; the same keys as :func:`agent.replay.summarise`
+    """Run ``plan`` through the simulator; the same keys as :func:`agent.sim.replay.summarise`
     (``ttft_ms`` per path ``warm_hit`` / ``snapshot_restore``), over at least ``span_s``
     simulated seconds (the live replay's window); always-on is ``always_on_replicas`` over
     the span (``one_replica_gpu_seconds`` one replica)."""

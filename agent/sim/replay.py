@@ -1,6 +1,6 @@
 """A live trace replay against a running front door, and what its clients saw.
 
-Used by ``bench/trace_replay.py`` (the judge of issue 12) and ``rewarm up --demo``: requests
+Used by ``bench/trace_replay.py`` and ``rewarm up --demo``: requests
 of a scaled trace window (:mod:`agent.sim.replay_scale`) are sent at their wall times over
 one msgpack/TCP connection (no client retries: a 429 is an outcome, not something to hide),
 and every answer is recorded as a client sees it.
@@ -23,14 +23,15 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from agent.errors import RewarmError
 from agent.sim.replay_scale import ReplayRequest
 from agent.speed import SpeedProfile
 
 PATHS = ("cold_boot", "snapshot_restore", "suspended_resume", "warm_hit")
-# TTFT SLO per path (ms), the snapshot design document's defaults (issue 12 contract item 4):
+# TTFT SLO per path (ms), the front door's defaults (docs/architecture.md, "Admission"):
 # a warm hit within 2 s at p99, a request that waits for a restore within 4 s.
 PATH_SLO_MS = {"warm_hit": 2000.0, "snapshot_restore": 4000.0, "suspended_resume": 4000.0,
                "cold_boot": 4000.0}
@@ -78,7 +79,7 @@ async def one_request(client, model: str, tokens: list[int], max_tokens: int,
                 out.replica, out.queue_wait_ms = msg.get("replica"), msg.get("queue_wait_ms")
     except RewarmError as err:
         out.code, out.reason = int(getattr(err, "code", 500) or 500), str(err)
-    except (OSError, asyncio.TimeoutError) as err:
+    except (TimeoutError, OSError) as err:
         out.code, out.reason = 599, f"{type(err).__name__}: {err}"
     if out.code == 0:
         out.code, out.reason = 598, "no done message"
@@ -113,7 +114,6 @@ class _Connection:
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self.client = None
-        self.reopened = 0
         self._lock = asyncio.Lock()
 
     async def get(self):
@@ -123,7 +123,6 @@ class _Connection:
             if self.client is None or self.client._task.done():
                 if self.client is not None:
                     await self.client.close()
-                    self.reopened += 1
                 self.client = await AsyncClient.connect(self.host, self.port, max_retries=0)
             return self.client
 
@@ -198,11 +197,12 @@ async def calibrate(address: str, model: str, base: Sequence[int], *, max_seq_le
             outs = await asyncio.gather(*(one_request(
                 client, model, prompt_tokens(base, i + b, 8), gen,
                 deadline_ms=CALIBRATION_DEADLINE_MS) for b in range(batch)))
+            per_token_s = []
             for o in outs:
-                if o.code != 200 or o.ttft_ms is None:
+                if o.code != 200 or o.ttft_ms is None or o.answered_ms is None:
                     raise RuntimeError(f"calibration request failed: {o.code} {o.reason}")
-            return statistics.median((o.answered_ms - o.ttft_ms) / 1000.0 / max(1, len(o.tokens) - 1)
-                                     for o in outs)
+                per_token_s.append((o.answered_ms - o.ttft_ms) / 1000.0 / max(1, len(o.tokens) - 1))
+            return statistics.median(per_token_s)
 
         for i in range(2):           # warm up the path (connection, replica caches)
             await ttft(8, i)
@@ -229,10 +229,10 @@ def _fit_line(xs: list[float], ys: list[float], relative: bool = False) -> tuple
     set the intercept rather than the long ones' absolute noise)."""
     w = [1.0 / (y * y) if relative and y > 0 else 1.0 for y in ys]
     sw = sum(w)
-    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
-    my = sum(wi * y for wi, y in zip(w, ys)) / sw
-    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
-    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx if sxx > 0 else 0.0
+    mx = sum(wi * x for wi, x in zip(w, xs, strict=True)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys, strict=True)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs, strict=True))
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
     if slope < 0:   # noise on a flat curve: no per-token cost resolved, the mean is overhead
         return 0.0, my
     return slope, my - slope * mx

@@ -1,0 +1,268 @@
+"""The admission queues of the request path: holding, draining, re-checking, expiring.
+
+:class:`Queues` holds a request that no warm replica can start within its warm budget when
+capacity in sight (the :class:`~agent.frontdoor.planner.QueuePlanner`'s slots) can start it
+within its deadline, else refuses it (429 with ``retry_after_ms``) at once; it dispatches
+held requests earliest deadline first as replicas can start them, refuses those whose
+prediction went bad (429, as soon as known) and answers those whose deadline passed (504,
+logged with the prediction it broke).  Each model's queue is its
+:class:`~agent.frontdoor.model_state.ModelState`'s ``queue``; answers and dispatches go
+through a :class:`QueueOwner` (the request path).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+from agent.clock import Clock
+from agent.errors import Overloaded
+from agent.frontdoor.admission import AdmissionQueue, Pending
+from agent.frontdoor.capacity import RestoreTimes
+from agent.frontdoor.config import FrontDoorConfig
+from agent.frontdoor.model_state import ModelStates, RestoreRecord
+from agent.frontdoor.planner import QueuePlanner
+from agent.frontdoor.ratelog import RateLimitedLog
+from agent.frontdoor.router import ReplicaLoad, Router
+from agent.telemetry import Telemetry
+from agent.wire import refusals
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agent.frontdoor.request import Flight
+
+log = logging.getLogger("agent.frontdoor.request_path")
+
+DRAIN_SKIP = 32    # queued requests passed over per drain when the head cannot go yet
+EXACT_QUEUE = 32   # longer queues: a new request is placed after len(queue) slots
+RECHECK_MAX = 128  # queued requests re-checked each time, earliest deadline first
+
+
+class QueueOwner(Protocol):
+    """Where held requests go out (the request path)."""
+
+    def dispatch(self, flight: Flight, replica: ReplicaLoad, predicted_s: float,
+                 now: float | None = None) -> None:
+        """Send ``flight`` to ``replica`` (predicted TTFT ``predicted_s`` from now)."""
+        ...
+
+    def fail(self, flight: Flight, code: int, reason: str, path: str = "refused",
+             retry_after_ms: int | None = None, predicted_ttft_ms: float | None = None,
+             refusal: str | None = None) -> None:
+        """Answer ``flight`` with an error (its final answer); ``refusal``: why, as one of
+        agent/wire/refusals.py's codes."""
+        ...
+
+
+class RestoreAsker(Protocol):
+    """What the queues ask of the restores side (:class:`~agent.frontdoor.restores.Restores`)."""
+
+    def maybe_restore(self, model: str) -> None:
+        ...
+
+    def after_refusal(self, model: str) -> None:
+        ...
+
+
+class Queues:
+    """The per-model admission queues and what moves requests through them (module docstring)."""
+
+    def __init__(self, config: FrontDoorConfig, clock: Clock, telemetry: Telemetry,
+                 router: Router, models: ModelStates, counts: dict[str, int],
+                 restore_times: RestoreTimes, planner: QueuePlanner, restores: RestoreAsker,
+                 owner: QueueOwner) -> None:
+        self.config = config
+        self.clock = clock
+        self.telemetry = telemetry
+        self.router = router
+        self.models = models
+        self.counts = counts
+        self.restore_times = restore_times
+        self.planner = planner
+        self.restores = restores
+        self.owner = owner
+        self.queued_models: set[str] = set()   # models whose queue may hold requests
+        self._expired_log = RateLimitedLog(log, "504s (deadline passed while queued)",
+                                           clock=clock, interval_s=config.accept_log_interval_s)
+
+    def hold(self, flight: Flight, warm_pred_s: float | None) -> None:
+        """Queue ``flight`` if capacity can start it before its deadline, else 429 at once.
+        ``warm_pred_s``: the best warm replica's prediction (for the refusal's reason)."""
+        model, now = flight.model, self.clock.now()
+        state = self.models.of(model)
+        queue = state.queue
+        if queue is None:
+            queue = state.queue = AdmissionQueue(
+                model, clock=self.clock, max_depth=self.config.max_queue_depth,
+                max_wait_s=self.config.max_wait_s)
+        # the queue ahead (earlier deadlines) takes its slots first
+        if len(queue) <= EXACT_QUEUE:
+            before, skip = [p.payload for p in queue.ordered()
+                            if p.deadline_s <= flight.deadline_s], 0
+        else:  # a long queue: the ones ahead are taken to hold the first slots
+            before, skip = [], len(queue)
+        # Admitted with a margin: one decode step at a full batch (the slot model's quantum
+        # of error) and one re-check interval, so that a small error is a 429 now, not later.
+        margin_s = self.config.recheck_s + self.router.prior(model).decode_step_s(
+            state.max_seqs or self.config.default_max_seqs)
+        predicted, first = self.planner.assign(model, before + [flight], now, margin_s, skip)
+        ttft_s = predicted[-1]
+        if ttft_s is None:
+            left_ms = (flight.deadline_s - now) * 1000.0
+            # a replica already warm must make the warm-hit budget, not this one (planner)
+            warm = ("no warm replica with a free slot" if warm_pred_s is None else
+                    f"best warm replica predicted {warm_pred_s * 1000:.0f} ms, past the "
+                    f"warm-hit budget of {(flight.warm_deadline_s - now) * 1000:.0f} ms")
+            cap = "no capacity in sight can start it in time"
+            retry_ms = max(1, round(((first if first < float("inf") else now + 1.0) - now)
+                                    * 1000))
+            self.counts["shed_429"] += 1
+            self.owner.fail(flight, 429, f"model {model!r}: cannot start within {left_ms:.0f} ms "
+                            f"(the TTFT SLO from arrival): {warm}, {cap}, "
+                            f"{len(queue)} queued ahead", retry_after_ms=retry_ms,
+                            refusal=refusals.DEADLINE_UNREACHABLE)
+            self.restores.after_refusal(model)  # demand seen: capacity for the next ones
+            return
+        flight.predicted_ttft_s = now - flight.arrival_s + ttft_s
+        pending = Pending(flight.req.request_id, model, now, flight.deadline_s,
+                          flight.need_tokens, flight)
+        pending.predicted_ttft_s = flight.predicted_ttft_s
+        try:
+            queue.offer(pending)
+        except Overloaded as err:
+            self.counts["shed_429"] += 1
+            self.owner.fail(flight, 429, err.message, retry_after_ms=err.retry_after_ms,
+                            refusal=err.refusal)
+            return
+        flight.pending = pending
+        self.queued_models.add(model)
+        self.telemetry.queue_depth(model, len(queue))
+        self.restores.maybe_restore(model)
+
+    def drain(self, model: str) -> None:
+        """Dispatch queued requests earliest deadline first while a replica can start them
+        within their deadlines.  A request that no replica can take now (its warm deadline
+        passed, its restore not in) does not hold back the ones behind it: up to
+        ``DRAIN_SKIP`` such are passed over."""
+        state = self.models.of(model)
+        queue = state.queue
+        if queue is None:
+            return
+        now = self.clock.now()
+        restored = state.last_restore
+        while queue:
+            head = queue.peek()
+            if head is None:
+                break
+            found = self.planner.choose_in_time(head.payload, now)
+            if found is None:
+                self._drain_past_heads(queue, now, restored)
+                break
+            queue.pop_earliest()
+            self._send_queued(head.payload, found, now, restored)
+        self.telemetry.queue_depth(model, len(queue))
+
+    def drain_all(self) -> None:
+        """:meth:`drain` every model that has requests queued (the view changed)."""
+        for model in list(self.queued_models):
+            if self.models.queue(model):
+                self.drain(model)
+
+    def _drain_past_heads(self, queue: AdmissionQueue, now: float,
+                          restored: RestoreRecord | None) -> None:
+        for p in queue.ordered()[1:DRAIN_SKIP + 1]:
+            if not self.router.choose(p.model, p.need_tokens):
+                return                                   # no slot anywhere: nothing to do
+            found = self.planner.choose_in_time(p.payload, now)
+            if found is None:
+                continue
+            queue.cancel(p)                              # out of the heap (lazily)
+            self._send_queued(p.payload, found, now, restored)
+
+    def _send_queued(self, flight: Flight, found: tuple[ReplicaLoad, float], now: float,
+                     restored: RestoreRecord | None) -> None:
+        flight.pending = None
+        flight.queue_wait_ms = (now - flight.arrival_s) * 1000.0
+        if restored is not None and restored[0] >= flight.arrival_s:
+            flight.path, flight.restore_ms = restored[1], restored[2]
+        self.owner.dispatch(flight, found[0], found[1])
+
+    def recheck(self, model: str) -> None:
+        """Refuse (429) every queued request whose prediction has gone bad: the capacity in
+        sight now (restores failed or late, sequences running longer than estimated) cannot
+        start it before its deadline."""
+        state = self.models.of(model)
+        queue = state.queue
+        if not queue:
+            return
+        now = self.clock.now()
+        state.slot_plan = None
+        held = queue.ordered(RECHECK_MAX)  # the rest are checked as they move up
+        predicted, first = self.planner.assign(model, [p.payload for p in held], now)
+        for p, ttft_s in zip(held, predicted, strict=True):
+            flight: Flight = p.payload
+            if ttft_s is not None:
+                continue
+            queue.cancel(p)
+            self.counts["shed_429"] += 1
+            was = (flight.predicted_ttft_s or 0.0) * 1000
+            self.owner.fail(flight, 429, f"model {model!r}: queued with a predicted TTFT of "
+                            f"{was:.0f} ms; capacity now in sight cannot start it within its "
+                            f"deadline ({(p.deadline_s - now) * 1000:.0f} ms left)",
+                            retry_after_ms=max(1, round(((first if first < float("inf")
+                                                          else now + 1.0) - now) * 1000)),
+                            refusal=refusals.DEADLINE_UNREACHABLE)
+        self.telemetry.queue_depth(model, len(queue))
+
+    def expire_queued(self) -> None:
+        """Answer queued requests past their deadline (504: a prediction was wrong, logged
+        with it) or wait bound (429); every ``recheck_s`` re-check each queue against the
+        capacity then in sight (:meth:`recheck`)."""
+        now = self.clock.now()
+        for model in list(self.queued_models):
+            state = self.models.of(model)
+            queue = state.queue
+            assert queue is not None   # a model is queued once its queue is made
+            for p in queue.expire():
+                flight: Flight = p.payload
+                if p.deadline_s <= now:
+                    self.counts["expired_504"] += 1
+                    waited_ms = (now - p.arrival_s) * 1000
+                    predicted = (f"{p.predicted_ttft_s * 1000:.0f} ms"
+                                 if p.predicted_ttft_s is not None else "none")
+                    self._expired_log.warning(
+                        "504 for request %r of model %r: deadline %.0f ms passed while queued; "
+                        "its predicted TTFT was %s (restore p99 %s ms)", p.request_id, model,
+                        (p.deadline_s - p.arrival_s) * 1000, predicted,
+                        self.restore_times.p99_ms(model))
+                    self.owner.fail(flight, 504, f"deadline passed after {waited_ms:.0f} ms queued "
+                                    f"for model {model!r} (predicted TTFT {predicted})",
+                                    predicted_ttft_ms=_ms(p.predicted_ttft_s),
+                                    refusal=refusals.DEADLINE)
+                else:
+                    self.counts["shed_429"] += 1
+                    self.owner.fail(flight, 429, f"waited max_wait_s({queue.max_wait_s}) for "
+                                    f"model {model!r}", retry_after_ms=queue.retry_after_ms(),
+                                    refusal=refusals.MAX_WAIT)
+            if queue and now - state.rechecked_s >= self.config.recheck_s:
+                state.rechecked_s = now
+                self.recheck(model)
+            if not queue:
+                self.queued_models.discard(model)
+            self.telemetry.queue_depth(model, len(queue))
+
+    def refuse_queued(self, model: str, reason: str, refusal: str) -> None:
+        """Answer every request queued for ``model`` 503 with ``reason`` and ``refusal``
+        (its code, agent/wire/refusals.py): none of them was dispatched."""
+        queue = self.models.queue(model)
+        if queue is not None:
+            for p in queue.drain():
+                self.owner.fail(p.payload, 503, reason, refusal=refusal)
+        self.telemetry.queue_depth(model, 0)
+
+    def tick_log(self, final: bool = False) -> None:
+        """Summarise the rate-limited 504 log line (at once when ``final``)."""
+        self._expired_log.flush() if final else self._expired_log.tick()
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0

@@ -1,0 +1,278 @@
+"""The replica's batch scheduler: every connection's ``generate`` requests feed one loop.
+
+Each tick submits what arrived, then runs one engine step on the engine's single worker
+thread: :meth:`Engine.admit` one sequence at a time (the prefill of each admitted sequence,
+whose first token is sent before the next prefill starts), then :meth:`Engine.decode` (one
+batched decode step for all active ones), so the server's event loop keeps answering
+``health`` and ``stats`` while the model runs.  A request's TTFT is then the prefills queued
+ahead of it and its own (agent/speed.py's model), not every prefill of the step.
+
+The scheduler holds the requests accepted but not yet handed to the engine (``submits``),
+the engine sequences in flight (``by_seq``) and the cancels for the next tick; what it needs
+of the server is a :class:`SchedulerHost` (the loaded model, its tokenizer, the replica id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agent.errors import RewarmError
+from agent.protocol import error_message, pack
+from agent.replica.meter import ReplicaMeter
+from agent.replica.stops import StopText
+
+log = logging.getLogger("agent.replica.worker")
+
+
+@dataclass
+class Request:
+    """One accepted ``generate``: where its answers go, its tokens so far, its stop state."""
+
+    request_id: Any
+    writer: asyncio.StreamWriter
+    started_s: float
+    text: bool
+    seq_id: int = -1
+    first_s: float | None = None
+    tokens: list[int] = field(default_factory=list)
+    prefix_at: int = 0        # incremental detokenization: text sent covers tokens[:read_at]
+    read_at: int = 0
+    prompt_tokens: int = 0
+    stops: StopText = field(default_factory=StopText)
+    fed: str = ""             # detokenized text fed to ``stops`` so far
+    sent: str = ""            # text let out so far (the done message's ``text``)
+    owner: dict | None = None  # the connection's requests by id (left when answered)
+
+    def finished(self) -> None:
+        if self.owner is not None and self.owner.get(request_key(self.request_id)) is self:
+            del self.owner[request_key(self.request_id)]
+
+
+def request_key(request_id: Any) -> Any:
+    """A request id as a dict key (ids are ints or strings; anything else shares None)."""
+    return request_id if type(request_id) in (int, str) else None
+
+
+def send(writer: asyncio.StreamWriter, message: dict) -> None:
+    """Write one message to ``writer`` unless its connection is closing."""
+    if not writer.is_closing():
+        writer.write(pack(message))
+
+
+class SchedulerHost(Protocol):
+    """What the scheduler reads of the server (agent/replica/worker.py's ``Worker``)."""
+
+    loaded: Any          # agent/replica/zygote.Loaded: ``engine``, ``path`` (how it came up)
+    replica_id: str
+
+    def tokenizer(self) -> Any:
+        ...
+
+
+class BatchScheduler:
+    """One batching loop over the engine (module docstring).  ``pool``: the engine's one
+    thread (agent/replica/worker.py's ``make_engine_thread``); ``meter``: the replica's
+    measured speed, fed one step per tick."""
+
+    def __init__(self, host: SchedulerHost, pool: ThreadPoolExecutor,
+                 meter: ReplicaMeter) -> None:
+        self.host = host
+        self._pool = pool
+        self.meter = meter
+        self.submits: list[tuple[Request, dict]] = []   # accepted, not yet submitted
+        self.cancels: list[int] = []                    # engine sequences to cancel next tick
+        self.by_seq: dict[int, Request] = {}            # engine sequence id -> its request
+        self.wake = asyncio.Event()
+        self.send = send          # writes one answer to a connection (tests watch it here)
+
+    def accept(self, request: Request, args: dict) -> None:
+        """Queue ``request`` for the next tick (``args``: :meth:`Engine.submit`'s)."""
+        self.submits.append((request, args))
+
+    def cancel(self, request: Request) -> None:
+        """Stop ``request`` (its client left or sent ``cancel``): out of the submit list, or
+        its engine sequence cancelled (KV slot freed) on the next tick; no answer is sent."""
+        self.submits = [(r, m) for r, m in self.submits if r is not request]
+        if request.seq_id >= 0 and self.by_seq.get(request.seq_id) is request:
+            del self.by_seq[request.seq_id]
+            self.cancels.append(request.seq_id)
+            self.wake.set()
+
+    def in_flight(self) -> int:
+        """Requests accepted and not yet answered."""
+        return len(self.by_seq) + len(self.submits)
+
+    def holds(self, request: Request) -> bool:
+        """Whether ``request`` is still queued or running here."""
+        return request.seq_id in self.by_seq or any(r is request for r, _ in self.submits)
+
+    def _tick(self, submits: list[tuple[Request, dict]], cancels: list[int]):
+        """On the engine thread: cancel, submit, then the first prefill of the step (if a
+        slot admits one); :meth:`_admit_one` does the rest, one per call, and the decode half
+        follows once their first tokens are sent."""
+        engine = self.host.loaded.engine
+        for seq_id in cancels:
+            engine.cancel(seq_id)
+        failed = []
+        for request, args in submits:
+            try:
+                request.seq_id = engine.submit(**args)
+            except RewarmError as exc:
+                failed.append((request, exc))
+        return failed, (engine.admit(1) if engine.busy else [])
+
+    def _admit_one(self, cancels: list[int]):
+        """On the engine thread: cancel, then prefill the next waiting sequence (if any)."""
+        engine = self.host.loaded.engine
+        for seq_id in cancels:
+            engine.cancel(seq_id)
+        return engine.admit(1)
+
+    async def _fail_held(self, exc: RewarmError, submitting: list[Request]) -> None:
+        """An engine step raised a typed error (a forward refusing its inputs, e.g.
+        PackageInputError: nothing ran).  Fail what the engine holds and ``submitting``,
+        answer each request with the error, and keep serving the next ones."""
+        log.error("engine step failed; failing the requests in it: %s", exc)
+        held = list(self.by_seq.values()) + submitting
+        ids = [r.seq_id for r in held if r.seq_id >= 0]
+        self.by_seq.clear()
+        engine = self.host.loaded.engine
+        await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: [engine.cancel(i) for i in ids])
+        for request in {id(r): r for r in held}.values():
+            request.finished()
+            self.send(request.writer, error_message(request.request_id, exc.code, exc.message,
+                                             refusal=exc.refusal))
+
+    async def run(self) -> None:
+        """The batching loop (module docstring), until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            loaded = self.host.loaded
+            if not (self.submits or self.cancels or (loaded and loaded.engine.busy)):
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            submits, self.submits = self.submits, []
+            cancels, self.cancels = self.cancels, []
+            for request, _ in submits:
+                request.seq_id = -2  # being submitted
+            started = time.perf_counter()
+            try:
+                failed, events = await loop.run_in_executor(self._pool, self._tick, submits, cancels)
+            except RewarmError as exc:
+                await self._fail_held(exc, [r for r, _ in submits])
+                continue
+            for request, err in failed:
+                request.finished()
+                self.send(request.writer, error_message(request.request_id, err.code, err.message,
+                                                         refusal=err.refusal))
+            for request, _ in submits:
+                if request.seq_id >= 0 and (request.writer.is_closing()
+                                            or request.owner is not None
+                                            and request.owner.get(request_key(request.request_id))
+                                            is not request):  # left or cancelled meanwhile
+                    self.cancels.append(request.seq_id)
+                elif request.seq_id >= 0:
+                    self.by_seq[request.seq_id] = request
+            for seq_id in cancels:
+                self.by_seq.pop(seq_id, None)
+            self._deliver(events)
+            try:
+                # One prefill per call, its first token sent at once: a request's TTFT is
+                # the prefills queued ahead of it and its own (agent/speed.py's model), not
+                # every prefill of the step (the ones behind it too).
+                while self.host.loaded.engine.can_admit:
+                    cancels, self.cancels = self.cancels, []
+                    for seq_id in cancels:
+                        self.by_seq.pop(seq_id, None)
+                    admitted = await loop.run_in_executor(self._pool, self._admit_one, cancels)
+                    self._deliver(admitted)
+                    events += admitted
+                decoded = await loop.run_in_executor(self._pool, self.host.loaded.engine.decode)
+            except RewarmError as exc:
+                await self._fail_held(exc, [])
+                continue
+            self._deliver(decoded)
+            events += decoded  # one tick for the meter: the admitted prefills and the decode step
+            self.meter.step(sum(1 for e in events if e.token >= 0),
+                            len({e.seq_id for e in events}), time.perf_counter() - started)
+
+    def _deliver(self, events) -> None:
+        """Send each event's token (and the ``done`` answer) to its request's connection."""
+        now = time.perf_counter()
+        for event in events:
+            request = self.by_seq.get(event.seq_id)
+            if request is not None:
+                self._on_event(request, event, now)
+
+    def _on_event(self, request: Request, event, now: float) -> None:
+        """Answer one engine event: a ``tokens`` message (with the text that can be let out:
+        never past a stop string), and ``done`` when the sequence ended — at ``max_tokens``
+        (``finish_reason: length``), a stop token or a stop string (``stop``; the engine's
+        sequence is then cancelled, freeing its slot)."""
+        finish = None
+        if event.token >= 0:
+            request.first_s = request.first_s or now
+            request.tokens.append(event.token)
+            out = {"id": request.request_id, "type": "tokens", "tokens": [event.token]}
+            if len(request.tokens) == 1:
+                out["prompt_tokens"] = request.prompt_tokens
+            if request.text:
+                piece = next_text(self.host.tokenizer(), request)
+                request.fed += piece
+                out["text"] = self._let_out(request, piece, event.done)
+                if request.stops.stopped:
+                    finish = "stop"
+            self.send(request.writer, out)
+        if event.done and finish is None:
+            finish = "stop" if event.token < 0 else "length"
+            if request.text and event.token < 0:  # a stop token: no tokens message carried
+                self._let_out(request, "", True)  # the last text; done's ``text`` does
+        if finish is None:
+            return
+        del self.by_seq[event.seq_id]
+        if not event.done:  # a stop string ended it: the engine stops too
+            self.cancels.append(event.seq_id)
+        request.finished()
+        done = {"id": request.request_id, "type": "done",
+                "ttft_ms": round(((request.first_s or now) - request.started_s) * 1e3, 3),
+                "total_ms": round((now - request.started_s) * 1e3, 3),
+                "path": self.host.loaded.path, "replica": self.host.replica_id,
+                "n_tokens": len(request.tokens), "prompt_tokens": request.prompt_tokens,
+                "finish_reason": finish}
+        if request.text:
+            done["text"] = request.sent
+        self.send(request.writer, done)
+
+    def _let_out(self, request: Request, piece: str, last: bool) -> str:
+        """Feed ``piece`` to the request's stop strings; returns the text that may be sent.
+        On the last token, the text the window decode still held back (a last character
+        cut, a tail that might have begun a stop string) is matched and let out too."""
+        out = request.stops.feed(piece)
+        if last and not request.stops.stopped:
+            full = self.host.tokenizer().decode(request.tokens)
+            rest = full[len(request.fed):] if full.startswith(request.fed) else ""
+            request.fed += rest
+            out += request.stops.feed(rest)
+            out += request.stops.flush()
+        request.sent += out
+        return out
+
+
+def next_text(tokenizer, request: Request) -> str:
+    """The text ``request.tokens`` add since the last call ("" while the newest tokens end in
+    the middle of a character).  Decodes a short window — from the token before the text
+    already sent — rather than each token alone, so byte-level BPE pieces of one character are
+    joined before they are sent (the usual incremental detokenization of serving engines)."""
+    prefix = tokenizer.decode(request.tokens[request.prefix_at:request.read_at])
+    window = tokenizer.decode(request.tokens[request.prefix_at:])
+    if len(window) <= len(prefix) or window.endswith("\ufffd"):
+        return ""
+    request.prefix_at, request.read_at = request.read_at, len(request.tokens)
+    return window[len(prefix):]

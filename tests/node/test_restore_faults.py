@@ -1,0 +1,57 @@
+"""A restore that fails for a reason that is not the snapshot's keeps the snapshot.
+
+Only a failed verification (checksum, golden tokens) marks a snapshot corrupt, and only pins
+that differ mark it stale; running out of memory, a killed zygote or a timeout say nothing
+about the bytes, so the snapshot stays ready, its local copy stays, and the next restore
+uses it instead of cold-booting until a new capture exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.errors import CudaCheckpointError, RewarmError
+
+
+def first_boot(agent):
+    info = agent.restore("tiny")
+    row = agent.captures[agent.models["tiny"].key].result(timeout=120)
+    return info, row
+
+
+def failing_once(agent, exc):
+    """The next zygote taken raises ``exc`` from its restore (then the real ones again)."""
+    real_take = agent.zygotes.take
+    state = {"left": 1}
+
+    def take(device, model):
+        z = real_take(device, model)
+        if state["left"]:
+            state["left"] -= 1
+
+            def restore(snapshot, replica_id):
+                raise exc
+            z.restore = restore
+        return z
+
+    agent.zygotes.take = take
+
+
+@pytest.mark.parametrize("exc", [
+    MemoryError("cannot allocate 512 MiB"),
+    RewarmError("zygote 4242 exited with signal 9 before answering"),
+    CudaCheckpointError("restore did not finish within toggle_timeout_s=1", call="restore",
+                        result=None, name="timeout", value=1, limit=1),
+], ids=["memory", "killed_zygote", "timeout"])
+def test_a_fault_that_is_not_the_snapshots_keeps_it_ready(make_agent, exc):
+    agent = make_agent()
+    _, row = first_boot(agent)
+    failing_once(agent, exc)
+    info = agent.restore("tiny")
+    assert info["state"] == "warm"                       # served anyway (cold boot)
+    assert info["attempts"][0]["status"] == "transient"
+    assert info["attempts"][0]["error"] == type(exc).__name__
+    assert agent.catalog.snapshot(row.snapshot_id).status == "ready"
+    assert agent.store.has(row.snapshot_id)
+    again = agent.restore("tiny")                        # the next one restores from it
+    assert (again["path"], again["snapshot"]) == ("restore", row.snapshot_id)
