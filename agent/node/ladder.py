@@ -272,9 +272,10 @@ class RestoreLadder:
             rec.lifecycle.move(S.COLD, f"{path} failed: {type(err).__name__}")
             return False
         rec.handle, rec.snapshot_id, rec.path = handle, row.snapshot_id, path
-        if getattr(handle, "fallback", None):
+        fallback = getattr(handle, "fallback", None)     # set by a GPU zygote's restore
+        if fallback:
             log.warning("%s of %s onto %s read through host memory: the device read failed (%s)",
-                        path, rec.spec.key, rec.device, handle.fallback,
+                        path, rec.spec.key, rec.device, fallback,
                         extra={"model": rec.spec.name, "replica": rec.lifecycle.replica_id})
         self.state.store.record_restore(rec.spec.key)
         return True

@@ -115,6 +115,7 @@ def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFE
     from agent.snapshot.reader import HostBuffer
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
+    buffer: Any
     if device != "cpu":
         from agent.snapshot.gpu import DeviceBuffer
 

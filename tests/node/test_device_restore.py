@@ -108,13 +108,13 @@ def test_a_restore_without_a_device_goes_to_the_least_busy_gpu(tmp_path, tiny_di
                       registry=DownableRegistry(clock), inventory=Inventory(gpus), clock=clock,
                       executor=ThreadPoolExecutor(1), sleep=clock.advance)
     try:
-        assert agent._device(None) == "cuda:0"
+        assert agent.ladder._device(None) == "cuda:0"
         rec = ReplicaRecord(Lifecycle("r1", clock=clock), agent.spec("tiny"), "cuda:0")
         rec.lifecycle.move(ReplicaState.WARM, "test")
         agent.replicas["r1"] = rec
-        assert agent._device(None) == "cuda:1"
+        assert agent.ladder._device(None) == "cuda:1"
         rec.lifecycle.move(ReplicaState.DEAD, "test")
-        assert agent._device(None) == "cuda:0"
+        assert agent.ladder._device(None) == "cuda:0"
         assert sorted(agent.pool) == ["cuda:0", "cuda:1"]    # zygotes kept per device
         assert agent.pool_target("cuda:1") == 1
     finally:
