@@ -288,7 +288,8 @@ class Worker:
             result.update(engine.capacity())
             result.update(model=self.loaded.identity.name, version=self.loaded.identity.version,
                           path=self.loaded.path, package_digest=self.loaded.package_digest,
-                          phases_s=self.loaded.phases_s)
+                          phases_s=self.loaded.phases_s, device=self.loaded.device,
+                          restore_io=self.loaded.restore_io, fallback=self.loaded.fallback)
             pending = [args["prompt"] for _, args in self._submits]
             result["waiting_seqs"] += len(pending)
             result["queued_prefill_tokens"] += sum(len(p) for p in pending)
@@ -453,7 +454,7 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
                 replica_id: str | None = None, started_unix: float | None = None,
                 tcp_control: bool = False, data_listen: str | None = None,
                 drain_grace_s: float = 30.0, metrics_listen: str | None = None,
-                warm: str | None = None) -> int:
+                warm: str | None = None, device: str = "cpu") -> int:
     """The body of ``rewarm replica``: load one way, print the ready line, serve until stopped.
 
     Exactly one of ``model_dir`` (full boot; ``release`` binds its AOT package, ``compile``
@@ -463,6 +464,8 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
     the control ops (:data:`CONTROL_OPS`) are refused unless ``tcp_control``.  Raises
     ConfigError when not exactly one is given.  SIGTERM drains for ``drain_grace_s``;
     ``metrics_listen`` (HOST:PORT) serves /metrics, /healthz, /readyz (agent/health.py).
+    ``device`` ("cpu", "cuda[:N]"): where the model runs; a zygote there holds a CUDA context
+    and a device restore buffer (agent/replica/zygote.py ``prepare_zygote``).
     """
     from agent.errors import ConfigError
 
@@ -486,11 +489,12 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
         torch.set_num_threads(threads or os.cpu_count() or 1)
         if zygote_mode:
             return None, zygote.prepare_zygote(threads, buffer_bytes or zygote.DEFAULT_BUFFER_BYTES,
-                                               warm=Path(warm) if warm else None)
+                                               warm=Path(warm) if warm else None, device=device)
         if snapshot:
-            return zygote.restore(Path(snapshot), release=Path(release) if release else None), None
+            return zygote.restore(Path(snapshot), release=Path(release) if release else None,
+                                  device=device), None
         return zygote.boot(Path(model_dir), release=Path(release) if release else None,
-                           compile=compile), None
+                           compile=compile, device=device), None
 
     engine_thread = make_engine_thread()
     loaded, buffer = engine_thread.submit(load).result()
