@@ -60,6 +60,7 @@ from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.dispatch import Dispatcher
 from agent.frontdoor.links import Connector, ReplicaLink, open_socket
 from agent.frontdoor.model_state import ModelStates
+from agent.frontdoor.path_info import info_answer
 from agent.frontdoor.planner import QueuePlanner
 from agent.frontdoor.queues import Queues
 from agent.frontdoor.replica_view import ReplicaView
@@ -390,28 +391,11 @@ class RequestPath:
                                         refusal=refusals.DRAINING)
 
     def info(self, op: str, connections: int = 0) -> dict:
-        """The answer to ``health``, ``models`` or ``stats`` (docs/protocol.md)."""
-        if op == "health":
-            return {"status": "ok", "connections": connections}
-        if op == "models":
-            return {m: {"warm": len(self.router.warm(m)),
-                        "queued": len(self.models.queue(m) or ())}
-                    for m in sorted(self.known_models)}
-        # every known model from 0: a reader's first reading is its baseline, so a counter
-        # that first appeared at 1 would hide the model's first request (and cold arrival)
-        models = sorted(self.known_models)   # (a request's model is known before it counts)
-        states = {m: self.models.get(m) for m in models}
-        return {**self.counts,
-                "arrivals": {m: s.arrivals if s else 0 for m, s in states.items()},
-                "connections": connections,
-                "cold": {m: {"arrivals": s.cold_arrivals if s else 0,
-                             "misses": s.cold_misses if s else 0} for m, s in states.items()},
-                "restores_in_flight": self.gate.total,
-                "queued": {m: len(q) for m, q in self.models.queues().items() if q},
-                "replicas": {r.replica_id: {"model": r.model, "active_seqs": r.active_seqs,
-                                            "kv_used_tokens": r.kv_used_tokens,
-                                            "kv_capacity_tokens": r.kv_capacity_tokens}
-                             for m in self.router.models() for r in self.router.warm(m)}}
+        """The answer to ``health``, ``models`` or ``stats`` (docs/protocol.md;
+        :func:`agent.frontdoor.path_info.info_answer`)."""
+        return info_answer(op, connections, counts=self.counts, known_models=self.known_models,
+                           models=self.models, router=self.router,
+                           restores_in_flight=self.gate.total)
 
 
 def _ms(seconds: float | None) -> float | None:
