@@ -4,10 +4,10 @@ Two numbers per request, kept apart:
 
 - the **SLO** is what capacity aims for and what attainment counts: ``base + prefill``, where
   ``prefill = prompt_tokens / prefill_tokens_per_s`` at the serving replicas' measured prefill
-  speed (agent/speed.py), and ``base`` is the snapshot design document's budget for the rest
-  of the path: 2 s when a warm replica serves it, 4 s when it waits for a restore
-  (the snapshot design document, "Non-Functional Requirements": TTFT p99 under 2,000 ms for
-  a warm hit, under 4,000 ms for a request served via snapshot restore).  A 12k-token prompt at 4,000 tokens/s has a 3 s prefill: its SLO is 5 s warm,
+  speed (agent/speed.py), and ``base`` is the budget for the rest of the path: 2 s when a
+  warm replica serves it, 4 s when it waits for a restore (the default warm-hit and
+  restore-path TTFT p99 SLOs of docs/architecture.md, "Admission").  A 12k-token prompt at
+  4,000 tokens/s has a 3 s prefill: its SLO is 5 s warm,
   not a 2 s it could never meet.
 - the **deadline** is what admission refuses against: the client's (``deadline_ms``, or the
   HTTP header ``x-rewarm-deadline-ms``), else ``deadline_factor`` times the SLO (default

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from agent.protocol import Decoder, pack  # noqa: E402
 
-TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+TRACE = REPO / "bench" / "traces" / "azure_llm_2023_code.csv"
 MODEL = "bench"
 
 

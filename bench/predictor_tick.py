@@ -32,7 +32,7 @@ from agent.clock import ManualClock  # noqa: E402
 from agent.predictor.forecast import Holt  # noqa: E402
 from agent.predictor.loop import ModelPolicy, Predictor  # noqa: E402
 
-TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+TRACE = REPO / "bench" / "traces" / "azure_llm_2023_code.csv"
 
 
 class _Scaler:

@@ -1,6 +1,7 @@
 """Per-model figures the request path derives and caches: time budgets and replica size.
 
-- :meth:`Budgets.budgets_s`: a request's (warm, restore) time budgets from arrival;
+- :meth:`Budgets.slos_s`: a request's (warm, restore) TTFT SLOs, base + its own prefill;
+- :meth:`Budgets.budgets_s`: its (warm, restore) deadlines, a few times those SLOs;
 - :meth:`Budgets.per_replica`: requests one new replica serves within the warm SLO (its
   sustainable concurrency, agent/speed.py), which sizes the restores asked for;
 - :meth:`Budgets.restore_measured`: a measured restore, which moves both.
@@ -31,23 +32,43 @@ class Budgets:
         self.restore_times = restore_times
         self.models = models
 
-    def budgets_s(self, model: str, deadline_ms: float | None) -> tuple[float, float]:
-        """(warm, restore) time budgets (s from arrival) for a request of ``model``: its own
-        ``deadline_ms`` for both, else each path's SLO capped by the model's default
-        deadline (:class:`FrontDoorConfig`)."""
+    def prefill_s(self, model: str, prompt_tokens: int) -> float:
+        """Seconds to prefill ``prompt_tokens`` at the speed ``model``'s replicas measured
+        (the slowest that reported, :meth:`Router.prior
+        <agent.frontdoor.router.Router.prior>`); 0 for no prompt."""
+        if prompt_tokens <= 0:
+            return 0.0
+        speed = self.router.prior(model)
+        return speed.prefill_overhead_s + prompt_tokens / speed.prefill_tokens_per_s
+
+    def slos_s(self, model: str, prompt_tokens: int = 0) -> tuple[float, float]:
+        """(warm, restore) TTFT SLOs (s from arrival) of a request of ``prompt_tokens``: each
+        path's base SLO plus, with ``slo_counts_prefill``, the request's own prefill
+        (agent/slo.py): what attainment counts, never what refuses it."""
+        warm_s, restore_s = self.config.slo_s(model)
+        if not self.config.slo_counts_prefill:
+            return warm_s, restore_s
+        prefill = self.prefill_s(model, prompt_tokens)
+        return warm_s + prefill, restore_s + prefill
+
+    def budgets_s(self, model: str, deadline_ms: float | None,
+                  prompt_tokens: int = 0) -> tuple[float, float]:
+        """(warm, restore) deadlines (s from arrival) of a request of ``model`` with
+        ``prompt_tokens``: its own ``deadline_ms`` for both, else ``deadline_factor`` times
+        each path's SLO (:meth:`slos_s`: base + prefill), capped by the model's default
+        deadline (:class:`FrontDoorConfig`).  Before any restore of the model is measured,
+        the restore path gets the model's default deadline (the first may be a cold boot,
+        which no restore-path SLO covers)."""
         if deadline_ms:
             return deadline_ms / 1000.0, deadline_ms / 1000.0
         state = self.models.of(model)
-        budgets = state.budgets_s
-        if budgets is None:  # cached; dropped when a restore of the model is measured
-            default_s = state.deadline_ms / 1000.0
-            warm_s, restore_s = self.config.slo_s(model)
-            if self.restore_times.p99_ms(model) is None:
-                # Nothing restored yet: the first restore may be a cold boot (minutes, no
-                # snapshot yet), which no restore-path SLO covers; the default deadline does.
-                restore_s = default_s
-            budgets = state.budgets_s = (min(default_s, warm_s), min(default_s, restore_s))
-        return budgets
+        default_s = state.deadline_ms / 1000.0
+        factor = self.config.deadline_factor
+        warm_slo_s, restore_slo_s = self.slos_s(model, prompt_tokens)
+        restore_s = factor * restore_slo_s
+        if self.restore_times.p99_ms(model) is None:
+            restore_s = default_s
+        return min(default_s, factor * warm_slo_s), min(default_s, restore_s)
 
     def per_replica(self, model: str) -> int:
         """Requests one new replica of ``model`` serves within the warm SLO (cached for

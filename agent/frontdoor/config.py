@@ -42,6 +42,11 @@ class FrontDoorConfig:
     models: dict[str, float] = field(default_factory=dict)
     default_deadline_ms: float = 30_000.0
     deadline_per_restore_p99: float = 1.5  # unconfigured models: max(default, this x p99)
+    # a request with no deadline of its own may wait this many times its SLO (agent/slo.py
+    # recommends 3; 1 keeps the deadline at the SLO), and its SLO counts its own prefill at
+    # the replicas' measured speed when slo_counts_prefill is set
+    deadline_factor: float = 1.0
+    slo_counts_prefill: bool = False
     max_queue_depth: int = 1024
     max_wait_s: float = 60.0
     max_connections: int = 4096
@@ -108,6 +113,11 @@ class FrontDoorConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"FrontDoorConfig {name}={value!r} must be an int >= 1",
                                   name=name, value=value, limit=1)
+        if not (_positive(self.deadline_factor) and self.deadline_factor >= 1.0):
+            raise ConfigError(f"FrontDoorConfig deadline_factor={self.deadline_factor!r} must be "
+                              f"a number >= 1 (a deadline inside the SLO refuses what it counts "
+                              f"as met)", name="deadline_factor", value=self.deadline_factor,
+                              limit=1)
         for name in ("default_deadline_ms", "deadline_per_restore_p99", "max_wait_s",
                      "idle_timeout_s", "frame_deadline_s", "close_linger_s", "tick_s", "recheck_s",
                      "sweep_s", "registry_poll_s", "registry_wait_s", "warm_slo_ms",

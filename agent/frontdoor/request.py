@@ -129,7 +129,7 @@ class Flight:
                  "owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
                  "prompt_tokens", "path", "restore_ms", "queue_wait_ms", "replica_id",
                  "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried",
-                 "warm_deadline_s", "cold", "last_token_s", "token_gaps")
+                 "warm_deadline_s", "cold", "last_token_s", "token_gaps", "slo_s")
 
     def __init__(self, owner: Canceller, req: GenerateRequest, sink: Sink,
                  arrival_s: float) -> None:
@@ -137,6 +137,7 @@ class Flight:
         self.arrival_s = arrival_s
         self.deadline_s = arrival_s       # its first token's deadline (restore path once held)
         self.warm_deadline_s = arrival_s  # the deadline when served by a replica warm before it
+        self.slo_s = arrival_s            # its first token's SLO (base + prefill; agent/slo.py)
         self.need_tokens = 0
         self.prompt_tokens = 0
         self.predicted_ttft_s: float | None = None  # from arrival, when it was last placed

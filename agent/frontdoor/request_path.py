@@ -60,6 +60,7 @@ from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.dispatch import Dispatcher
 from agent.frontdoor.links import Connector, ReplicaLink, open_socket
 from agent.frontdoor.model_state import ModelStates
+from agent.frontdoor.path_info import info_answer
 from agent.frontdoor.planner import QueuePlanner
 from agent.frontdoor.queues import Queues
 from agent.frontdoor.replica_view import ReplicaView
@@ -211,8 +212,10 @@ class RequestPath:
         else:
             shape[0] += (prompt - shape[0]) * SHAPE_GAIN
             shape[1] += (req.max_tokens - shape[1]) * SHAPE_GAIN
-        warm_s, restore_s = self.budgets.budgets_s(model, req.deadline_ms)
+        warm_s, restore_s = self.budgets.budgets_s(model, req.deadline_ms, prompt)
         flight.deadline_s = flight.warm_deadline_s = now + warm_s
+        warm_slo_s, restore_slo_s = self.budgets.slos_s(model, prompt)
+        flight.slo_s = now + warm_slo_s
         queue = state.queue
         found = None
         if not queue:
@@ -229,6 +232,15 @@ class RequestPath:
             self.fail(flight, 413, f"request needs {need} KV tokens; the largest replica of "
                       f"{model!r} holds {largest}", refusal=refusals.TOO_LARGE)
             return flight
+        # no wait, no replica can make it: said now, not at the deadline
+        prefill_s = self.budgets.prefill_s(model, prompt)
+        if prefill_s > max(warm_s, restore_s):
+            self.counts["shed_429"] += 1
+            self.fail(flight, 429, f"model {model!r}: the prompt's {prompt} tokens alone take "
+                      f"{prefill_s * 1000:.0f} ms to prefill at its replicas' measured speed, "
+                      f"past the request's deadline of {max(warm_s, restore_s) * 1000:.0f} ms",
+                      refusal=refusals.DEADLINE_UNREACHABLE)
+            return flight
         if not warm:   # (after the 413: one no replica can hold says nothing of keep-alive)
             flight.cold = True
             state.cold_arrivals += 1
@@ -237,6 +249,7 @@ class RequestPath:
                       f"requester configured", refusal=refusals.NO_CAPACITY)
             return flight
         flight.deadline_s = now + restore_s
+        flight.slo_s = now + restore_slo_s
         self.admission.hold(flight, found[1] if found is not None else None)
         return flight
 
@@ -298,7 +311,8 @@ class RequestPath:
         flight.over = True
         self.dispatcher.settle_path(flight)
         ttft_ms = None if flight.ttft_s is None else (flight.ttft_s - flight.arrival_s) * 1000.0
-        late = flight.ttft_s is None or flight.ttft_s > flight.deadline_s
+        # attainment counts the SLO (base + prefill), not the deadline it was admitted by
+        late = flight.ttft_s is None or flight.ttft_s > flight.slo_s
         if kind != "done":   # an error misses the SLO, unless it is the client's (4xx, not 429)
             c = message.get("code")
             late = late and flight.ttft_s is not None if _client_error(c) else True
@@ -325,7 +339,7 @@ class RequestPath:
                               _retry_ms(message.get("retry_after_ms")), refusal)
         self.telemetry.event(flight.req.request_id, flight.model, flight.path, code,
                              flight.queue_wait_ms, flight.restore_ms, ttft_ms if code == 200 else None,
-                             flight.ttft_s is None or flight.ttft_s > flight.deadline_s,
+                             flight.ttft_s is None or flight.ttft_s > flight.slo_s,
                              reason=refusal, predicted_ttft_ms=_ms(flight.predicted_ttft_s),
                              done=message if code == 200 else None,
                              token_gaps=flight.token_gaps)
@@ -377,28 +391,11 @@ class RequestPath:
                                         refusal=refusals.DRAINING)
 
     def info(self, op: str, connections: int = 0) -> dict:
-        """The answer to ``health``, ``models`` or ``stats`` (docs/protocol.md)."""
-        if op == "health":
-            return {"status": "ok", "connections": connections}
-        if op == "models":
-            return {m: {"warm": len(self.router.warm(m)),
-                        "queued": len(self.models.queue(m) or ())}
-                    for m in sorted(self.known_models)}
-        # every known model from 0: a reader's first reading is its baseline, so a counter
-        # that first appeared at 1 would hide the model's first request (and cold arrival)
-        models = sorted(self.known_models)   # (a request's model is known before it counts)
-        states = {m: self.models.get(m) for m in models}
-        return {**self.counts,
-                "arrivals": {m: s.arrivals if s else 0 for m, s in states.items()},
-                "connections": connections,
-                "cold": {m: {"arrivals": s.cold_arrivals if s else 0,
-                             "misses": s.cold_misses if s else 0} for m, s in states.items()},
-                "restores_in_flight": self.gate.total,
-                "queued": {m: len(q) for m, q in self.models.queues().items() if q},
-                "replicas": {r.replica_id: {"model": r.model, "active_seqs": r.active_seqs,
-                                            "kv_used_tokens": r.kv_used_tokens,
-                                            "kv_capacity_tokens": r.kv_capacity_tokens}
-                             for m in self.router.models() for r in self.router.warm(m)}}
+        """The answer to ``health``, ``models`` or ``stats`` (docs/protocol.md;
+        :func:`agent.frontdoor.path_info.info_answer`)."""
+        return info_answer(op, connections, counts=self.counts, known_models=self.known_models,
+                           models=self.models, router=self.router,
+                           restores_in_flight=self.gate.total)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -143,7 +143,8 @@ class Reroute:
             self.owner.dispatch(flight, found[0], found[1])
             return
         if self.capacity.can_restore:
-            _warm_s, restore_s = self.budgets.budgets_s(flight.model, flight.req.deadline_ms)
+            _warm_s, restore_s = self.budgets.budgets_s(flight.model, flight.req.deadline_ms,
+                                                        flight.prompt_tokens)
             flight.deadline_s = flight.arrival_s + restore_s
             self.owner.hold(flight, None)
             return

@@ -45,6 +45,7 @@ def test_one_peer_holds_at_most_its_share_of_slots():
             held.append(w)
         answer, w = await ask(host, port)
         assert answer["code"] == 429 and "max_connections_per_peer(3)" in answer["reason"]
+        assert answer["refusal"] == "max_connections"
         w.close()
         other, w2 = await ask(host, port, "127.0.0.2")          # another peer still gets in
         assert other["type"] == "result"

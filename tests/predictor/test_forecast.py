@@ -10,8 +10,7 @@ import pytest
 from agent.errors import ConfigError
 from agent.predictor.forecast import CounterRate, Holt
 
-TRACE = pathlib.Path(__file__).resolve().parents[1] / ".." / ".." / "shared" / "traces" / \
-    "azure_llm_2023_code.csv"
+TRACE = pathlib.Path(__file__).resolve().parents[2] / "bench" / "traces" / "azure_llm_2023_code.csv"
 
 
 def run(series, h=15, **kw):
@@ -130,8 +129,6 @@ def _trace_per_second(path):
     return counts
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE} "
-                    "(shared/traces/azure_llm_2023_code.csv under the checkout)")
 def test_azure_code_trace_forecast_is_sane_and_beats_naive():
     counts = _trace_per_second(TRACE)
     assert sum(counts) > 1000 and len(counts) > 600   # an hour of arrivals

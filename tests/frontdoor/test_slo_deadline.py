@@ -1,0 +1,73 @@
+"""The SLO counts, the deadline refuses: a request whose prefill alone is past its deadline is
+refused at arrival with that reason; with a deadline a few times the SLO a request predicted
+past its SLO is served (and counted late) instead of refused; the SLO counts the prompt's
+own prefill when configured.  Virtual time (virtual_fleet)."""
+
+import asyncio
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from virtual_fleet import Fleet  # noqa: E402
+
+import pytest  # noqa: E402
+
+from agent.errors import ConfigError  # noqa: E402
+from agent.frontdoor.config import FrontDoorConfig  # noqa: E402
+from agent.speed import SpeedProfile  # noqa: E402
+
+# prefill 1,000 tokens/s: a 3,000-token prompt takes 3 s before its first token
+SLOW_PREFILL = SpeedProfile(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0,
+                            decode_base_s=0.01, decode_per_seq_s=0.001, decode_per_ctx_token_s=0.0)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_a_prompt_whose_prefill_alone_is_past_its_deadline_is_refused_at_arrival():
+    async def main():
+        f = Fleet(speed=SLOW_PREFILL)
+        sink = f.submit(prompt_tokens=3000, deadline_ms=2000.0)
+        assert sink.code == 429 and sink.at_s == sink.arrival_s        # at once
+        assert sink.final["refusal"] == "deadline_unreachable"
+        assert "alone take 3000 ms to prefill" in sink.final["reason"]
+        ok = f.submit(prompt_tokens=3000, deadline_ms=5000.0)          # it can make this one
+        await f.timeline.run_until(f.clock.now() + 10)
+        assert ok.code == 200
+    run(main())
+
+
+def test_the_slo_counts_the_prompts_prefill_and_the_deadline_a_few_times_it():
+    async def main():
+        f = Fleet(speed=SLOW_PREFILL, deadline_factor=3.0, slo_counts_prefill=True)
+        sink = f.submit(prompt_tokens=3000)        # SLO 2 s + 3 s prefill; deadline 15 s
+        await f.timeline.run_until(f.clock.now() + 10)
+        assert sink.code == 200 and 3.0 <= sink.first_s - sink.arrival_s <= 5.0
+        assert f.path.counts["late_first_token"] == 0
+        warm_s, _ = f.path.budgets.slos_s("m", 3000)
+        assert warm_s == pytest.approx(5.0)
+        deadline_s, _ = f.path.budgets.budgets_s("m", None, 3000)
+        assert deadline_s == pytest.approx(15.0)
+    run(main())
+
+
+def test_a_late_answer_beats_a_refusal_when_the_deadline_allows_it():
+    async def main():
+        # one slot, busy for ~4 s: the next request's first token comes past its 2 s SLO
+        tight = Fleet(max_seqs=1, speed=SLOW_PREFILL)
+        tight.submit(prompt_tokens=10, max_tokens=400)
+        refused = tight.submit(prompt_tokens=10)
+        assert refused.code == 429                               # deadline = SLO: refused
+        loose = Fleet(max_seqs=1, speed=SLOW_PREFILL, deadline_factor=3.0)
+        loose.submit(prompt_tokens=10, max_tokens=400)
+        served = loose.submit(prompt_tokens=10)
+        await loose.timeline.run_until(loose.clock.now() + 30)
+        assert served.code == 200 and served.first_s - served.arrival_s > 2.0
+    run(main())
+
+
+def test_a_deadline_factor_below_one_is_refused():
+    with pytest.raises(ConfigError) as err:
+        FrontDoorConfig(deadline_factor=0.5)
+    assert err.value.name == "deadline_factor"
