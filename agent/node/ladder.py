@@ -68,6 +68,11 @@ def _classify(exc: BaseException, snapshot: Path) -> str:
         verify_chunks(snapshot, read_manifest(snapshot))
     except SnapshotError:
         return "corrupt"
+    except (OSError, MemoryError) as again:
+        # the re-read could not run (the same memory shortage, no descriptors left): that
+        # says nothing about the bytes either, and must not end the ladder before a cold boot
+        log.warning("verifying %s after a failed restore could not run (%s: %s); kept as "
+                    "it is", snapshot, type(again).__name__, again)
     return "transient"
 
 
