@@ -32,6 +32,7 @@ from agent.frontdoor.listener import Listener, tune_keepalive
 from agent.frontdoor.request import Flight, GenerateRequest
 from agent.frontdoor.request_path import RequestPath
 from agent.protocol import PROTOCOL_VERSION, Decoder, error_message, reply_id, validate_request
+from agent.wire import refusals
 
 
 class MsgpackSink:
@@ -81,7 +82,8 @@ class MsgpackEntrance:
             host, port, max_connections=self.config.max_connections,
             reserve=self.config.fd_reserve, clock=self.clock,
             refusal=packb(error_message(None, 429, "too many connections: the front door is "
-                                        "at its descriptor limit", retry_after_ms=1000)),
+                                        "at its descriptor limit", retry_after_ms=1000,
+                                        refusal=refusals.FD_RESERVE)),
             on_socket=self._on_socket, in_use=self._in_use,
             log_interval_s=self.config.accept_log_interval_s)
         return self._listener.start()
@@ -269,7 +271,9 @@ class ClientConn(Batched):
         self.peer = str(peername[0]) if isinstance(peername, tuple) and peername else ""
         refused = self.door.accept(self, self.over_cap)
         if refused is not None:
-            self.send(packb(error_message(None, 429, refused, retry_after_ms=1000)))
+            code = refusals.FD_RESERVE if self.over_cap else refusals.MAX_CONNECTIONS
+            self.send(packb(error_message(None, 429, refused, retry_after_ms=1000,
+                                          refusal=code)))
             self.end()
 
     def data_received(self, data: bytes) -> None:
