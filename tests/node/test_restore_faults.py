@@ -81,3 +81,35 @@ def test_a_verification_that_cannot_run_keeps_the_snapshot_and_still_cold_boots(
     assert info["attempts"][0]["status"] == "transient"
     assert agent.catalog.snapshot(row.snapshot_id).status == "ready"
     assert agent.store.has(row.snapshot_id)
+
+
+def test_a_local_copy_evicted_between_the_look_and_the_read_still_cold_boots(make_agent):
+    """The ladder sees the local copy, then (another restore's staging made room) it is gone
+    when the restore opens it: the zygote taken for it is not leaked and the ladder goes on
+    (a cold boot here, with no remote copy) instead of failing the restore."""
+    from agent.errors import SnapshotNotFound
+
+    agent = make_agent()
+    _, row = first_boot(agent)
+    real_reading, killed = agent.store.reading, []
+    real_take = agent.zygotes.take
+
+    def take(device, model):
+        z = real_take(device, model)
+        real_kill = z.kill
+
+        def kill():
+            killed.append(z)
+            real_kill()
+        z.kill = kill
+        return z
+
+    def reading(snapshot_id):
+        agent.store.reading = real_reading
+        raise SnapshotNotFound(f"snapshot {snapshot_id!r} is not in the local tier")
+    agent.zygotes.take = take
+    agent.store.reading = reading
+    info = agent.restore("tiny")
+    assert info["state"] == "warm" and info["path"] == "cold_boot"
+    assert info["attempts"][0]["error"] == "SnapshotNotFound"
+    assert len(killed) == 1            # the zygote taken for the vanished copy is not leaked
