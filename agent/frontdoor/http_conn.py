@@ -19,6 +19,7 @@ from typing import Protocol
 from agent.clock import Clock
 from agent.errors import ConfigError
 from agent.frontdoor import openai_api as oa
+from agent.wire import refusals
 
 HTTP_PORT_ENV = "REWARM_HTTP_PORT"
 DEFAULT_HTTP_PORT = 8000
@@ -76,11 +77,14 @@ _CANNED = {408: b"request head not complete within header_timeout_s",
            503: b"too many connections"}
 
 
-def canned(status: int, reason: str) -> bytes:
+def canned(status: int, reason: str, refusal: str | None = None) -> bytes:
     """A complete HTTP/1.1 error answer for a connection no request object exists for yet
-    (a head too slow, over the connection cap): written, then the connection closes."""
-    body = json.dumps(oa.error_body(status, _CANNED[status].decode())).encode()
-    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+    (a head too slow, over the connection cap): written, then the connection closes.
+    ``refusal`` (agent/wire/refusals.py) goes in ``x-rewarm-refusal`` and ``error.refusal``."""
+    body = json.dumps(oa.error_body(status, _CANNED[status].decode(),
+                                    refusal=refusal)).encode()
+    header = f"x-rewarm-refusal: {refusal}\r\n" if refusal is not None else ""
+    return (f"HTTP/1.1 {status} {reason}\r\n{header}Content-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
@@ -111,7 +115,7 @@ class ConnGuard(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         if not self.entrance.accept(self):
-            transport.write(canned(503, "Service Unavailable"))
+            transport.write(canned(503, "Service Unavailable", refusals.MAX_CONNECTIONS))
             transport.close()
             return
         self.accepted = True

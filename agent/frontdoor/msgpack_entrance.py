@@ -271,8 +271,9 @@ class ClientConn(Batched):
         self.peer = str(peername[0]) if isinstance(peername, tuple) and peername else ""
         refused = self.door.accept(self, self.over_cap)
         if refused is not None:
+            code = refusals.FD_RESERVE if self.over_cap else refusals.MAX_CONNECTIONS
             self.send(packb(error_message(None, 429, refused, retry_after_ms=1000,
-                                          refusal=refusals.MAX_CONNECTIONS)))
+                                          refusal=code)))
             self.end()
 
     def data_received(self, data: bytes) -> None:

@@ -205,7 +205,17 @@ class RequestPath:
         state = self.models.of(model)
         state.arrivals += 1
         prompt = flight.prompt_tokens = req.prompt_tokens
-        need = flight.need_tokens = prompt + req.max_tokens  # KV need
+        need = prompt + req.max_tokens  # KV need
+        wire = req.wire
+        if wire is not None and wire.get("fit_context") is True:
+            # the replica fits max_tokens to what its context leaves after the prompt
+            # (agent/replica/worker.py): it needs at most the largest replica's KV, not the
+            # context-sized bound plus the prompt (a one-slot replica's context is its KV)
+            most = max((r.kv_capacity_tokens for r in self.router.warm(model)), default=0) \
+                or state.max_kv_tokens
+            if most and need > most:
+                need = max(prompt + 1, most)
+        flight.need_tokens = need
         shape = state.shape
         if shape is None:
             state.shape = [float(prompt), float(req.max_tokens)]

@@ -29,7 +29,7 @@ from typing import Any
 
 from agent.errors import (ConfigError, CudaCheckpointError, DiskFull, GoldenMismatch,
                           NoCapacity, RewarmError, SnapshotCorrupt, SnapshotError,
-                          SnapshotIncompatible)
+                          SnapshotIncompatible, SnapshotNotFound)
 from agent.node import capture as cap
 from agent.node.backend import Backend, ModelSpec, new_replica_id
 from agent.node.bounded import call_within
@@ -68,6 +68,11 @@ def _classify(exc: BaseException, snapshot: Path) -> str:
         verify_chunks(snapshot, read_manifest(snapshot))
     except SnapshotError:
         return "corrupt"
+    except (OSError, MemoryError) as again:
+        # the re-read could not run (the same memory shortage, no descriptors left): that
+        # says nothing about the bytes either, and must not end the ladder before a cold boot
+        log.warning("verifying %s after a failed restore could not run (%s: %s); kept as "
+                    "it is", snapshot, type(again).__name__, again)
     return "transient"
 
 
@@ -252,6 +257,16 @@ class RestoreLadder:
                     zygote.kill()
                     status = _classify(exc, snap)
                     raise _Failed(exc, status) from exc
+        except SnapshotNotFound as gone:
+            # evicted from the local tier after the ladder saw it (another restore's staging
+            # made room): nothing is wrong with the snapshot; its remote copy or a cold boot
+            zygote.kill()
+            log.warning("%s of %s from %s: the local copy went away before it was read (%s)",
+                        path, rec.spec.key, row.snapshot_id, gone)
+            rec.attempts.append({"path": path, "snapshot": row.snapshot_id, "status": "evicted",
+                                 "error": type(gone).__name__, "reason": str(gone)})
+            rec.lifecycle.move(S.COLD, f"{path} failed: {type(gone).__name__}")
+            return False
         except _Failed as failed:
             err, status = failed.exc, failed.status
             log.error("%s of %s from %s failed closed (%s): %s", path, rec.spec.key,

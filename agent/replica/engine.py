@@ -412,6 +412,7 @@ class Engine(Lockstep):
             # crosses it included), then renormalise by sampling from what is left
             sorted_p, order = torch.sort(probs, descending=True)
             drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= seq.top_p
+            drop[0] = False   # the most likely always stays (a top_p that is 0 in float32)
             probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 

@@ -288,3 +288,24 @@ def test_a_refusal_decided_by_admission_says_why_over_http():
     assert shed.response.json()["error"]["refusal"] == "deadline_unreachable"
     assert ('rewarm_rejections_total{code="429",model="m",reason="deadline_unreachable"} 1.0'
             in metrics)
+
+
+def test_a_chat_without_max_tokens_on_a_one_slot_replica_is_served_not_413():
+    """With one sequence slot the context is the whole KV cache: a chat without max_tokens
+    asks for the context and the replica fits it to what the prompt leaves (fit_context), so
+    the front door's KV check must count what can be generated, not the bound, or every such
+    chat is refused as too large for a replica that serves it."""
+    async def main():
+        stub = await TextStub("m", "t", max_seqs=1, kv_capacity_tokens=300).start()
+        try:
+            async with door_over(stub) as e:
+                c = client(e)
+                answer = await c.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}])
+                return answer, stub.received[-1]
+        finally:
+            await stub.stop()
+
+    answer, sent = run(main())
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert sent["fit_context"] is True and sent["max_tokens"] == 300

@@ -188,3 +188,11 @@ def test_generate_lockstep_leaves_no_waiting_sequences_in_the_load(tiny_engine):
     assert tiny_engine.load.waiting_seqs == 0 and tiny_engine.load.queued_prefill_tokens == 0
     cap = tiny_engine.capacity()
     assert (cap["waiting_seqs"], cap["active_seqs"], cap["kv_used_tokens"]) == (0, 0, 0)
+
+
+def test_a_top_p_below_float32s_smallest_still_keeps_the_most_likely_token(tiny_engine):
+    """top_p in (0, 1] is the wire's range, but one below float32's smallest subnormal (1e-300)
+    compares as 0 against the probabilities: without a floor every token was dropped and
+    torch.multinomial raised on the engine thread, which stopped the replica answering."""
+    greedy = tiny_engine.generate([PROMPTS[1]], 4)[0]
+    assert _run(tiny_engine, PROMPTS[1], 4, seed=3, temperature=1.0, top_p=1e-300) == greedy
