@@ -85,3 +85,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def device_name(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` (torch's spelling of a device); anything else is refused
+    here, before a process is started for it."""
+    kind, sep, index = text.partition(":")
+    if text == "cpu" or (kind == "cuda" and (not sep or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device; expected cpu, cuda or cuda:N")

@@ -72,14 +72,18 @@ for h in /usr/include/xxhash.h /usr/include/xxh3.h; do
 done
 [ "$found" = 1 ] || { echo "error: no /usr/include/xxhash.h here (apt-get install libxxhash-dev)" >&2; exit 1; }
 
-# SmolLM2-135M's config: the node makes seeded weights of exactly this shape.
-cp var/models/smollm2-135m/config.json "$CARRY/smollm2-config.json" 2>/dev/null || \
-  "$PY" -c "from agent.replica.smollm2 import ensure_smollm2; import shutil, sys; shutil.copy(ensure_smollm2() / 'config.json', sys.argv[1])" "$CARRY/smollm2-config.json"
+# SmolLM2-135M's config and tokenizer: the node makes seeded weights of exactly this shape
+# (bench/device_check.py model_dir) and the HTTP entrance tokenizes the check's prompt with it.
+"$PY" -c "from agent.replica.smollm2 import ensure_smollm2; import shutil, sys
+src = ensure_smollm2()
+for name in ('config.json', 'tokenizer.json', 'tokenizer_config.json'):
+    if (src / name).is_file():
+        shutil.copy(src / name, sys.argv[1] + '-' + name)" "$CARRY/smollm2"
 
 {
   echo "# rewarm device carry: $(date -u +%Y-%m-%dT%H:%M:%SZ), for CPython 3.12 manylinux x86_64"
   echo "# requirements: ${WHEELS[*]}"
-  (cd "$CARRY" && find wheels include smollm2-config.json -type f | sort | while read -r f; do
+  (cd "$CARRY" && find wheels include smollm2-*.json -type f | sort | while read -r f; do
     printf '%s %s %s\n' "$(stat -c %s "$f")" "$(sha256sum "$f" | cut -d' ' -f1)" "$f"; done)
 } > "$CARRY/MANIFEST.txt"
 size="$(du -sb "$CARRY" | cut -f1)"

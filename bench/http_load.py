@@ -379,6 +379,9 @@ def main() -> None:
     out["tables"] = [{"title": "bench/http_load.py", "columns": ["measure", "value"],
                       "rows": [[name, value] for name, value in rows],
                       "notes": f"load generator: {out['load_generator']}"}]
+    out["headline"] = [[name, value] for name, value in rows
+                       if name.startswith(("HTTP / msgpack CPU", "HTTP p50 / p99 added",
+                                           "real replica answered"))]
     real = out.get("real_replica")
     if real:
         out["tables"].append({

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,10 +87,20 @@ def cell(value: Any) -> str:
         else:
             text = f"{round(value, 3):g}"
     elif isinstance(value, (list, tuple)):
-        text = ", ".join(cell(v) for v in value)
+        text = " ".join(cell(v) for v in value) if all(
+            isinstance(v, (int, float)) for v in value) else ", ".join(cell(v) for v in value)
+    elif isinstance(value, dict):
+        text = "; ".join(f"{k} {cell(v)}" for k, v in value.items())
     else:
         text = str(value)
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def anchor(heading: str) -> str:
+    """The fragment GitHub gives a Markdown heading: lower case, punctuation dropped
+    (hyphens and underscores kept), spaces as hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:
@@ -215,7 +226,8 @@ def readme_table(results: Path = RESULTS) -> str:
         data = load(files[stem])
         meta = data["meta"]
         figures = "; ".join(f"{label}: {cell(value)}" for label, value in headline(data))
-        rows.append([f"[{data.get('title') or heading.get(stem, stem)}](docs/benchmarks.md)",
+        title = data.get("title") or heading.get(stem, stem)
+        rows.append([f"[{title}](docs/benchmarks.md#{anchor(title)})",
                      figures, f"{meta['machine']}, load {meta['loadavg']}, {meta['date']}"])
     if not rows:
         return "No benchmark result is committed yet: see docs/benchmarks.md for the commands.\n"

@@ -15,6 +15,33 @@ LOAD_META_KEYS = ("max_seqs", "active_seqs", "kv_capacity_tokens", "kv_used_toke
 by the front door's router.  Readers ignore keys they do not know (replicas may add more)."""
 
 
+SUSPENDED_META_KEY = "suspended"
+"""A node agent's parked replicas in its ``rewarm-agent`` meta: ``model@version:replica``
+joined by commas ("" when none): the suspended tier, not routable, resumable on that node."""
+RESUME_P99_META_KEY = "resume_p99_s"
+"""Beside it: that node's p99 resume time in seconds (a decimal string; "" before any resume
+was measured): the ETA of a replica from its suspended tier."""
+
+
+def parked_replicas(meta: dict[str, str], model: str) -> list[str]:
+    """The replica ids of ``model`` parked on the node whose agent meta is ``meta``."""
+    out = []
+    for item in (meta.get(SUSPENDED_META_KEY) or "").split(","):
+        name_version, _, replica = item.rpartition(":")
+        if replica and name_version.split("@", 1)[0] == model:
+            out.append(replica)
+    return out
+
+
+def resume_eta_s(meta: dict[str, str]) -> float | None:
+    """The node's resume p99 (seconds) from its agent meta; None when unknown or malformed."""
+    try:
+        value = float(meta.get(RESUME_P99_META_KEY) or "nan")
+    except ValueError:
+        return None
+    return value if value == value and value >= 0 else None
+
+
 @dataclass
 class ServiceInstance:
     """One registered service instance.

@@ -216,14 +216,24 @@ def _result(result: dict) -> RestoreResult:
 
 def nodes_from_registry(registry) -> Callable[[str], list[tuple[str, int]]]:
     """Candidate node agents for a model from ``registry``'s passing ``rewarm-agent``
-    instances: those whose meta ``snapshots`` lists ``<model>@<version>`` first, then the
-    rest (a cold boot is still a way up)."""
+    instances: those with a parked replica of it first (the suspended tier, meta
+    ``suspended``; the lowest resume ETA, meta ``resume_p99_s``, first: their restore is a
+    resume), then those whose meta ``snapshots`` lists ``<model>@<version>``, then the rest
+    (a cold boot is still a way up)."""
+    from agent.cluster.base import parked_replicas, resume_eta_s
+
     def nodes(model: str) -> list[tuple[str, int]]:
         agents = registry.healthy(AGENT_SERVICE)
         def caches(inst) -> bool:
             return any(s.split("@", 1)[0] == model
                        for s in inst.meta.get("snapshots", "").split(",") if s)
-        agents.sort(key=lambda inst: (not caches(inst), inst.id))
+
+        def tier(inst) -> tuple[bool, float]:
+            if not parked_replicas(inst.meta, model):
+                return True, 0.0
+            known = resume_eta_s(inst.meta)
+            return False, float("inf") if known is None else known
+        agents.sort(key=lambda inst: (*tier(inst), not caches(inst), inst.id))
         return [(inst.address, inst.port) for inst in agents]
     return nodes
 

@@ -95,7 +95,8 @@ class NodeAgent:
         self.metrics = metrics or NodeMetrics(config.node_id)
         self.snapshots = Snapshots(catalog, store, node_id=config.node_id,
                                    remote_root=config.remote_root, summary=summary)
-        self.suspension = SuspendResume(st, suspender, self.restore)
+        self.suspension = SuspendResume(st, suspender, self.restore, sleep=self._sleep)
+        st.tier = self.suspension.tier      # the suspended tier in the agent's registry meta
         self.node_capacity = NodeCapacity(st, backend)
         self.ladder = RestoreLadder(st, zygotes=self.zygotes, backend=backend,
                                     snapshots=self.snapshots, metrics=self.metrics,
@@ -134,8 +135,13 @@ class NodeAgent:
         return self.state.spec(model)
 
     def restore(self, model: str, device: str | None = None) -> dict[str, Any]:
-        """Bring up one warm replica of ``model``: :meth:`RestoreLadder.restore
+        """Bring up one warm replica of ``model``: a parked one resumed when there is one
+        (:meth:`SuspendResume.resume_parked <agent.node.suspend.SuspendResume.resume_parked>`,
+        path ``resume``), else :meth:`RestoreLadder.restore
         <agent.node.ladder.RestoreLadder.restore>` (its answer and what it raises)."""
+        resumed = self.suspension.resume_parked(model)
+        if resumed is not None:
+            return resumed
         return self.ladder.restore(model, device)
 
     def start_capture(self, rec: ReplicaRecord) -> Future:

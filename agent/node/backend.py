@@ -124,6 +124,16 @@ class InProcessReplica:
             with self._lock:
                 self._in_flight -= 1
 
+    @property
+    def restore_io(self) -> str | None:
+        """gds | compat | host for a restore (agent/snapshot/gpu.py), None for a boot."""
+        return getattr(self.loaded, "restore_io", None)
+
+    @property
+    def fallback(self) -> str | None:
+        """Why a device restore read through host memory instead, or None."""
+        return getattr(self.loaded, "fallback", None)
+
     def stats(self, timeout_s: float | None = None) -> dict[str, Any]:
         """The replica's stats (in-process: answered at once; ``timeout_s`` has nothing to
         bound)."""
@@ -154,16 +164,24 @@ class _Closed:
 
 
 class InProcessZygote:
-    """A restore buffer allocated ahead of need (``buffer_bytes``, page-aligned)."""
+    """A restore buffer allocated ahead of need (``buffer_bytes``): page-aligned host memory
+    on the CPU, a :class:`~agent.snapshot.gpu.DeviceBuffer` on a GPU (``kvikio``: the module
+    it reads with, default the real one)."""
 
     pid = None
     warm: Path | None = None
 
-    def __init__(self, device: str, buffer_bytes: int) -> None:
+    def __init__(self, device: str, buffer_bytes: int, kvikio: Any = None) -> None:
         from agent.snapshot.reader import HostBuffer
 
         self.device = device
-        self.buffer = HostBuffer.allocate(buffer_bytes) if buffer_bytes > 0 else None
+        self.buffer: Any = None
+        if buffer_bytes > 0 and device != "cpu":
+            from agent.snapshot.gpu import DeviceBuffer
+
+            self.buffer = DeviceBuffer.allocate(buffer_bytes, device, kvikio=kvikio)
+        elif buffer_bytes > 0:
+            self.buffer = HostBuffer.allocate(buffer_bytes)
         self.spent = False
 
     def restore(self, snapshot: Path, replica_id: str) -> InProcessReplica:
@@ -175,9 +193,12 @@ class InProcessZygote:
             raise RuntimeError("zygote already used")
         self.spent = True
         buffer = self.buffer
-        if buffer is not None and read_manifest(snapshot).total_bytes > buffer.capacity_bytes:
+        if (buffer is not None and self.device == "cpu"
+                and read_manifest(snapshot).total_bytes > buffer.capacity_bytes):
             buffer = None  # too small for this model: the reader allocates its own
-        loaded = zygote.restore(Path(snapshot), buffer=buffer, path="zygote_restore")
+                           # (a DeviceBuffer is kept: it carries the kvikio to read with)
+        loaded = zygote.restore(Path(snapshot), buffer=buffer, path="zygote_restore",
+                                device=self.device)
         return InProcessReplica(replica_id, loaded)
 
     def kill(self) -> None:
@@ -190,16 +211,18 @@ class InProcessZygote:
 
 @dataclass
 class InProcessBackend:
-    """Zygotes and cold boots inside the agent's process; ``buffer_bytes`` per zygote."""
+    """Zygotes and cold boots inside the agent's process; ``buffer_bytes`` per zygote;
+    ``kvikio``: the module GPU zygotes read with (default the real one; tests pass a fake)."""
 
     buffer_bytes: int = 64 << 20
     cold_boots: list[str] = field(default_factory=list)
+    kvikio: Any = None
 
     def zygote(self, device: str, *, warm: Path | None = None,
                background: bool = True) -> InProcessZygote:
         """In the agent's process: no priority of its own, and no warm-up (a restore here
         builds its engine anew)."""
-        zygote = InProcessZygote(device, self.buffer_bytes)
+        zygote = InProcessZygote(device, self.buffer_bytes, self.kvikio)
         zygote.warm = warm
         return zygote
 
@@ -208,7 +231,8 @@ class InProcessBackend:
         from agent.replica import zygote
 
         self.cold_boots.append(spec.key)
-        return InProcessReplica(replica_id, zygote.boot(Path(spec.model_dir), release=spec.release))
+        return InProcessReplica(replica_id, zygote.boot(Path(spec.model_dir), release=spec.release,
+                                                        device=device))
 
 
 _ids = itertools.count(1)

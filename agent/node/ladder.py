@@ -89,9 +89,15 @@ class RestoreLadder:
         self._refill, self._drain, self._sleep = refill, drain, sleep
 
     def _device(self, device: str | None) -> str:
+        """``device`` checked against the inventory; None: the device hosting the fewest
+        replicas that are not dead (a GPU serves one at speed; ties go to the lowest index).
+        Chosen again under the lock when the record is added (:meth:`restore`)."""
         devices = self.state.inventory.devices
         if device is None:
-            return devices[0]
+            with self.state.lock:
+                hosted = [r.device for r in self.state.replicas.values()
+                          if r.lifecycle.state is not S.DEAD]
+            return min(devices, key=lambda d: (hosted.count(d), devices.index(d)))
         if device not in devices:
             raise ConfigError(f"device {device!r} not on this node; devices: {devices}",
                               name="device", value=device, limit=devices)
@@ -111,7 +117,8 @@ class RestoreLadder:
         none of the model up, naming the limit; at the cap and none warm within
         ``restore_timeout_s``), and what a cold boot raises when even that fails.
         """
-        spec, device = self.state.spec(model), self._device(device)
+        spec, asked = self.state.spec(model), device
+        device = self._device(device)
         rid = new_replica_id(self.state.config.node_id)
         rec = ReplicaRecord(Lifecycle(rid, clock=self.state.clock), spec, device)
         with self.state.lock:
@@ -122,6 +129,8 @@ class RestoreLadder:
                 raise full            # nothing of this model to wait for: refused at once
             at_cap = full is not None or self._at_cap(model)
             if not at_cap:
+                if asked is None:              # chosen again, now that the choice stands
+                    rec.device = self._device(None)
                 self.state.replicas[rid] = rec
                 self.state.restoring += 1
         if at_cap:
@@ -263,6 +272,11 @@ class RestoreLadder:
             rec.lifecycle.move(S.COLD, f"{path} failed: {type(err).__name__}")
             return False
         rec.handle, rec.snapshot_id, rec.path = handle, row.snapshot_id, path
+        fallback = getattr(handle, "fallback", None)     # set by a GPU zygote's restore
+        if fallback:
+            log.warning("%s of %s onto %s read through host memory: the device read failed (%s)",
+                        path, rec.spec.key, rec.device, fallback,
+                        extra={"model": rec.spec.name, "replica": rec.lifecycle.replica_id})
         self.state.store.record_restore(rec.spec.key)
         return True
 

@@ -12,6 +12,9 @@ Labels are bounded: ``node`` (this node's id), ``model`` (configured models only
 ``rewarm_node_verification_failures_total``    {node, kind} restores refused by a check
 ``rewarm_node_golden_checks_total``            {node, result} pass / fail
 ``rewarm_node_restores_total``                 {node, tier, result} ok / failed restore requests
+``rewarm_node_restore_reads_total``            {node, io, fallback} how a restore's bytes were
+                                               read (:data:`RESTORE_IO`) and why a device read
+                                               took the host path (:data:`FALLBACK_KINDS`)
 ``rewarm_node_snapshot_cache_bytes``           {node, kind} used / free (capacity - used)
 ``rewarm_node_snapshot_cache_lookups_total``   {node, result} hit / miss (local copy present)
 ``rewarm_node_snapshot_evictions_total``       {node} local copies removed to make room
@@ -59,6 +62,21 @@ PHASES = {"weights_s": "weights", "package_s": "package", "compile_s": "package"
 
 FAILURE_KINDS = ("checksum", "signature", "pins", "golden", "timeout", "stage", "other")
 
+RESTORE_IO = ("gds", "compat", "host")
+"""agent/snapshot/gpu.py: kvikio with GDS, kvikio's compat mode, the host reader."""
+FALLBACK_KINDS = ("none", "driver", "checksum", "memory", "io", "other")
+"""Why a device read fell back: none; no driver or kvikio (DriverUnavailable); a chunk that
+did not verify in device memory (SnapshotCorrupt); no device memory (OutOfMemoryError); a
+failed read (kvikio's RuntimeError, OSError); anything else."""
+
+
+def fallback_kind(reason: str | None) -> str:
+    """The ``fallback`` label of a ``Loaded.fallback`` reason (``"<ErrorType>: message"``)."""
+    if not reason:
+        return "none"
+    error = reason.split(":", 1)[0]
+    return {"DriverUnavailable": "driver", "SnapshotCorrupt": "checksum",
+            "OutOfMemoryError": "memory", "RuntimeError": "io", "OSError": "io"}.get(error, "other")
 
 
 def failure_kind(attempt: dict[str, Any]) -> str:
@@ -126,6 +144,9 @@ class NodeMetrics:
                                ("node", "result"), registry=r)
         self.evictions = Counter("rewarm_node_snapshot_evictions",
                                  "Local snapshot copies removed", ("node",), registry=r)
+        self.reads = Counter("rewarm_node_restore_reads", "Restores by how the bytes were read "
+                             "and why a device read fell back to the host path",
+                             ("node", "io", "fallback"), registry=r)
         for result in ("hit", "miss"):
             self.lookups.labels(node_id, result)
         for result in ("pass", "fail"):
@@ -169,6 +190,9 @@ class NodeMetrics:
         if not ok or rec.path == "warm":
             return
         self.restore_s.labels(node, model, tier).observe(duration_s)
+        io = getattr(rec.handle, "restore_io", None)
+        if io in RESTORE_IO:
+            self.reads.labels(node, io, fallback_kind(getattr(rec.handle, "fallback", None))).inc()
         phases = _phases(rec)
         for key, seconds in phases.items():
             if key in PHASES:

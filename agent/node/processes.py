@@ -132,6 +132,12 @@ def device_env(device: str) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ""}
 
 
+def device_args(device: str) -> list[str]:
+    """The worker's ``--device``: ``cuda`` for any GPU (it sees only its own, as cuda:0,
+    through :func:`device_env`), ``cpu`` otherwise."""
+    return ["--device", "cuda" if device.startswith("cuda") else "cpu"]
+
+
 def _limits(fsize_limit_bytes: int | None, nice: int):
     """preexec_fn capping the files a worker may write (RLIMIT_FSIZE) and lowering its CPU
     priority by ``nice`` (agent/node/priority.py), or None when neither applies."""
@@ -149,10 +155,16 @@ def _limits(fsize_limit_bytes: int | None, nice: int):
 
 
 class ProcessReplica:
-    def __init__(self, replica_id: str, worker: WorkerProcess, timeout_s: float) -> None:
+    """``restore_io`` (gds | compat | host) and ``fallback`` (why a device restore read
+    through host memory) as the worker's restore answer gave them; None after a boot."""
+
+    def __init__(self, replica_id: str, worker: WorkerProcess, timeout_s: float,
+                 restored: dict[str, Any] | None = None) -> None:
         self.replica_id, self.worker, self.timeout_s = replica_id, worker, timeout_s
         self.address, self.pid = worker.address, worker.pid
         self.data_address = worker.data_address
+        self.restore_io = (restored or {}).get("restore_io")
+        self.fallback = (restored or {}).get("fallback")
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  seed: int | None = None) -> list[list[int]]:
@@ -220,8 +232,8 @@ class ProcessZygote:
             except PermissionError as exc:   # slower at nice 10, but the snapshot is sound
                 log.warning("zygote %s stays at nice %d for its restore: setting it back to "
                             "nice 0 was refused (%s)", self.pid, self.worker.nice, exc)
-        self.worker.call({"op": "restore", "snapshot": str(snapshot)}, self.timeout_s)
-        return ProcessReplica(replica_id, self.worker, self.timeout_s)
+        answer = self.worker.call({"op": "restore", "snapshot": str(snapshot)}, self.timeout_s)
+        return ProcessReplica(replica_id, self.worker, self.timeout_s, answer)
 
     def alive(self) -> bool:
         return self.worker.alive()
@@ -254,7 +266,7 @@ class ProcessBackend:
                background: bool = True) -> ProcessZygote:
         """A ``rewarm replica --zygote`` process; ``warm``: ``--warm SNAPSHOT`` (its first-call
         costs paid before it is ready); ``background``: at nice ``zygote_nice``."""
-        extra = ["--zygote", "--buffer-mib", str(self.buffer_mib)]
+        extra = ["--zygote", "--buffer-mib", str(self.buffer_mib), *device_args(device)]
         if warm is not None:
             extra += ["--warm", str(warm)]
         worker = WorkerProcess(Path(self.run_dir), extra,
@@ -265,7 +277,8 @@ class ProcessBackend:
         return ProcessZygote(device, worker, self.request_timeout_s, warm)
 
     def cold_boot(self, spec: ModelSpec, device: str, replica_id: str) -> ProcessReplica:
-        extra = ["--model-dir", str(spec.model_dir), "--replica-id", replica_id]
+        extra = ["--model-dir", str(spec.model_dir), "--replica-id", replica_id,
+                 *device_args(device)]
         if spec.release is not None:
             extra += ["--release", str(spec.release)]
         worker = WorkerProcess(Path(self.run_dir), extra, ready_timeout_s=self.ready_timeout_s,

@@ -51,7 +51,8 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
     """A NodeAgent with its catalog (``state_dir/catalog.db``) and local tier
     (``state_dir/snapshots``).  Defaults: in-process backend, at most the replicas the
     node's cores or devices serve at speed (``limit_to_node``, agent/node/capacity.py), the
-    embedded default's registry (:func:`agent.cluster.choose` of a default :class:`~agent.cluster.ClusterChoice`)."""
+    embedded default's registry (:func:`agent.cluster.choose` of a default :class:`~agent.cluster.ClusterChoice`),
+    and on a node with a GPU the CUDA checkpoint suspender when the driver has the API (r570+)."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     host, _, port = listen.rpartition(":")
@@ -60,10 +61,13 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                       zygotes_per_device=zygotes_per_device,
                       control_address=host if port.isdigit() else listen,
                       control_port=int(port) if port.isdigit() else 0, **config)
+    inventory = Inventory.detect()
+    if suspender is None and not inventory.cpu_only:   # GPU node: the suspended tier
+        suspender = _suspender()
     return NodeAgent(cfg, models=[ModelSpec(Path(d), release) for d in model_dirs],
                      backend=backend or InProcessBackend(), catalog=Catalog(state_dir / "catalog.db"),
                      store=LocalStore(state_dir / "snapshots", capacity_bytes),
-                     registry=registry or choose("registry", ClusterChoice()), inventory=Inventory.detect(),
+                     registry=registry or choose("registry", ClusterChoice()), inventory=inventory,
                      suspender=suspender, summary=summary, node_meta=node_meta)
 
 

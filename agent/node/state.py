@@ -106,6 +106,9 @@ class ReplicaRecord:
             "attempts": self.attempts}
         if self.phase is not None:
             out["phase"] = self.phase
+        for key in ("restore_io", "fallback"):    # gds | compat | host; why it read via host
+            if getattr(self.handle, key, None):
+                out[key] = getattr(self.handle, key)
         if load and self.handle is not None:
             try:
                 stats = self.last_stats = self.handle.stats()
@@ -141,6 +144,7 @@ class NodeState:
     closing: bool = False
     restoring: int = 0
     last_tick_s: float | None = None
+    tier: Any = None      # agent/node/suspend.py ParkedTier: the suspended tier's ETA
 
     def __post_init__(self) -> None:
         self.restores_done = threading.Condition(self.lock)
@@ -212,7 +216,9 @@ class NodeState:
                   **load_meta(stats)})
 
     def agent_meta(self) -> dict[str, str]:
-        """The ``rewarm-agent`` entry's meta: node, devices free, ready snapshots here."""
+        """The ``rewarm-agent`` entry's meta: node, devices free, ready snapshots here, and
+        the suspended tier (parked replicas and the resume ETA, :meth:`ParkedTier.meta
+        <agent.node.suspend.ParkedTier.meta>`)."""
         with self.lock:
             busy = {r.device for r in self.replicas.values()
                     if r.lifecycle.state not in (S.DEAD,) and r.device != "cpu"}
@@ -220,8 +226,14 @@ class NodeState:
         cached = sorted({f"{r.model_name}@{r.model_version}"
                          for r in self.catalog.snapshots(status="ready")
                          if self.store.has(r.snapshot_id)})
-        return {"node": self.config.node_id, "devices_free": ",".join(free),
-                "snapshots": ",".join(cached)}
+        out = {"node": self.config.node_id, "devices_free": ",".join(free),
+               "snapshots": ",".join(cached)}
+        if self.tier is not None:
+            with self.lock:
+                parked = [(r.spec.name, r.spec.version, r.lifecycle.replica_id)
+                          for r in self.replicas.values() if r.lifecycle.state is S.SUSPENDED]
+            out.update(self.tier.meta(parked))
+        return out
 
 
 def load_report(stats: dict[str, Any]) -> dict[str, Any]:

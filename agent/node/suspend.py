@@ -12,27 +12,42 @@ Failures leave the process in a known, reported state:
 * checkpoint fails: the process is unlocked again (RUNNING) when the driver allows it.
 * restore or unlock fails: :class:`ResumeFailed` carries the driver's state afterwards; the
   caller (the agent) kills the process and falls back to a snapshot restore.
+
+The suspended tier through the node agent (:class:`SuspendResume`): a replica is parked only
+once its in-flight requests are done (it is deregistered first, so none arrive), it answers no
+request while parked (not in the registry; its CUDA calls block in the driver), and the
+registry shows the tier on the agent's own entry (:class:`ParkedTier`: which replicas are
+parked, and the resume ETA, the p99 of this node's measured resumes), so a front door asking
+for capacity tries that node first (agent/frontdoor/capacity.py ``nodes_from_registry``).  A
+``restore`` of a model with a parked replica resumes it (path ``resume``) before any snapshot
+is read (:meth:`SuspendResume.resume_parked`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from agent.clock import Clock, SystemClock
+from agent.cluster.base import RESUME_P99_META_KEY, SUSPENDED_META_KEY
 from agent.errors import ConfigError, CudaCheckpointError, DriverUnavailable
 from agent.node.bounded import call_within
 from agent.node.cuda_checkpoint import CudaCheckpointDriver, ProcessState
 from agent.node.lifecycle import IllegalTransition, ReplicaState as S
 
 if TYPE_CHECKING:
+    import threading as _threading
+
     from agent.cluster.base import ServiceInstance
     from agent.node.registration import Registrar
-    from agent.node.state import ReplicaRecord
+    from agent.node.state import AgentConfig, ReplicaRecord
 
 log = logging.getLogger("agent.node.agent")
 
@@ -132,24 +147,76 @@ class Suspender:
         return times
 
 
+class ParkedTier:
+    """This node's suspended tier as its registry entry shows it.
+
+    ``window``: how many of the latest resumes the ETA is taken over.  :meth:`eta_s` is their
+    p99 (nearest rank: the smallest measured time with at least 99 % of the window at or below
+    it), None before the first resume: an ETA is a measurement or nothing."""
+
+    def __init__(self, window: int = 256) -> None:
+        if window < 1:
+            raise ConfigError(f"ParkedTier window={window} must be >= 1", name="window",
+                              value=window, limit=1)
+        self._resumes_s: deque[float] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def record_resume(self, seconds: float) -> None:
+        with self._lock:
+            self._resumes_s.append(float(seconds))
+
+    def eta_s(self) -> float | None:
+        with self._lock:
+            ordered = sorted(self._resumes_s)
+        if not ordered:
+            return None
+        return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+    def meta(self, parked: Sequence[tuple[str, str, str]]) -> dict[str, str]:
+        """Registry meta for ``parked`` ``(model, version, replica)``: ``suspended`` =
+        ``model@version:replica`` joined by commas, ``resume_p99_s`` = the ETA in seconds
+        (``repr`` of a float; "" before any resume was measured)."""
+        eta = self.eta_s()
+        return {SUSPENDED_META_KEY: ",".join(f"{m}@{v}:{r}" for m, v, r in sorted(parked)),
+                RESUME_P99_META_KEY: "" if eta is None else repr(round(eta, 4))}
+
+
 class SuspendView(Protocol):
     """What suspend/resume needs of the node agent's state (agent/node/state.py)."""
 
     @property
     def registrar(self) -> Registrar: ...
+    @property
+    def config(self) -> AgentConfig: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def lock(self) -> _threading.RLock: ...
+    @property
+    def replicas(self) -> dict[str, ReplicaRecord]: ...
+    @property
+    def agent_id(self) -> str: ...
     def rec(self, replica_id: str) -> ReplicaRecord: ...
     def record(self, rec: ReplicaRecord, snapshot_id: str | None = None) -> None: ...
     def replica_instance(self, rec: ReplicaRecord) -> ServiceInstance: ...
+    def agent_meta(self) -> dict[str, str]: ...
 
 
 class SuspendResume:
     """The node agent's ``suspend``/``resume`` ops over :class:`Suspender` (None: this node
     cannot suspend).  ``restore(model, device)`` brings a replica up from a snapshot when a
-    resume fails (the node agent's restore ladder)."""
+    resume fails (the node agent's restore ladder); ``sleep`` waits between in-flight polls
+    (the clock's, in tests); ``tier`` keeps the measured resume times (the registry's ETA)."""
 
     def __init__(self, state: SuspendView, suspender: Suspender | None,
-                 restore: Callable[[str, str | None], dict[str, Any]]) -> None:
+                 restore: Callable[[str, str | None], dict[str, Any]], *,
+                 sleep: Callable[[float], None] | None = None,
+                 tier: ParkedTier | None = None) -> None:
+        import time
+
         self.state, self.suspender, self._restore = state, suspender, restore
+        self._sleep = sleep or time.sleep
+        self.tier = tier or ParkedTier()
 
     def _need_suspender(self, rec: ReplicaRecord, op: str) -> tuple[Suspender, int]:
         """The suspender and the replica's pid for ``op`` ("suspend" or "resume"); ConfigError
@@ -165,7 +232,11 @@ class SuspendResume:
 
     def suspend(self, replica_id: str) -> dict[str, Any]:
         """Park the replica's device memory in host RAM (lock + checkpoint); it stops serving.
-        Raises ConfigError (not suspendable), CudaCheckpointError (it keeps serving)."""
+
+        It is deregistered first, then its in-flight requests may finish for up to
+        ``drain_timeout_s`` (a request frozen mid-decode would be served late).  Raises
+        ConfigError (not suspendable, or still busy past that bound: it is registered again
+        and keeps serving), CudaCheckpointError (it keeps serving)."""
         st = self.state
         rec = st.rec(replica_id)
         suspender, pid = self._need_suspender(rec, "suspend")
@@ -176,13 +247,49 @@ class SuspendResume:
                 value=(rec.lifecycle.state.value, S.SUSPENDED.value), limit=[S.WARM.value])
         st.registrar.drop(replica_id)
         try:
+            self._quiesce(rec)
             times = suspender.suspend(pid)
-        except CudaCheckpointError:
+        except (CudaCheckpointError, ConfigError):
             st.registrar.want(st.replica_instance(rec))
             raise
         rec.lifecycle.move(S.SUSPENDED, "lock+checkpoint")
         st.record(rec)
+        self._publish_tier()
         return {**rec.describe(), "steps_s": times.steps_s}
+
+    def _quiesce(self, rec: ReplicaRecord) -> None:
+        """Wait (``drain_poll_s`` steps, at most ``drain_timeout_s``) until ``rec`` has no
+        request in flight; ConfigError naming the count when it still has some."""
+        cfg, clock = self.state.config, self.state.clock
+        assert rec.handle is not None        # _need_suspender checked it
+        start = clock.now()
+        while (busy := rec.handle.in_flight()) > 0:
+            if clock.now() - start >= cfg.drain_timeout_s:
+                raise ConfigError(
+                    f"replica {rec.lifecycle.replica_id} still has {busy} requests in flight "
+                    f"after drain_timeout_s={cfg.drain_timeout_s}; not suspended",
+                    name="in_flight", value=busy, limit=0)
+            self._sleep(cfg.drain_poll_s)
+
+    def parked(self, model: str | None = None) -> list[ReplicaRecord]:
+        """The suspended replicas' records (of ``model`` when given), oldest first."""
+        with self.state.lock:
+            return [r for r in self.state.replicas.values() if r.lifecycle.state is S.SUSPENDED
+                    and (model is None or r.spec.name == model)]
+
+    def _publish_tier(self) -> None:
+        self.state.registrar.update_meta(self.state.agent_id, self.state.agent_meta())
+
+    def resume_parked(self, model: str) -> dict[str, Any] | None:
+        """Resume the newest parked replica of ``model`` (the fastest way up: no snapshot is
+        read); None when none is parked, or this node cannot resume.  A resume that fails
+        restores from a snapshot instead (:meth:`resume`)."""
+        if self.suspender is None:
+            return None
+        parked = self.parked(model)
+        if not parked:
+            return None
+        return self.resume(parked[-1].lifecycle.replica_id)
 
     def resume(self, replica_id: str) -> dict[str, Any]:
         """Restore + unlock.  A failed resume kills the process and restores the model from
@@ -195,6 +302,7 @@ class SuspendResume:
                 f"replica {replica_id} is {rec.lifecycle.state.value}, not suspended",
                 replica=replica_id, value=(rec.lifecycle.state.value, S.WARM.value),
                 limit=[S.SUSPENDED.value])
+        start = st.clock.now()
         try:
             times = suspender.resume(pid)
         except ResumeFailed as exc:
@@ -205,8 +313,12 @@ class SuspendResume:
                 pass
             rec.lifecycle.move(S.DEAD, f"resume failed: {exc.name}")
             st.record(rec)
+            self._publish_tier()
             return {**self._restore(rec.spec.name, rec.device), "resume_failed": str(exc)}
+        self.tier.record_resume(st.clock.now() - start)
         rec.lifecycle.move(S.WARM, "restore+unlock")
+        rec.path = "resume"     # registry meta came_up: the front door counts the tier
         st.record(rec)
         st.registrar.want(st.replica_instance(rec))
-        return {**rec.describe(), "steps_s": times.steps_s}
+        self._publish_tier()
+        return {**rec.describe(load=True), "steps_s": times.steps_s}

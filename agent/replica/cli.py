@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from agent.argtypes import host_port, listen_address, positive_float, positive_int
+from agent.argtypes import device_name, host_port, listen_address, positive_float, positive_int
 
 
 def _import_gguf(args: argparse.Namespace) -> int:
@@ -103,7 +103,8 @@ def _replica(args: argparse.Namespace) -> int:
                        buffer_bytes=args.buffer_mib << 20, threads=args.threads,
                        replica_id=args.replica_id, tcp_control=args.tcp_control,
                        data_listen=args.data_listen,
-                       drain_grace_s=args.drain_grace_s, metrics_listen=args.metrics_listen, warm=args.warm)
+                       drain_grace_s=args.drain_grace_s, metrics_listen=args.metrics_listen, warm=args.warm,
+                       device=args.device)
 
 
 def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
@@ -131,6 +132,9 @@ def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
                         "to the buffer and its golden calls run once before the zygote is ready, "
                         "so a restore of it pays no first-call costs (any snapshot still restores)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (all cores)")
+    p.add_argument("--device", type=device_name, default="cpu",
+                   help="cpu or cuda[:N]: where the model runs (a zygote there holds a CUDA "
+                        "context and a device restore buffer; restores read with kvikio)")
     p.add_argument("--replica-id", default=None)
     p.add_argument("--data-listen", type=listen_address, default=None, metavar="HOST:PORT",
                    help="a second, TCP listener for generate/health/stats only (a node agent "

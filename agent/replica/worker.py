@@ -37,12 +37,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agent.errors import (ConfigError, ContextLengthExceeded, InvalidCheckpoint, Overloaded,
+from agent.errors import (ConfigError, ContextLengthExceeded, Overloaded,
                           ProtocolError, RewarmError, Unauthorized)
 from agent.protocol import (DEFAULT_LIMITS, REPLICA_SCHEMAS, Decoder, error_message,
                             read_messages, validate_request)
 from agent.replica.batching import BatchScheduler, Request, request_key, send
 from agent.replica.meter import ReplicaMeter
+from agent.replica.model_text import ModelText
 from agent.replica.stops import StopText
 from agent.wire import refusals
 
@@ -104,11 +105,10 @@ class Worker:
         # the engine's one thread (make_engine_thread); pass the one that loaded the model
         self._pool = engine_thread if engine_thread is not None else make_engine_thread()
         self._stop = asyncio.Event()
-        self._tokenizer = None
         self.meter = ReplicaMeter()
         self.batch = BatchScheduler(self, self._pool, self.meter)
         self.drain_grace_s, self.draining = drain_grace_s, False
-        self._chat_template = None  # loaded on first use; False: the model has none
+        self.text = ModelText(loaded)   # its tokenizer and chat template, on first use
 
     # --- lifecycle -----------------------------------------------------------------------
     async def serve(self, listen: str, ready=None, data_listen: str | None = None) -> None:
@@ -156,11 +156,14 @@ class Worker:
                                                          refusal=refusals.DRAINING))
             for task in tasks:
                 task.cancel()
-            if self.loaded is not None and held:
-                # Free their KV slots too: an engine can outlive this server (an in-process
-                # replica, a test's shared model).  Queued on the engine thread, after the step
-                # that may be running; nothing else is queued there once the loop is cancelled.
-                engine, ids = self.loaded.engine, [r.seq_id for r in held if r.seq_id >= 0]
+            # Free their KV slots too, and those of sequences answered but whose cancel was
+            # still due on the next tick (a stop string ended them): an engine can outlive this
+            # server (an in-process replica, a test's shared model).  Queued on the engine
+            # thread, after the step that may be running; nothing else is queued there once
+            # the loop is cancelled.
+            ids = [r.seq_id for r in held if r.seq_id >= 0] + self.batch.cancels
+            if self.loaded is not None and ids:
+                engine = self.loaded.engine
                 self._pool.submit(lambda: [engine.cancel(i) for i in ids])
             self._pool.shutdown(wait=False)
             if listen.startswith("unix:"):
@@ -285,7 +288,8 @@ class Worker:
             result.update(engine.capacity())
             result.update(model=self.loaded.identity.name, version=self.loaded.identity.version,
                           path=self.loaded.path, package_digest=self.loaded.package_digest,
-                          phases_s=self.loaded.phases_s)
+                          phases_s=self.loaded.phases_s, device=self.loaded.device,
+                          restore_io=self.loaded.restore_io, fallback=self.loaded.fallback)
             pending = [args["prompt"] for _, args in self._submits]
             result["waiting_seqs"] += len(pending)
             result["queued_prefill_tokens"] += sum(len(p) for p in pending)
@@ -317,20 +321,20 @@ class Worker:
         tokens: list[int] | None = msg.get("tokens")
         prompt: str | None = msg.get("prompt")
         if tokens is None and "messages" in msg:
-            prompt = self.chat_template().render(msg["messages"])
+            prompt = self.text.chat_template().render(msg["messages"])
         stop = msg.get("stop") or []
         stop_ids = {t for t in stop if type(t) is int}
         stop_strs = [t for t in stop if type(t) is str and t]
         text = tokens is None or bool(stop_strs) or msg.get("detokenize") is True
         if tokens is None and isinstance(prompt, str):
-            tokens = self.tokenizer_for("prompt").encode(prompt).ids
+            tokens = self.text.tokenizer_for("prompt").encode(prompt).ids
             eos = self.loaded.config.eos_token_id
             if eos is not None and eos >= 0 and msg.get("ignore_eos") is not True:
                 stop_ids.add(eos)
-        if text and tokens is not None and not stop_strs and not self.has_tokenizer():
+        if text and tokens is not None and not stop_strs and not self.text.has_tokenizer():
             text = False   # detokenize is "text too, when the model has a tokenizer"
         if text:
-            self.tokenizer_for("stop" if stop_strs else "prompt")
+            self.text.tokenizer_for("stop" if stop_strs else "prompt")
         assert tokens is not None   # given, or the prompt's (a prompt or rendered messages)
         max_tokens, seed = msg["max_tokens"], msg.get("seed")   # the schema fills max_tokens
         sampling = _sampling(msg)
@@ -371,42 +375,9 @@ class Worker:
                           "retry_after_ms": exc.retry_after_ms}
             raise exc
 
-    def has_tokenizer(self) -> bool:
-        """Whether the model has a tokenizer (False for a checkpoint without one)."""
-        try:
-            self.tokenizer()
-        except InvalidCheckpoint:
-            return False
-        return True
-
-    def tokenizer_for(self, field_name: str):
-        """The tokenizer, or a 400 naming ``field_name`` when the model has none."""
-        try:
-            return self.tokenizer()
-        except InvalidCheckpoint as exc:
-            raise ProtocolError(f"{field_name}: model {self.loaded.identity.name!r} has no "
-                                f"tokenizer ({exc.message}); send tokens: [int] and stop "
-                                "token ids instead", field=field_name, value="text",
-                                limit="tokens") from exc
-
-    def chat_template(self):
-        """The model's chat template (a 400 when it has none)."""
-        from agent.replica.tokenizer import load_chat_template
-
-        if self._chat_template is None:
-            self._chat_template = load_chat_template(self.loaded.tokenizer_dir or "") or False
-        if self._chat_template is False:
-            raise ProtocolError(f"messages: model {self.loaded.identity.name!r} has no chat "
-                                "template; send prompt or tokens instead", field="messages",
-                                value="messages", limit="prompt or tokens")
-        return self._chat_template
-
     def tokenizer(self):
-        if self._tokenizer is None:
-            from agent.replica.tokenizer import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self.loaded.tokenizer_dir or "")
-        return self._tokenizer
+        """The model's tokenizer (:meth:`ModelText.tokenizer`)."""
+        return self.text.tokenizer()
 
     async def _restore(self, msg: dict) -> dict:
         from agent.replica import zygote
@@ -428,6 +399,7 @@ class Worker:
             self.state = State.ZYGOTE  # fail closed: still a zygote, never serving
             raise
         self.loaded, self.state = loaded, State.SERVING
+        self.text = ModelText(loaded)
         return self.stats()
 
     async def _capture(self, msg: dict) -> dict:
@@ -482,7 +454,7 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
                 replica_id: str | None = None, started_unix: float | None = None,
                 tcp_control: bool = False, data_listen: str | None = None,
                 drain_grace_s: float = 30.0, metrics_listen: str | None = None,
-                warm: str | None = None) -> int:
+                warm: str | None = None, device: str = "cpu") -> int:
     """The body of ``rewarm replica``: load one way, print the ready line, serve until stopped.
 
     Exactly one of ``model_dir`` (full boot; ``release`` binds its AOT package, ``compile``
@@ -492,6 +464,8 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
     the control ops (:data:`CONTROL_OPS`) are refused unless ``tcp_control``.  Raises
     ConfigError when not exactly one is given.  SIGTERM drains for ``drain_grace_s``;
     ``metrics_listen`` (HOST:PORT) serves /metrics, /healthz, /readyz (agent/health.py).
+    ``device`` ("cpu", "cuda[:N]"): where the model runs; a zygote there holds a CUDA context
+    and a device restore buffer (agent/replica/zygote.py ``prepare_zygote``).
     """
     from agent.errors import ConfigError
 
@@ -515,11 +489,12 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
         torch.set_num_threads(threads or os.cpu_count() or 1)
         if zygote_mode:
             return None, zygote.prepare_zygote(threads, buffer_bytes or zygote.DEFAULT_BUFFER_BYTES,
-                                               warm=Path(warm) if warm else None)
+                                               warm=Path(warm) if warm else None, device=device)
         if snapshot:
-            return zygote.restore(Path(snapshot), release=Path(release) if release else None), None
+            return zygote.restore(Path(snapshot), release=Path(release) if release else None,
+                                  device=device), None
         return zygote.boot(Path(model_dir), release=Path(release) if release else None,
-                           compile=compile), None
+                           compile=compile, device=device), None
 
     engine_thread = make_engine_thread()
     loaded, buffer = engine_thread.submit(load).result()

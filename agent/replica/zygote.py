@@ -70,6 +70,9 @@ class Loaded:
     package_ranges: dict[str, list[int]] | None = None   # compiled [lo, hi] of batch, seq, cache_batch
     phases_s: dict[str, float] = field(default_factory=dict)
     keepalive: Any = None  # the restore buffer the weights are views of
+    device: str = "cpu"    # where the weights and the KV cache live ("cpu", "cuda[:N]")
+    restore_io: str | None = None   # how a restore read the bytes: gds | compat | host
+    fallback: str | None = None     # why a device restore took the host path instead
 
 
 @dataclass
@@ -98,17 +101,30 @@ def _layout(manifest: Manifest) -> tuple:
 
 
 def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-                   *, prefault: bool = True, warm: Path | None = None):
+                   *, prefault: bool = True, warm: Path | None = None, device: str = "cpu",
+                   kvikio: Any = None):
     """Do the zygote's work ahead of need: set torch's intra-op threads (all cores when None)
-    and allocate (and touch, with ``prefault``) a page-aligned restore buffer of
-    ``buffer_bytes``; with ``warm`` (a snapshot the zygote will likely restore), also
+    and allocate the restore buffer of ``buffer_bytes``: on the CPU a page-aligned HostBuffer
+    (touched, with ``prefault``); on ``device`` "cuda[:N]" a
+    :class:`~agent.snapshot.gpu.DeviceBuffer` (which makes the CUDA context, pins two bounce
+    buffers and loads kvikio, or records why it could not: its restores then take the host
+    path).  With ``warm`` (a snapshot the zygote will likely restore), also
     :func:`warm_zygote`.  Call it on the thread that will run the restore and the engine
     (agent/replica/worker.py ``make_engine_thread``: one OpenMP team per process).  Returns the
-    HostBuffer."""
+    buffer.  Raises torch's OutOfMemoryError when the device lacks ``buffer_bytes``."""
     from agent.snapshot.reader import HostBuffer
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    buffer = HostBuffer.allocate(buffer_bytes, prefault=prefault)
+    buffer: Any
+    if device != "cpu":
+        from agent.snapshot.gpu import DeviceBuffer
+
+        buffer = DeviceBuffer.allocate(buffer_bytes, device, kvikio=kvikio)
+        if buffer.kvikio is None:
+            log.warning("zygote on %s: %s; its restores read into host memory and copy",
+                        device, buffer.unavailable)
+    else:
+        buffer = HostBuffer.allocate(buffer_bytes, prefault=prefault)
     if warm is not None:
         warm_zygote(buffer, Path(warm))
     return buffer
@@ -131,6 +147,7 @@ def warm_zygote(buffer, snapshot: Path) -> Warmed | None:
     from agent.snapshot.reader import read_manifest, tensor_views
 
     t = time.perf_counter()
+    device = getattr(buffer, "device", "cpu")
     try:
         manifest = read_manifest(snapshot)
         extra = check_replica_manifest(manifest, snapshot)
@@ -142,11 +159,12 @@ def warm_zygote(buffer, snapshot: Path) -> Warmed | None:
         forward = None
         ref = extra.get("aot_package")
         if ref:
-            forward = aot.load_package(Path(ref["dir"]), views, expect_digest=ref["digest"])
+            forward = aot.load_package(Path(ref["dir"]), views, expect_digest=ref["digest"],
+                                       device=device)
             check_package_fits(forward, engine_cfg, ref.get("ranges"), snapshot)
         engine = Engine(config, None if forward is not None else views,
                         max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
-                        forward=forward)
+                        forward=forward, device=device)
         golden = manifest.golden
         assert golden is not None, "check_replica_manifest refuses a snapshot without one"
         engine.teacher_forced([list(p) for p in golden.prompts],
@@ -194,21 +212,26 @@ def _record(engine: Engine, prompts: list[list[int]]) -> GoldenCheck:
 
 
 def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
-         max_seqs: int = aot.DEFAULT_MAX_SEQS, max_seq_len: int = aot.DEFAULT_MAX_SEQ_LEN) -> Loaded:
-    """Full boot from HF-layout safetensors.  ``release``: bind the AOT package for this
-    target (sizes come from the package); ``compile``: torch.compile just in time (dynamic
-    shapes).  Records the golden check.  Raises InvalidCheckpoint, TargetMismatch."""
+         max_seqs: int = aot.DEFAULT_MAX_SEQS, max_seq_len: int = aot.DEFAULT_MAX_SEQ_LEN,
+         device: str = "cpu") -> Loaded:
+    """Full boot from HF-layout safetensors onto ``device`` ("cpu" or "cuda[:N]": the weights
+    are copied there and the engine, its KV cache and the golden check run there).
+    ``release``: bind the AOT package for this device's target (sizes come from the package);
+    ``compile``: torch.compile just in time (dynamic shapes).  Records the golden check.
+    Raises InvalidCheckpoint, TargetMismatch."""
     from agent.replica.weights import load_hf_weights
 
     phases: dict[str, float] = {}
     t = time.perf_counter()
     config = LlamaConfig.from_dir(model_dir)
     weights = load_hf_weights(model_dir, config)
+    if device != "cpu":
+        weights = {k: v.to(device) for k, v in weights.items()}
     phases["weights_s"] = time.perf_counter() - t
     t = time.perf_counter()
     forward, digest, package_dir, path, ranges = None, None, None, "eager", None
     if release is not None:
-        packaged = aot.load_package(release, weights)
+        packaged = aot.load_package(release, weights, device=device)
         max_seqs, max_seq_len = packaged.manifest["max_seqs"], packaged.manifest["max_seq_len"]
         forward, digest, package_dir, path = packaged, packaged.digest, str(packaged.path), "aot"
         ranges = {k: list(v) for k, v in packaged.ranges.items()}
@@ -219,7 +242,7 @@ def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
     # With a package the eager module is not built (building it on the meta device imports
     # torch._dynamo: seconds at every boot).
     engine = Engine(config, None if forward is not None else weights, max_seqs=max_seqs,
-                    max_seq_len=max_seq_len, forward=forward)
+                    max_seq_len=max_seq_len, forward=forward, device=device)
     if compile and forward is None:
         engine.forward = torch.compile(engine.model, dynamic=True)  # type: ignore[assignment]  # the compiled module, called as the module is
         path = "jit"
@@ -231,28 +254,38 @@ def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
     boot_profile(engine)
     phases["profile_s"] = time.perf_counter() - t
     return Loaded(config, weights, engine, source_identity(Path(model_dir)), golden, path,
-                  digest, package_dir, str(Path(model_dir).resolve()), ranges, phases)
+                  digest, package_dir, str(Path(model_dir).resolve()), ranges, phases,
+                  device=device)
 
 
 def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify: bool = True,
-            path: str = "restore", threads: int = 2) -> Loaded:
+            path: str = "restore", threads: int = 2, device: str = "cpu") -> Loaded:
     """Restore a captured replica from ``snapshot`` (into ``buffer`` when given, e.g. a
-    zygote's).  Binds the AOT package the snapshot names (``release`` overrides where to look;
-    a package that is missing or built for another target falls back to eager, which the golden
-    check still guards).  Raises SnapshotIncompatible before reading any data when the snapshot
+    zygote's) onto ``device`` (a DeviceBuffer's own device wins): on a GPU through
+    :func:`agent.snapshot.gpu.restore_for_device` (kvikio into device memory; a device read that fails takes the host path, the
+    reason in ``Loaded.fallback`` and the log).  Binds the AOT package the snapshot names
+    (``release`` overrides where to look; a package that is missing or built for another
+    target falls back to eager, which the golden check still guards), and replays the golden
+    check on ``device``.  Raises SnapshotIncompatible before reading any data when the snapshot
     is not a captured replica snapshot (:func:`check_replica_manifest`: e.g. a weights-only
     ``rewarm import``, or one whose golden check was recorded by another method), what restore_snapshot raises (SnapshotIncompatible,
     SnapshotCorrupt, ...), InvalidCheckpoint (package digest differs) and GoldenMismatch."""
     from agent.errors import TargetMismatch
     from agent.replica.golden import verify_golden
-    from agent.snapshot.reader import restore_snapshot
 
     phases: dict[str, float] = {}
+    device = getattr(buffer, "device", None) or device
     t = time.perf_counter()
     # Refuse what is not a captured replica snapshot (e.g. `rewarm import`'s weights-only
     # snapshots) before any data is read into the buffer.
-    restored = restore_snapshot(snapshot, buffer=buffer, verify=verify, threads=threads,
-                                accept=lambda m: check_replica_manifest(m, snapshot))
+    from agent.snapshot.gpu import restore_for_device
+
+    restored, io, fallback = restore_for_device(snapshot, buffer, device, verify=verify,
+                                                threads=threads,
+                                                accept=lambda m: check_replica_manifest(m, snapshot))
+    tensors = restored.tensors
+    if io == "host" and device != "cpu":     # read into host memory: copy to the device
+        tensors = {k: v.to(device) for k, v in tensors.items()}
     phases["weights_s"] = time.perf_counter() - t
     extra = restored.manifest.extra      # checked by check_replica_manifest above
     config = LlamaConfig.from_dict(extra["model_config"], path=snapshot)
@@ -262,8 +295,9 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     ref = extra.get("aot_package")
     warmed = _WARMED.pop(buffer, None) if buffer is not None else None
     if warmed is not None and (warmed.layout != _layout(restored.manifest)
+                               or restored.buffer is not buffer
                                or (release is not None and warmed.forward is not None)):
-        warmed = None     # warmed for another snapshot (or told to look elsewhere): start over
+        warmed = None     # warmed for another snapshot or buffer (or told to look elsewhere)
     if warmed is not None:
         if warmed.thread_id != threading.get_ident():
             log.warning("%s: restored on another thread than the zygote's warm-up: two OpenMP "
@@ -277,7 +311,7 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     elif ref:
         where = Path(release) if release is not None else Path(ref["dir"])
         try:
-            forward = aot.load_package(where, restored.tensors, expect_digest=ref["digest"])
+            forward = aot.load_package(where, tensors, expect_digest=ref["digest"], device=device)
             check_package_fits(forward, engine_cfg, ref.get("ranges"), snapshot)
             digest, package_dir = ref["digest"], str(forward.path)
             ranges = {k: list(v) for k, v in forward.ranges.items()}
@@ -294,9 +328,9 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
         if meter is not None:
             engine.meter = meter
     else:
-        engine = Engine(config, None if forward is not None else restored.tensors,
+        engine = Engine(config, None if forward is not None else tensors,
                         max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
-                        forward=forward, meter=meter)
+                        forward=forward, meter=meter, device=device)
     phases["package_s"] = time.perf_counter() - t
     t = time.perf_counter()
     golden = restored.manifest.golden
@@ -307,8 +341,9 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
         t = time.perf_counter()
         boot_profile(engine)
         phases["profile_s"] = time.perf_counter() - t
-    return Loaded(config, restored.tensors, engine, restored.manifest.model, golden, path, digest,
-                  package_dir, extra.get("tokenizer_dir"), ranges, phases, keepalive=restored.buffer)
+    return Loaded(config, tensors, engine, restored.manifest.model, golden, path, digest,
+                  package_dir, extra.get("tokenizer_dir"), ranges, phases, keepalive=restored.buffer,
+                  device=device, restore_io=io, fallback=fallback)
 
 
 def check_package_fits(forward: aot.PackagedForward, engine: dict[str, int],
@@ -411,7 +446,10 @@ def check_engine_config(engine: Any, config: LlamaConfig, where: Any = None) -> 
 
 
 def capture(loaded: Loaded, dest: Path) -> Manifest:
-    """Write a snapshot of ``loaded`` at ``dest`` (atomic; see agent/snapshot/writer.py)."""
+    """Write a snapshot of ``loaded`` at ``dest`` (atomic; see agent/snapshot/writer.py),
+    pinned to ``loaded.device`` (a GPU replica's snapshot names its driver, GPU and compute
+    capability, so it restores only onto the same kind)."""
+    from agent.snapshot.pins import machine_pins
     from agent.snapshot.writer import write_snapshot
 
     extra = {"model_config": loaded.config.to_dict(),
@@ -424,4 +462,4 @@ def capture(loaded: Loaded, dest: Path) -> Manifest:
     if loaded.engine.meter.measured:
         extra["speed_profile"] = loaded.engine.meter.profile().to_dict()
     return write_snapshot(dest, loaded.weights, model=loaded.identity, golden=loaded.golden,
-                          extra=extra)
+                          extra=extra, pins=machine_pins(loaded.device))

@@ -70,3 +70,12 @@ def test_units_prevent_restart_on_78():
         text = unit.read_text()
         if "ExecStart" in text:
             assert "RestartPreventExitStatus=78" in text, unit.name
+
+
+def test_a_bad_allowed_origin_is_a_configuration_error(tmp_path):
+    proc = _rewarm("frontdoor", "--model", "m", "--port", "0", "--http-port", "0",
+                   "--allowed-origins", "ui.example/path", tmp_path=tmp_path)
+    assert proc.returncode == exitcodes.EX_CONFIG, proc.stderr[-2000:]
+    errors = [json.loads(line) for line in proc.stderr.splitlines()
+              if line.strip() and json.loads(line)["level"] == "ERROR"]
+    assert len(errors) == 1 and "ui.example/path" in errors[0]["message"]

@@ -104,8 +104,17 @@ def test_the_readme_table_takes_headlines_else_first_rows(tmp_path):
     assert lines[0] == "| benchmark | figures | measured on |"
     assert lines[2].startswith("| [Cold-start ladder") and "eager: 9.5; restore: 0.53; a: 1 |" \
         in lines[2] and "b: 2" not in lines[2]
-    assert "TTFT p50 ms: 623.4 |" in lines[3] and "(docs/benchmarks.md)" in lines[3]
+    assert "TTFT p50 ms: 623.4 |" in lines[3]
+    assert "](docs/benchmarks.md#the-http-door-beside-the-msgpack-door-guidellm-against-a-real-replica)" \
+        in lines[3]
     assert "load 0.52 0.61 0.7, 2026-12-01T22:30:00Z" in lines[3]
     text = f"a\n{render_docs.README_BEGIN}\nold\n{render_docs.README_END}\nb\n"
     assert render_docs.with_readme_table(text, table) == (
         f"a\n{render_docs.README_BEGIN}\n{table}{render_docs.README_END}\nb\n")
+
+
+def test_anchor_is_githubs_and_cells_read_lists_and_maps():
+    assert render_docs.anchor("Cold-start ladder: boot to first token, per rung") == \
+        "cold-start-ladder-boot-to-first-token-per-rung"
+    assert render_docs.cell([10.62, 10.86]) == "10.62 10.86"
+    assert render_docs.cell({"start": [1.0, 2.5], "end": [3, 4]}) == "start 1 2.5; end 3 4"

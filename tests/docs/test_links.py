@@ -46,6 +46,19 @@ def _exists(ref: str, base: Path) -> bool:
     return False
 
 
+def _anchors(doc: Path) -> set[str]:
+    """The fragments of ``doc``'s headings, as GitHub makes them (lower case, punctuation
+    dropped, spaces as hyphens)."""
+    if not doc.exists():
+        return set()
+    out = set()
+    for line in doc.read_text().splitlines():
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", heading).replace(" ", "-"))
+    return out
+
+
 def _file_refs(text: str) -> list[str]:
     """Paths of the repository named in ``text``: under one of :data:`ROOTS`, ending in a
     file suffix of :data:`SUFFIXES` (``agent/frontdoor/router.py``) or in ``/`` (a folder).
@@ -76,6 +89,10 @@ def test_markdown_links_and_references_resolve(doc):
             continue                      # http:, https:, mailto:, an anchor
         if not _exists(target, doc.parent):
             bad.append(target)
+        elif "#" in target and target.split("#", 1)[0].endswith(".md"):
+            path, fragment = target.split("#", 1)
+            if fragment not in _anchors((doc.parent / path) if path else doc):
+                bad.append(target)
     bad += [ref for ref in _file_refs(text) if not _exists(ref, doc.parent)]
     bad += [m.group(0) for m in OUTSIDE.finditer(text)]
     assert not bad, f"{doc.relative_to(REPO)}: {sorted(set(bad))}"
