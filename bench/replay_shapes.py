@@ -3,7 +3,8 @@
     bench/replay_shapes.py [--from-json REPLAY.json | --profile ENGINE_PROFILE.json]
                            [--restore-s 2.0] [--load 0.3,3] [--traces DIR] --json PATH
 
-``--traces DIR``: every ``*.csv`` in DIR (the Azure trace format) is first run whole through
+``--traces DIR``: every ``*.csv`` in DIR (the Azure trace format; the five reference traces
+are not in the repository: link or copy them into ``var/traces``) is first run whole through
 the fleet simulator, as ``rewarm simulate --trace`` runs it (agent/sim/scenarios.py
 ``trace_scenario``: every policy, each request held to its own SLO, base + prefill), twice:
 with the deadline equal to the SLO and with the default deadline (agent/slo.py, 3x the SLO).

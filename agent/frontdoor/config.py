@@ -21,10 +21,13 @@ class FrontDoorConfig:
 
     TTFT SLOs are per model (docs/architecture.md, "Admission"): ``slos`` maps a model to its
     ``(warm_ms, restore_ms)``; others get ``warm_slo_ms`` / ``restore_slo_ms`` (warm-hit
-    p99 2,000 ms and restore-path p99 4,000 ms).  A request with
-    no ``deadline_ms`` of its own must get its first token within its path's SLO, counted
-    from arrival (and within ``models[model]``, the model's default deadline, when that is
-    shorter); a request's own ``deadline_ms`` replaces both.  Models not listed (seen in the
+    p99 2,000 ms and restore-path p99 4,000 ms), plus, with ``slo_counts_prefill``, the
+    request's own prefill at its replicas' measured speed: the SLO is what attainment
+    counts.  The deadline is what admission refuses against: a request with no
+    ``deadline_ms`` of its own must get its first token within ``deadline_factor`` (3) times
+    its path's SLO, counted from arrival (and within ``models[model]``, the model's default
+    deadline, when that is shorter); a request's own ``deadline_ms`` replaces both, and one
+    whose prefill alone exceeds it is refused at arrival.  Models not listed (seen in the
     registry) have a default deadline of ``default_deadline_ms`` until restores are
     measured, then ``max(default_deadline_ms, deadline_per_restore_p99 x restore p99)``
     (admission plans with restore p99s: docs/architecture.md, "Admission").
@@ -42,11 +45,10 @@ class FrontDoorConfig:
     models: dict[str, float] = field(default_factory=dict)
     default_deadline_ms: float = 30_000.0
     deadline_per_restore_p99: float = 1.5  # unconfigured models: max(default, this x p99)
-    # a request with no deadline of its own may wait this many times its SLO (agent/slo.py
-    # recommends 3; 1 keeps the deadline at the SLO), and its SLO counts its own prefill at
-    # the replicas' measured speed when slo_counts_prefill is set
-    deadline_factor: float = 1.0
-    slo_counts_prefill: bool = False
+    # a request with no deadline of its own may wait this many times its SLO (1: the deadline
+    # is the SLO), and its SLO counts its own prefill at the replicas' measured speed
+    deadline_factor: float = 3.0
+    slo_counts_prefill: bool = True
     max_queue_depth: int = 1024
     max_wait_s: float = 60.0
     max_connections: int = 4096

@@ -56,6 +56,10 @@ async def setup(replicas=1, capacity=None, auth=None, events=None, **cfg):
         stub = await StubReplica("m", f"r{i}", **cfg.pop("stub", {})).start()
         registry.register(stub.instance(), 60)
         stubs.append(stub)
+    # the deadline at the SLO, the SLO without prefill: the contract these tests work out
+    # their times by (the default one is tested in test_slo_deadline.py)
+    cfg.setdefault("deadline_factor", 1.0)
+    cfg.setdefault("slo_counts_prefill", False)
     config = FrontDoorConfig(models={"m": 5000.0}, **cfg)
     fd = FrontDoor(config, registry=registry, capacity=capacity, auth=auth,
                    telemetry=Telemetry(events))

@@ -210,7 +210,12 @@ class Fleet:
                  report_speed: bool = True, max_replicas: int | None = None, **cfg) -> None:
         self.clock = ManualClock(1000.0)
         self.speed, self.max_seqs, self.report_speed = speed, max_seqs, report_speed
+        # admission's mechanics are tested with the deadline at the SLO and the SLO without
+        # the prompt's prefill (times in these tests are worked out that way); the default
+        # contract (deadline 3x an SLO that counts the prefill) has its own tests,
+        # test_slo_deadline.py
         config = FrontDoorConfig(**{"models": {"m": 60_000.0}, "restores_per_model": 2,
+                                    "deadline_factor": 1.0, "slo_counts_prefill": False,
                                     **cfg})
         self.path = RequestPath(config, clock=self.clock, telemetry=Telemetry())
         self.timeline = Timeline(self.clock, self.path, config.tick_s)
