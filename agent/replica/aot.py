@@ -191,7 +191,10 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
                                   "aot_inductor.metadata": {"rewarm.target": target,
                                                             RANGES_METADATA: json.dumps(ranges)},
                                   # GPU kernels are autotuned here, at build time, never at boot.
-                                  "max_autotune": device.startswith("cuda")})
+                                  "max_autotune": device.startswith("cuda"),
+                                  # round every bfloat16/float16 intermediate where eager does,
+                                  # so the package gives eager's tokens (not only its accuracy)
+                                  "emulate_precision_casts": True})
             shown.update(1)
     finally:
         shown.close()

@@ -165,7 +165,8 @@ DRIFT_TEXT = (
     "upon a time, in a small village at the edge of a forest, there lived an old clockmaker "
     "who repaired every clock in the valley but never owned one himself. Photosynthesis turns "
     "light, water and carbon dioxide into sugar and oxygen; the light reactions happen in the "
-    "thylakoid membranes and the Calvin cycle in the stroma of the chloroplast.")
+    "thylakoid membranes and the Calvin cycle in the stroma of the chloroplast. The train "
+    "left the station at seven, crossed the river twice and reached the coast before noon.")
 DRIFT_TOKENS = 256
 """The drift prompt set: the first 256 tokens of :data:`DRIFT_TEXT` (prose, code, a question,
 a story, science), in 4 rows of 64 for a batch-4 prefill."""

@@ -162,6 +162,29 @@ def runtime_quant_shapes(n: int, k: int, kind: str) -> dict[str, tuple[int, ...]
     return {".weight_int8": (n, k), ".scales": (n,)}
 
 
+INT8_DENSE_MIN_ROWS = 32
+"""From this many rows on, an int8 matmul widens the weight and runs a dense GEMM instead of
+``_weight_int8pack_mm``, whose cost grows linearly with the rows (it reads the whole weight
+once per row: SmolLM2's 49152 x 576 LM head, bfloat16, 2 threads: 0.85 ms at 1 row, 2.6 ms at
+8, 14 ms at 32, 430 ms at 512; widening costs ~20 ms at any row count; bench/engine_profile.py
+prints the table)."""
+
+
+def _int8_rows(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch._weight_int8pack_mm(x, w, scales)
+
+
+def _int8_dense(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w.to(x.dtype)) * scales
+
+
+def int8_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (w [N, K] int8 * scales [N])^T -> [M, N] in x's dtype; the kernel is chosen
+    by M at run time (``torch.cond``, which torch.export and AOTInductor keep as a branch, so
+    one package serves decode and prefill)."""
+    return torch.cond(x.shape[0] >= INT8_DENSE_MIN_ROWS, _int8_dense, _int8_rows, (x, w, scales))
+
+
 # --- modules -------------------------------------------------------------------------------------
 class Int4Linear(nn.Module):
     """y = x W^T with W as int4 codes in groups of GROUP_SIZE along K.  x [..., K] -> [..., N]
@@ -193,8 +216,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        y = torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
-        return y.view(*x.shape[:-1], self.out_features)
+        return int8_mm(flat, self.weight_int8, self.scales).view(*x.shape[:-1], self.out_features)
 
 
 class Int8Embedding(nn.Module):
@@ -213,8 +235,7 @@ class Int8Embedding(nn.Module):
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] -> logits [..., V] (h's dtype): the tied LM head."""
         flat = h.reshape(-1, h.shape[-1])
-        return torch._weight_int8pack_mm(flat, self.weight_int8, self.scales).view(
-            *h.shape[:-1], -1)
+        return int8_mm(flat, self.weight_int8, self.scales).view(*h.shape[:-1], -1)
 
 
 def adopt_quantized(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:

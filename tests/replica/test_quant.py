@@ -141,3 +141,17 @@ def test_unknown_weight_scheme_is_refused(small):  # noqa: F811
     config, _ = small
     with pytest.raises(InvalidCheckpoint, match="weight_scheme='int3'"):
         dataclasses.replace(config, weight_scheme="int3")
+
+
+def test_int8_mm_gives_the_same_rows_on_either_kernel():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(quant.INT8_DENSE_MIN_ROWS + 8, 64, generator=gen).bfloat16()
+    w = torch.randint(-127, 128, (96, 64), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(96, generator=gen) * 0.01).bfloat16()
+    want = x.float() @ (w.float() * scales.float()[:, None]).t()
+    dense = quant.int8_mm(x, w, scales).float()                 # the widened GEMM
+    rows = quant.int8_mm(x[:8], w, scales).float()              # _weight_int8pack_mm
+    scale = float(want.abs().max())
+    assert float((dense - want).abs().max()) <= scale * 2 ** -7
+    assert float((rows - want[:8]).abs().max()) <= scale * 2 ** -7
+    assert float((dense[:8] - rows).abs().max()) <= scale * 2 ** -7
