@@ -26,7 +26,11 @@ No Python branch depends on data, so the control flow is fixed for every (B, C, 
 Runtime layout (the tensors a snapshot stores; ``load_hf_weights`` and the load hook produce it):
 Q/K/V fused into ``attention.wqkv`` [n_q + 2 n_kv, hidden] and gate/up fused into
 ``feed_forward.w13`` [2 * intermediate, hidden], as gpt-fast does, so each layer runs two
-matmuls instead of five.  Tied embeddings keep one tensor (``tok_embeddings.weight``).
+matmuls instead of five.  Tied embeddings keep one tensor (``tok_embeddings.weight``).  A
+quantized checkpoint (``config.weight_scheme == "int4"``) stores each matrix as weight-only
+int4 or int8 codes instead (``<name>.weight_int4pack`` + ``.scales_and_zeros``, or
+``.weight_int8`` + ``.scales``); :meth:`Transformer.from_weights` swaps in the modules of
+agent/replica/quant.py for them, and activations and KV cache are ``config.dtype``.
 """
 
 from __future__ import annotations
