@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.rewarm-installed
 # Deterministic, small: the demo's and tests' working data lives here (ignored by git).
 VAR    := var
 
-.PHONY: test test-fast lint demo bench bench-http bench-ladder install clean sysdeps
+.PHONY: test test-fast lint demo bench bench-http bench-ladder bench-engines install clean sysdeps
 
 install: $(STAMP)
 
@@ -84,5 +84,21 @@ bench-ladder: $(LADDER_STAMP)
 	  --rungs transformers_eager,eager,aot,restore,zygote_restore \
 	  $(if $(RELEASE),--release $(RELEASE)) --json $(VAR)/bench/cold_start.json
 
+# rewarm's engine beside llama.cpp (llama-cpp-python, built from source: no wheel is published
+# for this platform; it goes into a venv of its own, never the project's) and transformers
+# (the ladder's --no-deps install).  Never part of `make test`.
+ENGINES_VENV := .venv-engines
+ENGINES_STAMP := $(ENGINES_VENV)/.rewarm-engines-installed
+LLAMA_CPP := llama-cpp-python==0.3.36
+
+$(ENGINES_STAMP):
+	test -x $(ENGINES_VENV)/bin/python || $(PYTHON) -m venv $(ENGINES_VENV)
+	CMAKE_ARGS="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" $(ENGINES_VENV)/bin/pip install -q $(LLAMA_CPP)
+	touch $@
+
+bench-engines: $(LADDER_STAMP) $(ENGINES_STAMP)
+	flock /tmp/rewarm-bench.lock $(BIN)/python bench/engine_compare.py \
+	  --peers-python $(ENGINES_VENV)/bin/python --json bench/results/engine_compare.json
+
 clean:
-	rm -rf $(VENV) build $(VAR) agent/*.so ext/*.c
+	rm -rf $(VENV) $(ENGINES_VENV) build $(VAR) agent/*.so ext/*.c

@@ -105,6 +105,14 @@ class TargetMismatch(RewarmError, RuntimeError):
     """An AOT package was built for another CPU or GPU target. Attributes: ``built``, ``here``."""
 
 
+class WeightSchemeMismatch(RewarmError, RuntimeError):
+    """An AOT package was built for weights stored another way (``dense`` against ``int4``,
+    agent/replica/quant.py) than the snapshot or checkpoint it is asked to bind.  Refused
+    before any weight is bound.  Attributes: ``package``, ``built`` (the package's scheme),
+    ``here`` (the weights' scheme).
+    """
+
+
 class PackageInputError(RewarmError, ValueError):
     """A call of an AOT package with inputs it was not compiled for: a rank, a dynamic size
     outside its recorded range, a fixed size, a dtype, a device or an index outside the cache.

@@ -45,7 +45,8 @@ from collections.abc import Mapping
 
 import torch
 
-from agent.errors import ConfigError, InvalidCheckpoint, PackageCheckFailed, TargetMismatch
+from agent.errors import (ConfigError, InvalidCheckpoint, PackageCheckFailed, TargetMismatch,
+                          WeightSchemeMismatch)
 from agent.replica.aot_inputs import DIMS, InputSpec, parse_ranges
 from agent.replica.config import LlamaConfig
 from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS  # noqa: F401 (re-exported)
@@ -191,22 +192,27 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
                                   "aot_inductor.metadata": {"rewarm.target": target,
                                                             RANGES_METADATA: json.dumps(ranges)},
                                   # GPU kernels are autotuned here, at build time, never at boot.
-                                  "max_autotune": device.startswith("cuda")})
+                                  "max_autotune": device.startswith("cuda"),
+                                  # round every bfloat16/float16 intermediate where eager does,
+                                  # so the package gives eager's tokens (not only its accuracy)
+                                  "emulate_precision_casts": True})
             shown.update(1)
     finally:
         shown.close()
     compile_s = time.perf_counter() - started - export_s
     t = time.perf_counter()
+    state = model.state_dict()
     try:
-        checked = aot_check.check_package(partial, model, model.state_dict(), ranges, max_seq_len,
-                                          device=device)
+        derived = derived_constants(partial, state, config)
+        checked = aot_check.check_package(partial, model, {**state, **bind_derived(derived)},
+                                          ranges, max_seq_len, device=device)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
     check_s = time.perf_counter() - t
     partial.replace(package)
     constants = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                 for name, t in model.state_dict().items()}
+                 for name, t in state.items()}
     manifest = {
         "format": PACKAGE_FORMAT, "target": target, "device": device,
         "torch": torch.__version__, "digest": file_digest(package),
@@ -217,6 +223,7 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
                "dtype": config.dtype},
         "checked": {"env": f"{aot_check.CHECK_ENV}=1", "runs": checked},
         "config": config.to_dict(), "constants": constants,
+        "weight_scheme": config.weight_scheme, "derived_constants": derived,
         "export_s": round(export_s, 3), "compile_s": round(compile_s, 3),
         "check_s": round(check_s, 3),
     }
@@ -224,6 +231,30 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
     log.info("built %s for %s in %.1f s (export %.1f s, check %.1f s)", package, target,
              export_s + compile_s + check_s, export_s, check_s)
     return dest
+
+
+def derived_constants(package: Path, state: Mapping[str, torch.Tensor],
+                      config: LlamaConfig) -> dict[str, dict[str, Any]]:
+    """The constants Inductor added to ``package`` beyond the module's own (``state``), with
+    the value each must be bound to.  The only ones this model makes: Inductor's CPU lowering
+    of ``_weight_int4pack_mm_for_cpu`` (torch/_inductor/quantized_lowerings.py,
+    ``int4pack_mm_cpu``) turns the group size into an unnamed 0-d int64 constant, which a
+    package built with ``package_constants_in_so=False`` does not carry, so it is recorded in
+    ``package.json`` and bound at load.  The build check then runs the package with it.
+    Raises PackageCheckFailed for any other unknown constant."""
+    from agent.replica.quant import GROUP_SIZE
+
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+    extra = sorted(set(loader.get_constant_fqns()) - set(state))
+    if extra and config.weight_scheme != "int4":
+        raise PackageCheckFailed(f"{package}: constants {extra} not in the module", package=package,
+                                 sizes=None, field="constants", value=extra, limit=sorted(state)[:3])
+    return {name: {"dtype": "int64", "shape": [], "value": GROUP_SIZE} for name in extra}
+
+
+def bind_derived(derived: Mapping[str, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """The tensors of :func:`derived_constants`' records (0-d int64 values)."""
+    return {name: torch.tensor(int(rec["value"]), dtype=torch.int64) for name, rec in derived.items()}
 
 
 def build(model_dir: Path, out_dir: Path, *, max_seqs: int = DEFAULT_MAX_SEQS,
@@ -339,6 +370,7 @@ def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str
     ``weights`` is the runtime layout (agent/replica/model.py), e.g. ``Restored.tensors``; the
     tensors are used in place (no copy) and must stay alive as long as the result.
     Raises TargetMismatch (built for another target; checked before any code is loaded),
+    WeightSchemeMismatch (built for weights stored another way, agent/replica/quant.py),
     InvalidCheckpoint (digest differs from the manifest or ``expect_digest``; a weight missing or
     of another shape or dtype, naming the tensor and both values; the manifest's ranges differ
     from those compiled into the package).
@@ -356,6 +388,13 @@ def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str
         if expected is not None and digest != expected:
             raise InvalidCheckpoint(f"{package}: digest {digest} is not the expected {expected}",
                                     path=package, field="digest", value=digest, limit=expected)
+    from agent.replica.quant import scheme_of
+
+    built, here = manifest.get("weight_scheme", "dense"), scheme_of(weights)
+    if built != here:
+        raise WeightSchemeMismatch(f"{package_dir}: package built for {built!r} weights; these "
+                                   f"weights are {here!r}", package=package_dir, built=built,
+                                   here=here)
     bound: dict[str, torch.Tensor] = {}
     for name, want in manifest["constants"].items():
         tensor = weights.get(name)
@@ -380,6 +419,7 @@ def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str
         raise InvalidCheckpoint(f"{package}: compiled ranges {compiled} are not the manifest's "
                                 f"{manifest['ranges']}", path=package, field="ranges",
                                 value=compiled, limit=manifest["ranges"])
+    bound.update(bind_derived(manifest.get("derived_constants") or {}))
     unknown = set(model.get_constant_fqns()) - set(bound)
     if unknown:
         raise InvalidCheckpoint(f"{package}: constants {sorted(unknown)[:3]} not in its manifest",

@@ -94,6 +94,23 @@ def _error(got, got_caches, ref, ref_caches) -> tuple[float, float]:
             max(float((a - b).abs().max()) for a, b in zip(got_caches, ref_caches, strict=True)))
 
 
+def float64_reference(eager: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of ``eager``; for weight-only int4/int8 modules (agent/replica/quant.py)
+    a dense float64 model over the same dequantized values, since the kernels take no float64."""
+    import copy
+    import dataclasses
+
+    from agent.replica.model import Transformer
+    from agent.replica.quant import dense_runtime, scheme_of
+
+    state = dict(eager.state_dict())
+    if scheme_of(state) == "dense":
+        return copy.deepcopy(eager).double()
+    assert isinstance(eager, Transformer), type(eager)   # quantized weights: a Transformer
+    config = dataclasses.replace(eager.config, dtype="float32", weight_scheme="dense")
+    return Transformer.from_weights(config, dense_runtime(state)).double()
+
+
 def check_package(package: Path, eager: torch.nn.Module, weights: Mapping[str, torch.Tensor],
                   ranges: Mapping[str, tuple[int, int]], max_seq_len: int, *,
                   device: str = "cpu") -> list[dict[str, Any]]:
@@ -103,9 +120,7 @@ def check_package(package: Path, eager: torch.nn.Module, weights: Mapping[str, t
     (sizes, ``error`` and ``eager_error`` of the logits against float64, ``limit``,
     ``seconds`` of the package's call).  Raises PackageCheckFailed naming the sizes and what
     was off (the package refusing the shape, its logits, or its cache writes)."""
-    import copy
-
-    reference = copy.deepcopy(eager).double()
+    reference = float64_reference(eager)
     records = []
     with input_checks_on():
         loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)

@@ -61,7 +61,9 @@ def _register_model(sub: argparse._SubParsersAction) -> None:
     p = msub.add_parser("import-gguf", help="convert a llama GGUF file to the Hugging Face layout")
     p.add_argument("path", help="the .gguf file")
     p.add_argument("out_dir", help="directory to write (config.json, model.safetensors, tokenizer.json)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="widen every matrix to this dtype (default: keep the GGUF's Q4_0/Q4_1/Q8_0 "
+                        "as weight-only int4/int8 with bfloat16 activations)")
     p.set_defaults(func=_import_gguf)
 
     p = msub.add_parser("make-synthetic", help="write deterministic seeded weights")

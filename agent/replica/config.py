@@ -35,12 +35,19 @@ _LIMITS = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+WEIGHT_SCHEMES = ("dense", "int4")
+"""How a checkpoint's matrices are stored (agent/replica/quant.py)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Shape of a Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU).
 
     ``head_dim`` defaults to ``hidden_size // num_attention_heads``.  ``dtype`` is the runtime
-    dtype of weights and KV cache (``float32`` on CPU; ``bfloat16`` for large synthetic shapes).
+    dtype of activations, KV cache and dense weights (``float32`` on CPU; ``bfloat16`` for a
+    quantized checkpoint and for large synthetic shapes).  ``weight_scheme`` is how the
+    matrices are stored (one of ``WEIGHT_SCHEMES``, see agent/replica/quant.py): ``dense``, or
+    ``int4`` (weight-only int4/int8 codes as the checkpoint ships them).
     """
 
     hidden_size: int
@@ -57,6 +64,7 @@ class LlamaConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    weight_scheme: str = "dense"
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_attention_heads > 0:
@@ -117,6 +125,10 @@ class LlamaConfig:
         if self.dtype not in DTYPES:
             raise InvalidCheckpoint(f"{path or 'config'}: dtype={self.dtype!r} not one of {sorted(DTYPES)}",
                                     path=path, field="dtype", value=self.dtype, limit=sorted(DTYPES))
+        if self.weight_scheme not in WEIGHT_SCHEMES:
+            raise InvalidCheckpoint(f"{path or 'config'}: weight_scheme={self.weight_scheme!r} not one "
+                                    f"of {list(WEIGHT_SCHEMES)}", path=path, field="weight_scheme",
+                                    value=self.weight_scheme, limit=list(WEIGHT_SCHEMES))
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:

@@ -1,18 +1,23 @@
 """``rewarm model import-gguf``: a llama GGUF file -> the Hugging Face layout.
 
-Dequantizes every tensor with the ``gguf`` package (Q4_1, Q8_0, F32 ...), renames llama.cpp's
+By default keeps the checkpoint's quantization: Q4_0/Q4_1 matrices as their 4-bit codes with
+per-group scale and zero, Q8_0 as per-row int8 (agent/replica/quant.py, which says how each
+maps onto torch's weight-only kernels), everything else in bfloat16, and the config says
+``weight_scheme: int4, torch_dtype: bfloat16``.  With ``dtype`` (``--dtype float32|bfloat16``)
+it dequantizes every tensor with the ``gguf`` package instead.  It renames llama.cpp's
 tensor names to Hugging Face's, and **undoes the RoPE permutation** llama.cpp's converter
 applies to the Q and K projections: ``convert_hf_to_gguf.py`` reorders each head's rows from
 Hugging Face's "rotate half" layout (first half, second half) to interleaved pairs, i.e.
 ``w.reshape(n_head, 2, d/2, in).swapaxes(1, 2)``; the inverse is
 ``w.reshape(n_head, d/2, 2, in).swapaxes(1, 2)``.  (The Paris test proves the direction.)
 
-Writes ``config.json``, ``model.safetensors`` (float32, or ``--dtype``), ``tokenizer.json``,
+Writes ``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json`` and ``generation_config.json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -22,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from agent.errors import InvalidCheckpoint
+from agent.replica import quant
 from agent.replica.config import LlamaConfig
 from agent.replica.model import hf_expected_shapes
 from agent.replica.tokenizer import build_from_gguf, save_tokenizer
@@ -90,7 +96,8 @@ def config_from_gguf(reader, dtype: str = "float32") -> LlamaConfig:
 
 
 def gguf_tensors(reader, config: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Dequantized tensors under Hugging Face names, Q/K un-permuted, in ``config.dtype``."""
+    """Tensors under Hugging Face names, Q/K un-permuted: dequantized to ``config.dtype`` for
+    a dense config, kept quantized where the GGUF is (agent/replica/quant.py) for ``int4``."""
     from gguf import quants
 
     from agent.progress import bar
@@ -100,13 +107,13 @@ def gguf_tensors(reader, config: LlamaConfig) -> dict[str, torch.Tensor]:
         for t in reader.tensors:
             _gguf_tensor(t, config, out, quants)
             shown.update(1)
-    check_shapes(out, hf_expected_shapes(config), where="GGUF")
+    check_shapes(out, hf_expected_shapes(config, out), where="GGUF")
     return out
 
 
 def _gguf_tensor(t, config: LlamaConfig, out: dict[str, torch.Tensor], quants) -> None:
-    """Dequantize one GGUF tensor ``t`` into ``out`` under its Hugging Face name."""
-    w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    """One GGUF tensor ``t`` into ``out`` under its Hugging Face name (see :func:`gguf_tensors`)."""
+    kind = t.tensor_type.name
     if t.name == "token_embd.weight":
         name = "model.embed_tokens.weight"
     elif t.name == "output_norm.weight":
@@ -119,12 +126,26 @@ def _gguf_tensor(t, config: LlamaConfig, out: dict[str, torch.Tensor], quants) -
             raise InvalidCheckpoint(f"GGUF: unknown tensor {t.name!r}", path=None,
                                     field=t.name, value=None, limit=sorted(_NAMES))
         name = f"model.layers.{int(idx)}.{_NAMES[rest]}"
-        if rest == "attn_q.weight":
-            w = unpermute_rope(w, config.num_attention_heads)
-        elif rest == "attn_k.weight":
-            w = unpermute_rope(w, config.num_key_value_heads)
     else:
         return  # e.g. rope_freqs: derived from rope_theta here
+    heads = {"attn_q.weight": config.num_attention_heads,
+             "attn_k.weight": config.num_key_value_heads}.get(t.name.split(".", 2)[-1])
+    fix = (lambda a: unpermute_rope(a, heads)) if heads else (lambda a: a)  # noqa: E731
+    base = name.removesuffix(".weight")
+    if config.weight_scheme == "int4" and kind in quant.INT4_KINDS:
+        n, k = int(t.shape[1]), int(t.shape[0])          # GGUF lists dims innermost first
+        codes, sz = quant.q4_blocks(np.asarray(t.data).reshape(n, -1), kind, n, k)
+        codes, sz = fix(codes), fix(sz)                  # a row permutation: codes and groups alike
+        out[base + ".qweight"] = quant.pack_nibbles(torch.from_numpy(np.ascontiguousarray(codes)))
+        out[base + ".scales_and_zeros"] = torch.from_numpy(
+            np.ascontiguousarray(sz.transpose(1, 0, 2)))  # [K/32, N, 2]
+        return
+    w = fix(np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+    if config.weight_scheme == "int4" and kind == "Q8_0" and w.ndim == 2:
+        q8, scale = quant.q8_rows(w)
+        out[base + ".qweight"] = torch.from_numpy(np.ascontiguousarray(q8))
+        out[base + ".scales"] = torch.from_numpy(scale)
+        return
     out[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(config.torch_dtype)
 
 
@@ -154,15 +175,21 @@ def open_gguf(path: Path):
                                 value=str(exc), limit="a GGUF file gguf can read") from exc
 
 
-def import_gguf(path: Path | str, out_dir: Path | str, *, dtype: str = "float32") -> Path:
+def import_gguf(path: Path | str, out_dir: Path | str, *, dtype: str | None = None) -> Path:
     """Convert GGUF ``path`` into a Hugging Face directory ``out_dir`` (written atomically).
+
+    ``dtype`` None keeps the GGUF's quantization: a file with Q4_0/Q4_1 matrices becomes
+    ``weight_scheme`` int4 with bfloat16 activations, one without stays dense float32;
+    ``"float32"`` / ``"bfloat16"`` dequantizes every matrix to that dtype.
 
     Returns ``out_dir``.  Raises InvalidCheckpoint for a missing path, a file that is not
     GGUF (naming the magic found), and a non-llama or malformed file.
     """
     path, out_dir = Path(path), Path(out_dir)
     reader = open_gguf(path)
-    config = config_from_gguf(reader, dtype)
+    config = config_from_gguf(reader, dtype or "float32")
+    if dtype is None and any(t.tensor_type.name in quant.INT4_KINDS for t in reader.tensors):
+        config = dataclasses.replace(config, dtype="bfloat16", weight_scheme="int4")
     tensors = gguf_tensors(reader, config)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -152,3 +152,54 @@ def _first_difference(want: list[list[int]], got: list[list[int]]):
     if len(want) != len(got):
         return min(len(want), len(got)), 0, None, None
     return None
+
+
+DRIFT_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a wooden screw press. Within "
+    "fifty years presses were working in more than two hundred cities across Europe, and the "
+    "price of a book fell so far that ordinary merchants could own one. def merge_sorted(a, b):"
+    "\n    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:"
+    "\n            out.append(a[i]); i += 1\n        else:\n            out.append(b[j]); j += 1"
+    "\n    return out + a[i:] + b[j:]\nQuestion: what is the boiling point of water at sea level?"
+    " Answer: one hundred degrees Celsius, or two hundred and twelve degrees Fahrenheit. Once "
+    "upon a time, in a small village at the edge of a forest, there lived an old clockmaker "
+    "who repaired every clock in the valley but never owned one himself. Photosynthesis turns "
+    "light, water and carbon dioxide into sugar and oxygen; the light reactions happen in the "
+    "thylakoid membranes and the Calvin cycle in the stroma of the chloroplast. The train "
+    "left the station at seven, crossed the river twice and reached the coast before noon.")
+DRIFT_TOKENS = 256
+"""The drift prompt set: the first 256 tokens of :data:`DRIFT_TEXT` (prose, code, a question,
+a story, science), in 4 rows of 64 for a batch-4 prefill."""
+
+
+def drift_rows(encode, rows: int = 4) -> list[list[int]]:
+    """The drift prompt set as ``rows`` lists of ``DRIFT_TOKENS // rows`` token ids (``encode``:
+    text -> ids, the model's tokenizer).  Raises ValueError when the text is too short."""
+    ids = list(encode(DRIFT_TEXT))
+    if len(ids) < DRIFT_TOKENS:
+        raise ValueError(f"drift text gives {len(ids)} tokens, needs {DRIFT_TOKENS}")
+    n = DRIFT_TOKENS // rows
+    return [ids[i * n:(i + 1) * n] for i in range(rows)]
+
+
+def prefill_logits(forward, rows: list[list[int]], k_caches, v_caches):
+    """logits [P, N, V] float32 of one batched prefill of ``rows`` ([P][N] ids) into cache
+    slots 0..P-1 of ``k_caches``/``v_caches`` (written in place)."""
+    import torch
+
+    tokens = torch.tensor(rows, dtype=torch.int64)
+    b, n = tokens.shape
+    with torch.inference_mode():
+        return forward(tokens, torch.arange(n).repeat(b, 1), torch.arange(b), k_caches, v_caches).float()
+
+
+def drift(reference, got) -> dict[str, float]:
+    """How far logits ``got`` drift from ``reference`` (both [P, N, V] over the same tokens):
+    ``top1_agreement`` (fraction of the P*N positions whose argmax is the same),
+    ``max_logit_diff`` (largest absolute difference of any logit), ``max_logit`` (the
+    reference's largest absolute logit, for scale), ``positions``."""
+    return {"top1_agreement": float((reference.argmax(-1) == got.argmax(-1)).float().mean()),
+            "max_logit_diff": float((reference - got).abs().max()),
+            "max_logit": float(reference.abs().max()),
+            "positions": int(reference.shape[0] * reference.shape[1])}

@@ -26,7 +26,11 @@ No Python branch depends on data, so the control flow is fixed for every (B, C, 
 Runtime layout (the tensors a snapshot stores; ``load_hf_weights`` and the load hook produce it):
 Q/K/V fused into ``attention.wqkv`` [n_q + 2 n_kv, hidden] and gate/up fused into
 ``feed_forward.w13`` [2 * intermediate, hidden], as gpt-fast does, so each layer runs two
-matmuls instead of five.  Tied embeddings keep one tensor (``tok_embeddings.weight``).
+matmuls instead of five.  Tied embeddings keep one tensor (``tok_embeddings.weight``).  A
+quantized checkpoint (``config.weight_scheme == "int4"``) stores each matrix as weight-only
+int4 or int8 codes instead (``<name>.weight_int4pack`` + ``.scales_and_zeros``, or
+``.weight_int8`` + ``.scales``); :meth:`Transformer.from_weights` swaps in the modules of
+agent/replica/quant.py for them, and activations and KV cache are ``config.dtype``.
 """
 
 from __future__ import annotations
@@ -49,41 +53,101 @@ _HF_RENAME = {
 }
 _HF_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 _HF_W13 = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_HF_QKV_BASE = tuple(k.removesuffix(".weight") for k in _HF_QKV)
+_HF_W13_BASE = tuple(k.removesuffix(".weight") for k in _HF_W13)
 
 
-def hf_expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face Llama checkpoint of this config must hold, with its shape."""
+def _linears(config: LlamaConfig) -> dict[str, tuple[tuple[str, ...], int, int]]:
+    """Runtime linear name (in a layer) -> (its Hugging Face parts, N, K)."""
     h, i = config.hidden_size, config.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h),
-                                          "model.norm.weight": (h,)}
+    return {"attention.wqkv": (_HF_QKV_BASE, config.n_q + 2 * config.n_kv, h),
+            "attention.wo": (("self_attn.o_proj",), h, config.n_q),
+            "feed_forward.w13": (_HF_W13_BASE, 2 * i, h),
+            "feed_forward.w2": (("mlp.down_proj",), h, i)}
+
+
+def _matrix_shapes(base: str, n: int, k: int, names, hf: bool) -> dict[str, tuple[int, ...]]:
+    """Shapes of one weight matrix [n, k] under ``base``: dense ``.weight`` unless ``names``
+    holds its quantized form (HF layout: ``.qweight`` + ``.scales_and_zeros`` | ``.scales``;
+    runtime: ``.weight_int4pack`` + ``.scales_and_zeros`` | ``.weight_int8`` + ``.scales``)."""
+    from agent.replica import quant
+
+    if hf and base + ".qweight" in names:
+        if base + ".scales_and_zeros" in names:
+            return {base + ".qweight": (n, k // 2),
+                    base + ".scales_and_zeros": (k // quant.GROUP_SIZE, n, 2)}
+        return {base + ".qweight": (n, k), base + ".scales": (n,)}
+    if not hf and base + ".weight_int4pack" in names:
+        return {base + s: v for s, v in quant.runtime_quant_shapes(n, k, "int4").items()}
+    if not hf and base + ".weight_int8" in names:
+        return {base + s: v for s, v in quant.runtime_quant_shapes(n, k, "int8").items()}
+    return {base + ".weight": (n, k)}
+
+
+def hf_expected_shapes(config: LlamaConfig, names=()) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face Llama checkpoint of this config must hold, with its shape.
+    ``names``: the tensor names present, which say which matrices are stored quantized
+    (agent/replica/quant.py); by default every matrix is dense."""
+    h, i = config.hidden_size, config.intermediate_size
+    names = set(names)
+    shapes = _matrix_shapes("model.embed_tokens", config.vocab_size, h, names, True)
+    shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
+        shapes.update(_matrix_shapes("lm_head", config.vocab_size, h, names, True))
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (config.n_q, h),
-            p + "self_attn.k_proj.weight": (config.n_kv, h),
-            p + "self_attn.v_proj.weight": (config.n_kv, h),
-            p + "self_attn.o_proj.weight": (h, config.n_q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        for base, rows, cols in (("self_attn.q_proj", config.n_q, h), ("self_attn.k_proj", config.n_kv, h),
+                                 ("self_attn.v_proj", config.n_kv, h), ("self_attn.o_proj", h, config.n_q),
+                                 ("mlp.gate_proj", i, h), ("mlp.up_proj", i, h), ("mlp.down_proj", h, i)):
+            shapes.update(_matrix_shapes(p + base, rows, cols, names, True))
+        shapes.update({p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
     return shapes
+
+
+def _fuse(parts: dict[str, torch.Tensor], bases: tuple[str, ...],
+          cast) -> dict[str, torch.Tensor] | None:
+    """Fuse the projections ``bases`` of one layer (popped from ``parts``) along N into runtime
+    suffixes; quantized ones stay quantized when all are the same kind, else all are widened
+    to dense.  None when a part is missing (a partial dict)."""
+    from agent.replica import quant
+
+    dense = [b + ".weight" for b in bases]
+    if all(k in parts for k in dense):
+        return {".weight": cast(torch.cat([parts.pop(k) for k in dense]))}
+    quantized = []
+    for b in bases:
+        got = {s: parts[b + s] for s in quant.HF_SUFFIXES if b + s in parts}
+        if not got and b + ".weight" not in parts:
+            return None
+        quantized.append(got)
+    fused = quant.fuse_hf(quantized) if all(quantized) else None
+    for b in bases:
+        for s in (*quant.HF_SUFFIXES, ".weight"):
+            parts.pop(b + s, None)
+    if fused is None:   # mixed kinds: widen every part to dense
+        return {".weight": cast(torch.cat([quant.dequantize_hf(q) if q else parts[b + ".weight"]
+                                           for b, q in zip(bases, quantized, strict=True)]))}
+    return fused
 
 
 def hf_to_runtime(hf: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Rename and fuse a (possibly partial) Hugging Face state dict into the runtime layout.
 
     Works on any subset that holds whole layers (the streaming loader calls it per layer).
-    Tensors are cast to ``dtype`` when given.  Shapes are checked by :func:`check_shapes`.
+    Floating tensors are cast to ``dtype`` when given; quantized ones (agent/replica/quant.py)
+    keep their codes, are fused along N and repacked for the CPU kernels, their scales cast to
+    ``dtype``.  Shapes are checked by :func:`check_shapes`.
     """
+    from agent.replica import quant
+
     out: dict[str, torch.Tensor] = {}
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    act = dtype if dtype is not None else torch.float32
     layers: dict[int, dict[str, torch.Tensor]] = {}
+    top: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in hf.items():
+        q = quant.quant_base(name)
         if name == "model.embed_tokens.weight":
             out["tok_embeddings.weight"] = cast(tensor)
         elif name == "model.norm.weight":
@@ -92,36 +156,54 @@ def hf_to_runtime(hf: dict[str, torch.Tensor], dtype: torch.dtype | None = None)
             out["output.weight"] = cast(tensor)
         elif (m := _HF_LAYER.match(name)) is not None:
             layers.setdefault(int(m.group(1)), {})[m.group(2)] = tensor
+        elif q is not None and q[0] in ("model.embed_tokens", "lm_head"):
+            top.setdefault(q[0], {})[q[1]] = tensor
         else:
             out[name] = cast(tensor)  # already runtime-named; the module will reject strays
+    for base, parts in top.items():
+        new = "tok_embeddings" if base == "model.embed_tokens" else "output"
+        if ".scales_and_zeros" in parts:   # no int4 embedding kernel: int8 rows instead
+            w = quant.dequantize_hf(parts).numpy()
+            q8, scale = quant.q8_rows(w)
+            parts = {".qweight": torch.from_numpy(q8), ".scales": torch.from_numpy(scale)}
+        out.update({new + s: t for s, t in quant.to_runtime(parts, act).items()})
     for i, parts in sorted(layers.items()):
         p = f"layers.{i}."
-        if all(k in parts for k in _HF_QKV):
-            out[p + "attention.wqkv.weight"] = cast(torch.cat([parts.pop(k) for k in _HF_QKV]))
-        if all(k in parts for k in _HF_W13):
-            out[p + "feed_forward.w13.weight"] = cast(torch.cat([parts.pop(k) for k in _HF_W13]))
+        for runtime, bases in (("attention.wqkv", _HF_QKV_BASE), ("feed_forward.w13", _HF_W13_BASE)):
+            fused = _fuse(parts, bases, cast)
+            if fused is None:
+                continue
+            if ".weight" in fused:
+                out[p + runtime + ".weight"] = fused[".weight"]
+            else:
+                out.update({p + runtime + s: t for s, t in quant.to_runtime(fused, act).items()})
+        single: dict[str, dict[str, torch.Tensor]] = {}
         for k, tensor in parts.items():
-            out[p + _HF_RENAME.get(k, k)] = cast(tensor)
+            q = quant.quant_base(k)
+            if q is not None:
+                single.setdefault(q[0], {})[q[1]] = tensor
+            else:
+                out[p + _HF_RENAME.get(k, k)] = cast(tensor)
+        for base, qparts in single.items():
+            new = _HF_RENAME[base + ".weight"].removesuffix(".weight")
+            out.update({p + new + s: t for s, t in quant.to_runtime(qparts, act).items()})
     return out
 
 
-def runtime_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every runtime-layout tensor name with its shape."""
-    h, i = config.hidden_size, config.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, h),
-                                          "norm.weight": (h,)}
+def runtime_shapes(config: LlamaConfig, names=()) -> dict[str, tuple[int, ...]]:
+    """Every runtime-layout tensor name with its shape; ``names`` (the tensors present) say
+    which matrices are quantized (see :func:`hf_expected_shapes`)."""
+    h = config.hidden_size
+    names = set(names)
+    shapes = _matrix_shapes("tok_embeddings", config.vocab_size, h, names, False)
+    shapes["norm.weight"] = (h,)
     if not config.tie_word_embeddings:
-        shapes["output.weight"] = (config.vocab_size, h)
+        shapes.update(_matrix_shapes("output", config.vocab_size, h, names, False))
     for n in range(config.num_hidden_layers):
         p = f"layers.{n}."
-        shapes.update({
-            p + "attention_norm.weight": (h,),
-            p + "attention.wqkv.weight": (config.n_q + 2 * config.n_kv, h),
-            p + "attention.wo.weight": (h, config.n_q),
-            p + "ffn_norm.weight": (h,),
-            p + "feed_forward.w13.weight": (2 * i, h),
-            p + "feed_forward.w2.weight": (h, i),
-        })
+        shapes.update({p + "attention_norm.weight": (h,), p + "ffn_norm.weight": (h,)})
+        for base, (_, rows, cols) in _linears(config).items():
+            shapes.update(_matrix_shapes(p + base, rows, cols, names, False))
     return shapes
 
 
@@ -260,11 +342,15 @@ class Transformer(nn.Module):
         """
         from agent.replica.weights import check_shapes  # the shape check lives with the loader
 
+        from agent.replica.quant import adopt_quantized
+
         with torch.device("meta"):
             model = cls(config)
         if any(k.startswith("model.") for k in weights):
-            weights = hf_to_runtime(weights)
-        check_shapes(weights, runtime_shapes(config), where="runtime weights")
+            quantized = any(k.endswith(".qweight") for k in weights)
+            weights = hf_to_runtime(weights, config.torch_dtype if quantized else None)
+        check_shapes(weights, runtime_shapes(config, weights), where="runtime weights")
+        adopt_quantized(model, weights)
         model.load_state_dict(weights, assign=True, strict=True)
         return model.eval().requires_grad_(False)
 
@@ -288,8 +374,14 @@ class Transformer(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: h [B, S, hidden] -> logits [B, S, V] float32."""
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(self.norm(h), weight).float()
+        from agent.replica.quant import Int8Embedding
+
+        h = self.norm(h)
+        if self.output is not None:
+            return self.output(h).float()
+        if isinstance(self.tok_embeddings, Int8Embedding):
+            return self.tok_embeddings.project(h).float()
+        return F.linear(h, self.tok_embeddings.weight).float()
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache_batch_idx: torch.Tensor,
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:

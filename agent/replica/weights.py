@@ -30,7 +30,8 @@ MAX_HEADER_BYTES = 100 << 20
 """Largest safetensors JSON header accepted (the safetensors library's own limit is 100 MB)."""
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+              "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,
+              "I8": torch.int8}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -116,7 +117,7 @@ def _group_key(name: str) -> tuple[int, int]:
     """Load order: embedding first, then layers 0..L-1, then final norm and LM head."""
     if (m := _LAYER.match(name)) is not None:
         return (1, int(m.group(1)))
-    return (0, 0) if name == "model.embed_tokens.weight" else (2, 0)
+    return (0, 0) if name.startswith("model.embed_tokens.") else (2, 0)
 
 
 def stream_hf_weights(model_dir: Path | str, config: LlamaConfig | None = None
@@ -133,12 +134,13 @@ def stream_hf_weights(model_dir: Path | str, config: LlamaConfig | None = None
     if not files:
         raise InvalidCheckpoint(f"{model_dir}: no *.safetensors files", path=model_dir,
                                 field="*.safetensors", value=0, limit=1)
-    expected = hf_expected_shapes(config)
     groups: dict[tuple[int, int], list[tuple[Path, int, str, dict]]] = {}
     for path in files:
         start, header = read_header(path)
         for name, entry in header.items():
             groups.setdefault(_group_key(name), []).append((path, start, name, entry))
+    # Which matrices are stored quantized is read from the names (agent/replica/quant.py).
+    expected = hf_expected_shapes(config, (n for g in groups.values() for _, _, n, _ in g))
     dtype = config.torch_dtype
     for key in sorted(groups):
         hf: dict[str, torch.Tensor] = {}

@@ -167,3 +167,26 @@ def test_a_record_with_an_empty_prompt_is_a_mismatch_before_anything_runs():
         verify_golden(engine, golden, "snap-x")
     assert "snap-x: prompt 1 of its record holds 0 tokens" in str(err.value)
     assert err.value.prompt_index == 1 and engine.replays == 0
+
+
+def test_drift_counts_argmax_agreement_and_the_largest_logit_difference():
+    import torch
+
+    from agent.replica.golden import drift
+
+    ref = torch.zeros(2, 2, 4)
+    ref[..., 1] = 1.0
+    got = ref.clone()
+    got[1, 1, 3] = 2.5        # one of four positions now prefers token 3
+    out = drift(ref, got)
+    assert out == {"top1_agreement": 0.75, "max_logit_diff": 2.5, "max_logit": 1.0, "positions": 4}
+
+
+def test_drift_rows_are_256_tokens_of_the_fixed_text():
+    from agent.replica.golden import DRIFT_TEXT, drift_rows
+
+    rows = drift_rows(lambda text: [ord(c) for c in text])
+    assert [len(r) for r in rows] == [64] * 4
+    assert sum(rows, []) == [ord(c) for c in DRIFT_TEXT[:256]]
+    with pytest.raises(ValueError, match="gives 3 tokens, needs 256"):
+        drift_rows(lambda text: [1, 2, 3])
