@@ -41,8 +41,9 @@ test: lint
 test-fast: lint
 	$(BIN)/python -m pytest -q -ra -m "not slow" tests
 
+# DEMO_ARGS: more flags for `rewarm up --demo` (`rewarm up --help`), e.g. --minutes 1.
 demo: $(STAMP)
-	$(BIN)/rewarm up --demo --state-dir $(VAR)/demo
+	$(BIN)/rewarm up --demo --state-dir $(VAR)/demo $(DEMO_ARGS)
 
 # The restore benchmark with its peers, both sizes: one table per size, one JSON.  The peers
 # declare torch as a dependency, so they go in with --no-deps (their other dependencies are

@@ -17,7 +17,7 @@ from agent.errors import ConfigError, RewarmError, Unreachable
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("frontdoor", help="serve the msgpack/TCP front door")
+    p = subparsers.add_parser("frontdoor", help="serve the front door (msgpack/TCP and OpenAI-compatible HTTP)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=7400)
     p.add_argument("--model", action="append", default=[], metavar="NAME[=DEADLINE_MS]",
