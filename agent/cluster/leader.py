@@ -19,8 +19,9 @@ SessionTTLMultiplier``, 2), and the TTL is at least 10 s: a killed leader would 
 lock for up to 20 s.  A session is also invalidated at once when one of its health checks
 goes critical (``agent/consul/state/catalog.go``), and a TTL check goes critical when its
 TTL passes without an update (``agent/checks/check.go``, ``CheckTTL``).  So each instance
-registers a service ``rewarm-predictor-leader`` (id ``rewarm-predictor-leader-<name>``)
-with a TTL check of ``check_ttl_s`` (default 3 s), passes it every tick, and ties its session
+registers a service ``rewarm-predictor-leader`` (id ``rewarm-predictor-leader-<name>-<token>``,
+the token new per process, so an instance restarted in the same allocation never passes
+the check its killed predecessor's session is tied to) with a TTL check of ``check_ttl_s`` (default 3 s), passes it every tick, and ties its session
 to it: a leader killed with ``kill -9`` loses the lock ``check_ttl_s`` after its last pass,
 and a standby takes it on its next tick (lock-delay 0: Consul's default 15 s would block
 the takeover).  Expected failover: at most ``check_ttl_s`` + one tick + the time since the
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 
 import consul
 import consul.exceptions
@@ -71,7 +73,7 @@ class LeaderLock:
         self.key = key
         self.ttl_s = int(ttl_s)
         self.check_ttl_s = float(check_ttl_s)
-        self.service_id = f"{LEADER_SERVICE}-{name}"
+        self.service_id = f"{LEADER_SERVICE}-{name}-{secrets.token_hex(4)}"
         self.check_id = f"service:{self.service_id}"
         self.session: str | None = None
         self._registered = False
@@ -85,9 +87,12 @@ class LeaderLock:
 
     def _feed(self) -> None:
         if not self._registered:
-            self._c.agent.service.register(
-                LEADER_SERVICE, service_id=self.service_id,
-                check=consul.Check.ttl(f"{self.check_ttl_s:g}s"))
+            check = consul.Check.ttl(f"{self.check_ttl_s:g}s")
+            # a killed instance's service is reaped by the agent once its check has been
+            # critical this long (agent/agent.go reapServicesInternal; 1 m is Consul's minimum)
+            check["DeregisterCriticalServiceAfter"] = "1m"
+            self._c.agent.service.register(LEADER_SERVICE, service_id=self.service_id,
+                                           check=check)
             self._registered = True
         try:
             self._c.agent.check.ttl_pass(self.check_id)

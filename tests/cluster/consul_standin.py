@@ -230,6 +230,7 @@ class ConsulStandIn(StandIn):
                                  "timeout_s": parse_duration(c.get("timeout", "10s")),
                                  "next_s": 0.0}
                 sid = b.get("id") or b["name"]
+                was = self.services.get(sid, {}).get("status")
                 self.services[sid] = {
                     "ID": sid, "Service": b["name"], "Address": b.get("address", ""),
                     "Port": int(b.get("port") or 0), "Tags": list(b.get("tags") or []),
@@ -238,6 +239,12 @@ class ConsulStandIn(StandIn):
                     "status": "critical" if ttl_s or probe else "passing",
                     "last_pass_s": -float("inf"), "check": probe,
                 }
+                if was == "passing" and self.services[sid]["status"] == "critical":
+                    # Registering again resets a TTL check to critical; the agent syncs the
+                    # change to the catalog, whose check update invalidates the sessions tied
+                    # to it (agent/local/state.go syncChanges; agent/consul/state/catalog.go
+                    # ensureCheckTxn -> checkSessionsTxn).
+                    self._check_changed(f"service:{sid}", "critical")
                 self._bump()
                 return 200, "", {}
             if rest.startswith("service/deregister/") and method == "PUT":

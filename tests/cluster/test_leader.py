@@ -53,6 +53,29 @@ def test_one_leader_then_takeover_within_the_check_ttl_plus_one_tick(consul_stan
     assert a.tick() is False and b.tick() is True
 
 
+def test_a_leader_restarted_under_its_name_does_not_keep_the_dead_ones_session(consul_standin,
+                                                                              consul_clock):
+    # kill -9 and an immediate restart in the same allocation (same name): the new process
+    # must not feed the check the dead process's session is tied to, or the lock stays with
+    # a dead session until Consul's 2 x TTL timer fires
+    a, b = lock(consul_standin, consul_clock, "a"), lock(consul_standin, consul_clock, "b")
+    consul_clock.advance(TICK_S)
+    assert a.tick() and not b.tick()
+    dead = a.session
+    killed_at = consul_clock.now()
+    a2 = lock(consul_standin, consul_clock, "a")     # the restarted process
+    took_over = None
+    while took_over is None:
+        consul_clock.advance(TICK_S)
+        a2_leads, b_leads = a2.tick(), b.tick()
+        assert not (a2_leads and b_leads)
+        if a2_leads or b_leads:
+            took_over = consul_clock.now() - killed_at
+        assert consul_clock.now() - killed_at <= CHECK_TTL_S + TICK_S
+    assert dead not in consul_standin.sessions
+    assert consul_standin.kv[LEADER_KEY]["Session"] in (a2.session, b.session)
+
+
 def test_without_the_check_a_dead_leaders_session_lives_for_2_x_ttl(consul_standin,
                                                                      consul_clock):
     c = consul_client(f"{consul_standin.host}:{consul_standin.port}")
