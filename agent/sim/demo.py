@@ -13,7 +13,9 @@ Phases (against the :class:`agent.up.Stack` started here):
    1's), then a replay of the first ``--minutes`` of the Azure LLM code trace, scaled to the
    measured replica as bench/trace_replay.py scales it (:mod:`agent.sim.replay_scale`: one
    time compression from ``--replay-s``, one token scale, so the window's mean offered work
-   is ``--load`` of the replica's capacity and its burst shape is kept);
+   is ``--load`` of the replica's capacity and its burst shape is kept; a window too busy
+   for the replica within ``--replay-s`` even at 1-token lengths is thinned to an evenly
+   spaced subset of its requests, :func:`agent.sim.replay_scale.fit_within_wall`);
 4. the table (:func:`format_table`) and, with ``--json PATH``, the numbers (:func:`summarise`).
 
 Outcome classes per request (agent/sim/replay.py): 200 → served (counted by the ``path`` the
@@ -311,31 +313,37 @@ def _vocabulary(model_dir: Path, vocab_size: int):
 
 
 def wait_scaled_to_zero(stack, timeout_s: float, say, on_ready=None) -> float:
-    """Block until the model has no replica left and a ready snapshot; returns seconds waited.
-    ``on_ready()`` runs once the snapshot is ready, before the predictor starts (the demo
-    measures the warm replica then).  Raises TimeoutError after ``timeout_s``."""
+    """Block until the model has no replica left and a ready snapshot; returns seconds waited
+    since the predictor started.  ``on_ready()`` runs once the snapshot is ready, before the
+    predictor starts (the demo measures the warm replica then).  Raises TimeoutError when the
+    snapshot is not ready within ``timeout_s``, or when the model still has a replica
+    ``timeout_s`` after the predictor started (the time ``on_ready`` takes is not counted)."""
     start = time.monotonic()
     agent, model = stack.agent, stack.model
-    said_ready = False
+    predicting_since: float | None = None
     while True:
-        waited = time.monotonic() - start
         ready = bool(agent.catalog.snapshots(model, status="ready"))
-        if ready and not said_ready:
-            said_ready = True
-            say(f"  snapshot captured, verified and marked ready after {waited:.1f} s idle")
+        if ready and predicting_since is None:
+            say(f"  snapshot captured, verified and marked ready after "
+                f"{time.monotonic() - start:.1f} s idle")
             if on_ready is not None:
                 on_ready()
             say("  predictor started")
             # Started only now: LocalScaler counts restoring and warm replicas, not one still
             # cold-booting, so an earlier tick would cold-boot a second replica.
             stack.start_predicting()
+            predicting_since = time.monotonic()
         live = [r for r in agent.status()["replicas"] if r["model"] == model]
-        if ready and not live:
-            return waited
+        if predicting_since is not None and not live:
+            return time.monotonic() - predicting_since
+        waited = time.monotonic() - (start if predicting_since is None else predicting_since)
         if waited > timeout_s:
-            raise TimeoutError(f"model {model} not scaled to zero within {timeout_s} s "
+            since = ("of the predictor starting" if predicting_since is not None
+                     else "(no ready snapshot yet)")
+            raise TimeoutError(f"model {model} not scaled to zero within {timeout_s} s {since} "
                                f"(ready snapshot: {ready}; replicas: "
-                               f"{[r['state'] for r in live]})")
+                               f"{[r['state'] for r in live]}); a busy machine may need a "
+                               "larger --idle-timeout-s")
         time.sleep(0.25)
 
 
@@ -355,7 +363,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
         logging.getLogger("agent.predictor.loop").setLevel(logging.WARNING)
 
     from agent.sim import replay
-    from agent.sim.replay_scale import fit_scale, replay_requests
+    from agent.sim.replay_scale import fit_within_wall, replay_requests
 
     trace = trace_path(args)
     window = replay_window(trace, minutes=args.minutes)
@@ -388,16 +396,25 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
                                                       max_seq_len=max_seq_len))
             # scale by what the replica reports (the front door admits by it), else by that
             profile = SpeedProfile.from_meta(replica_stats(stack)) or calibrated
-            scale = fit_scale(window.context_tokens, window.generated_tokens,
-                              window_s=args.minutes * 60.0, profile=profile, load=args.load,
-                              wall_s=args.replay_s, ttft_slo_s=PATH_SLO_MS["warm_hit"] / 1000.0,
-                              max_seqs=max_seqs, max_tokens_per_request=max_seq_len)
+            scale, kept = fit_within_wall(
+                window.context_tokens, window.generated_tokens, window_s=args.minutes * 60.0,
+                profile=profile, load=args.load, wall_s=args.replay_s,
+                ttft_slo_s=PATH_SLO_MS["warm_hit"] / 1000.0, max_seqs=max_seqs,
+                max_tokens_per_request=max_seq_len)
             measured.update(profile=profile, scale=scale, max_seqs=max_seqs,
-                            plan=replay_requests(window.arrival_s, window.context_tokens,
-                                                 window.generated_tokens, scale, max_seq_len))
+                            window_requests=len(window),
+                            plan=replay_requests(window.arrival_s[kept],
+                                                 window.context_tokens[kept],
+                                                 window.generated_tokens[kept], scale,
+                                                 max_seq_len))
             say(f"  measured the replica: {profile.prefill_tokens_per_s:.0f} prompt tokens/s, "
                 f"decode step {1000 * profile.decode_base_s:.0f} ms; capacity "
                 f"{scale.capacity_rps:.1f} req/s at batch {scale.batch}")
+            if kept.size < len(window):
+                say(f"  the window's {len(window)} requests take longer than --replay-s "
+                    f"{args.replay_s:g} s on this replica even at 1-token lengths: replaying "
+                    f"{kept.size} of them, evenly spaced in arrival order (the same burst "
+                    f"shape at a lower rate)")
 
         say(f"2. idle until the keep-alive scales the model to zero ({DEMO_POLICY_TEXT})")
         waited = wait_scaled_to_zero(stack, args.idle_timeout_s, say, on_ready=measure)
@@ -406,7 +423,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
             model, measured["profile"], measured["max_seqs"],
             mean_prompt_tokens=measured["scale"].mean_prompt_tokens,
             mean_gen_tokens=measured["scale"].mean_output_tokens)
-        say(f"  scaled to zero after {waited:.1f} s idle")
+        say(f"  scaled to zero after {waited:.1f} s with the predictor running")
         scale, plan = measured["scale"], measured["plan"]
         say(f"3. the probe again, then {len(plan)} requests of {trace.name} (its first "
             f"{args.minutes:g} minutes at {scale.speedup:.2f}x, token lengths x"
@@ -444,7 +461,9 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
                                "speedup": scale.speedup, "token_scale": scale.token_scale,
                                "scale": scale.to_json(),
                                "profile": measured["profile"].to_meta(),
-                               "replay_s": args.replay_s})
+                               "replay_s": args.replay_s,
+                               "window_requests": measured["window_requests"],
+                               "replayed_requests": len(measured["plan"])})
     say(format_table(summary))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

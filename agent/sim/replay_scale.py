@@ -214,6 +214,30 @@ def fit_scale(context_tokens: np.ndarray, generated_tokens: np.ndarray, *, windo
                        requests=n, window_s=window_s, wall_s=window_s / c, bound=bound)
 
 
+def fit_within_wall(context_tokens: np.ndarray, generated_tokens: np.ndarray, *,
+                    wall_s: float, tolerance: float = 1.25,
+                    **fit_kw) -> tuple[ReplayScale, np.ndarray]:
+    """:func:`fit_scale`, kept near the ``wall_s`` budget for a window too busy for it: where
+    even 1-token requests overload the replica at the budget's compression (``bound``
+    ``"min_tokens"``, a replay longer than ``tolerance * wall_s``), the window is thinned to
+    an evenly spaced subset of its requests (every m-th in arrival order, so busy seconds
+    stay busy and idle ones idle, at a lower rate) as large as the budget allows, and fitted
+    again.  Returns the scale and the indices of the requests kept (all of them unless
+    thinned; ``scale.requests`` is their count)."""
+    ctx = np.asarray(context_tokens)
+    gen = np.asarray(generated_tokens)
+    kept = np.arange(int(ctx.shape[0]))
+    scale = fit_scale(ctx, gen, wall_s=wall_s, **fit_kw)
+    for _ in range(8):   # the replay's length is about proportional to the requests kept
+        if (scale.bound != "min_tokens" or scale.wall_s <= tolerance * wall_s
+                or kept.size <= 1):
+            break
+        n = max(1, min(kept.size - 1, int(kept.size * wall_s / scale.wall_s)))
+        kept = kept[np.round(np.linspace(0, kept.size - 1, n)).astype(np.int64)]
+        scale = fit_scale(ctx[kept], gen[kept], wall_s=wall_s, **fit_kw)
+    return scale, kept
+
+
 def replay_requests(arrival_s: np.ndarray, context_tokens: np.ndarray,
                     generated_tokens: np.ndarray, scale: ReplayScale,
                     max_tokens_per_request: int) -> list[ReplayRequest]:

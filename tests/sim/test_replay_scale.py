@@ -109,3 +109,30 @@ def test_always_on_is_sized_for_the_busiest_ten_seconds():
     assert always_on_replicas(burst, 5.0, 4) == 4     # 22 req/s peak / 5 -> 5, capped at 4
     assert always_on_replicas(burst, 5.0, 8) == 5
     assert always_on_replicas(np.array([]), 5.0, 4) == 1
+
+
+def fit_within(ctx, gen, **kw):
+    from agent.sim.replay_scale import fit_within_wall
+
+    args = dict(window_s=600.0, profile=PROFILE, load=0.3, wall_s=240.0, ttft_slo_s=2.0,
+                max_seqs=8, max_tokens_per_request=512)
+    args.update(kw)
+    return fit_within_wall(ctx, gen, **args)
+
+
+def test_a_window_too_busy_for_the_budget_is_thinned_evenly_to_fit_it():
+    arrival, ctx, gen = window(n=200_000)
+    s, kept = fit_within(ctx, gen)
+    assert s.wall_s <= 1.25 * 240.0 and s.load == pytest.approx(0.3)
+    assert s.requests == kept.size < len(ctx)
+    assert np.all(np.diff(kept) > 0)                       # in arrival order, no repeats
+    # the arrival shape is kept: the share of requests in each minute barely moves
+    full = np.histogram(arrival, bins=10, range=(0, 600))[0] / len(arrival)
+    thin = np.histogram(arrival[kept], bins=10, range=(0, 600))[0] / kept.size
+    np.testing.assert_allclose(thin, full, atol=0.01)
+
+
+def test_a_window_that_fits_the_budget_is_not_thinned():
+    _, ctx, gen = window()
+    s, kept = fit_within(ctx, gen)
+    assert kept.size == len(ctx) and s == fit(ctx, gen)
