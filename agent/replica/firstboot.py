@@ -24,6 +24,7 @@ import torch
 from agent.replica.config import LlamaConfig
 from agent.replica.engine import Engine
 from agent.replica.model import Transformer, TransformerBlock, new_kv_caches
+from agent.replica.quant import adopt_quantized
 from agent.replica.weights import stream_hf_weights
 
 
@@ -42,8 +43,21 @@ def _block(config: LlamaConfig, i: int, tensors: dict[str, torch.Tensor]) -> Tra
     with torch.device("meta"):
         block = TransformerBlock(config)
     prefix = f"layers.{i}."
-    block.load_state_dict({k[len(prefix):]: v for k, v in tensors.items()}, assign=True, strict=True)
+    own = {k[len(prefix):]: v for k, v in tensors.items()}
+    adopt_quantized(block, own)   # int4/int8 weights: the quantized linears (agent/replica/quant.py)
+    block.load_state_dict(own, assign=True, strict=True)
     return block.eval()
+
+
+def _embedding(config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The token embedding of the ``embed`` group: dense, or int8 rows with their scales."""
+    with torch.device("meta"):
+        holder = torch.nn.Module()
+        holder.tok_embeddings = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+    adopt_quantized(holder, tensors)
+    holder.load_state_dict({k: v for k, v in tensors.items() if k.startswith("tok_embeddings.")},
+                           assign=True, strict=True)
+    return holder.tok_embeddings
 
 
 def streamed_first_boot(model_dir: Path | str, prompt: Sequence[int], max_tokens: int, *,
@@ -92,7 +106,7 @@ def streamed_first_boot(model_dir: Path | str, prompt: Sequence[int], max_tokens
                 break
             weights.update(tensors)
             if group == "embed":
-                h = torch.nn.functional.embedding(tokens, tensors["tok_embeddings.weight"])
+                h = _embedding(config, tensors)(tokens)
             elif group.startswith("layer.") and h is not None:
                 i = int(group.split(".")[1])
                 h = _block(config, i, tensors)(h, cos, sin, pos, idx, k_caches[i], v_caches[i], mask)
