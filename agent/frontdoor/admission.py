@@ -40,6 +40,8 @@ class Pending:
     give_up_s: float = field(default=float("inf"), repr=False)  # set by AdmissionQueue.offer
     cancelled: bool = field(default=False, repr=False)           # set by AdmissionQueue.cancel
     predicted_ttft_s: float | None = field(default=None, repr=False)  # when it was admitted
+    # held for its model's start from zero: served when a replica comes up, never expired
+    awaits_start: bool = field(default=False, repr=False)
 
 
 class AdmissionQueue:
@@ -47,7 +49,9 @@ class AdmissionQueue:
     deadline ``give_up_s`` below, which is ``deadline_s`` unless the wait bound is earlier).
 
     ``max_depth`` bounds the requests held; ``max_wait_s`` bounds how long one is held:
-    a request leaves at ``give_up_s = min(deadline_s, arrival_s + max_wait_s)``.
+    a request leaves at ``give_up_s = min(deadline_s, arrival_s + max_wait_s)``, one that
+    ``awaits_start`` (held for its model's start from zero) never: it goes to the replica
+    that start brings up, or is answered when the start fails.
     :meth:`expire` hands back those past ``give_up_s``: the caller answers 504 when the
     request's own deadline has passed (``deadline_s <= now``) and 429 otherwise (the wait
     bound).  ``expected_wait_s`` may be set by the owner (e.g. the restore p99 while no
@@ -102,7 +106,8 @@ class AdmissionQueue:
                 f"(deadline {p.deadline_s - now:.3f} s from now)", model=self.model,
                 retry_after_ms=self.retry_after_ms(), depth=self._live, limit=self.max_depth,
                 refusal=refusals.DEADLINE_UNREACHABLE)
-        p.give_up_s = min(p.deadline_s, p.arrival_s + self.max_wait_s)
+        p.give_up_s = float("inf") if p.awaits_start else \
+            min(p.deadline_s, p.arrival_s + self.max_wait_s)
         heapq.heappush(self._heap, (p.give_up_s, next(self._seq), p))
         self._live += 1
 

@@ -2,6 +2,7 @@
 
 - :meth:`Budgets.slos_s`: a request's (warm, restore) TTFT SLOs, base + its own prefill;
 - :meth:`Budgets.budgets_s`: its (warm, restore) deadlines, a few times those SLOs;
+- :meth:`Budgets.deadline_names`: where each of those deadlines came from (for refusals);
 - :meth:`Budgets.per_replica`: requests one new replica serves within the warm SLO (its
   sustainable concurrency, agent/speed.py), which sizes the restores asked for;
 - :meth:`Budgets.restore_measured`: a measured restore, which moves both.
@@ -69,6 +70,27 @@ class Budgets:
         if self.restore_times.p99_ms(model) is None:
             restore_s = default_s
         return min(default_s, factor * warm_slo_s), min(default_s, restore_s)
+
+    def deadline_names(self, model: str, deadline_ms: float | None,
+                       prompt_tokens: int = 0) -> tuple[str, str]:
+        """What set each of :meth:`budgets_s`'s (warm, restore) deadlines, in words, for a
+        refusal to name the budget that applied: the request's own ``deadline_ms``, a
+        path's SLO times ``deadline_factor``, or the model's default deadline (the cap, and
+        the restore path's before any restore of the model is measured)."""
+        if deadline_ms:
+            return "the request's deadline_ms", "the request's deadline_ms"
+        default_s = self.models.of(model).deadline_ms / 1000.0
+        factor = self.config.deadline_factor
+        warm_slo_s, restore_slo_s = self.slos_s(model, prompt_tokens)
+        default = "the model's default deadline"
+
+        def named(path: str, slo_s: float) -> str:
+            return default if factor * slo_s >= default_s else \
+                f"the {path} SLO x deadline_factor {factor:g}"
+        restore = named("restore-path", restore_slo_s)
+        if self.restore_times.p99_ms(model) is None:
+            restore = f"{default}: no restore of it measured yet"
+        return named("warm-hit", warm_slo_s), restore
 
     def per_replica(self, model: str) -> int:
         """Requests one new replica of ``model`` serves within the warm SLO (cached for

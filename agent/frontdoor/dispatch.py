@@ -63,7 +63,8 @@ class Dispatcher:
                  now: float | None = None) -> None:
         """Send ``flight`` to ``replica`` (predicted TTFT ``predicted_s`` from now) with
         ``deadline_ms``: the time left for its first token (the replica refuses, 429, what
-        it predicts it cannot start within it)."""
+        it predicts it cannot start within it); none for a request held for its model's
+        start from zero (``Flight.cold``: it is served when that replica comes up)."""
         rid = replica.replica_id
         link = self.links.get(rid)
         if link is None or link.closed:
@@ -81,7 +82,8 @@ class Dispatcher:
             deadline_s = self.deadlines.deadline_for(flight, rid)
         left_ms = (deadline_s - now) * 1000.0
         message = flight.req.replica_message()
-        message["deadline_ms"] = left_ms if left_ms > 1.0 else 1.0
+        if not flight.cold:   # one held for its model's start is served, late or not
+            message["deadline_ms"] = left_ms if left_ms > 1.0 else 1.0
         flight.replica_rid = link.dispatch(flight, message)
 
     def connect(self, replica: ReplicaLoad) -> ReplicaLink:

@@ -204,12 +204,16 @@ class QueuePlanner:
     def choose_in_time(self, flight: Flight, now: float) -> tuple[ReplicaLoad, float] | None:
         """The replica with the lowest predicted TTFT that starts ``flight`` within its
         deadline there (:meth:`deadline_for`): among all, else among those brought up since
-        it arrived (the warm path's deadline may have passed, the restore path's not)."""
+        it arrived (the warm path's deadline may have passed, the restore path's not).  A
+        request that found nothing of its model warm (``Flight.cold``) was held for the
+        start that brings one up: any replica serves it, in time or late."""
         exclude: set[str] | frozenset[str] = flight.tried or frozenset()
         found = self.router.choose_predicted(flight.model, flight.need_tokens,
                                              flight.prompt_tokens, exclude)
         if found is None:
             return None
+        if flight.cold:
+            return found
         if now + found[1] <= self.deadline_for(flight, found[0].replica_id):
             return found
         if now > flight.warm_deadline_s:

@@ -2,10 +2,12 @@
 
 :class:`Queues` holds a request that no warm replica can start within its warm budget when
 capacity in sight (the :class:`~agent.frontdoor.planner.QueuePlanner`'s slots) can start it
-within its deadline, else refuses it (429 with ``retry_after_ms``) at once; it dispatches
-held requests earliest deadline first as replicas can start them, refuses those whose
-prediction went bad (429, as soon as known) and answers those whose deadline passed (504,
-logged with the prediction it broke).  Each model's queue is its
+within its deadline, else refuses it (429 with ``retry_after_ms``, naming the deadline
+that applied) at once; it dispatches held requests earliest deadline first as replicas can
+start them, refuses those whose prediction went bad (429, as soon as known) and answers
+those whose deadline passed (504, logged with the prediction it broke).  One held while
+nothing of its model is warm waits for the start under way and is served when that replica
+comes up, never refused or expired at its deadline.  Each model's queue is its
 :class:`~agent.frontdoor.model_state.ModelState`'s ``queue``; answers and dispatches go
 through a :class:`QueueOwner` (the request path).
 """
@@ -63,13 +65,21 @@ class RestoreAsker(Protocol):
         ...
 
 
+class DeadlineNames(Protocol):
+    """What set a request's deadlines (:class:`~agent.frontdoor.budgets.Budgets`)."""
+
+    def deadline_names(self, model: str, deadline_ms: float | None,
+                       prompt_tokens: int = 0) -> tuple[str, str]:
+        ...
+
+
 class Queues:
     """The per-model admission queues and what moves requests through them (module docstring)."""
 
     def __init__(self, config: FrontDoorConfig, clock: Clock, telemetry: Telemetry,
                  router: Router, models: ModelStates, counts: dict[str, int],
                  restore_times: RestoreTimes, planner: QueuePlanner, restores: RestoreAsker,
-                 owner: QueueOwner) -> None:
+                 owner: QueueOwner, budgets: DeadlineNames) -> None:
         self.config = config
         self.clock = clock
         self.telemetry = telemetry
@@ -80,6 +90,7 @@ class Queues:
         self.planner = planner
         self.restores = restores
         self.owner = owner
+        self.budgets = budgets
         self.queued_models: set[str] = set()   # models whose queue may hold requests
         self._expired_log = RateLimitedLog(log, "504s (deadline passed while queued)",
                                            clock=clock, interval_s=config.accept_log_interval_s)
@@ -107,17 +118,24 @@ class Queues:
         predicted, first = self.planner.assign(model, before + [flight], now, margin_s, skip)
         ttft_s = predicted[-1]
         if ttft_s is None:
-            left_ms = (flight.deadline_s - now) * 1000.0
-            # a replica already warm must make the warm-hit budget, not this one (planner)
+            warm_name, restore_name = self.budgets.deadline_names(
+                model, flight.req.deadline_ms, flight.prompt_tokens)
+            # a replica already warm must make the warm-hit budget, not this one (planner);
+            # with no new replica in sight the warm path's deadline is the one that applied
+            if self.planner.etas_s(model, now):
+                left_ms, name = (flight.deadline_s - now) * 1000.0, restore_name
+                cap = "no capacity in sight can start it in time"
+            else:
+                left_ms, name = (flight.warm_deadline_s - now) * 1000.0, warm_name
+                cap = "no new replica can be started now"
             warm = ("no warm replica with a free slot" if warm_pred_s is None else
                     f"best warm replica predicted {warm_pred_s * 1000:.0f} ms, past the "
                     f"warm-hit budget of {(flight.warm_deadline_s - now) * 1000:.0f} ms")
-            cap = "no capacity in sight can start it in time"
             retry_ms = max(1, round(((first if first < float("inf") else now + 1.0) - now)
                                     * 1000))
             self.counts["shed_429"] += 1
             self.owner.fail(flight, 429, f"model {model!r}: cannot start within {left_ms:.0f} ms "
-                            f"(the TTFT SLO from arrival): {warm}, {cap}, "
+                            f"({name}): {warm}, {cap}, "
                             f"{len(queue)} queued ahead", retry_after_ms=retry_ms,
                             refusal=refusals.DEADLINE_UNREACHABLE)
             self.restores.after_refusal(model)  # demand seen: capacity for the next ones
@@ -126,6 +144,10 @@ class Queues:
         pending = Pending(flight.req.request_id, model, now, flight.deadline_s,
                           flight.need_tokens, flight)
         pending.predicted_ttft_s = flight.predicted_ttft_s
+        # Nothing warm: it waits for the start under way (a cold boot's length is unknown
+        # until one is measured), admitted because that start can still make its deadline;
+        # it is served when the replica comes up, late or not, never refused at its deadline.
+        pending.awaits_start = flight.cold
         try:
             queue.offer(pending)
         except Overloaded as err:
@@ -189,7 +211,9 @@ class Queues:
     def recheck(self, model: str) -> None:
         """Refuse (429) every queued request whose prediction has gone bad: the capacity in
         sight now (restores failed or late, sequences running longer than estimated) cannot
-        start it before its deadline."""
+        start it before its deadline.  One that awaits its model's start from zero
+        (``Pending.awaits_start``) is not refused: it was admitted on that start, which it
+        waits for."""
         state = self.models.of(model)
         queue = state.queue
         if not queue:
@@ -200,14 +224,17 @@ class Queues:
         predicted, first = self.planner.assign(model, [p.payload for p in held], now)
         for p, ttft_s in zip(held, predicted, strict=True):
             flight: Flight = p.payload
-            if ttft_s is not None:
+            if ttft_s is not None or p.awaits_start:
                 continue
             queue.cancel(p)
             self.counts["shed_429"] += 1
             was = (flight.predicted_ttft_s or 0.0) * 1000
+            name = self.budgets.deadline_names(model, flight.req.deadline_ms,
+                                               flight.prompt_tokens)[1]
             self.owner.fail(flight, 429, f"model {model!r}: queued with a predicted TTFT of "
                             f"{was:.0f} ms; capacity now in sight cannot start it within its "
-                            f"deadline ({(p.deadline_s - now) * 1000:.0f} ms left)",
+                            f"deadline of {(p.deadline_s - p.arrival_s) * 1000:.0f} ms "
+                            f"({name}; {(p.deadline_s - now) * 1000:.0f} ms left)",
                             retry_after_ms=max(1, round(((first if first < float("inf")
                                                           else now + 1.0) - now) * 1000)),
                             refusal=refusals.DEADLINE_UNREACHABLE)

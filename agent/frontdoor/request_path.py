@@ -111,7 +111,8 @@ class RequestPath:
                                     self.restore_times, self.models, sizing=self.budgets,
                                     arrivals=self.replicas, capacity=self.restores)
         self.admission = Queues(config, clock, telemetry, self.router, self.models, self.counts,
-                                self.restore_times, self.planner, self.restores, owner=self)
+                                self.restore_times, self.planner, self.restores, owner=self,
+                                budgets=self.budgets)
         self.dispatcher = Dispatcher(config, clock, self.router, self.links, self.counts,
                                      self.planner, self.replicas, connector, link_owner=self)
         self.reroute = Reroute(clock, self.router, self.links, self.counts, self.models,

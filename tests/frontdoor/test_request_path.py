@@ -377,3 +377,56 @@ def test_a_replicas_client_error_on_a_cold_request_is_no_slo_miss():
             assert (f.path.models.of("m").cold_arrivals,
                     f.path.models.of("m").cold_misses) == (1, misses), code
     run(main())
+
+
+def test_a_cold_models_first_request_is_served_when_its_start_comes_up_never_refused_late():
+    async def main():
+        # Nothing warm, nothing measured: the first start is a cold boot of unknown length
+        # (here 70 s, past the model's 60 s default deadline).  The request is held for it,
+        # never refused at the end of its deadline, and served late (an SLO miss).
+        f = Fleet(warm=0, restore_s=70.0)
+        t0 = f.clock.now()
+        first = f.submit()
+        assert first.final is None
+        await f.timeline.run_until(t0 + 59.99)
+        assert first.final is None, first.final        # not "(37 ms left)" at the deadline
+        await f.timeline.run_until(t0 + 72)
+        assert first.code == 200, first.final
+        assert 70.0 <= first.first_s - t0 <= 70.1
+        assert f.path.counts["shed_429"] == f.path.counts["expired_504"] == 0
+        assert f.path.info("stats")["cold"] == {"m": {"arrivals": 1, "misses": 1}}
+        # a second request arriving while the start is under way is held and served too
+        g = Fleet(warm=0, restore_s=30.0)
+        t1 = g.clock.now()
+        a = g.submit()
+        await g.timeline.run_until(t1 + 10)
+        b = g.submit(deadline_ms=45_000)
+        await g.timeline.run_until(t1 + 31)
+        assert a.code == b.code == 200 and 30.0 <= b.first_s - t1 <= 30.1
+    run(main())
+
+
+def test_a_cold_request_its_start_cannot_make_is_refused_at_once_with_the_etas_retry_after():
+    async def main():
+        # The start's ETA is known (10 s, measured): a 5 s client deadline cannot be met.
+        f = Fleet(warm=0, restore_s=10.0, measured_restores_s=(10.0,))
+        t0 = f.clock.now()
+        late = f.submit(deadline_ms=5000)
+        assert late.code == 429 and late.at_s == t0
+        assert 9000 <= late.final["retry_after_ms"] <= 11000
+        assert "cannot start within 5000 ms (the request's deadline_ms)" in late.final["reason"]
+    run(main())
+
+
+def test_a_refusal_with_no_new_capacity_in_sight_names_the_warm_deadline_it_missed():
+    async def main():
+        # A warm replica too slow for the 2 s warm-path deadline and no restore to ask for:
+        # the deadline that applied is the warm path's, not the model's 60 s default.
+        f = Fleet(speed=SLOW)
+        late = f.submit(prompt_tokens=1000)
+        assert late.code == 429
+        reason = late.final["reason"]
+        assert "cannot start within 2000 ms (the warm-hit SLO x deadline_factor 1)" in reason, \
+            reason
+        assert "60000" not in reason and "TTFT SLO from arrival" not in reason
+    run(main())
