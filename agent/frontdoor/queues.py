@@ -144,10 +144,11 @@ class Queues:
         pending = Pending(flight.req.request_id, model, now, flight.deadline_s,
                           flight.need_tokens, flight)
         pending.predicted_ttft_s = flight.predicted_ttft_s
-        # Nothing warm: it waits for the start under way (a cold boot's length is unknown
-        # until one is measured), admitted because that start can still make its deadline;
-        # it is served when the replica comes up, late or not, never refused at its deadline.
-        pending.awaits_start = flight.cold
+        # Nothing warm and no deadline of the client's own: it waits for the start under way
+        # (a cold boot's length is unknown until one is measured), admitted because that
+        # start can still make its default deadline; it is served when the replica comes up,
+        # late or not, never refused at that deadline.  A client's own deadline_ms is kept.
+        pending.awaits_start = flight.cold and flight.req.deadline_ms is None
         try:
             queue.offer(pending)
         except Overloaded as err:
