@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import enum
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ from agent.replica.batching import BatchScheduler, Request, request_key, send
 from agent.replica.meter import ReplicaMeter
 from agent.replica.model_text import ModelText
 from agent.replica.stops import StopText
+from agent.replica.worker_restore import RestoreOps, State
 from agent.wire import refusals
 
 log = logging.getLogger(__name__)
@@ -69,13 +69,6 @@ def make_engine_thread() -> ThreadPoolExecutor:
     replay does), or set ``OMP_WAIT_POLICY=passive`` (libgomp then sleeps at once: robust,
     and as slow as two teams on a quiet machine)."""
     return ThreadPoolExecutor(1, thread_name_prefix="engine")
-
-
-class State(enum.Enum):
-    ZYGOTE = "zygote"
-    RESTORING = "restoring"
-    SERVING = "serving"
-    CLOSED = "closed"
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:
@@ -109,6 +102,7 @@ class Worker:
         self.batch = BatchScheduler(self, self._pool, self.meter)
         self.drain_grace_s, self.draining = drain_grace_s, False
         self.text = ModelText(loaded)   # its tokenizer and chat template, on first use
+        self.snapshots = RestoreOps(self)   # the restore and capture ops
 
     # --- lifecycle -----------------------------------------------------------------------
     async def serve(self, listen: str, ready=None, data_listen: str | None = None) -> None:
@@ -260,9 +254,9 @@ class Worker:
             elif op == "stats":
                 reply(self.stats())
             elif op == "restore":
-                reply(await self._restore(msg))
+                reply(await self.snapshots.restore(msg))
             elif op == "capture":
-                reply(await self._capture(msg))
+                reply(await self.snapshots.capture(msg))
             elif op == "shutdown":
                 reply({"state": State.CLOSED.value})
                 await writer.drain()
@@ -379,46 +373,6 @@ class Worker:
         """The model's tokenizer (:meth:`ModelText.tokenizer`)."""
         return self.text.tokenizer()
 
-    async def _restore(self, msg: dict) -> dict:
-        from agent.replica import zygote
-
-        if self.state is not State.ZYGOTE:
-            raise ProtocolError(f"restore needs a zygote; this replica is {self.state.value}",
-                                field="state", value=self.state.value, limit=State.ZYGOTE.value)
-        if not isinstance(msg.get("snapshot"), str):
-            raise ProtocolError("restore needs snapshot: path", field="snapshot",
-                                value=msg.get("snapshot"), limit="str")
-        self.state = State.RESTORING
-        release = msg.get("release")
-        try:
-            loaded = await asyncio.get_running_loop().run_in_executor(
-                self._pool, lambda: zygote.restore(Path(msg["snapshot"]), buffer=self.buffer,
-                                                   release=Path(release) if release else None,
-                                                   path="zygote_restore"))
-        except BaseException:
-            self.state = State.ZYGOTE  # fail closed: still a zygote, never serving
-            raise
-        self.loaded, self.state = loaded, State.SERVING
-        self.text = ModelText(loaded)
-        return self.stats()
-
-    async def _capture(self, msg: dict) -> dict:
-        from agent.replica import zygote
-
-        if self.loaded is None:
-            raise ProtocolError("capture needs a loaded model", field="state",
-                                value=self.state.value, limit=State.SERVING.value)
-        if not isinstance(msg.get("dest"), str):
-            raise ProtocolError(f"capture needs dest: path, got {msg.get('dest')!r}",
-                                field="dest", value=msg.get("dest"), limit="str")
-        if os.path.lexists(msg["dest"]):
-            raise ConfigError(f"capture: dest {msg['dest']} already exists; a snapshot is never "
-                              "written over another", name="dest", value=msg["dest"],
-                              limit="a path that does not exist")
-        manifest = await asyncio.get_running_loop().run_in_executor(
-            self._pool, zygote.capture, self.loaded, Path(msg["dest"]))
-        return {"dest": msg["dest"], "total_bytes": manifest.total_bytes,
-                "golden_prompts": len(manifest.golden.prompts) if manifest.golden else 0}
 
 def _sampling(msg: dict):
     """The engine's Sampling from a generate's ``temperature``, ``top_p`` and ``top_k``,
