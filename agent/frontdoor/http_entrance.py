@@ -33,12 +33,14 @@ Conventions clients of OpenAI's and vLLM's servers rely on: ``max_model_len`` in
 with ``Allow``; CORS only for ``HttpConfig.allowed_origins`` (aiohttp-cors); a refusal's code
 (agent/wire/refusals.py) in the ``x-rewarm-refusal`` header and ``error.refusal``.  The
 endpoints, parameters, limits and errors for users: docs/http-api.md.
+
+An answer is written by :mod:`agent.frontdoor.http_replies` (JSON or SSE); the models,
+health and readiness routes are :mod:`agent.frontdoor.http_status`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import re
@@ -56,6 +58,8 @@ from agent.frontdoor.http_answers import (MODEL_STATES, REFUSAL_HEADER,  # noqa:
                                           allow_origins, error_response)
 from agent.frontdoor.http_conn import (DEFAULT_HTTP_PORT, HTTP_PORT_ENV,  # noqa: F401 (re-exported)
                                        ConnGuard, HttpConfig, canned, http_port_from_env)
+from agent.frontdoor.http_replies import refusal_response, stream_answer, whole_answer
+from agent.frontdoor.http_status import StatusRoutes
 from agent.frontdoor.request_path import GenerateRequest, RequestPath
 
 log = logging.getLogger(__name__)
@@ -83,6 +87,7 @@ class HttpEntrance:
         self.announcer: Announcer | None = None    # set by start_http
         self.instance_id = "frontdoor-http"
         self.contexts: dict[str, int] = {}  # model -> context (tokens) of its replicas seen
+        self.status = StatusRoutes(self)    # /v1/models, /health, /ready
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -95,12 +100,12 @@ class HttpEntrance:
                                       expect_handler=self._expect),
                   app.router.add_post("/v1/chat/completions", self._chat,
                                       expect_handler=self._expect),
-                  app.router.add_get("/v1/models", self._list_models),
-                  app.router.add_get("/v1/models/{model:.+}", self._get_model)]
+                  app.router.add_get("/v1/models", self.status.list_models),
+                  app.router.add_get("/v1/models/{model:.+}", self.status.get_model)]
         for route in ("/health", "/healthz"):
-            routes.append(app.router.add_get(route, self._health))
+            routes.append(app.router.add_get(route, self.status.health))
         for route in ("/ready", "/readyz"):
-            routes.append(app.router.add_get(route, self._ready))
+            routes.append(app.router.add_get(route, self.status.ready))
         if cfg.allowed_origins:
             allow_origins(app, routes, cfg.allowed_origins)
         self._runner = web.AppRunner(
@@ -313,8 +318,9 @@ class HttpEntrance:
         sink.flight = self.path.submit(req, sink)
         try:
             if parsed.stream:
-                return await self._stream(request, parsed, req.request_id, sink)
-            return await self._whole(parsed, req.request_id, sink)
+                return await stream_answer(request, parsed, req.request_id, sink,
+                                           self.config.write_timeout_s)
+            return await whole_answer(parsed, req.request_id, sink)
         finally:
             if sink.final is None:          # the client went away (handler cancelled)
                 self.counts["cancelled"] += 1
@@ -324,140 +330,11 @@ class HttpEntrance:
             # left garbage that made gen-0 collections run every ~100 requests
             sink.flight = None
 
-    @staticmethod
-    def _refusal(final: tuple) -> web.Response:
-        _, code, reason, retry_after_ms, refusal = final
-        return error_response(code, reason, None, retry_after_ms, refusal=refusal)
-
-    async def _whole(self, parsed: oa.Parsed, rid: str, sink: HttpSink) -> web.Response:
-        while sink.final is None:
-            await sink.wait()
-        if sink.final[0] == "error":
-            return self._refusal(sink.final)
-        done = sink.final[1]
-        text = done.get("text", "".join(sink.parts))
-        body = oa.answer(parsed, rid, oa.now_s(), text, done)
-        if sink.token_ids is not None and "text" not in done:
-            # a model without a tokenizer: the ids, as vLLM's return_token_ids gives them
-            body["choices"][0]["token_ids"] = sink.token_ids
-        return web.Response(body=json.dumps(body).encode(), content_type="application/json",
-                            headers={"x-rewarm-path": str(done.get("path", ""))})
-
-    async def _stream(self, request: web.Request, parsed: oa.Parsed, rid: str,
-                      sink: HttpSink) -> web.StreamResponse:
-        """SSE: the status is chosen when the first token or the refusal arrives (a refusal
-        before any token is a plain error answer with its status); after that an error is
-        one ``data: {"error": ...}`` event and the stream ends: a half-written stream is
-        never retried."""
-        while sink.final is None and not sink.parts:
-            await sink.wait()
-        if sink.final is not None and sink.final[0] == "error" and not sink.parts:
-            return self._refusal(sink.final)
-        created = oa.now_s()
-        assert sink.flight is not None, "submitted before the stream starts"
-        resp = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "x-rewarm-path": sink.flight.path})
-        await resp.prepare(request)
-        sent, first = [], True
-        while True:
-            out = []
-            if sink.parts:
-                parts, sink.parts = sink.parts, []
-                so_far = None
-                if parsed.continuous_usage:   # one count for the batch written together
-                    so_far = oa.usage({"prompt_tokens": sink.prompt_tokens,
-                                       "n_tokens": sink.n_tokens})
-                for piece in parts:
-                    if piece or first:
-                        out.append(oa.chunk(parsed, rid, created, piece, first=first,
-                                            usage_=so_far))
-                        first = False
-                        sent.append(piece)
-            final = sink.final
-            if final is not None:
-                out += self._stream_end(parsed, rid, created, final, "".join(sent), first)
-            if out:
-                await self._write(resp, b"".join(out))
-            if final is not None:
-                break
-            await sink.wait()
-        await resp.write_eof()
-        return resp
-
-    @staticmethod
-    def _stream_end(parsed: oa.Parsed, rid: str, created: int, final: tuple, streamed: str,
-                    first: bool) -> list[bytes]:
-        if final[0] == "error":
-            _, code, reason, retry_after_ms, refusal = final
-            event = oa.error_body(code, reason, None, retry_after_ms, refusal=refusal)
-            return [b"data: " + json.dumps(event).encode() + b"\n\n"]
-        done = final[1]
-        text = done.get("text")
-        rest = text[len(streamed):] if text and text.startswith(streamed) else ""
-        out = [oa.chunk(parsed, rid, created, rest, done.get("finish_reason") or "length",
-                        first=first,
-                        usage_=oa.usage(done) if parsed.continuous_usage else None)]
-        if parsed.include_usage:
-            out.append(oa.chunk(parsed, rid, created, None, usage_=oa.usage(done)))
-        out.append(oa.DONE_EVENT)
-        return out
-
-    async def _write(self, resp: web.StreamResponse, data: bytes) -> None:
-        """Write, bounding the wait on a client that does not read (slow reader)."""
-        async with asyncio.timeout(self.config.write_timeout_s):
-            await resp.write(data)
-
-    # --- models, health, readiness ------------------------------------------------------
-
-    def _model_rows(self) -> list[dict]:
-        below = self.models.states() if self.models is not None else {}
-        names = sorted(set(self.path.known_models) | set(below))
-        rows = []
-        for name in names:
-            state = "warm" if self.path.router.warm(name) else below.get(name, "cold")
-            rows.append({"id": name, "object": "model", "created": 0, "owned_by": "rewarm",
-                         "max_model_len": self.context_tokens(name),
-                         "state": state if state in MODEL_STATES else "cold"})
-        return rows
-
-    async def _list_models(self, request: web.Request) -> web.Response:
-        try:
-            self._tenant(request)
-        except Unauthorized as err:
-            return error_response(401, err.message)
-        return web.json_response({"object": "list", "data": self._model_rows()})
-
-    async def _get_model(self, request: web.Request) -> web.Response:
-        try:
-            self._tenant(request)
-        except Unauthorized as err:
-            return error_response(401, err.message)
-        name = request.match_info["model"]
-        for row in self._model_rows():
-            if row["id"] == name:
-                return web.json_response(row)
-        return error_response(404, f"unknown model {name!r}", "model")
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    _refusal = staticmethod(refusal_response)
 
     def readiness(self) -> tuple[bool, dict]:
         """Ready: not shutting down, and a model is warm or capacity can be restored."""
-        path = self.path
-        warm = sum(len(path.router.warm(m)) for m in path.router.models())
-        info = {"warm_replicas": warm, "restores_in_flight": path.gate.total,
-                "can_restore": path.capacity is not None}
-        if path.stopping:
-            return False, {**info, "reason": "front door shutting down"}
-        if not warm and path.capacity is None:
-            return False, {**info, "reason": "no warm replica and no capacity requester"}
-        return True, info
-
-    async def _ready(self, request: web.Request) -> web.Response:
-        ready, info = self.readiness()
-        return web.json_response({"status": "ready" if ready else "not ready", **info},
-                                 status=200 if ready else 503)
+        return self.status.readiness()
 
 
 class _Timeout(Exception):
