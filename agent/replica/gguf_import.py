@@ -31,7 +31,7 @@ from agent.replica import quant
 from agent.replica.config import LlamaConfig
 from agent.replica.model import hf_expected_shapes
 from agent.replica.tokenizer import build_from_gguf, save_tokenizer
-from agent.replica.weights import check_shapes
+from agent.replica.shapes import check_shapes
 
 _NAMES = {  # llama.cpp name inside block i -> Hugging Face name inside model.layers.i
     "attn_q.weight": "self_attn.q_proj.weight",

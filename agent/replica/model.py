@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agent.replica.config import LlamaConfig
+from agent.replica.shapes import check_shapes
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Hugging Face name (inside a layer) -> runtime name, for the tensors that are not fused.
@@ -340,8 +341,6 @@ class Transformer(nn.Module):
         ``weights`` is the runtime layout (or Hugging Face layout).  Raises InvalidCheckpoint
         naming the tensor and both shapes when one does not match ``config``.
         """
-        from agent.replica.weights import check_shapes  # the shape check lives with the loader
-
         from agent.replica.quant import adopt_quantized
 
         with torch.device("meta"):

@@ -18,13 +18,14 @@ import math
 import re
 import struct
 from pathlib import Path
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 import torch
 
 from agent.errors import InvalidCheckpoint
 from agent.replica.config import LlamaConfig
 from agent.replica.model import hf_expected_shapes, hf_to_runtime
+from agent.replica.shapes import check_shapes
 
 MAX_HEADER_BYTES = 100 << 20
 """Largest safetensors JSON header accepted (the safetensors library's own limit is 100 MB)."""
@@ -33,31 +34,6 @@ _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
               "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,
               "I8": torch.int8}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def check_shapes(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
-                 *, where: str, partial: bool = False) -> None:
-    """Raise InvalidCheckpoint naming the tensor and both shapes on any mismatch.
-
-    Missing tensors are errors unless ``partial``; unexpected tensors always are.
-    """
-    for name, tensor in tensors.items():
-        if name not in expected:
-            raise InvalidCheckpoint(f"{where}: unexpected tensor {name!r} with shape "
-                                    f"{tuple(tensor.shape)} (not in this config)",
-                                    path=where, field=name, value=tuple(tensor.shape), limit=None)
-        if tuple(tensor.shape) != tuple(expected[name]):
-            raise InvalidCheckpoint(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                    f"config.json implies {tuple(expected[name])}",
-                                    path=where, field=name, value=tuple(tensor.shape),
-                                    limit=tuple(expected[name]))
-    if not partial:
-        missing = sorted(set(expected) - set(tensors))
-        if missing:
-            raise InvalidCheckpoint(f"{where}: missing tensor {missing[0]!r} with shape "
-                                    f"{tuple(expected[missing[0]])} ({len(missing)} missing)",
-                                    path=where, field=missing[0], value=None,
-                                    limit=tuple(expected[missing[0]]))
 
 
 def read_header(path: Path) -> tuple[int, dict[str, dict]]:
