@@ -114,7 +114,7 @@ class Stack:
     """Agent, control API, front door and predictor running on a background event loop.
 
     ``frontdoor_address``/``agent_address`` are ``HOST:PORT``; ``model`` is the served model's
-    name.  ``predictor_overrides`` are :class:`~agent.predictor.loop.ModelPolicy` fields
+    name.  ``predictor_overrides`` are :class:`~agent.predictor.policy.ModelPolicy` fields
     (the demo shortens the keep-alive with them).  ``max_replicas`` is the node agent's
     ``max_replicas_per_model`` (None: no cap); the front door asks the agent for capacity
     through its control API (:class:`~agent.frontdoor.capacity.NodeAgentCapacity`), as it would

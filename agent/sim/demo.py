@@ -55,7 +55,7 @@ DEMO_POLICY_TEXT = ("demo keep-alive: GPU cost 0.05/s, wait cost 0.01/s, restore
 
 
 def demo_policy() -> dict[str, Any]:
-    """:class:`~agent.predictor.loop.ModelPolicy` overrides that shorten the keep-alive."""
+    """:class:`~agent.predictor.policy.ModelPolicy` overrides that shorten the keep-alive."""
     from agent.predictor.keepalive import KeepAliveCosts
 
     return {"scale_down_cooldown_s": 10.0, "rate_window_s": 20.0, "max_replicas": 1,

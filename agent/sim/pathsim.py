@@ -220,7 +220,7 @@ def simulate_path(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, max_s
     replicas report and predict with (their speed meter's); ``actual``: how fast they serve
     (default ``profile``); ``max_seqs`` x ``max_seq_len``: their KV slots;
     ``restore_s``: a restore's duration; ``measured_restore_s``: the restore the front door
-    measured before the window (default ``restore_s``); ``policy``: :class:`~agent.predictor.loop.ModelPolicy`
+    measured before the window (default ``restore_s``); ``policy``: :class:`~agent.predictor.policy.ModelPolicy`
     fields; the window lasts at least ``span_s``; ``records``, when given, receives the
     predictor's decisions (``decisions``) and the outcomes (``outcomes``)."""
     cfg = config or PathSimConfig()

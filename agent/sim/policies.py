@@ -3,7 +3,7 @@
 Every policy sizes through the production code: Little's law from
 :func:`agent.predictor.sizing.target_replicas`, and rewarm's own policy is the production
 :class:`agent.predictor.loop.Predictor` itself (:class:`PredictorPolicy`, with the forecaster
-its :class:`~agent.predictor.loop.ModelPolicy` names).  The baselines
+its :class:`~agent.predictor.policy.ModelPolicy` names).  The baselines
 are the alternatives a scale-to-zero fleet is compared with:
 
 - :class:`FixedPool`: always-on, a constant number of replicas.
