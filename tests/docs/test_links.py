@@ -17,7 +17,8 @@ SUFFIXES = ("py", "pyx", "pxd", "h", "md", "json", "hcl", "sh", "service", "exam
 # a path of the repository named in prose: agent/frontdoor/router.py, docs/metrics.md, jobs/
 FILE_REF = re.compile(r"(?<![\w./-])((?:%s)/(?:[\w./-]*[\w/])?)" % "|".join(ROOTS))
 MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-OUTSIDE = re.compile(r"\.\./shared|/work/|seeds/0\d\d")
+# outside the repository: the folder beside the checkout, this checkout's absolute parent path
+OUTSIDE = re.compile(r"\.\./shared|seeds/0\d\d|" + re.escape(f"{REPO.parent}/"))
 
 
 def tracked() -> list[Path]:
