@@ -7,19 +7,22 @@ holds for them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from agent.errors import Unauthorized
 from agent.frontdoor.http_answers import MODEL_STATES, error_response
 
+if TYPE_CHECKING:   # for the checker only: the entrance imports this module
+    from agent.frontdoor.http_entrance import HttpEntrance
+
 
 class StatusRoutes:
     """The models, health and readiness routes of ``entrance`` (an HttpEntrance: its request
     ``path``, ``models`` (the tiers below warm), ``context_tokens()`` and tenant check)."""
 
-    def __init__(self, entrance: Any) -> None:
+    def __init__(self, entrance: HttpEntrance) -> None:
         self.entrance = entrance
 
     def model_rows(self) -> list[dict]:

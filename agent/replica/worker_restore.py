@@ -12,10 +12,13 @@ import asyncio
 import enum
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from agent.errors import ConfigError, ProtocolError
 from agent.replica.model_text import ModelText
+
+if TYPE_CHECKING:   # for the checker only: the worker imports this module
+    from agent.replica.worker import Worker
 
 
 class State(enum.Enum):
@@ -29,7 +32,7 @@ class RestoreOps:
     """The ``restore`` and ``capture`` ops of ``worker`` (a Worker: its ``state``, ``buffer``,
     ``loaded``, ``text``, ``stats()`` and engine thread ``_pool``)."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Worker) -> None:
         self.worker = worker
 
     async def restore(self, msg: dict) -> dict:
