@@ -474,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         # One size: the flat dict (the keys as before); several: {"sizes": {"1": {...}, "4": {...}}}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         out = res if len(args.size_gib) == 1 else {"sizes": results}
+        from bench.run_meta import run_meta   # command, machine, load average, date, commit
+
+        out = {**out, "meta": run_meta()}
         args.json.write_text(json.dumps(out, indent=2))
     print("\n" + readme_table(results))
     return 0

@@ -565,6 +565,9 @@ def write_json(args, results: list[dict]) -> None:
            "wall_s": args.wall_s, "runs": results}
     if len(results) == 1:
         doc.update(results[0])
+    from bench.run_meta import run_meta   # command, machine, load average, date, commit
+
+    doc["meta"] = run_meta()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1, default=float) + "\n")
 
