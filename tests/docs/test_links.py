@@ -17,8 +17,9 @@ SUFFIXES = ("py", "pyx", "pxd", "h", "md", "json", "hcl", "sh", "service", "exam
 # a path of the repository named in prose: agent/frontdoor/router.py, docs/metrics.md, jobs/
 FILE_REF = re.compile(r"(?<![\w./-])((?:%s)/(?:[\w./-]*[\w/])?)" % "|".join(ROOTS))
 MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# outside the repository: the folder beside the checkout, this checkout's absolute parent path
-OUTSIDE = re.compile(r"\.\./shared|seeds/0\d\d|" + re.escape(f"{REPO.parent}/"))
+# outside the repository: the folder beside the checkout, or this checkout's absolute path
+# (a file naming it works on one machine only)
+OUTSIDE = re.compile(r"\.\./shared|seeds/0\d\d|" + re.escape(f"{REPO}/"))
 
 
 def tracked() -> list[Path]:
