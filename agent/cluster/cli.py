@@ -23,7 +23,7 @@ def _var(text: str) -> tuple[str, str]:
 
 
 def register(subparsers) -> None:
-    from agent.cluster.control import default_agent
+    from agent.wire.control import default_agent
     from agent.cluster.jobs import REPLICA_TEMPLATE
 
     jobs = subparsers.add_parser("jobs", help="Nomad job specs (through Nomad's own parser)")

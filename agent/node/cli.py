@@ -14,14 +14,14 @@ import json
 from agent import logs
 from agent.argtypes import host_port, nonneg_int, positive_float, positive_int
 from agent.cluster import add_flags
-from agent.cluster.control import DEFAULT_AGENT, default_agent
+from agent.wire.control import DEFAULT_AGENT, default_agent
 from agent.errors import RewarmError
 from agent.exitcodes import exit_code
 
 
 def _client(op: str, **fields):
     def run(args: argparse.Namespace) -> int:
-        from agent.cluster.control import control_call
+        from agent.wire.control import control_call
 
         values = {k: getattr(args, v) for k, v in fields.items() if getattr(args, v) is not None}
         try:

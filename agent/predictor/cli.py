@@ -15,7 +15,8 @@ import logging
 import threading
 
 from agent.argtypes import port, positive_float, positive_int
-from agent.cluster import add_flags, choice_from_args, choose, leader_lock, snapshot_summary
+from agent.cluster import (add_flags, choice_from_args, choose, leader_lock, snapshot_durable,
+                           snapshot_summary)
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,6 @@ def build(args, clock):
     if args.catalog:
         from agent.snapshot.catalog import Catalog
         catalog = Catalog(args.catalog, clock=clock)
-    from agent.cluster.consul_kv import snapshot_durable
     predictor = Predictor(policies, clock=clock, scaler=scaler,
                           snapshot_durable=snapshot_durable(catalog, kv), catalog=catalog)
 
@@ -135,9 +135,9 @@ def _run(args) -> int:
         from prometheus_client import ProcessCollector
 
         from agent.health import serve_status
-        from agent.cluster.acl import ACL_DENIED
+        from agent.cluster import acl_denied_gauge
         ProcessCollector(registry=service.registry)
-        service.registry.register(ACL_DENIED)   # a refused Consul/Nomad token shows here too
+        service.registry.register(acl_denied_gauge())   # a refused Consul/Nomad token shows here too
         status = serve_status(service.registry, "127.0.0.1", args.metrics_port,
                               ready=service.ready, component="predictor")
     sdnotify.ready()
