@@ -71,7 +71,7 @@ def _table(result: dict) -> str:
             rows.append(f"{r['cold_start_s']:>12g} | {str(r['min_buffer_pct_zero_drops']):>21} | "
                         f"{r['dropped_at_10pct']:>12} | {r['shortage_minutes_at_10pct']:>17.2f} | "
                         f"{r['peak_shortfall_at_10pct']:>19}")
-        rows.append("AOT document: 26 s needs < 3%, 5.6 min ~18%; at 10% 26 s drops nothing, "
+        rows.append("published AOT figures: 26 s needs < 3%, 5.6 min ~18%; at 10% 26 s drops nothing, "
                     "5.6 min is short > 4 min with ~800 calls stranded at worst")
         return "\n".join(rows)
     rows = [f"{'policy':<20} | GPU-h/day (doc) | $/1k req (doc basis) | SLA % (doc) | shed | "
