@@ -1,0 +1,203 @@
+"""A dispatched request whose replica gives no first token in time: moved once, or answered.
+
+A replica can stop answering after it accepted a request (SIGSTOP, a livelock, a swap storm, a
+process that took the frame and never replies) while its connection stays open: nothing
+breaks, so :mod:`agent.frontdoor.reroute` never hears of it.  :class:`FirstTokenWatch` bounds
+that wait.  At dispatch each request gets two times, from what admission predicted for it at
+that replica, its **silence bound**::
+
+    sent + max(floor_s, SILENT_FACTOR x predicted_s + SILENT_STEPS x step_s)
+
+``predicted_s`` is the router's predicted TTFT there (the replica's queue and reported speed,
+with its measured slowdown, agent/frontdoor/router.py), ``step_s`` the replica's decode step
+at a full batch at that speed and slowdown (the speed model's quantum of error), ``floor_s``
+the model's warm TTFT SLO (2 s by default: a replica is never called silent before a request
+could have met its SLO there, whatever the host's scheduling noise).  A replica that is only
+slow shows it in the slowdown it measures long before this (each first token updates it);
+one silent past the bound has stopped.
+
+Without a first token by then the request is cancelled at that replica (``cancel`` op: its KV
+slot is freed, a late answer dropped), the replica is taken out of routing
+(:attr:`FirstTokenWatch.suspects`; the registry's view does not bring it back) until it
+answers a ``health`` probe on its link (sent every ``probe_every_s``), and the request is
+placed again, once, on a replica that can start it before its deadline (nothing was
+streamed, so nothing wrong is served; one held for its model's start from zero,
+``Flight.cold``, on any replica).  Else it is answered: 504 ``deadline`` when its deadline
+has passed, 503 ``replica_failed`` with ``retry_after_ms`` when it has not.  A replica that
+streams a first token late but within the bound is not cut off: the late first token is
+counted (``late_first_token``) and the SLO miss recorded, never hidden.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from agent.clock import Clock
+from agent.frontdoor.model_state import ModelStates
+from agent.frontdoor.ratelog import RateLimitedLog
+from agent.frontdoor.router import ReplicaLoad, Router
+from agent.wire import refusals
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agent.frontdoor.links import ReplicaLink
+    from agent.frontdoor.request import Flight
+
+log = logging.getLogger("agent.frontdoor.request_path")
+
+SILENT_FACTOR = 2.0
+"""A replica is silent past this many times the TTFT predicted for the request there (the
+prediction already carries the replica's measured p99 slowdown)."""
+SILENT_STEPS = 8
+"""... plus this many of its decode steps at a full batch (observe_ttft's error quantum)."""
+RETRY_AFTER_MIN_MS = 1000
+"""``retry_after_ms`` of a 503 ``replica_failed`` when no other replica could take the
+request (about a registry refresh: the view may hold another replica by then)."""
+
+
+class WatchOwner(Protocol):
+    """What the watch places and answers requests through (the request path)."""
+
+    def dispatch(self, flight: Flight, replica: ReplicaLoad, predicted_s: float,
+                 now: float | None = None) -> None:
+        ...
+
+    def fail(self, flight: Flight, code: int, reason: str, path: str = "refused",
+             retry_after_ms: int | None = None, predicted_ttft_ms: float | None = None,
+             refusal: str | None = None) -> None:
+        ...
+
+
+class Placing(Protocol):
+    """Where a request can go now (:class:`~agent.frontdoor.planner.QueuePlanner`)."""
+
+    def choose_in_time(self, flight: Flight, now: float) -> tuple[ReplicaLoad, float] | None:
+        ...
+
+
+def silent_after_s(load: ReplicaLoad, predicted_s: float, prior_step_s: float,
+                   floor_s: float) -> float:
+    """Seconds after dispatch past which a replica that gave no first token is silent
+    (module docstring): ``max(floor_s, SILENT_FACTOR x predicted_s + SILENT_STEPS x
+    step_s)``, ``step_s`` its decode step at a full batch (``prior_step_s`` when it reported
+    no speed) times its measured slowdown."""
+    speed = load.speed
+    step_s = (speed.decode_step_s(max(1, load.max_seqs), load.active_ctx_tokens)
+              if speed is not None else prior_step_s) * load.slowdown
+    return max(floor_s, SILENT_FACTOR * max(0.0, predicted_s) + SILENT_STEPS * step_s)
+
+
+class FirstTokenWatch:
+    """The bound on a dispatched request's wait for its first token (module docstring).
+
+    ``links``: the request path's replica links (a suspect's is probed through it);
+    ``suspects``: replica id -> when it was found silent (shared with the
+    :class:`~agent.frontdoor.replica_view.ReplicaView`, which keeps them out of the view);
+    ``slo_s(model)``: its (warm, restore) TTFT SLOs in s, the warm one the bound's floor."""
+
+    def __init__(self, clock: Clock, router: Router, models: ModelStates,
+                 links: dict[str, ReplicaLink], counts: dict[str, int], planner: Placing,
+                 owner: WatchOwner, suspects: dict[str, float], probe_every_s: float,
+                 slo_s: Callable[[str], tuple[float, float]],
+                 log_interval_s: float = 10.0) -> None:
+        self.clock = clock
+        self.router = router
+        self.models = models
+        self.links = links
+        self.counts = counts
+        self.planner = planner
+        self.owner = owner
+        self.suspects = suspects
+        self.probe_every_s = probe_every_s
+        self.slo_s = slo_s
+        self._heap: list[tuple[float, int, Flight, str, int]] = []
+        self._seq = itertools.count()
+        self._probed: dict[str, float] = {}   # suspect -> when it was last probed
+        self._log = RateLimitedLog(log, "replicas silent after a dispatch", clock=clock,
+                                   interval_s=log_interval_s)
+
+    @property
+    def watching(self) -> bool:
+        """Whether a request or a suspect replica needs :meth:`check` on the next tick."""
+        return bool(self._heap or self.suspects)
+
+    def watch(self, flight: Flight, load: ReplicaLoad, predicted_s: float, now: float) -> None:
+        """``flight`` was just sent to ``load``'s replica with ``predicted_s`` (s from now)."""
+        prior_step_s = self.router.prior(load.model).decode_step_s(max(1, load.max_seqs))
+        at = now + silent_after_s(load, predicted_s, prior_step_s, self.slo_s(load.model)[0])
+        heapq.heappush(self._heap, (at, next(self._seq), flight, load.replica_id,
+                                    flight.replica_rid))
+
+    def check(self, now: float) -> None:
+        """Act on every wait that ended by ``now`` (module docstring), and probe suspects."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _at, _n, flight, rid, link_rid = heapq.heappop(heap)
+            if flight.over or flight.ttft_s is not None or flight.replica_id != rid \
+                    or flight.replica_rid != link_rid:
+                continue    # answered, streaming, or placed elsewhere since
+            self._silent(flight, rid, now)
+        for rid in list(self.suspects):
+            if now - self._probed.get(rid, float("-inf")) >= self.probe_every_s:
+                self._probe(rid, now)
+
+    def answered(self, replica_id: str) -> None:
+        """``replica_id`` answered a probe: back in routing (the registry's view brings its
+        load in again, agent/frontdoor/replica_view.py)."""
+        if self.suspects.pop(replica_id, None) is not None:
+            self._probed.pop(replica_id, None)
+            log.warning("replica %s answers again; back in routing", replica_id)
+
+    def forget(self, replica_id: str) -> None:
+        """``replica_id``'s link broke: it leaves the view anyway; the registry decides."""
+        self.suspects.pop(replica_id, None)
+        self._probed.pop(replica_id, None)
+
+    def _silent(self, flight: Flight, rid: str, now: float) -> None:
+        link = self.links.get(rid)
+        if link is not None:
+            link.cancel(flight.replica_rid)       # frees its slot; a late answer is dropped
+        self.router.on_complete(rid, flight.need_tokens, flight.prompt_tokens, False)
+        waited_ms = (now - flight.sent_s) * 1000.0
+        self.counts["silent_replica"] += 1
+        if rid not in self.suspects:
+            self.suspects[rid] = now
+            self.router.remove(rid)
+            self.models.forget_slots()
+            self._log.warning("replica %s gave request %r no first token in %.0f ms "
+                              "(predicted %.0f ms); out of routing until it answers a probe",
+                              rid, flight.req.request_id, waited_ms,
+                              flight.sent_predicted_s * 1000.0)
+        if not flight.silent_moved:
+            flight.silent_moved = True
+            flight.tried = (flight.tried or set()) | {rid}
+            found = self.planner.choose_in_time(flight, now)
+            if found is not None:
+                self.counts["rerouted"] += 1
+                self.owner.dispatch(flight, found[0], found[1], now)
+                return
+        if now >= flight.deadline_s:
+            self.owner.fail(flight, 504, f"no first token from replica {rid} within "
+                            f"{waited_ms:.0f} ms of dispatch; the request's deadline of "
+                            f"{(flight.deadline_s - flight.arrival_s) * 1000:.0f} ms passed",
+                            path=flight.path, refusal=refusals.DEADLINE)
+            return
+        self.owner.fail(flight, 503, f"replica {rid} gave no first token within "
+                        f"{waited_ms:.0f} ms of dispatch (predicted "
+                        f"{flight.sent_predicted_s * 1000:.0f} ms) and no other replica "
+                        f"can start the request before its deadline", path=flight.path,
+                        retry_after_ms=RETRY_AFTER_MIN_MS, refusal=refusals.REPLICA_FAILED)
+
+    def _probe(self, rid: str, now: float) -> None:
+        self._probed[rid] = now
+        link = self.links.get(rid)
+        probe = getattr(link, "probe", None)   # a simulator's link may have none
+        if probe is not None and not link.closed:  # type: ignore[union-attr]
+            probe()
+
+    def tick_log(self, final: bool = False) -> None:
+        """Summarise the rate-limited silent-replica log line (at once when ``final``)."""
+        self._log.flush() if final else self._log.tick()

@@ -1,0 +1,188 @@
+"""A replica that accepts a request and then says nothing (SIGSTOP, an engine that never
+returns) is noticed within the silence bound derived from what admission predicted
+(agent/frontdoor/first_token.py): the request is placed again once, or answered, and the
+replica leaves routing until it answers a probe.  Virtual time; nothing sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from virtual_fleet import FAST, SLOW, Fleet, SimReplica  # noqa: E402
+
+from agent.cluster.base import ServiceInstance  # noqa: E402
+from agent.frontdoor.router import ReplicaLoad  # noqa: E402
+from agent.wire import refusals  # noqa: E402
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Stopped(SimReplica):
+    """Takes the frame and never answers (a SIGSTOPped worker: its socket stays open); counts
+    the cancels and probes the front door sends it."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.cancels: list[int] = []
+        self.probes = 0
+
+    def dispatch(self, flight, message: dict) -> int:
+        rid = next(self._ids)
+        message["id"] = rid
+        self.received.append(message)
+        self.in_flight[rid] = flight
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        self.cancels.append(rid)
+        self.in_flight.pop(rid, None)
+
+    def probe(self) -> None:
+        self.probes += 1
+
+
+def stopped_fleet(warm_after: int = 1) -> tuple[Fleet, Stopped]:
+    """A fleet whose first replica (the router's first choice: equal predictions go to the
+    smaller id) is stopped, and ``warm_after`` healthy ones."""
+    f = Fleet(warm=0)
+    r0 = Stopped(f.path, f.timeline, "r0", "m", FAST, f.max_seqs)
+    f.replicas.append(r0)
+    f.path.upsert(r0.load)
+    for i in range(1, warm_after + 1):
+        f.path.upsert(f.add(f"r{i}").load)
+    return f, r0
+
+
+def instance(load: ReplicaLoad) -> ServiceInstance:
+    return ServiceInstance("rewarm-replica", load.replica_id, "127.0.0.1", 1,
+                           tags=["model=m"], meta={
+                               "address": load.address, "max_seqs": str(load.max_seqs),
+                               "active_seqs": "0", "kv_capacity_tokens": str(load.kv_capacity_tokens),
+                               "kv_used_tokens": "0", **load.speed.to_meta()})
+
+
+def test_a_request_at_a_stopped_replica_is_placed_again_within_the_bound_and_served():
+    async def main():
+        f, r0 = stopped_fleet()
+        t0 = f.clock.now()
+        sink = f.submit(deadline_ms=20_000)
+        assert len(r0.received) == 1                      # it went to the stopped replica
+        floor_s = f.path.config.slo_s("m")[0]
+        await f.timeline.run_until(t0 + floor_s + 1.0)
+        assert sink.code == 200 and sink.final["replica"] == "r1"
+        # moved at the bound (the warm SLO floor here: the prediction is a few ms), served
+        # at once after it, long before the client's 20 s deadline
+        assert t0 + floor_s <= sink.first_s <= t0 + floor_s + 0.1
+        assert r0.cancels == [1]                          # its slot there freed
+        assert f.path.counts["silent_replica"] == 1 and f.path.counts["rerouted"] == 1
+        assert f.path.router.get("r0") is None            # out of routing
+        assert [r.replica_id for r in f.path.router.warm("m")] == ["r1"]
+    run(main())
+
+
+def test_a_silent_replica_stays_out_of_the_registry_view_until_it_answers_a_probe():
+    async def main():
+        f, r0 = stopped_fleet()
+        r1 = f.replicas[1]
+        t0 = f.clock.now()
+        f.submit()
+        await f.timeline.run_until(t0 + 3.0)
+        assert r0.probes >= 1                             # probed on its link
+        f.path.apply_replicas([instance(r0.load), instance(r1.load)])
+        assert f.path.router.get("r0") is None            # the registry still lists it: kept out
+        probes = r0.probes
+        await f.timeline.run_until(t0 + 3.0 + f.path.config.registry_poll_s + 0.01)
+        assert r0.probes > probes                          # probed again while silent
+        f.path.replica_answered(r0)                        # SIGCONT: it answers the probe
+        f.path.apply_replicas([instance(r0.load), instance(r1.load)])
+        assert f.path.router.get("r0") is not None         # back in routing
+    run(main())
+
+
+def test_a_stopped_only_replica_answers_503_replica_failed_at_the_bound_not_at_the_timeout():
+    async def main():
+        f, r0 = stopped_fleet(warm_after=0)
+        t0 = f.clock.now()
+        sink = f.submit(deadline_ms=20_000)
+        floor_s = f.path.config.slo_s("m")[0]
+        await f.timeline.run_until(t0 + floor_s + 0.1)
+        assert sink.code == 503 and sink.final["refusal"] == refusals.REPLICA_FAILED
+        assert sink.at_s <= t0 + floor_s + 0.01           # at the bound, within the deadline
+        assert sink.final["retry_after_ms"] >= 1
+        assert r0.cancels == [1]
+    run(main())
+
+
+def test_a_request_moved_once_is_not_moved_again():
+    async def main():
+        f = Fleet(warm=0)
+        stopped = [Stopped(f.path, f.timeline, f"r{i}", "m", FAST, f.max_seqs) for i in range(3)]
+        for r in stopped:
+            f.path.upsert(r.load)
+        t0 = f.clock.now()
+        sink = f.submit(deadline_ms=30_000)
+        await f.timeline.run_until(t0 + 10.0)
+        # first replica silent: moved to the second; the second silent too: answered
+        assert [len(r.received) for r in stopped] == [1, 1, 0]
+        assert sink.code == 503 and f.path.counts["silent_replica"] == 2
+    run(main())
+
+
+def test_a_slow_replica_serving_at_its_prediction_is_never_called_silent():
+    async def main():
+        # a long prompt at a slow replica: predicted (and taking) several seconds, past the
+        # floor; the bound scales with the prediction, so it is served where it is
+        f = Fleet(speed=SLOW, warm=1)
+        t0 = f.clock.now()
+        sink = f.submit(prompt_tokens=2000, max_tokens=4, deadline_ms=60_000)
+        await f.timeline.run_until(t0 + 30.0)
+        assert sink.code == 200 and sink.final["replica"] == "r0"
+        assert sink.first_s - t0 > f.path.config.slo_s("m")[0]   # past the floor, not cut off
+        assert f.path.counts["silent_replica"] == 0
+    run(main())
+
+
+def test_the_silence_bound_scales_with_the_prediction_and_the_measured_step():
+    from agent.frontdoor.first_token import SILENT_FACTOR, SILENT_STEPS, silent_after_s
+
+    load = ReplicaLoad("r", "m", "x", 8, 0, 1 << 16, 0, speed=SLOW)
+    step_s = SLOW.decode_step_s(8, 0)
+    assert silent_after_s(load, 0.01, 0.0, 2.0) == 2.0                 # the floor
+    assert silent_after_s(load, 5.0, 0.0, 2.0) == SILENT_FACTOR * 5.0 + SILENT_STEPS * step_s
+    load.slowdown = 3.0                                                 # measured slower
+    assert silent_after_s(load, 5.0, 0.0, 2.0) == SILENT_FACTOR * 5.0 + SILENT_STEPS * step_s * 3
+
+
+def test_a_replica_address_that_drops_syns_fails_the_link_within_the_requests_budget():
+    from agent.clock import SystemClock
+    from agent.frontdoor.config import FrontDoorConfig
+    from agent.frontdoor.request_path import GenerateRequest, RequestPath
+    from agent.telemetry import Telemetry
+    from virtual_fleet import Sink
+
+    attempts = []
+
+    async def blackhole(link, address):      # a SYN nobody answers: the connect never ends
+        attempts.append(address)
+        await asyncio.get_running_loop().create_future()
+
+    async def main():
+        clock = SystemClock()
+        path = RequestPath(FrontDoorConfig(models={"m": 60_000.0}), clock=clock,
+                           telemetry=Telemetry(), connector=blackhole)
+        path.upsert(ReplicaLoad("r0", "m", "10.255.255.1:9", 8, 0, 1 << 16, 0, speed=FAST))
+        sink = Sink(clock, clock.now())
+        path.submit(GenerateRequest(1, "m", [1] * 8, None, 4, deadline_ms=300), sink)
+        for _ in range(200):                  # at most 2 s; the budget is 0.3 s
+            if sink.final is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert attempts == ["10.255.255.1:9"]
+        assert sink.final is not None and sink.final["type"] == "error"
+        assert "cannot connect to replica 10.255.255.1:9 within 0.30 s" in sink.final["reason"]
+        assert path.router.get("r0") is None  # the link failed: out of the view
+    run(main())
