@@ -179,6 +179,14 @@ class Worker:
     def in_flight(self) -> int:
         return self.batch.in_flight()
 
+    def engine_failed(self, reason: str) -> None:
+        """The batch scheduler found the engine broken (agent/replica/batching.py): health
+        says so, and the replica drains and stops (every later ``generate`` is refused 503),
+        so its node agent sees it gone and replaces it."""
+        log.error("engine broken (%s): draining; this replica stops", reason,
+                  extra={"replica": self.replica_id})
+        self.drain()
+
     async def _drain_then_stop(self, poll_s: float = 0.05) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_grace_s
@@ -250,7 +258,12 @@ class Worker:
                 if request is not None:
                     self._cancel(request)
             elif op == "health":
-                reply({"ok": self.state is State.SERVING, "state": self.state.value})
+                health: dict[str, Any] = {"ok": self.state is State.SERVING
+                                          and self.batch.broken is None,
+                                          "state": self.state.value}
+                if self.batch.broken is not None:   # why it is being replaced
+                    health["broken"] = self.batch.broken
+                reply(health)
             elif op == "stats":
                 reply(self.stats())
             elif op == "restore":
@@ -475,6 +488,8 @@ def _serve_status(worker: Worker, listen: str):
     from agent.replica.meter import replica_registry
 
     def ready() -> tuple[bool, str]:
+        if worker.batch.broken is not None:
+            return False, f"engine broken: {worker.batch.broken}"
         if worker.draining:
             return False, "draining"
         if worker.state is not State.SERVING:
