@@ -26,7 +26,9 @@ SmolLM2-135M, the front door, the node agent and, for the replay, the predictor)
 5. the same requests go through the simulator (:func:`agent.sim.pathsim.simulate_path`): the
    production front-door request path, predictor service and local scaler on virtual time,
    with simulated replicas that report the profile the live replica reported and serve at
-   the speed the calibration measured, and a simulated node agent whose restores take the
+   the speed the calibration measured, slowed by the cores this process (front door, node
+   agent, predictor, load generator) took from them per request during the live window
+   (:mod:`agent.sim.contention`; ``contention`` in the JSON), and a simulated node agent whose restores take the
    median restore it timed during the live window (the front door starting with the
    probe's restore measured, as live).
 
@@ -276,9 +278,14 @@ def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, re
                                                mean_gen_tokens=scale.mean_output_tokens)
         restores_before = len(stack.agent.catalog.cold_starts(model))
         sampler = Sampler(stack.agent)
+        cpu0, busy0 = _own_cpu_s(), _machine_busy_s()
         outcomes = asyncio.run(replay.send_plan(address, model, plan, base,
                                                 until_s=scale.wall_s))
         span_s = sampler.stop()
+        contention = contention_of(cpu_s=_own_cpu_s() - cpu0,
+                                   machine_busy_s=_machine_busy_s() - busy0, span_s=span_s,
+                                   requests=len(plan), cap=cap, threads=args.threads,
+                                   actual=calibrated, scale=scale)
         # the front door's own counts: replica 429s, requests placed again, late first tokens
         fd_counts = dict(stack.frontdoor.path.counts)
         rows_after = stack.agent.catalog.cold_starts(model)
@@ -306,7 +313,8 @@ def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, re
                    restore_s=restore_s, cap=cap, mean_prompt_tokens=scale.mean_prompt_tokens,
                    mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
                    always_on_replicas=pool, actual=calibrated,
-                   replay_restores_s=replay_restores_s, deadline_factor=factor)
+                   replay_restores_s=replay_restores_s, deadline_factor=factor,
+                   shared_speed=contention["speed"])
     codes = {}
     for o in outcomes:
         codes[o.code] = codes.get(o.code, 0) + 1
@@ -318,6 +326,7 @@ def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, re
            "replica_meter_profile": None if meter is None else meter.to_meta(),
            "calibrated_profile": calibrated.to_meta(),
            "restore_s": restore_s, "replay_restores_s": replay_restores_s,
+           "contention": contention,
            "max_replicas": cap, "threads": args.threads,
            "max_seqs": max_seqs, "max_seq_len": max_seq_len,
            "forward": note, "codes": {str(k): v for k, v in sorted(codes.items())},
@@ -334,7 +343,7 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
              mean_prompt_tokens: float, mean_gen_tokens: float, span_s: float,
              always_on_replicas: int, actual=None,
              replay_restores_s: list[float] | None = None,
-             deadline_factor: float | None = None) -> dict:
+             deadline_factor: float | None = None, shared_speed: float = 1.0) -> dict:
     """The simulator's side (step 5): the same requests through the production request path
     and predictor, with simulated replicas, node agent and clock
     (:func:`agent.sim.pathsim.simulate_path`), configured as this replay's stack.  The
@@ -345,7 +354,12 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
     simulated restore takes the median of ``replay_restores_s`` (the restores the node agent
     timed during the live window; default ``restore_s``), plus the time to start a zygote
     when none is ready, estimated from the slow ones (:func:`zygote_estimate_s`).
-    ``deadline_factor``: the live run's (default: the front door's default)."""
+    ``deadline_factor``: the live run's (default: the front door's default).
+    ``shared_speed``: the fraction of ``actual`` the replicas serve at on cores the stack's
+    process shares with them (:func:`agent.sim.contention.shared_core_speed`, from the CPU
+    the live stack spent per request; 1: none)."""
+    from agent.sim.contention import slowed
+
     from agent.sim.pathsim import PathSimConfig, simulate_path
 
     restores = list(replay_restores_s or [])
@@ -359,7 +373,47 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
                          policy=predictor_policy(restore_s, cap),
                          mean_prompt_tokens=mean_prompt_tokens, mean_gen_tokens=mean_gen_tokens,
                          config=config, initial_replicas=1, span_s=span_s,
-                         always_on_replicas=always_on_replicas, actual=actual)
+                         always_on_replicas=always_on_replicas,
+                         actual=slowed(actual or profile, shared_speed))
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process, every thread: the front door, node agent, predictor and
+    load generator of the replay (the replicas are processes of their own)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds the whole machine has been busy (``/proc/stat``'s ``cpu`` line: all but
+    idle and iowait, in USER_HZ ticks); None where it cannot be read."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        ticks = [int(x) for x in fields[:8]]
+    except (OSError, ValueError, IndexError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def contention_of(*, cpu_s: float, machine_busy_s: float | None, span_s: float,
+                  requests: int, cap: int, threads: int, actual, scale) -> dict:
+    """What the replay's own process took of the node during the window, and the speed it
+    leaves the replicas (:func:`agent.sim.contention.shared_core_speed`): ``cpu_s`` (this
+    process), ``cpu_s_per_request``, ``machine_busy_cores`` (every process, mean over the
+    window; the other engineers' work included), ``service_rps`` (one replica at the
+    replay's batch at the calibrated speed) and ``speed``."""
+    from agent.node.capacity import usable_cores
+    from agent.sim.contention import shared_core_speed
+
+    per_request = cpu_s / max(1, requests)
+    mu = actual.service_rps(scale.mean_prompt_tokens, scale.mean_output_tokens, scale.batch)
+    speed = shared_core_speed(usable_cores(), cap, threads, mu, per_request)
+    busy = None if machine_busy_s is None or span_s <= 0 else machine_busy_s / span_s
+    return {"cpu_s": round(cpu_s, 2), "cpu_s_per_request": round(per_request, 5),
+            "machine_busy_cores": None if busy is None else round(busy, 2),
+            "cores": usable_cores(), "service_rps": round(mu, 2), "speed": round(speed, 4)}
 
 
 def _median(values: list[float]) -> float | None:
@@ -417,7 +471,8 @@ def resimulate(live_json: Path, records: Path) -> list[dict]:
                               span_s=scale["wall_s"], always_on_replicas=run["always_on_replicas"],
                               actual=SpeedProfile.from_meta(run.get("calibrated_profile") or {}),
                               replay_restores_s=run.get("replay_restores_s"),
-                              deadline_factor=run.get("deadline_factor"))
+                              deadline_factor=run.get("deadline_factor"),
+                              shared_speed=(run.get("contention") or {}).get("speed", 1.0))
         run["verdict"] = verdict(run)
         out.append(run)
     return out
@@ -535,6 +590,11 @@ def table(r: dict) -> str:
                  f"{s['always_on_gpu_seconds']:>12.1f}")
     lines.append(f"{'  (replicas; one replica)':<28}{r['always_on_replicas']:>5} "
                  f"{r['one_replica_gpu_seconds']:>6.1f}")
+    cont = r.get("contention") or {}
+    if cont:
+        lines.append(f"{'stack CPU ms / request':<28}{cont['cpu_s_per_request'] * 1000:>12.2f}"
+                     f"{'':>12}")
+        lines.append(f"{'replica speed (shared)':<28}{'':>12}{cont['speed']:>12.3f}")
     pe = r.get("prediction") or {}
     if pe.get("count"):
         lines.append(f"{'ttft - predicted p50/p99 ms':<28}{_ms(pe['p50_ms']):>12}"
