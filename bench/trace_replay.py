@@ -628,6 +628,34 @@ def policy_table(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def result_tables(results: list[dict]) -> list[dict]:
+    """bench/render_docs.py's ``tables``: per run, live beside simulated."""
+    keys = ("requests", "served", "shed_429", "shed_429_within_50ms", "expired_504", "lost",
+            "restores", "peak_replicas", "sla_attainment", "gpu_seconds",
+            "always_on_gpu_seconds")
+    out = []
+    for r in results:
+        rows = [[k, r.get(k), r["sim"].get(k)] for k in keys]
+        for path in ("warm_hit", "snapshot_restore"):
+            for q in ("p50", "p99"):
+                rows.append([f"TTFT {path} {q} ms", r["ttft_ms"].get(path, {}).get(q),
+                             r["sim"]["ttft_ms"].get(path, {}).get(q)])
+        rows.append(["served past the SLO", late_served(r), late_served(r["sim"])])
+        cont = r.get("contention") or {}
+        failed = [k for k, v in r["verdict"].items() if not v]
+        out.append({"title": f"load {r['load']:g}, deadline policy "
+                             f"{r.get('deadline_policy', '-')} (deadline_factor "
+                             f"{r.get('deadline_factor', '-')}), load average "
+                             f"{' '.join(f'{x:.2f}' for x in r['loadavg'])}",
+                    "columns": ["figure", "live", "simulated"], "rows": rows,
+                    "notes": f"speedup {r['speedup']:.2f}, token scale {r['token_scale']:.5f}; "
+                             f"stack CPU {cont.get('cpu_s_per_request', 0) * 1000:.2f} ms a "
+                             f"request, simulated replica speed {cont.get('speed', 1.0):.3f} "
+                             "(agent/sim/contention.py); targets "
+                             + ("all met" if not failed else "not met: " + ", ".join(failed))})
+    return out
+
+
 def late_served(r: dict) -> int:
     """Requests served (200) with a first token past their path's SLO, live."""
     return sum(p.get("count", 0) - p.get("within_slo", p.get("count", 0))
@@ -701,6 +729,14 @@ def write_json(args, results: list[dict]) -> None:
            "wall_s": args.wall_s, "runs": results}
     if len(results) == 1:
         doc.update(results[0])
+    doc["title"] = (f"Live trace replay of {args.trace.name}, minutes {args.start_min:g}-"
+                    f"{args.start_min + args.minutes:g}, beside the simulator, per load and "
+                    "deadline policy")
+    doc["tables"] = result_tables(results)
+    doc["headline"] = [
+        [f"SLA attainment at load {r['load']:g}, deadline {r.get('deadline_policy', '-')} "
+         f"(sim {r['sim']['sla_attainment']:.3f}; load average {r['loadavg'][0]:.1f})",
+         round(r["sla_attainment"], 3)] for r in results][:3]
     from bench.run_meta import run_meta   # command, machine, load average, date, commit
 
     doc["meta"] = run_meta()
