@@ -16,7 +16,10 @@ serving SmolLM2-135M as users meet it, through the official ``openai`` client an
 4. ``--concurrent`` streamed ``--max-tokens``-token completions at once through the official
    ``openai`` client (``AsyncOpenAI.completions.create(stream=True)``): each one's code, TTFT
    (from the send to the first streamed text) and refusal reason;
-5. guidellm (its ``constant`` profile) at ``--rate`` requests/s for ``--duration-s``
+5. the RSS and PSS of every process of the stack while it serves (``/proc/PID/smaps_rollup``:
+   the ``rewarm up`` process with the front door, node agent and predictor, each replica and
+   zygote) and their sums;
+6. guidellm (its ``constant`` profile) at ``--rate`` requests/s for ``--duration-s``
    (``rate x duration`` requests of 64 prompt / 32 output tokens, bench/http_load.py's
    invocation); where guidellm is not installed, the same open-loop rate through the openai
    client, and the table says so.
@@ -181,6 +184,60 @@ class ReplicaSampler:
         self._thread.join(10)
 
 
+def descendants(root: int) -> list[int]:
+    """``root`` and every process under it (``/proc/*/stat``'s parent pid), root first."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the comm field is in parentheses and may hold spaces: the fields after the last ")"
+        parent[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    out, frontier = [root], [root]
+    while frontier:
+        frontier = [p for p, pp in parent.items() if pp in frontier]
+        out.extend(frontier)
+    return out
+
+
+def memory_of(pid: int) -> dict | None:
+    """``rss_bytes`` and ``pss_bytes`` of ``pid`` (``/proc/PID/smaps_rollup``, kB lines; PSS
+    shares each shared page among the processes mapping it), and what it is, from its
+    command line; None once it is gone."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    kb = {}
+    for line in rollup.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[2] == "kB":
+            kb[parts[0].rstrip(":")] = int(parts[1])
+    words = [a.decode(errors="replace") for a in argv if a]
+    if "up" in words:
+        what = "rewarm up (front door, node agent, predictor)"
+    elif "--zygote" in words:
+        what = "zygote"
+    elif "replica" in words:
+        what = "replica"
+    else:
+        what = " ".join(words)[:60]
+    return {"pid": pid, "process": what, "rss_bytes": kb.get("Rss", 0) * 1024,
+            "pss_bytes": kb.get("Pss", 0) * 1024}
+
+
+def stack_memory(root: int) -> dict:
+    """RSS and PSS of every process of the stack under ``root`` and their sums (the sum of
+    PSS is the stack's share of memory; the sum of RSS counts shared pages once each)."""
+    rows = [m for m in (memory_of(p) for p in descendants(root)) if m is not None]
+    return {"processes": rows, "rss_bytes_sum": sum(r["rss_bytes"] for r in rows),
+            "pss_bytes_sum": sum(r["pss_bytes"] for r in rows)}
+
+
 async def one_completion(client, model: str, prompt: str, max_tokens: int) -> dict:
     """One streamed completion: ``code`` (200, or the HTTP status of the refusal),
     ``ttft_ms`` (send to first streamed text), ``total_ms``, ``reason``."""
@@ -270,6 +327,11 @@ def table(out: dict) -> str:
              f"{_ms(max(ttfts, default=None))}",
              f"  {g['tool'][:30] + ' served / sent':<44}{g['served']} / {g['requests']}",
              f"  {'  TTFT p50 / p99 ms':<44}{_ms(g['ttft_ms_p50'])} / {_ms(g['ttft_ms_p99'])}"]
+    for m in out["memory"]["processes"]:
+        lines.append(f"  {m['process'][:36] + ' ' + str(m['pid']):<44}RSS "
+                     f"{m['rss_bytes'] / 2**20:,.0f} MiB, PSS {m['pss_bytes'] / 2**20:,.0f} MiB")
+    lines.append(f"  {'sum':<44}RSS {out['memory']['rss_bytes_sum'] / 2**20:,.0f} MiB, PSS "
+                 f"{out['memory']['pss_bytes_sum'] / 2**20:,.0f} MiB")
     for t in out["targets"]:
         lines.append(f"  {'MET' if t['met'] else 'NOT MET'}: {t['label']}: {t['value']}")
     return "\n".join(lines)
@@ -304,7 +366,13 @@ def tables(out: dict) -> list[dict]:
             {"title": "the concurrent completions, each",
              "columns": ["code", "TTFT ms", "total ms", "reason"],
              "rows": [[r["code"], r["ttft_ms"], r["total_ms"], r["reason"][:100]]
-                      for r in out["concurrent"]]}]
+                      for r in out["concurrent"]]},
+            {"title": "memory of the stack's processes while serving (/proc/PID/smaps_rollup)",
+             "columns": ["process", "pid", "RSS MiB", "PSS MiB"],
+             "rows": [[m["process"], m["pid"], round(m["rss_bytes"] / 2**20, 1),
+                       round(m["pss_bytes"] / 2**20, 1)] for m in out["memory"]["processes"]]
+             + [["sum", "", round(out["memory"]["rss_bytes_sum"] / 2**20, 1),
+                 round(out["memory"]["pss_bytes_sum"] / 2**20, 1)]]}]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         conc = asyncio.run(concurrent(up.base_url, up.model, args.concurrent, args.max_tokens))
         for r in conc:
             say(f"  concurrent: {r}")
+        memory = stack_memory(up.proc.pid)   # serving: the replica warm, the zygote ready
         count = max(1, round(args.rate * args.duration_s))
         rate = guidellm_rate(up.ports["http"], up.model, args.rate, count)
         say(f"rate: {rate}")
@@ -331,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                "replicas_peak": sampler.peak, "replica_limit": sampler.limit,
                "replica_changes": sampler.changes, "first_request": first,
                "max_tokens": args.max_tokens, "concurrent": conc, "rate_rps": args.rate,
-               "rate": rate, "loadavg": os.getloadavg()}
+               "rate": rate, "memory": memory, "loadavg": os.getloadavg()}
     finally:
         if sampler is not None:
             sampler.stop()
