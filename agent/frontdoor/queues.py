@@ -115,8 +115,16 @@ class Queues:
         # of error) and one re-check interval, so that a small error is a 429 now, not later.
         margin_s = self.config.recheck_s + self.router.prior(model).decode_step_s(
             state.max_seqs or self.config.default_max_seqs)
-        predicted, first = self.planner.assign(model, before + [flight], now, margin_s, skip)
-        ttft_s = predicted[-1]
+        ttft_s, first, queue_late = self.planner.admit(model, before, flight, now, margin_s,
+                                                       skip)
+        if ttft_s is None and queue_late:   # within its deadline, but the queue makes it late
+            retry_ms = max(1, round(((first if first < float("inf") else now + 1.0) - now)
+                                    * 1000))
+            self.counts["shed_429"] += 1
+            self.owner.fail(flight, 429, f"model {model!r}: {queue_late}",
+                            retry_after_ms=retry_ms, refusal=refusals.DEADLINE_UNREACHABLE)
+            self.restores.after_refusal(model)
+            return
         if ttft_s is None:
             warm_name, restore_name = self.budgets.deadline_names(
                 model, flight.req.deadline_ms, flight.prompt_tokens)
