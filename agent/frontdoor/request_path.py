@@ -116,7 +116,7 @@ class RequestPath:
                                     arrivals=self.replicas, capacity=self.restores)
         self.admission = Queues(config, clock, telemetry, self.router, self.models, self.counts,
                                 self.restore_times, self.planner, self.restores, owner=self,
-                                budgets=self.budgets)
+                                budgets=self.budgets, gate=self.gate)
         self.watch = FirstTokenWatch(clock, self.router, self.models, self.links, self.counts,
                                      self.planner, owner=self, suspects=suspects,
                                      probe_every_s=config.registry_poll_s, slo_s=config.slo_s,

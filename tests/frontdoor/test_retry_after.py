@@ -1,0 +1,45 @@
+"""A 429's ``retry_after_ms`` comes from measured figures: while a model's start has never
+been timed, it is the model's measured cold boot (from the start in flight) or the documented
+floor, never the ~1 ms an unmeasured ETA of "now" gives.  Virtual time; nothing sleeps."""
+
+import asyncio
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from virtual_fleet import Fleet  # noqa: E402
+
+from agent.wire import refusals  # noqa: E402
+
+FLOOR_MS = 1000   # agent/frontdoor/queues.py RETRY_AFTER_UNKNOWN_MS, written out
+
+
+def cold_refusals(f: Fleet, n: int = 40, **kw) -> list:
+    sinks = [f.submit(**kw) for _ in range(n)]
+    return [s for s in sinks if s.code == 429]
+
+
+def test_a_cold_refusal_with_no_start_measured_says_retry_after_the_floor_not_1_ms():
+    async def main():
+        f = Fleet(warm=0, restore_s=5.0, restores_per_model=1)
+        refused = cold_refusals(f, deadline_ms=1000)
+        assert refused                                        # one restore cannot take 40
+        for sink in refused:
+            assert sink.final["refusal"] == refusals.DEADLINE_UNREACHABLE
+            assert sink.final["retry_after_ms"] >= FLOOR_MS
+        await f.timeline.run_until(f.clock.now() + 6.0)
+    asyncio.run(main())
+
+
+def test_a_cold_refusal_uses_the_measured_cold_boot_from_the_start_in_flight():
+    async def main():
+        f = Fleet(warm=0, restore_s=20.0, restores_per_model=1)
+        f.path.restore_times.record("m", 8000.0, "cold_boot")   # a cold boot took 8 s
+        f.submit()                                              # starts the restore
+        t0 = f.clock.now()
+        await f.timeline.run_until(t0 + 2.0)
+        refused = cold_refusals(f, deadline_ms=1000)
+        assert refused
+        for sink in refused:   # the start began 2 s ago; a cold boot takes 8: ~6 s more
+            assert 5900 <= sink.final["retry_after_ms"] <= 6100
+    asyncio.run(main())
