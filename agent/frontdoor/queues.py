@@ -160,8 +160,12 @@ class Queues:
         # Nothing warm and no deadline of the client's own: it waits for the start under way
         # (a cold boot's length is unknown until one is measured), admitted because that
         # start can still make its default deadline; it is served when the replica comes up,
-        # late or not, never refused at that deadline.  A client's own deadline_ms is kept.
+        # late or not, up to the model's default deadline (never the capacity requester's
+        # timeout, minutes): then it is answered 429 with the start's estimate as
+        # retry_after_ms (expire_queued).  A client's own deadline_ms is kept.
         pending.awaits_start = flight.cold and flight.req.deadline_ms is None
+        if pending.awaits_start:
+            pending.deadline_s = max(flight.deadline_s, flight.arrival_s + state.deadline_ms / 1000.0)
         try:
             queue.offer(pending)
         except Overloaded as err:
@@ -277,8 +281,10 @@ class Queues:
 
     def expire_queued(self) -> None:
         """Answer queued requests past their deadline (504: a prediction was wrong, logged
-        with it) or wait bound (429); every ``recheck_s`` re-check each queue against the
-        capacity then in sight (:meth:`recheck`)."""
+        with it) or wait bound (429), and those held for their model's start from zero past
+        the model's default deadline (429, ``retry_after_ms`` from the start's estimate);
+        every ``recheck_s`` re-check each queue against the capacity then in sight
+        (:meth:`recheck`)."""
         now = self.clock.now()
         for model in list(self.queued_models):
             state = self.models.of(model)
@@ -286,7 +292,16 @@ class Queues:
             assert queue is not None   # a model is queued once its queue is made
             for p in queue.expire():
                 flight: Flight = p.payload
-                if p.deadline_s <= now:
+                if p.awaits_start:   # the start from zero is not up by the default deadline
+                    self.counts["shed_429"] += 1
+                    self.owner.fail(flight, 429, f"model {model!r}: no replica came up within "
+                                    f"its default deadline of "
+                                    f"{(p.deadline_s - p.arrival_s) * 1000:.0f} ms (the start "
+                                    f"from zero goes on; retry after it)",
+                                    retry_after_ms=self.retry_after_ms(
+                                        model, self.planner.slots(model, now).first_s, now),
+                                    refusal=refusals.DEADLINE_UNREACHABLE)
+                elif p.deadline_s <= now:
                     self.counts["expired_504"] += 1
                     waited_ms = (now - p.arrival_s) * 1000
                     predicted = (f"{p.predicted_ttft_s * 1000:.0f} ms"

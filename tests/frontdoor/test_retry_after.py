@@ -43,3 +43,29 @@ def test_a_cold_refusal_uses_the_measured_cold_boot_from_the_start_in_flight():
         for sink in refused:   # the start began 2 s ago; a cold boot takes 8: ~6 s more
             assert 5900 <= sink.final["retry_after_ms"] <= 6100
     asyncio.run(main())
+
+
+def test_a_cold_models_first_request_is_answered_by_its_default_deadline_when_the_start_hangs():
+    async def main():
+        f = Fleet(warm=0, restore_s=5.0, models={"m": 10_000.0})
+        f.capacity.hang = True                   # the start never ends (its requester's own
+        t0 = f.clock.now()                       # timeout is minutes away)
+        first = f.submit()                       # no deadline of its own
+        await f.timeline.run_until(t0 + 9.9)
+        assert first.final is None               # held for the start, within the default
+        await f.timeline.run_until(t0 + 10.1)
+        assert first.code == 429 and first.at_s <= t0 + 10.0 + f.path.config.tick_s
+        assert first.final["refusal"] == refusals.DEADLINE_UNREACHABLE
+        assert first.final["retry_after_ms"] >= FLOOR_MS
+        assert "default deadline of 10000 ms" in first.final["reason"]
+    asyncio.run(main())
+
+
+def test_a_cold_models_first_request_is_served_when_its_start_comes_up_in_time():
+    async def main():
+        f = Fleet(warm=0, restore_s=5.0, models={"m": 10_000.0})
+        t0 = f.clock.now()
+        first = f.submit()
+        await f.timeline.run_until(t0 + 6.0)
+        assert first.code == 200 and first.first_s <= t0 + 5.1
+    asyncio.run(main())
