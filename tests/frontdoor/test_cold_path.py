@@ -1,6 +1,8 @@
-"""A 429's ``retry_after_ms`` comes from measured figures: while a model's start has never
-been timed, it is the model's measured cold boot (from the start in flight) or the documented
-floor, never the ~1 ms an unmeasured ETA of "now" gives.  Virtual time; nothing sleeps."""
+"""The cold path at the front door: a 429's ``retry_after_ms`` comes from measured figures
+(while a model's start has never been timed: its measured cold boot from the start in
+flight, or the documented floor, never the ~1 ms an unmeasured ETA of "now" gives); a cold
+model's first request is answered by its default deadline; a start measured only as a cold
+boot raises no deadline from a p99 that is None.  Virtual time; nothing sleeps."""
 
 import asyncio
 import pathlib
@@ -69,3 +71,36 @@ def test_a_cold_models_first_request_is_served_when_its_start_comes_up_in_time()
         await f.timeline.run_until(t0 + 6.0)
         assert first.code == 200 and first.first_s <= t0 + 5.1
     asyncio.run(main())
+
+
+def test_a_model_whose_only_measured_start_is_a_cold_boot_is_restored_without_error(caplog):
+    """A model the front door learned of from the registry (no configured deadline) whose
+    first start was a cold boot: the restore p99 of its default tier is None then (cold boots
+    predict nothing of the next start), and the deadline raised from it must not multiply
+    None (the front door once logged "restore of tiny failed: unsupported operand type(s)
+    for *: 'float' and 'NoneType'" and dropped the replica the cold boot made)."""
+    from agent.frontdoor.capacity import RestoreResult
+
+    class ColdBoot:
+        def __init__(self, fleet):
+            self.fleet = fleet
+
+        async def request_restore(self, model):
+            return RestoreResult(self.fleet.add("booted").load, "cold_boot", 8000.0)
+
+    async def main():
+        f = Fleet(warm=0, models={})
+        f.path.known_models.add("m")                  # seen in the registry, not configured
+        f.path.capacity = ColdBoot(f)
+        sink = f.submit()
+        for _ in range(4):
+            await asyncio.sleep(0)                    # the restore task ends
+        await f.timeline.run_until(f.clock.now() + 1.0)
+        assert sink.code == 200 and sink.final["replica"] == "booted"
+        assert f.path.restore_times.p99_ms("m") is None          # no default tier yet
+        assert f.path.restore_times.p99_ms("m", "cold_boot") == 8000.0
+        state = f.path.models.of("m")
+        assert state.deadline_ms == f.path.config.default_deadline_ms
+    with caplog.at_level("WARNING", logger="agent.frontdoor.request_path"):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if "restore of m failed" in r.message]
