@@ -186,3 +186,69 @@ def test_a_replica_address_that_drops_syns_fails_the_link_within_the_requests_bu
         assert "cannot connect to replica 10.255.255.1:9 within 0.30 s" in sink.final["reason"]
         assert path.router.get("r0") is None  # the link failed: out of the view
     run(main())
+
+
+STOPPABLE = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+from stub_replica import StubReplica
+
+async def main():
+    stub = await StubReplica("m", "r0").start()
+    print(stub.port, flush=True)
+    await asyncio.get_running_loop().create_future()
+
+asyncio.run(main())
+"""
+
+
+def test_a_sigstopped_replica_process_loses_its_request_to_another_within_the_bound():
+    """A real replica process (a stub replica) stopped with SIGSTOP after it took the
+    request: the front door's ticker moves the request to the other replica at the bound
+    (the warm SLO floor, 0.5 s here), not at the client's timeout."""
+    import os
+    import signal
+    import subprocess
+
+    from agent.client import AsyncClient
+    from agent.cluster.local import LocalRegistry
+    from agent.frontdoor.server import FrontDoor, FrontDoorConfig
+    from agent.telemetry import Telemetry
+    from stub_replica import StubReplica
+
+    here = str(pathlib.Path(__file__).parent)
+    proc = subprocess.Popen([sys.executable, "-c", STOPPABLE, here], stdout=subprocess.PIPE,
+                            text=True)
+
+    async def main():
+        port = int(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30))
+        stopped = await StubReplica("m", "r0").start()   # its registry entry, at proc's port
+        stopped.port = port
+        other = await StubReplica("m", "r1", speed=SLOW).start()   # predicted slower: 2nd choice
+        registry = LocalRegistry()
+        registry.register(stopped.instance(), 60)
+        registry.register(other.instance(), 60)
+        fd = FrontDoor(FrontDoorConfig(models={"m": 20_000.0}, warm_slo_ms=500.0),
+                       registry=registry, telemetry=Telemetry())
+        host, fport = await fd.start()
+        c = await AsyncClient.connect(host, fport)
+        warm = await c.generate("m", tokens=[1], max_tokens=1)   # opens the link to r0
+        assert warm.done["replica"] == "r0"
+        os.kill(proc.pid, signal.SIGSTOP)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        moved = await asyncio.wait_for(c.generate("m", tokens=[1], max_tokens=1), 5)
+        assert moved.done["replica"] == "r1"
+        assert 0.5 <= loop.time() - t0 < 3.0              # at the bound, not at a timeout
+        assert fd.path.counts["silent_replica"] == 1 and fd.router.get("r0") is None
+        await c.close()
+        await fd.stop(grace_s=0.1)
+        await stopped.stop()
+        await other.stop()
+
+    try:
+        run(main())
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
