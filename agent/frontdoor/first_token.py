@@ -96,13 +96,15 @@ class FirstTokenWatch:
     ``links``: the request path's replica links (a suspect's is probed through it);
     ``suspects``: replica id -> when it was found silent (shared with the
     :class:`~agent.frontdoor.replica_view.ReplicaView`, which keeps them out of the view);
-    ``slo_s(model)``: its (warm, restore) TTFT SLOs in s, the warm one the bound's floor."""
+    ``slo_s(model)``: its (warm, restore) TTFT SLOs in s, the warm one the bound's floor;
+    ``back(load)``: puts a suspect that answered its probe back in the view (its load as it
+    was taken out: a registry without changes, a Consul blocking query, would not)."""
 
     def __init__(self, clock: Clock, router: Router, models: ModelStates,
                  links: dict[str, ReplicaLink], counts: dict[str, int], planner: Placing,
                  owner: WatchOwner, suspects: dict[str, float], probe_every_s: float,
                  slo_s: Callable[[str], tuple[float, float]],
-                 log_interval_s: float = 10.0) -> None:
+                 back: Callable[[ReplicaLoad], None], log_interval_s: float = 10.0) -> None:
         self.clock = clock
         self.router = router
         self.models = models
@@ -113,6 +115,8 @@ class FirstTokenWatch:
         self.suspects = suspects
         self.probe_every_s = probe_every_s
         self.slo_s = slo_s
+        self.back = back
+        self._loads: dict[str, ReplicaLoad] = {}   # suspect -> its load when taken out
         self._heap: list[tuple[float, int, Flight, str, int]] = []
         self._seq = itertools.count()
         self._probed: dict[str, float] = {}   # suspect -> when it was last probed
@@ -145,16 +149,20 @@ class FirstTokenWatch:
                 self._probe(rid, now)
 
     def answered(self, replica_id: str) -> None:
-        """``replica_id`` answered a probe: back in routing (the registry's view brings its
-        load in again, agent/frontdoor/replica_view.py)."""
+        """``replica_id`` answered a probe: back in routing, with its load as it was taken
+        out until its next report (agent/frontdoor/replica_view.py)."""
         if self.suspects.pop(replica_id, None) is not None:
             self._probed.pop(replica_id, None)
+            load = self._loads.pop(replica_id, None)
+            if load is not None and self.router.get(replica_id) is None:
+                self.back(load)
             log.warning("replica %s answers again; back in routing", replica_id)
 
     def forget(self, replica_id: str) -> None:
         """``replica_id``'s link broke: it leaves the view anyway; the registry decides."""
         self.suspects.pop(replica_id, None)
         self._probed.pop(replica_id, None)
+        self._loads.pop(replica_id, None)
 
     def _silent(self, flight: Flight, rid: str, now: float) -> None:
         link = self.links.get(rid)
@@ -165,6 +173,9 @@ class FirstTokenWatch:
         self.counts["silent_replica"] += 1
         if rid not in self.suspects:
             self.suspects[rid] = now
+            load = self.router.get(rid)
+            if load is not None:
+                self._loads[rid] = load
             self.router.remove(rid)
             self.models.forget_slots()
             self._log.warning("replica %s gave request %r no first token in %.0f ms "

@@ -120,6 +120,7 @@ class RequestPath:
         self.watch = FirstTokenWatch(clock, self.router, self.models, self.links, self.counts,
                                      self.planner, owner=self, suspects=suspects,
                                      probe_every_s=config.registry_poll_s, slo_s=config.slo_s,
+                                     back=self.replicas.upsert,
                                      log_interval_s=config.accept_log_interval_s)
         self.dispatcher = Dispatcher(config, clock, self.router, self.links, self.counts,
                                      self.planner, self.replicas, connector, link_owner=self,

@@ -98,8 +98,9 @@ def test_a_silent_replica_stays_out_of_the_registry_view_until_it_answers_a_prob
         await f.timeline.run_until(t0 + 3.0 + f.path.config.registry_poll_s + 0.01)
         assert r0.probes > probes                          # probed again while silent
         f.path.replica_answered(r0)                        # SIGCONT: it answers the probe
-        f.path.apply_replicas([instance(r0.load), instance(r1.load)])
-        assert f.path.router.get("r0") is not None         # back in routing
+        assert f.path.router.get("r0") is not None         # back in routing at once (a
+        f.path.apply_replicas([instance(r0.load), instance(r1.load)])   # blocking query may
+        assert f.path.router.get("r0") is not None         # not change), and the view keeps it
     run(main())
 
 
@@ -205,7 +206,8 @@ asyncio.run(main())
 def test_a_sigstopped_replica_process_loses_its_request_to_another_within_the_bound():
     """A real replica process (a stub replica) stopped with SIGSTOP after it took the
     request: the front door's ticker moves the request to the other replica at the bound
-    (the warm SLO floor, 0.5 s here), not at the client's timeout."""
+    (the warm SLO floor, 0.5 s here), not at the client's timeout; after SIGCONT it answers
+    the health probe on its link and is back in routing."""
     import os
     import signal
     import subprocess
@@ -241,6 +243,12 @@ def test_a_sigstopped_replica_process_loses_its_request_to_another_within_the_bo
         assert moved.done["replica"] == "r1"
         assert 0.5 <= loop.time() - t0 < 3.0              # at the bound, not at a timeout
         assert fd.path.counts["silent_replica"] == 1 and fd.router.get("r0") is None
+        os.kill(proc.pid, signal.SIGCONT)                  # it answers the link's probe
+        for _ in range(300):
+            if fd.router.get("r0") is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert fd.router.get("r0") is not None and not fd.path.watch.suspects
         await c.close()
         await fd.stop(grace_s=0.1)
         await stopped.stop()
