@@ -16,15 +16,17 @@ could have met its SLO there, whatever the host's scheduling noise).  A replica 
 slow shows it in the slowdown it measures long before this (each first token updates it);
 one silent past the bound has stopped.
 
-Without a first token by then the request is cancelled at that replica (``cancel`` op: its KV
-slot is freed, a late answer dropped), the replica is taken out of routing
-(:attr:`FirstTokenWatch.suspects`; the registry's view does not bring it back) until it
-answers a ``health`` probe on its link (sent every ``probe_every_s``), and the request is
-placed again, once, on a replica that can start it before its deadline (nothing was
-streamed, so nothing wrong is served; one held for its model's start from zero,
-``Flight.cold``, on any replica).  Else it is answered: 504 ``deadline`` when its deadline
-has passed, 503 ``replica_failed`` with ``retry_after_ms`` when it has not.  A replica that
-streams a first token late but within the bound is not cut off: the late first token is
+Without a first token by then, a replica that sent nothing at all on its link since the
+request was sent is silent: it is taken out of routing (:attr:`FirstTokenWatch.suspects`;
+the registry's view does not bring it back) until it answers a ``health`` probe on its link
+(sent every ``probe_every_s``), and every request at it is cancelled there (``cancel`` op:
+KV slots freed, late answers dropped).  Each not started is placed again, once, on a replica
+that can start it before its deadline (nothing was streamed, so nothing wrong is served; one
+held for its model's start from zero, ``Flight.cold``, on any replica), else answered: 504
+``deadline`` when its deadline has passed, 503 ``replica_failed`` with ``retry_after_ms``
+when it has not.  One whose answer had begun to stream is answered 503 ``replica_failed``.
+A replica that did send something meanwhile (tokens of other requests) is alive and only
+late for this one: the wait is extended by the same bound, and its late first token is
 counted (``late_first_token``) and the SLO miss recorded, never hidden.
 """
 
@@ -117,7 +119,7 @@ class FirstTokenWatch:
         self.slo_s = slo_s
         self.back = back
         self._loads: dict[str, ReplicaLoad] = {}   # suspect -> its load when taken out
-        self._heap: list[tuple[float, int, Flight, str, int]] = []
+        self._heap: list[tuple[float, int, Flight, str, int, float]] = []
         self._seq = itertools.count()
         self._probed: dict[str, float] = {}   # suspect -> when it was last probed
         self._log = RateLimitedLog(log, "replicas silent after a dispatch", clock=clock,
@@ -131,19 +133,19 @@ class FirstTokenWatch:
     def watch(self, flight: Flight, load: ReplicaLoad, predicted_s: float, now: float) -> None:
         """``flight`` was just sent to ``load``'s replica with ``predicted_s`` (s from now)."""
         prior_step_s = self.router.prior(load.model).decode_step_s(max(1, load.max_seqs))
-        at = now + silent_after_s(load, predicted_s, prior_step_s, self.slo_s(load.model)[0])
-        heapq.heappush(self._heap, (at, next(self._seq), flight, load.replica_id,
-                                    flight.replica_rid))
+        bound_s = silent_after_s(load, predicted_s, prior_step_s, self.slo_s(load.model)[0])
+        heapq.heappush(self._heap, (now + bound_s, next(self._seq), flight, load.replica_id,
+                                    flight.replica_rid, bound_s))
 
     def check(self, now: float) -> None:
         """Act on every wait that ended by ``now`` (module docstring), and probe suspects."""
         heap = self._heap
         while heap and heap[0][0] <= now:
-            _at, _n, flight, rid, link_rid = heapq.heappop(heap)
+            _at, _n, flight, rid, link_rid, bound_s = heapq.heappop(heap)
             if flight.over or flight.ttft_s is not None or flight.replica_id != rid \
                     or flight.replica_rid != link_rid:
                 continue    # answered, streaming, or placed elsewhere since
-            self._silent(flight, rid, now)
+            self._ended(flight, rid, now, bound_s)
         for rid in list(self.suspects):
             if now - self._probed.get(rid, float("-inf")) >= self.probe_every_s:
                 self._probe(rid, now)
@@ -164,11 +166,22 @@ class FirstTokenWatch:
         self._probed.pop(replica_id, None)
         self._loads.pop(replica_id, None)
 
-    def _silent(self, flight: Flight, rid: str, now: float) -> None:
+    def _ended(self, flight: Flight, rid: str, now: float, bound_s: float) -> None:
+        """``flight``'s wait at ``rid`` passed its bound of ``bound_s``.  A replica that sent
+        anything on its link since ``flight`` was sent is alive and only late for it: the
+        wait is extended by the same bound (its first token, when it comes, is counted late).
+        One that sent nothing is silent (:meth:`_silent`)."""
         link = self.links.get(rid)
-        if link is not None:
-            link.cancel(flight.replica_rid)       # frees its slot; a late answer is dropped
-        self.router.on_complete(rid, flight.need_tokens, flight.prompt_tokens, False)
+        if getattr(link, "heard_s", float("-inf")) > flight.sent_s:
+            heapq.heappush(self._heap, (now + bound_s, next(self._seq), flight, rid,
+                                        flight.replica_rid, bound_s))
+            return
+        self._silent(link, flight, rid, now)
+
+    def _silent(self, link: ReplicaLink | None, flight: Flight, rid: str, now: float) -> None:
+        """``rid`` said nothing since ``flight`` was sent: out of routing until it answers a
+        probe; every request at it (none had a message since either) is cancelled there,
+        those not started placed again once or answered, those streaming answered 503."""
         waited_ms = (now - flight.sent_s) * 1000.0
         self.counts["silent_replica"] += 1
         if rid not in self.suspects:
@@ -176,12 +189,30 @@ class FirstTokenWatch:
             load = self.router.get(rid)
             if load is not None:
                 self._loads[rid] = load
-            self.router.remove(rid)
-            self.models.forget_slots()
             self._log.warning("replica %s gave request %r no first token in %.0f ms "
-                              "(predicted %.0f ms); out of routing until it answers a probe",
-                              rid, flight.req.request_id, waited_ms,
-                              flight.sent_predicted_s * 1000.0)
+                              "(predicted %.0f ms) and sent nothing else; out of routing "
+                              "until it answers a probe", rid, flight.req.request_id,
+                              waited_ms, flight.sent_predicted_s * 1000.0)
+        stuck = [flight] if link is None else \
+            [f for f in link.in_flight.values() if f is not flight] + [flight]
+        for f in stuck:
+            if link is not None:
+                link.cancel(f.replica_rid)     # frees its slot; a late answer is dropped
+            self.router.on_complete(rid, f.need_tokens, f.prompt_tokens, f.ttft_s is not None)
+        self.router.remove(rid)
+        self.models.forget_slots()
+        for f in stuck:
+            if f.over:
+                continue
+            if f.ttft_s is not None:   # part of its answer was streamed: never sent again
+                self.owner.fail(f, 503, f"replica {rid} went silent mid-stream (nothing for "
+                                f"{waited_ms:.0f} ms)", path=f.path,
+                                refusal=refusals.REPLICA_FAILED)
+            else:
+                self._place_again(f, rid, now, waited_ms)
+
+    def _place_again(self, flight: Flight, rid: str, now: float, waited_ms: float) -> None:
+        """Once on a replica that can start ``flight`` before its deadline, else answered."""
         if not flight.silent_moved:
             flight.silent_moved = True
             flight.tried = (flight.tried or set()) | {rid}

@@ -86,6 +86,7 @@ class ReplicaLink(Batched):
         self.ready = False
         self._waiting: list[bytes] = []  # packed before the connection was made
         self._probes: set[int] = set()    # ids of health probes not answered yet
+        self.heard_s = float("-inf")      # owner's clock time of the last answer (its owner sets it)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]

@@ -303,8 +303,8 @@ class RequestPath:
         """A message from a replica for ``flight``: tokens to the flight's sink; a 429 or 503
         before any token placed again (reroute.py); else its final answer (answers.py)."""
         kind = message.get("type")
+        now = link.heard_s = self.clock.now()   # alive (first_token.py reads it)
         if kind == "tokens":
-            now = self.clock.now()
             if flight.ttft_s is None:
                 self.dispatcher.first_token(flight, now)
             else:   # for inter-token latency: (seconds since the last message, tokens in it)
@@ -313,7 +313,6 @@ class RequestPath:
             flight.last_token_s = now
             flight.sink.tokens(message)
             return
-        now = self.clock.now()
         del link.in_flight[flight.replica_rid]
         had_first = flight.ttft_s is not None
         self.router.on_complete(link.replica_id, flight.need_tokens, flight.prompt_tokens,

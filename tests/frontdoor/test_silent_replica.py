@@ -147,6 +147,45 @@ def test_a_slow_replica_serving_at_its_prediction_is_never_called_silent():
     run(main())
 
 
+def test_a_stopped_replicas_streaming_request_is_answered_and_its_waiting_one_moved():
+    async def main():
+        f, r0 = stopped_fleet(warm_after=0)
+        t0 = f.clock.now()
+        streaming = f.submit(max_tokens=100)
+        assert len(r0.received) == 1
+        r0._answer(1, {"type": "tokens", "tokens": [1]})   # one token, then SIGSTOP
+        waiting = f.submit(deadline_ms=20_000)
+        assert len(r0.received) == 2                      # both at the stopped replica
+        f.path.upsert(f.add("r1").load)                   # another comes up
+        await f.timeline.run_until(t0 + 3.0)
+        # nothing more came on its link: silent.  The one streaming cannot be sent again
+        # (the client has part of its answer): 503; the other is moved and served
+        assert streaming.code == 503 and streaming.final["refusal"] == refusals.REPLICA_FAILED
+        assert "mid-stream" in streaming.final["reason"]
+        assert waiting.code == 200 and waiting.final["replica"] == "r1"
+        assert sorted(r0.cancels) == [1, 2] and f.path.router.get("r0") is None
+    run(main())
+
+
+def test_a_replica_streaming_other_requests_is_alive_and_its_late_one_is_not_cut_off():
+    async def main():
+        f, r0 = stopped_fleet(warm_after=0)
+        t0 = f.clock.now()
+        busy = f.submit(max_tokens=1000)                  # r0 streams this one ...
+        late = f.submit()                                 # ... and starts this one late
+        assert len(r0.received) == 2
+        for k in range(1, 60):                            # a token every 0.1 s for 6 s
+            f.timeline.at(t0 + 0.1 * k, lambda: r0._answer(1, {"type": "tokens",
+                                                              "tokens": [1]}))
+        f.timeline.at(t0 + 5.0, lambda: r0._answer(2, {"type": "tokens", "tokens": [1]}))
+        f.timeline.at(t0 + 5.1, lambda: r0._answer(2, {"type": "done", "n_tokens": 2}))
+        await f.timeline.run_until(t0 + 6.0)
+        assert late.code == 200 and late.final["replica"] == "r0"   # served where it was
+        assert late.first_s == t0 + 5.0 and busy.final is None
+        assert f.path.counts["silent_replica"] == 0 and f.path.router.get("r0") is not None
+    run(main())
+
+
 def test_the_silence_bound_scales_with_the_prediction_and_the_measured_step():
     from agent.frontdoor.first_token import SILENT_FACTOR, SILENT_STEPS, silent_after_s
 
