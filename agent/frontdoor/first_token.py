@@ -25,6 +25,9 @@ that can start it before its deadline (nothing was streamed, so nothing wrong is
 held for its model's start from zero, ``Flight.cold``, on any replica), else answered: 504
 ``deadline`` when its deadline has passed, 503 ``replica_failed`` with ``retry_after_ms``
 when it has not.  One whose answer had begun to stream is answered 503 ``replica_failed``.
+A link whose requests all stream already is scanned every ``probe_every_s``: silent past
+twice the time to the soonest expected end of its streams (plus the same steps, at least
+the floor), it is silent in the same way (:meth:`FirstTokenWatch._scan_streams`).
 A replica that did send something meanwhile (tokens of other requests) is alive and only
 late for this one: the wait is extended by the same bound, and its late first token is
 counted (``late_first_token``) and the SLO miss recorded, never hidden.
@@ -122,13 +125,15 @@ class FirstTokenWatch:
         self._heap: list[tuple[float, int, Flight, str, int, float]] = []
         self._seq = itertools.count()
         self._probed: dict[str, float] = {}   # suspect -> when it was last probed
+        self._scanned_s = float("-inf")       # when the streams were last scanned
         self._log = RateLimitedLog(log, "replicas silent after a dispatch", clock=clock,
                                    interval_s=log_interval_s)
 
     @property
     def watching(self) -> bool:
-        """Whether a request or a suspect replica needs :meth:`check` on the next tick."""
-        return bool(self._heap or self.suspects)
+        """Whether a request, a stream or a suspect replica needs :meth:`check` soon."""
+        return bool(self._heap or self.suspects
+                    or any(getattr(link, "in_flight", None) for link in self.links.values()))
 
     def watch(self, flight: Flight, load: ReplicaLoad, predicted_s: float, now: float) -> None:
         """``flight`` was just sent to ``load``'s replica with ``predicted_s`` (s from now)."""
@@ -146,6 +151,7 @@ class FirstTokenWatch:
                     or flight.replica_rid != link_rid:
                 continue    # answered, streaming, or placed elsewhere since
             self._ended(flight, rid, now, bound_s)
+        self._scan_streams(now)
         for rid in list(self.suspects):
             if now - self._probed.get(rid, float("-inf")) >= self.probe_every_s:
                 self._probe(rid, now)
@@ -178,21 +184,24 @@ class FirstTokenWatch:
             return
         self._silent(link, flight, rid, now)
 
-    def _silent(self, link: ReplicaLink | None, flight: Flight, rid: str, now: float) -> None:
-        """``rid`` said nothing since ``flight`` was sent: out of routing until it answers a
-        probe; every request at it (none had a message since either) is cancelled there,
-        those not started placed again once or answered, those streaming answered 503."""
-        waited_ms = (now - flight.sent_s) * 1000.0
+    def _silent(self, link: ReplicaLink | None, flight: Flight, rid: str, now: float,
+                quiet_s: float | None = None) -> None:
+        """``rid`` said nothing since ``flight`` was sent (for ``quiet_s``; default: since
+        then): out of routing until it answers a probe; every request at it (none had a
+        message since either) is cancelled there, those not started placed again once or
+        answered, those streaming answered 503."""
+        quiet_ms = (now - flight.sent_s if quiet_s is None else quiet_s) * 1000.0
         self.counts["silent_replica"] += 1
         if rid not in self.suspects:
             self.suspects[rid] = now
             load = self.router.get(rid)
             if load is not None:
                 self._loads[rid] = load
-            self._log.warning("replica %s gave request %r no first token in %.0f ms "
-                              "(predicted %.0f ms) and sent nothing else; out of routing "
-                              "until it answers a probe", rid, flight.req.request_id,
-                              waited_ms, flight.sent_predicted_s * 1000.0)
+            self._log.warning("replica %s sent nothing for %.0f ms with %d requests in flight "
+                              "(request %r predicted a first token in %.0f ms); out of "
+                              "routing until it answers a probe", rid, quiet_ms,
+                              len(link.in_flight) if link is not None else 1,
+                              flight.req.request_id, flight.sent_predicted_s * 1000.0)
         stuck = [flight] if link is None else \
             [f for f in link.in_flight.values() if f is not flight] + [flight]
         for f in stuck:
@@ -206,10 +215,40 @@ class FirstTokenWatch:
                 continue
             if f.ttft_s is not None:   # part of its answer was streamed: never sent again
                 self.owner.fail(f, 503, f"replica {rid} went silent mid-stream (nothing for "
-                                f"{waited_ms:.0f} ms)", path=f.path,
+                                f"{quiet_ms:.0f} ms)", path=f.path,
                                 refusal=refusals.REPLICA_FAILED)
             else:
-                self._place_again(f, rid, now, waited_ms)
+                self._place_again(f, rid, now, (now - f.sent_s) * 1000.0)
+
+    def _scan_streams(self, now: float) -> None:
+        """Every ``probe_every_s``: a link whose requests have all begun to stream (no first
+        token watched) is silent too once it sent nothing for ``max(floor, SILENT_FACTOR x
+        (the soonest expected end of its streams, from its last message) + SILENT_STEPS x
+        step_s)``: a stream's end is its first token plus ``max_tokens`` decode steps at a
+        full batch (slowdown included).  A replica may send its tokens one step at a time or
+        in one message at the end; either way it has said something by then."""
+        if now - self._scanned_s < self.probe_every_s:
+            return
+        self._scanned_s = now
+        for rid, link in list(self.links.items()):
+            in_flight = getattr(link, "in_flight", None)
+            load = self.router.get(rid)
+            if not in_flight or load is None or rid in self.suspects:
+                continue
+            flights = list(in_flight.values())
+            last_s = max([getattr(link, "heard_s", float("-inf"))]
+                         + [f.sent_s for f in flights])
+            prior = self.router.prior(load.model)
+            step_s = (load.speed or prior).decode_step_s(max(1, load.max_seqs),
+                                                         load.active_ctx_tokens) * load.slowdown
+            ends = [f.ttft_s + f.req.max_tokens * step_s for f in flights
+                    if f.ttft_s is not None]
+            if len(ends) < len(flights):
+                continue      # one waits for its first token: its own bound watches it
+            bound_s = max(self.slo_s(load.model)[0], SILENT_FACTOR * max(0.0, min(ends) - last_s)
+                          + SILENT_STEPS * step_s)
+            if now - last_s > bound_s:
+                self._silent(link, flights[-1], rid, now, now - last_s)
 
     def _place_again(self, flight: Flight, rid: str, now: float, waited_ms: float) -> None:
         """Once on a replica that can start ``flight`` before its deadline, else answered."""

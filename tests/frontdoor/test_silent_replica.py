@@ -167,6 +167,30 @@ def test_a_stopped_replicas_streaming_request_is_answered_and_its_waiting_one_mo
     run(main())
 
 
+def test_a_stream_whose_replica_stops_mid_answer_is_answered_503_not_left_hanging():
+    async def main():
+        f, r0 = stopped_fleet(warm_after=0)
+        t0 = f.clock.now()
+        stream = f.submit(max_tokens=100)
+        for k in range(1, 11):                            # tokens for 1 s, then SIGSTOP
+            f.timeline.at(t0 + 0.1 * k, lambda: r0._answer(1, {"type": "tokens",
+                                                              "tokens": [1]}))
+        # its end was due at its first token + 100 decode steps at a full batch; silent
+        # past twice that from its last message (plus 8 steps), and then at the next scan
+        await f.timeline.run_until(t0 + 1.05)
+        load = f.path.router.get("r0")
+        step_s = FAST.decode_step_s(load.max_seqs, load.active_ctx_tokens) * load.slowdown
+        end_s = stream.first_s + 100 * step_s
+        bound_s = max(2.0, 2 * (end_s - (t0 + 1.0)) + 8 * step_s)
+        await f.timeline.run_until(t0 + 1.0 + bound_s - 0.01)
+        assert stream.final is None                       # within the bound: still waited on
+        await f.timeline.run_until(t0 + 1.0 + bound_s + f.path.config.registry_poll_s + 0.01)
+        assert stream.code == 503 and stream.final["refusal"] == refusals.REPLICA_FAILED
+        assert "mid-stream" in stream.final["reason"] and r0.cancels == [1]
+        assert f.path.router.get("r0") is None
+    run(main())
+
+
 def test_a_replica_streaming_other_requests_is_alive_and_its_late_one_is_not_cut_off():
     async def main():
         f, r0 = stopped_fleet(warm_after=0)
