@@ -3,8 +3,8 @@
 A replica can stop answering after it accepted a request (SIGSTOP, a livelock, a swap storm, a
 process that took the frame and never replies) while its connection stays open: nothing
 breaks, so :mod:`agent.frontdoor.reroute` never hears of it.  :class:`FirstTokenWatch` bounds
-that wait.  At dispatch each request gets two times, from what admission predicted for it at
-that replica, its **silence bound**::
+that wait.  At dispatch each request gets, from what admission predicted for it at that
+replica, its **silence bound**::
 
     sent + max(floor_s, SILENT_FACTOR x predicted_s + SILENT_STEPS x step_s)
 
@@ -14,7 +14,9 @@ at a full batch at that speed and slowdown (the speed model's quantum of error),
 the model's warm TTFT SLO (2 s by default: a replica is never called silent before a request
 could have met its SLO there, whatever the host's scheduling noise).  A replica that is only
 slow shows it in the slowdown it measures long before this (each first token updates it);
-one silent past the bound has stopped.
+one silent past the bound has stopped.  The numbers are constants of the rule, not fits:
+twice the prediction (which already carries the replica's p99 slowdown) and eight steps (the
+speed model's error quantum, agent/frontdoor/router.py ``observe_ttft``, eight times over).
 
 Without a first token by then, a replica that sent nothing at all on its link since the
 request was sent is silent: it is taken out of routing (:attr:`FirstTokenWatch.suspects`;

@@ -9,8 +9,7 @@ ahead of it and its own (agent/speed.py's model), not every prefill of the step.
 
 The scheduler holds the requests accepted but not yet handed to the engine (``submits``),
 the engine sequences in flight (``by_seq``) and the cancels for the next tick; what it needs
-of the server is a :class:`SchedulerHost` (the loaded model, its tokenizer, the replica id,
-and where to say the engine broke).
+of the server is a :class:`SchedulerHost` (the loaded model, its tokenizer, the replica id).
 
 An engine step that raises never stops the loop.  A typed error (:class:`RewarmError`, e.g.
 a package refusing its inputs: nothing ran) fails the requests of that step with its own
@@ -19,8 +18,9 @@ is unknown) answers every request held or being submitted 503 ``replica_failed``
 the step's tokens is sent: the events of a failed call are never delivered) and frees their
 KV slots; the loop keeps serving while the engine stays usable, and after
 ``ENGINE_FAILURES_MAX`` such steps in a row without one that succeeds, or when freeing the
-slots fails too, the host is told (:meth:`SchedulerHost.engine_failed`: the worker then
-drains and exits, so its node agent replaces it) and every later request is answered 503.
+slots fails too, the engine is broken: ``on_broken`` is called (the worker then drains and
+exits, so its node agent replaces it), :meth:`BatchScheduler.health` says why, and every
+later request is answered 503.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from agent.errors import RewarmError
@@ -89,18 +90,15 @@ class SchedulerHost(Protocol):
     def tokenizer(self) -> Any:
         ...
 
-    def engine_failed(self, reason: str) -> None:
-        """The engine cannot serve any more (module docstring): stop taking requests."""
-        ...
-
 
 class BatchScheduler:
     """One batching loop over the engine (module docstring).  ``pool``: the engine's one
     thread (agent/replica/worker.py's ``make_engine_thread``); ``meter``: the replica's
-    measured speed, fed one step per tick."""
+    measured speed, fed one step per tick; ``on_broken``: called once if the engine breaks
+    (module docstring)."""
 
     def __init__(self, host: SchedulerHost, pool: ThreadPoolExecutor,
-                 meter: ReplicaMeter) -> None:
+                 meter: ReplicaMeter, on_broken: Callable[[], None] | None = None) -> None:
         self.host = host
         self._pool = pool
         self.meter = meter
@@ -111,6 +109,7 @@ class BatchScheduler:
         self.send = send          # writes one answer to a connection (tests watch it here)
         self.failures = 0         # untyped engine failures in a row (module docstring)
         self.broken: str | None = None   # why the engine is taken as broken, once it is
+        self.on_broken = on_broken
 
     def accept(self, request: Request, args: dict) -> None:
         """Queue ``request`` for the next tick (``args``: :meth:`Engine.submit`'s)."""
@@ -195,7 +194,14 @@ class BatchScheduler:
                                                     refusal=refusals.REPLICA_FAILED))
         if self.failures >= ENGINE_FAILURES_MAX and self.broken is None:
             self.broken = reason
-            self.host.engine_failed(reason)
+            log.error("engine broken (%s): this replica stops taking requests", reason,
+                      extra={"replica": self.host.replica_id})
+            if self.on_broken is not None:
+                self.on_broken()
+
+    def health(self) -> dict[str, str]:
+        """``{"broken": why}`` once the engine is broken (the ``health`` op adds it), else {}."""
+        return {} if self.broken is None else {"broken": self.broken}
 
     def _refuse_broken(self) -> None:
         """The engine is broken: answer what was accepted since, without touching it."""

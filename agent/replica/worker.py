@@ -99,7 +99,9 @@ class Worker:
         self._pool = engine_thread if engine_thread is not None else make_engine_thread()
         self._stop = asyncio.Event()
         self.meter = ReplicaMeter()
-        self.batch = BatchScheduler(self, self._pool, self.meter)
+        # an engine found broken: health says so, and the replica drains and stops (its node
+        # agent sees it gone and replaces it; agent/replica/batching.py)
+        self.batch = BatchScheduler(self, self._pool, self.meter, on_broken=self.drain)
         self.drain_grace_s, self.draining = drain_grace_s, False
         self.text = ModelText(loaded)   # its tokenizer and chat template, on first use
         self.snapshots = RestoreOps(self)   # the restore and capture ops
@@ -179,13 +181,6 @@ class Worker:
     def in_flight(self) -> int:
         return self.batch.in_flight()
 
-    def engine_failed(self, reason: str) -> None:
-        """The batch scheduler found the engine broken (agent/replica/batching.py): health
-        says so, and the replica drains and stops (every later ``generate`` is refused 503),
-        so its node agent sees it gone and replaces it."""
-        log.error("engine broken (%s): draining; this replica stops", reason,
-                  extra={"replica": self.replica_id})
-        self.drain()
 
     async def _drain_then_stop(self, poll_s: float = 0.05) -> None:
         loop = asyncio.get_running_loop()
@@ -258,12 +253,8 @@ class Worker:
                 if request is not None:
                     self._cancel(request)
             elif op == "health":
-                health: dict[str, Any] = {"ok": self.state is State.SERVING
-                                          and self.batch.broken is None,
-                                          "state": self.state.value}
-                if self.batch.broken is not None:   # why it is being replaced
-                    health["broken"] = self.batch.broken
-                reply(health)
+                reply({"ok": self.state is State.SERVING and self.batch.broken is None,
+                       "state": self.state.value, **self.batch.health()})
             elif op == "stats":
                 reply(self.stats())
             elif op == "restore":
