@@ -41,7 +41,7 @@ import heapq
 import itertools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.clock import Clock
 from agent.frontdoor.model_state import ModelStates
@@ -158,15 +158,35 @@ class FirstTokenWatch:
             if now - self._probed.get(rid, float("-inf")) >= self.probe_every_s:
                 self._probe(rid, now)
 
-    def answered(self, replica_id: str) -> None:
-        """``replica_id`` answered a probe: back in routing, with its load as it was taken
-        out until its next report (agent/frontdoor/replica_view.py)."""
-        if self.suspects.pop(replica_id, None) is not None:
-            self._probed.pop(replica_id, None)
-            load = self._loads.pop(replica_id, None)
-            if load is not None and self.router.get(replica_id) is None:
-                self.back(load)
-            log.warning("replica %s answers again; back in routing", replica_id)
+    def answered(self, replica_id: str, message: dict) -> None:
+        """``replica_id`` answered a probe with ``message``: back in routing, with its load as
+        it was taken out until its next report (agent/frontdoor/replica_view.py), unless its
+        ``health`` says it is not ok, or that its engine has been in one call
+        (``engine_busy_s``) for longer than a new request's silence bound there (its event
+        loop answers, its engine does not)."""
+        if replica_id not in self.suspects:
+            return
+        load = self._loads.get(replica_id)
+        result = message.get("result")
+        health = result if isinstance(result, dict) else {}
+        busy: Any = health.get("engine_busy_s", 0.0)
+        if message.get("type") == "result" and (health.get("ok") is False or (
+                type(busy) in (int, float) and load is not None
+                and busy > self._bound_now_s(load))):
+            return                       # still out; probed again every probe_every_s
+        del self.suspects[replica_id]
+        self._probed.pop(replica_id, None)
+        self._loads.pop(replica_id, None)
+        if load is not None and self.router.get(replica_id) is None:
+            self.back(load)
+        log.warning("replica %s answers again; back in routing", replica_id)
+
+    def _bound_now_s(self, load: ReplicaLoad) -> float:
+        """A new request's silence bound at ``load``'s replica (its predicted TTFT)."""
+        prior = self.router.prior(load.model)
+        return silent_after_s(load, load.predict_ttft_s(0, prior),
+                              prior.decode_step_s(max(1, load.max_seqs)),
+                              self.slo_s(load.model)[0])
 
     def forget(self, replica_id: str) -> None:
         """``replica_id``'s link broke: it leaves the view anyway; the registry decides."""

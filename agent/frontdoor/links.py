@@ -64,8 +64,8 @@ class LinkOwner(Protocol):
         """The link broke or the replica answered garbage."""
         ...
 
-    def replica_answered(self, link: ReplicaLink) -> None:
-        """The replica answered a :meth:`ReplicaLink.probe`."""
+    def replica_answered(self, link: ReplicaLink, message: dict) -> None:
+        """The replica answered a :meth:`ReplicaLink.probe` with ``message``."""
         ...
 
 
@@ -147,7 +147,7 @@ class ReplicaLink(Batched):
                 on_answer(self, flight, message)
             elif self._probes and rid in self._probes:
                 self._probes.clear()
-                self.owner.replica_answered(self)
+                self.owner.replica_answered(self, message)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.closed:  # closed on purpose (replica gone from the registry, shutdown)

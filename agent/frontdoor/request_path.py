@@ -327,9 +327,9 @@ class RequestPath:
             self.dispatcher.first_token(flight, now)
         self.answers.final(link, flight, message, now)
 
-    def replica_answered(self, link: ReplicaLink) -> None:
-        """The replica answered a probe: a silent one is back in routing (first_token.py)."""
-        self.watch.answered(link.replica_id)
+    def replica_answered(self, link: ReplicaLink, message: dict) -> None:
+        """The replica answered a probe: a silent one may be back in routing (first_token.py)."""
+        self.watch.answered(link.replica_id, message)
 
     def fail(self, flight: Flight, code: int, reason: str, path: str = "refused",
              retry_after_ms: int | None = None, predicted_ttft_ms: float | None = None,

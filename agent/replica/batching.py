@@ -110,6 +110,7 @@ class BatchScheduler:
         self.failures = 0         # untyped engine failures in a row (module docstring)
         self.broken: str | None = None   # why the engine is taken as broken, once it is
         self.on_broken = on_broken
+        self.call_started_s: float | None = None   # perf_counter when the engine call began
 
     def accept(self, request: Request, args: dict) -> None:
         """Queue ``request`` for the next tick (``args``: :meth:`Engine.submit`'s)."""
@@ -199,9 +200,16 @@ class BatchScheduler:
             if self.on_broken is not None:
                 self.on_broken()
 
-    def health(self) -> dict[str, str]:
-        """``{"broken": why}`` once the engine is broken (the ``health`` op adds it), else {}."""
-        return {} if self.broken is None else {"broken": self.broken}
+    def health(self) -> dict[str, Any]:
+        """What the ``health`` op adds: ``broken`` (why) once the engine is broken, and
+        ``engine_busy_s`` while an engine call runs (seconds since it began: a front door
+        that found the replica silent keeps it out of routing while this is past its bound,
+        agent/frontdoor/first_token.py)."""
+        out: dict[str, Any] = {} if self.broken is None else {"broken": self.broken}
+        started = self.call_started_s
+        if started is not None:
+            out["engine_busy_s"] = round(time.perf_counter() - started, 3)
+        return out
 
     def _refuse_broken(self) -> None:
         """The engine is broken: answer what was accepted since, without touching it."""
@@ -213,9 +221,16 @@ class BatchScheduler:
                 request.request_id, 503, f"replica's engine is broken ({self.broken}); it is "
                 "being replaced", refusal=refusals.REPLICA_FAILED))
 
+    async def _engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the engine thread, timed for :meth:`health` while it runs."""
+        self.call_started_s = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self.call_started_s = None
+
     async def run(self) -> None:
         """The batching loop (module docstring), until cancelled."""
-        loop = asyncio.get_running_loop()
         while True:
             loaded = self.host.loaded
             if self.broken is not None:
@@ -231,7 +246,7 @@ class BatchScheduler:
                 request.seq_id = -2  # being submitted
             started = time.perf_counter()
             try:
-                failed, events = await loop.run_in_executor(self._pool, self._tick, submits, cancels)
+                failed, events = await self._engine(self._tick, submits, cancels)
             except RewarmError as exc:
                 await self._fail_held(exc, [r for r, _ in submits])
                 continue
@@ -261,10 +276,10 @@ class BatchScheduler:
                     cancels, self.cancels = self.cancels, []
                     for seq_id in cancels:
                         self.by_seq.pop(seq_id, None)
-                    admitted = await loop.run_in_executor(self._pool, self._admit_one, cancels)
+                    admitted = await self._engine(self._admit_one, cancels)
                     self._deliver(admitted)
                     events += admitted
-                decoded = await loop.run_in_executor(self._pool, self.host.loaded.engine.decode)
+                decoded = await self._engine(self.host.loaded.engine.decode)
             except RewarmError as exc:
                 await self._fail_held(exc, [])
                 continue

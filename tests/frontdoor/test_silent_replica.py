@@ -97,7 +97,12 @@ def test_a_silent_replica_stays_out_of_the_registry_view_until_it_answers_a_prob
         probes = r0.probes
         await f.timeline.run_until(t0 + 3.0 + f.path.config.registry_poll_s + 0.01)
         assert r0.probes > probes                          # probed again while silent
-        f.path.replica_answered(r0)                        # SIGCONT: it answers the probe
+        stuck = {"type": "result", "result": {"ok": True, "state": "serving",
+                                              "engine_busy_s": 60.0}}
+        f.path.replica_answered(r0, stuck)                 # its loop answers, its engine not
+        assert f.path.router.get("r0") is None
+        f.path.replica_answered(r0, {"type": "result",    # SIGCONT: it answers the probe
+                                     "result": {"ok": True, "state": "serving"}})
         assert f.path.router.get("r0") is not None         # back in routing at once (a
         f.path.apply_replicas([instance(r0.load), instance(r1.load)])   # blocking query may
         assert f.path.router.get("r0") is not None         # not change), and the view keeps it

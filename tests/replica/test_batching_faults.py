@@ -117,3 +117,42 @@ def test_an_engine_that_keeps_failing_is_broken_drains_and_refuses_503(booted):
         asyncio.run(main())
     finally:
         engine.forward = inner
+
+
+def test_health_says_how_long_the_engine_has_been_in_one_call(booted):
+    """Its event loop answers ``health`` while the engine thread is stuck in a forward; the
+    answer says for how long, so a front door that found the replica silent keeps it out."""
+    import threading
+
+    engine = booted.engine
+    inner = engine.forward
+    release = threading.Event()
+
+    def stuck(tokens, *rest):
+        release.wait(10)
+        return inner(tokens, *rest)
+
+    async def main():
+        conn = await Conn().open(Worker(dataclasses.replace(booted, engine=engine)))
+        idle = await conn.ask({"op": "health", "id": "h0"})
+        assert "engine_busy_s" not in idle[-1]["result"]          # no engine call running
+        conn.writer.write(pack(gen(1)))
+        await asyncio.sleep(0.3)
+        busy = await conn.ask({"op": "health", "id": "h1"})
+        assert busy[-1]["id"] == "h1" and busy[-1]["result"]["ok"] is True
+        assert busy[-1]["result"]["engine_busy_s"] >= 0.2
+        release.set()
+        seen: list[dict] = []
+        while not any(m["id"] == 1 and m["type"] in ("done", "error") for m in seen):
+            data = await asyncio.wait_for(conn.reader.read(65536), 5)
+            assert data, "worker closed the connection"
+            seen.extend(conn.decoder.feed(data))
+        assert [m for m in seen if m["id"] == 1][-1]["type"] == "done"
+        await conn.close()
+
+    engine.forward = stuck
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        engine.forward = inner
