@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent import logs
 from agent.cluster import ClusterChoice, choose
+from agent.slo import DEADLINE_FACTOR
 
 if TYPE_CHECKING:
     from agent.frontdoor.http_entrance import HttpEntrance
@@ -134,7 +135,10 @@ class Stack:
     agent_listen: str = "127.0.0.1:0"
     http_port: int | None = None   # the OpenAI-compatible entrance (None: not served)
     metrics_port: int | None = None  # the status port, /metrics of every part (None: none)
-    deadline_ms: float = 60_000.0   # the front door's per-model deadline (replays: the SLO)
+    deadline_ms: float = 60_000.0   # the front door's per-model deadline (a cap on the default)
+    # a request without a deadline of its own waits at most this many times its SLO
+    # (FrontDoorConfig.deadline_factor, agent/slo.py; 1: the deadline is the SLO)
+    deadline_factor: float = DEADLINE_FACTOR
     max_wait_s: float = 60.0        # the front door's cap on any request's wait (FrontDoorConfig)
 
     def __post_init__(self) -> None:
@@ -220,14 +224,16 @@ class Stack:
 
     def frontdoor_config(self):
         """The embedded front door's :class:`~agent.frontdoor.config.FrontDoorConfig`: this
-        stack's address, the model's deadline, ``max_wait_s`` (a request's own ``deadline_ms``
-        is held at most this long, so a cold boot's request needs it at least that long)."""
+        stack's address, the model's deadline and ``deadline_factor``, ``max_wait_s`` (a
+        request's own ``deadline_ms`` is held at most this long, so a cold boot's request
+        needs it at least that long)."""
         from agent.frontdoor.server import FrontDoorConfig
 
         return FrontDoorConfig(host=self.host, port=self.port,
                                models={self.model: self.deadline_ms}, registry_poll_s=0.2,
                                restores_per_model=self.restores_per_model,
-                               max_wait_s=self.max_wait_s)
+                               max_wait_s=self.max_wait_s,
+                               deadline_factor=self.deadline_factor)
 
     async def _serve(self, ready: threading.Event) -> None:
         from agent.frontdoor.capacity import NodeAgentCapacity

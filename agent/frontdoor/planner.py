@@ -47,9 +47,12 @@ class ReplicaArrivals(Protocol):
 
 
 class Sizing(Protocol):
-    """One new replica's size (:class:`~agent.frontdoor.budgets.Budgets`)."""
+    """One new replica's size and a request's SLOs (:class:`~agent.frontdoor.budgets.Budgets`)."""
 
     def per_replica(self, model: str) -> int:
+        ...
+
+    def slos_s(self, model: str, prompt_tokens: int = 0) -> tuple[float, float]:
         ...
 
 
@@ -144,6 +147,48 @@ class QueuePlanner:
         plan = state.slot_plan = SlotPlan(now, slots, slots[0][0] if slots else inf, busy)
         return plan
 
+    def admit(self, model: str, before: list[Flight], flight: Flight, now: float,
+              margin_s: float = 0.0, ahead: int = 0) -> tuple[float | None, float, str]:
+        """Whether ``flight`` joins ``model``'s queue behind ``before`` (the queued requests
+        with earlier deadlines, or ``ahead`` more of them taken by count): its predicted TTFT
+        from now (None: refused), the earliest slot's time (for ``retry_after_ms``) and, when
+        refused by the rule below though its deadline could be made, the reason.
+
+        A request the planner can start before its deadline is admitted (:meth:`assign`),
+        late or not, except one that is predicted past its SLO *because of the queue ahead
+        of it*: placed alone (nothing queued ahead) it would start within its SLO.  By
+        Little's law the queue ahead, ``L`` requests at the replicas' throughput ``X``, waits
+        ``W = L / X``; once ``W`` alone is past the SLO, every later arrival waits at least
+        that long while arrivals outpace ``X``, and each late admission adds ``1 / X`` to
+        the wait of all that follow: it spends the capacity that would have served a later
+        request on time to serve this one late.  Refusing it holds the queue at the depth
+        whose wait is the SLO (``X x SLO``).  A request that is late with nothing queued
+        ahead (the replicas' work in flight, or a restore still coming, make it so) adds no
+        such backlog: the deadline, not the SLO, decides it.  The SLO is the path's
+        (:meth:`~agent.frontdoor.budgets.Budgets.slos_s`): the warm SLO on a replica up
+        before the request arrived, the restore SLO on one brought up since."""
+        predicted, fresh, first = self._place(model, before + [flight], now, margin_s, ahead)
+        ttft_s = predicted[-1]
+        if ttft_s is None or (not before and ahead == 0):
+            return ttft_s, first, ""
+        warm_slo_s, restore_slo_s = self.sizing.slos_s(model, flight.prompt_tokens)
+        slo_s = restore_slo_s if fresh[-1] else warm_slo_s
+        waited_s = now - flight.arrival_s
+        if waited_s + ttft_s <= slo_s:
+            return ttft_s, first, ""
+        alone, alone_fresh, _ = self._place(model, [flight], now, margin_s, 0)
+        if alone[0] is None:
+            return ttft_s, first, ""
+        alone_slo_s = restore_slo_s if alone_fresh[0] else warm_slo_s
+        if waited_s + alone[0] > alone_slo_s:
+            return ttft_s, first, ""      # late with no queue ahead: the deadline decides
+        queued = ahead or len(before)
+        return None, first, (
+            f"predicted {(waited_s + ttft_s) * 1000:.0f} ms, past its SLO of "
+            f"{slo_s * 1000:.0f} ms because of the {queued} queued ahead (alone it would "
+            f"start in {(waited_s + alone[0]) * 1000:.0f} ms); a late admission would make "
+            f"the next requests late too")
+
     def assign(self, model: str, flights: list[Flight], now: float,
                 margin_s: float = 0.0, ahead: int = 0) -> tuple[list[float | None], float]:
         """Predicted TTFTs from now (None: no capacity in sight makes its deadline) of
@@ -157,6 +202,13 @@ class QueuePlanner:
         ``ahead`` slots.  The last flight must make its deadlines with ``margin_s`` to spare
         (admission; see :meth:`agent.frontdoor.queues.Queues.hold`).  Also returns the
         earliest slot's time."""
+        predicted, _fresh, first = self._place(model, flights, now, margin_s, ahead)
+        return predicted, first
+
+    def _place(self, model: str, flights: list[Flight], now: float, margin_s: float,
+               ahead: int) -> tuple[list[float | None], list[bool], float]:
+        """:meth:`assign`, and per flight whether its slot is on a replica brought up since
+        it arrived (the restore path's SLO applies there)."""
         slots, first, busy = self.slots(model, now)[1:]
         busy = dict(busy)
         held = self.router.held_prior(model)
@@ -174,11 +226,12 @@ class QueuePlanner:
         else:
             heap = []
         out: list[float | None] = []
+        fresh: list[bool] = []
         last = len(flights) - 1
         for k, flight in enumerate(flights):
             own = held.prefill_s(flight.prompt_tokens)
             spare = margin_s if k == last else 0.0
-            found, passed = None, []
+            found, passed, new = None, [], False
             while heap:
                 slot = heapq.heappop(heap)
                 t, seen, step_s, rid = slot
@@ -189,7 +242,7 @@ class QueuePlanner:
                 ttft_s = max(0.0, begin - now) + own
                 if now + ttft_s + spare <= flight.deadline_s and (
                         seen > flight.arrival_s or now + ttft_s + spare <= flight.warm_deadline_s):
-                    found = ttft_s
+                    found, new = ttft_s, seen > flight.arrival_s
                     if rid:
                         busy[rid] = now + ttft_s
                     heapq.heappush(heap, (now + ttft_s + (flight.req.max_tokens + 1) * step_s,
@@ -199,7 +252,8 @@ class QueuePlanner:
             for slot in passed:
                 heapq.heappush(heap, slot)
             out.append(found)
-        return out, first
+            fresh.append(new)
+        return out, fresh, first
 
     def choose_in_time(self, flight: Flight, now: float) -> tuple[ReplicaLoad, float] | None:
         """The replica with the lowest predicted TTFT that starts ``flight`` within its
