@@ -3,13 +3,20 @@
     bench/engine_compare.py [--engines rewarm_engine,llama_cpp,transformers] [--threads 2]
                             [--peers-python .venv-engines/bin/python] --json PATH
 
-Every engine runs in a child process of its own (so its RSS/PSS is its own), one after the
-other, under the caller's ``flock /tmp/rewarm-bench.lock``.  Each child loads its engine,
-serves one short request and says so (the parent times start -> first token from the
-``Popen``), then measures, on the same token ids (SmolLM2's GGUF vocabulary is the model's):
+Every engine runs in a child process of its own (so its RSS/PSS is its own), under the
+caller's ``flock /tmp/rewarm-bench.lock``.  The children are started one after another; each
+loads its engine, serves one short request and says so (the parent times start -> first
+token from the ``Popen``), warms every shape it will be measured at (one short run per
+prompt length and concurrency), and then waits for commands on stdin.  The parent measures in
+``--rounds`` alternating rounds: each round asks every engine for every figure in turn (the
+order of the engines rotates), so a shared machine's load falls on all engines alike instead
+of on whichever ran while it peaked; each figure reported is the best round's (lowest TTFT,
+highest tokens/s: the least disturbed one), and every round's value is kept under
+``rounds``.  All engines get the same token ids (SmolLM2's GGUF vocabulary is the model's),
+the same threads, and are timed the same way, in the child, around the engine's own call:
 
-    ttft_ms {"32", "512"}     prompt of 32 / 511 tokens -> first token (median of 3; 511 so
-                              that prompt and first token fill the package's 512-token slot)
+    ttft_ms {"32", "512"}     prompt of 32 / 511 tokens -> first token (median of 3 per
+                              round; 511 so that prompt and first token fill a 512-token slot)
     decode_tok_s_per_seq {"1", "4", "8"}
                               tokens after the first / time after the first token, per
                               sequence (median over the sequences), with 1, 4 and 8
@@ -30,8 +37,11 @@ Engines:
   concurrency as one left-padded batch through ``generate``.
 
 ``golden`` (a child too): the int4 package against the int4 eager forward token for token
-(greedy, 3 prompts x 32 tokens) and the drift of the int4 package from the float32 eager
-forward over agent/replica/golden.py's fixed 256-token prompt set.
+(greedy, 3 prompts x 32 tokens: ``package_equals_eager``, ``tokens_equal`` of
+``tokens_compared`` counting each prompt's tokens before its first difference) and logit for logit over agent/replica/golden.py's fixed 256-token
+prompt set (``package_vs_eager_*``), and the drift of the int4 package (``top1_agreement``,
+``max_logit_diff``) and of the int4 eager forward (``eager_int4_vs_fp32_top1_agreement``)
+from the float32 eager forward over the same set.
 
 JSON: ``{"meta": {...}, "engines": {name: {...}}, "golden": {...}, "threads", "loadavg"}``.
 """
@@ -39,11 +49,14 @@ JSON: ``{"meta": {...}, "engines": {name: {...}}, "golden": {...}, "threads", "l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -195,7 +208,36 @@ class Transformers:
         return [[start] + [start + first + k * step for k in range(max_tokens)] for _ in prompts]
 
 
+def decode_prompts(ids: list[int], c: int) -> tuple[list[list[int]], int]:
+    """The prompts and new tokens of the decode run at concurrency ``c`` (see the docstring)."""
+    if c == 1:
+        return [ids[:32]], DECODE_NEW
+    return [ids[i:i + PROMPT_C] for i in range(c)], NEW_C
+
+
+def measure(eng, ids: list[int], what: str) -> dict:
+    """One figure, measured now: ``ttft:N`` or ``decode:C`` (see the docstring), ``mem``."""
+    kind, _, arg = what.partition(":")
+    if kind == "ttft":
+        runs = [eng.run([ids[:min(int(arg), LONG_PROMPT)]], 1)[0] for _ in range(3)]
+        return {"ttft_ms": round(statistics.median(r[1] - r[0] for r in runs) * 1e3, 1)}
+    if kind == "decode":
+        prompts, new = decode_prompts(ids, int(arg))
+        t0 = time.perf_counter()
+        times = eng.run(prompts, new)
+        wall = time.perf_counter() - t0
+        rates = [(len(t) - 2) / (t[-1] - t[1]) for t in times if len(t) > 2 and t[-1] > t[1]]
+        return {"tok_s_per_seq": round(statistics.median(rates), 2) if rates else None,
+                "output_tok_s": round(sum(len(t) - 1 for t in times) / wall, 1),
+                "served": sum(1 for t in times if len(t) - 1 >= new),
+                "ttft_ms_max": round(max(t[1] - t[0] for t in times) * 1e3, 1)}
+    rss, pss = pss_rss_mib()
+    return {"rss_mib": round(rss, 1), "pss_mib": round(pss, 1)}
+
+
 def child(args: argparse.Namespace) -> int:
+    """Load the engine, answer FIRST, warm every measured shape, then answer one RESULT line
+    per command line on stdin (a figure name for :func:`measure`) until stdin closes."""
     model_dir = args.model_dir
     if args.child == "rewarm_engine":
         eng = RewarmEngine(model_dir, args.release, args.threads)
@@ -208,29 +250,14 @@ def child(args: argparse.Namespace) -> int:
     ids = [int(t) for t in json.loads(args.ids.read_text())]
     eng.run([ids[:8]], 1)
     print("FIRST", flush=True)
-    out: dict = {"weights": eng.weights_desc, "concurrency_kind": eng.kind}
-    ttft = {}
-    for n in (32, 512):
-        # "512": 511 prompt tokens, so that prompt + first token fill a 512-position KV slot
-        runs = [eng.run([ids[:min(n, LONG_PROMPT)]], 1)[0] for _ in range(3)]
-        ttft[str(n)] = round(statistics.median(r[1] - r[0] for r in runs) * 1e3, 1)
-    out["ttft_ms"] = ttft
-    decode = {}
+    for n in (32, LONG_PROMPT):
+        eng.run([ids[:n]], 1)
     for c in CONCURRENCY:
-        prompts = [ids[i:i + PROMPT_C] for i in range(c)] if c > 1 else [ids[:32]]
-        new = NEW_C if c > 1 else DECODE_NEW
-        t0 = time.perf_counter()
-        times = eng.run(prompts, new)
-        wall = time.perf_counter() - t0
-        rates = [(len(t) - 2) / (t[-1] - t[1]) for t in times if len(t) > 2 and t[-1] > t[1]]
-        decode[str(c)] = round(statistics.median(rates), 2) if rates else None
-        if c == 8:
-            out["output_tok_s_c8"] = round(sum(len(t) - 1 for t in times) / wall, 1)
-            out["served_c8"] = sum(1 for t in times if len(t) - 1 >= new)
-            out["ttft_ms_c8_max"] = round(max(t[1] - t[0] for t in times) * 1e3, 1)
-    out["decode_tok_s_per_seq"] = decode
-    out["rss_mib"], out["pss_mib"] = (round(x, 1) for x in pss_rss_mib())
-    print("RESULT " + json.dumps(out), flush=True)
+        eng.run(decode_prompts(ids, c)[0], 4)
+    print("READY " + json.dumps({"weights": eng.weights_desc, "concurrency_kind": eng.kind}),
+          flush=True)
+    for line in sys.stdin:
+        print("RESULT " + json.dumps(measure(eng, ids, line.strip())), flush=True)
     return 0
 
 
@@ -262,44 +289,188 @@ def golden_child(args: argparse.Namespace) -> int:
     rows = drift_rows(lambda text: tok.encode(text).ids)
     k, v = new_kv_caches(config, sizes["max_seqs"], sizes["max_seq_len"])
     got = prefill_logits(packaged, rows, k, v)
+    k, v = new_kv_caches(config, sizes["max_seqs"], sizes["max_seq_len"])
+    same_precision = prefill_logits(Transformer.from_weights(config, weights), rows, k, v)
     dense_cfg = LlamaConfig.from_dir(args.dense_dir)
     reference = Transformer.from_weights(dense_cfg, load_hf_weights(args.dense_dir, dense_cfg))
     k, v = new_kv_caches(dense_cfg, len(rows), len(rows[0]))
     want = prefill_logits(reference, rows, k, v)
+    # tokens before each prompt's first difference (after one, the prefixes differ)
+    tokens_equal = sum(next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+                       for x, y in zip(runs[0], runs[1], strict=True))
     out = {"package_equals_eager": runs[0] == runs[1], "tokens_compared": sum(map(len, runs[0])),
+           "tokens_equal": tokens_equal,
            **{k: round(v, 4) if isinstance(v, float) else v for k, v in drift(want, got).items()}}
     out["top1_agreement"] = out.pop("top1_agreement")
+    vs_eager = drift(same_precision, got)
+    out["package_vs_eager_max_logit_diff"] = round(vs_eager["max_logit_diff"], 4)
+    out["package_vs_eager_top1_agreement"] = round(vs_eager["top1_agreement"], 4)
+    out["eager_int4_vs_fp32_top1_agreement"] = round(drift(want, same_precision)["top1_agreement"], 4)
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 
 
 # --- the parent ---------------------------------------------------------------------------------
-def run_child(python: str, name: str, argv: list[str], timeout_s: float) -> dict:
-    """Start the child for ``name``; returns its RESULT (with start_to_first_token_s) or
-    ``{"error": ...}``.  The child is killed when it outlives ``timeout_s``."""
-    cmd = [python, str(Path(__file__).resolve()), "--child", name, *argv]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)})
-    first, result = None, None
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("FIRST") and first is None:
-                first = time.perf_counter() - t0
-            elif line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
-            if time.perf_counter() - t0 > timeout_s:
+FIGURES = ("ttft:32", "ttft:512", *(f"decode:{c}" for c in CONCURRENCY))
+
+
+class Child:
+    """One engine's child process: started, then asked for figures one line at a time.
+    Every wait is bounded by ``timeout_s`` (the child is killed past it)."""
+
+    def __init__(self, python: str, name: str, argv: list[str], timeout_s: float) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [python, str(Path(__file__).resolve()), "--child", name, *argv],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)})
+        threading.Thread(target=self._read, daemon=True).start()
+        self.info: dict = {}
+        first = self._expect(("FIRST", "RESULT "))
+        if first is not None and first.startswith("FIRST"):
+            self.info["start_to_first_token_s"] = round(time.perf_counter() - t0, 2)
+            ready = self._expect(("READY ",))
+            if ready is not None:
+                self.info.update(json.loads(ready[len("READY "):]))
+        elif first is not None:                    # a one-shot child (golden)
+            self.info.update(json.loads(first[len("RESULT "):]))
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _expect(self, prefixes: tuple[str, ...]) -> str | None:
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
                 break
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        _, err = proc.communicate()
-    if result is None:
-        return {"error": (err or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]}
-    if first is not None:
-        result["start_to_first_token_s"] = round(first, 2)
-    return result
+            if line is None:
+                break
+            if line.startswith(prefixes):
+                return line
+        self.close()
+        return None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def ask(self, figure: str) -> dict | None:
+        if not self.alive:
+            return None
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(figure + "\n")
+        self.proc.stdin.flush()
+        line = self._expect(("RESULT ",))
+        return None if line is None else json.loads(line[len("RESULT "):])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def error(self) -> dict:
+        err = self.proc.stderr.read() if self.proc.stderr is not None else ""
+        return {"error": (err or "").strip().splitlines()[-1:] or [f"exit {self.proc.returncode}"]}
+
+
+def best_of(rounds: list[dict]) -> dict:
+    """An engine's figures from its rounds: the lowest TTFT, the highest decode tokens/s per
+    sequence, and at 8 concurrent the round with the highest output tokens/s (its served
+    count and slowest TTFT with it)."""
+    out: dict = {"ttft_ms": {}, "decode_tok_s_per_seq": {}}
+    for n in ("32", "512"):
+        got = [r[f"ttft:{n}"]["ttft_ms"] for r in rounds if r.get(f"ttft:{n}")]
+        out["ttft_ms"][n] = min(got) if got else None
+    for c in CONCURRENCY:
+        got = [r[f"decode:{c}"] for r in rounds if r.get(f"decode:{c}")]
+        rates = [g["tok_s_per_seq"] for g in got if g["tok_s_per_seq"] is not None]
+        out["decode_tok_s_per_seq"][str(c)] = max(rates) if rates else None
+        if c == 8 and got:
+            top = max(got, key=lambda g: g["output_tok_s"])
+            out.update(output_tok_s_c8=top["output_tok_s"], served_c8=top["served"],
+                       ttft_ms_c8_max=top["ttft_ms_max"])
+    return out
+
+
+def compare(children: dict[str, Child], rounds: int) -> dict[str, dict]:
+    """``rounds`` alternating rounds over every live child (see the docstring)."""
+    names = [n for n, c in children.items() if c.alive]
+    per: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)] if names else []
+        got: dict[str, dict] = {n: {} for n in order}
+        for figure in FIGURES:
+            for name in order:
+                got[name][figure] = children[name].ask(figure)
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        for name in order:
+            per[name].append({**got[name], "loadavg": load})
+        print(f"round {r + 1}/{rounds}: " + json.dumps(got), file=sys.stderr, flush=True)
+    out = {}
+    for name in names:
+        kid = children[name]
+        mem = kid.ask("mem") or {}
+        out[name] = {**kid.info, **best_of(per[name]), **mem, "rounds": per[name]}
+    return out
+
+
+def _ratio(a, b) -> str | None:
+    return f"{a / b:.2f}" if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+
+
+def headline(engines: dict[str, dict]) -> list[list[str]]:
+    """Ratios of rewarm's engine to llama.cpp measured in this run (higher is better for
+    rewarm in each): decode tokens/s at 1 sequence, TTFT at 32 tokens (llama.cpp's over
+    rewarm's), output tokens/s at 8 concurrent."""
+    r, ll = engines.get("rewarm_engine", {}), engines.get("llama_cpp", {})
+    if "error" in r or "error" in ll or not r or not ll:
+        return []
+    rows = [["decode tok/s, 1 seq, rewarm / llama.cpp",
+             _ratio(r["decode_tok_s_per_seq"]["1"], ll["decode_tok_s_per_seq"]["1"])],
+            ["TTFT 32-token prompt, llama.cpp / rewarm", _ratio(ll["ttft_ms"]["32"], r["ttft_ms"]["32"])],
+            ["output tok/s at 8 concurrent, rewarm / llama.cpp",
+             _ratio(r.get("output_tok_s_c8"), ll.get("output_tok_s_c8"))]]
+    return [row for row in rows if row[1] is not None]
+
+
+def tables(engines: dict[str, dict], golden: dict) -> list[dict]:
+    """The page's tables (bench/render_docs.py): the engines, each round's load, the golden."""
+    cols = ["engine", "weights", "concurrency", "start -> first token s", "TTFT 32 ms",
+            "TTFT 512 ms", "decode tok/s/seq c1", "c4", "c8", "output tok/s c8", "served c8",
+            "slowest TTFT c8 ms", "RSS MiB", "PSS MiB"]
+    rows = []
+    for name, e in engines.items():
+        if "error" in e:
+            rows.append([name, "error: " + " ".join(e["error"])] + [None] * (len(cols) - 2))
+            continue
+        d, t = e["decode_tok_s_per_seq"], e["ttft_ms"]
+        rows.append([name, e.get("weights"), e.get("concurrency_kind"),
+                     e.get("start_to_first_token_s"), t["32"], t["512"], d["1"], d["4"], d["8"],
+                     e.get("output_tok_s_c8"), e.get("served_c8"), e.get("ttft_ms_c8_max"),
+                     e.get("rss_mib"), e.get("pss_mib")])
+    load_rows = [[name, i + 1, r.get("loadavg")] for name, e in engines.items()
+                 for i, r in enumerate(e.get("rounds", []))]
+    out = [{"title": "Engines, best of the alternating rounds", "columns": cols, "rows": rows,
+            "notes": "each figure is the best round's (lowest TTFT, highest tokens/s) on a "
+                     "shared two-core machine; decode tok/s/seq counts tokens after the first"},
+           {"title": "Load average after each round", "columns": ["engine", "round", "loadavg"],
+            "rows": load_rows}]
+    if golden and "error" not in golden:
+        out.append({"title": "Golden: package against eager, drift from float32",
+                    "columns": ["key", "value"], "rows": [[k, v] for k, v in golden.items()]})
+    return out
 
 
 def print_table(out: dict) -> None:
@@ -335,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers-python", default=str(REPO / ".venv-engines" / "bin" / "python"),
                         help="a Python with llama-cpp-python (make bench-engines)")
     parser.add_argument("--timeout-s", type=float, default=900)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds; each figure is the best round's")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.child:
@@ -358,19 +531,28 @@ def main(argv: list[str] | None = None) -> int:
     ids_file.write_text(json.dumps(token_ids(model_dir, 512)))
     common = ["--model-dir", str(model_dir), "--dense-dir", str(args.dense_dir), "--gguf", str(gguf),
               "--release", str(release), "--threads", str(args.threads), "--ids", str(ids_file)]
-    engines = {}
+    children = {}
     for name in [e for e in args.engines.split(",") if e]:
         python = args.peers_python if name == "llama_cpp" else sys.executable
-        engines[name] = run_child(python, name, common, args.timeout_s)
-        print(f"{name}: {json.dumps(engines[name])}", file=sys.stderr, flush=True)
-    golden = run_child(sys.executable, "golden", common, args.timeout_s)
-    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    out = {"meta": {"command": "bench/engine_compare.py " + " ".join(argv or sys.argv[1:]),
-                    "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}", "loadavg": load,
-                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit},
-           "engines": engines, "golden": golden, "threads": args.threads, "loadavg": load,
+        children[name] = Child(python, name, common, args.timeout_s)
+        print(f"{name}: {json.dumps(children[name].info)}", file=sys.stderr, flush=True)
+    try:
+        measured = compare(children, args.rounds)
+    finally:
+        for kid in children.values():
+            kid.close()
+    engines = {name: measured.get(name) or kid.error() for name, kid in children.items()}
+    golden_child_proc = Child(sys.executable, "golden", common, args.timeout_s)
+    golden_child_proc.close()
+    golden = golden_child_proc.info or golden_child_proc.error()
+    from bench.run_meta import run_meta
+
+    meta = run_meta([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    out = {"meta": meta, "title": "rewarm's engine beside llama.cpp and transformers, same "
+                                  f"model, {args.threads} threads, {args.rounds} alternating rounds",
+           "headline": headline(engines), "tables": tables(engines, golden),
+           "engines": engines, "golden": golden, "threads": args.threads,
+           "loadavg": meta["loadavg"], "rounds": args.rounds,
            "rewarm_up_pss_mib_idle": None, "rewarm_up_pss_mib_per_extra_replica": None}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")
