@@ -279,10 +279,30 @@ def main(argv: list[str] | None = None) -> int:
     out["machine"] = {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
                       "torch": torch.__version__}
     out["wall_s"] = round(time.perf_counter() - wall0, 1)
+    from bench.run_meta import run_meta
+
+    out["meta"] = run_meta([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    out["tables"] = tables(out)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")
     print_table(out)
     return 0
+
+
+def tables(out: dict) -> list[dict]:
+    """The measured points beside the fit, for bench/render_docs.py."""
+    sp = SpeedProfile(**out["speed"])
+    return [{"title": f"Prefill, one prompt ({out['forward']}, {out['threads']} threads)",
+             "columns": ["prompt tokens", "prefill ms (median)", "fit ms"],
+             "rows": [[p["prompt_tokens"], round(p["s"] * 1e3, 2),
+                       round(sp.prefill_s(p["prompt_tokens"]) * 1e3, 2)] for p in out["prefill"]]},
+            {"title": "Decode step, every active sequence together",
+             "columns": ["batch", "context tokens (all sequences)", "step ms (median)", "fit ms"],
+             "rows": [[d["batch"], d["context_tokens"], round(d["step_s"] * 1e3, 2),
+                       round(sp.decode_step_s(d["batch"], d["context_tokens"]) * 1e3, 2)]
+                      for d in out["decode"]]},
+            {"title": "Fitted speed (agent/speed.py's SpeedProfile)", "columns": ["key", "value"],
+             "rows": [[k, round(v, 6)] for k, v in out["speed"].items()]}]
 
 
 def print_table(out: dict) -> None:
