@@ -384,13 +384,19 @@ class Transformer(nn.Module):
         return model.eval().requires_grad_(False)
 
     def rope_cos_sin(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, S, 1, D] float32 for positions ``input_pos`` [B, S] (theta from config)."""
+        """cos/sin [B, S, 1, D] float32 for positions ``input_pos`` [B, S] (theta from config).
+
+        Computed in float64 and rounded to float32: the compiled package's vectorised float32
+        ``cos``/``sin`` differ from ATen's by one ulp in more than half of the values (measured
+        over positions 0..511 of SmolLM2's head_dim 64), which after bfloat16 rounding flipped
+        prefill logits by up to 0.8 between the package and its eager forward; two float64
+        results 1 ulp apart round to the same float32 except in rare ties."""
         d = self.config.head_dim
         inv_freq = 1.0 / (self.config.rope_theta ** (
-            torch.arange(0, d, 2, dtype=torch.float32, device=input_pos.device) / d))
-        angles = input_pos.unsqueeze(-1).float() * inv_freq                # [B, S, D/2]
+            torch.arange(0, d, 2, dtype=torch.float64, device=input_pos.device) / d))
+        angles = input_pos.unsqueeze(-1).double() * inv_freq               # [B, S, D/2]
         angles = torch.cat([angles, angles], dim=-1).unsqueeze(2)          # [B, S, 1, D]
-        return angles.cos(), angles.sin()
+        return angles.cos().float(), angles.sin().float()
 
     @staticmethod
     def causal_mask(input_pos: torch.Tensor, context_len: int) -> torch.Tensor:

@@ -134,3 +134,25 @@ def test_attention_over_the_live_context_equals_attention_over_the_whole_slot(se
     torch.testing.assert_close(live, full, atol=1e-5, rtol=1e-5)
     for a, b in zip(caches[0] + caches[1], whole[0] + whole[1], strict=True):
         assert torch.equal(a, b)
+
+
+def test_compiled_rope_tables_equal_eager_bit_for_bit():
+    """The package computes cos/sin with Inductor's vectorised math, eager with ATen's; in
+    float32 they differ by one ulp in most entries, which bfloat16 rounding turns into
+    different prefill logits.  Computed in float64 and rounded, they agree exactly."""
+    from agent.replica.config import LlamaConfig
+
+    config = LlamaConfig(hidden_size=576, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=16,
+                         max_position_embeddings=1024, rope_theta=100000.0)
+    with torch.device("meta"):
+        shell = Transformer(config)
+    pos = torch.arange(512).view(2, 256)
+
+    def tables(p):
+        return Transformer.rope_cos_sin(shell, p)
+
+    eager, compiled = tables(pos), torch.compile(tables, dynamic=False)(pos)
+    assert eager[0].dtype == torch.float32 and eager[0].shape == (2, 256, 1, 64)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
