@@ -97,7 +97,7 @@ def test_rope_rotates_pairs_half_apart(setup):
     assert cos.shape == (1, 2, 1, model.config.head_dim)
     torch.testing.assert_close(cos[0, 0], torch.ones_like(cos[0, 0]))
     # frequency 0 of the first half equals frequency 0 of the second half (rotate-half layout)
-    assert cos[0, 1, 0, 0] == cos[0, 1, 0, model.config.head_dim // 2] == torch.cos(torch.tensor(1.0))
+    assert cos[0, 1, 0, 0] == cos[0, 1, 0, model.config.head_dim // 2] == torch.cos(torch.tensor(1.0, dtype=torch.float64)).float()
 
 
 def test_live_context_is_the_longest_position_rounded_up_to_a_block():
