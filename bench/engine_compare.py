@@ -505,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="AOT release of --model-dir (default var/releases/<name>-<version>)")
     parser.add_argument("--peers-python", default=str(REPO / ".venv-engines" / "bin" / "python"),
                         help="a Python with llama-cpp-python (make bench-engines)")
+    parser.add_argument("--transformers-python", default=sys.executable,
+                        help="a Python with torch and transformers (default: this one)")
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating rounds; each figure is the best round's")
@@ -533,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
               "--release", str(release), "--threads", str(args.threads), "--ids", str(ids_file)]
     children = {}
     for name in [e for e in args.engines.split(",") if e]:
-        python = args.peers_python if name == "llama_cpp" else sys.executable
+        python = {"llama_cpp": args.peers_python,
+                  "transformers": args.transformers_python}.get(name, sys.executable)
         children[name] = Child(python, name, common, args.timeout_s)
         print(f"{name}: {json.dumps(children[name].info)}", file=sys.stderr, flush=True)
     try:
