@@ -327,10 +327,22 @@ def main(argv: list[str] | None = None) -> int:
 
     out["meta"] = run_meta([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     out["tables"] = tables(out)
+    out["headline"] = headline(out)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")
     print_table(out)
     return 0
+
+
+def headline(out: dict) -> list[list]:
+    """The decode step at one and at the largest batch (shortest context, median ms) and the
+    fitted prefill rate."""
+    steps = {}
+    for d in out["decode"]:
+        steps.setdefault(d["batch"], d)       # the first (shortest) context of each batch
+    rows = [[f"decode step ms, batch {b}, {steps[b]['context_tokens']} tokens cached",
+             round(steps[b]["step_s"] * 1e3, 2)] for b in sorted({min(steps), max(steps)})]
+    return rows + [["prefill tokens/s (fit)", round(out["speed"]["prefill_tokens_per_s"], 1)]]
 
 
 def tables(out: dict) -> list[dict]:

@@ -50,3 +50,6 @@ def test_headline_ratios_come_from_the_same_engines_dict(bench):
         ["TTFT 32-token prompt, llama.cpp / rewarm", "2.00"],
         ["output tok/s at 8 concurrent, rewarm / llama.cpp", "2.00"]]
     assert bench.headline({"rewarm_engine": {"error": ["x"]}, "llama_cpp": {}}) == []
+    # llama.cpp runs "concurrent" requests one at a time: its best one-sequence rate counts
+    engines["llama_cpp"]["decode_tok_s_per_seq"] = {"1": 30.0, "4": 120.0, "8": None}
+    assert bench.headline(engines)[0] == ["decode tok/s, 1 seq, rewarm / llama.cpp", "0.50"]
