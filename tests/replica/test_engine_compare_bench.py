@@ -53,3 +53,47 @@ def test_headline_ratios_come_from_the_same_engines_dict(bench):
     # llama.cpp runs "concurrent" requests one at a time: its best one-sequence rate counts
     engines["llama_cpp"]["decode_tok_s_per_seq"] = {"1": 30.0, "4": 120.0, "8": None}
     assert bench.headline(engines)[0] == ["decode tok/s, 1 seq, rewarm / llama.cpp", "0.50"]
+
+
+FAKE_CHILD = '''
+import json, sys
+name = sys.argv[sys.argv.index("--child") + 1]
+print("FIRST", flush=True)
+print("READY " + json.dumps({"weights": name, "concurrency_kind": "fake"}), flush=True)
+n = 0
+for line in sys.stdin:
+    n += 1
+    what = line.strip()
+    if what.startswith("ttft"):
+        out = {"ttft_ms": float(n)}
+    elif what.startswith("decode"):
+        out = {"tok_s_per_seq": float(n), "output_tok_s": float(n), "served": 8, "ttft_ms_max": 1.0}
+    else:
+        out = {"rss_mib": 1.0, "pss_mib": 1.0}
+    print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def test_compare_asks_every_child_for_every_figure_each_round(bench, tmp_path, monkeypatch):
+    """The parent's protocol against two stand-in children: each answers its n-th question
+    with n, so the best TTFT is the first answer and the best rate the last."""
+    import sys
+
+    from bench import engine_rounds
+
+    script = tmp_path / "child.py"
+    script.write_text(FAKE_CHILD)
+    monkeypatch.setattr(engine_rounds, "SCRIPT", script)
+    kids = {name: engine_rounds.Child(sys.executable, name, [], timeout_s=30) for name in ("a", "b")}
+    try:
+        assert kids["a"].info["weights"] == "a" and "start_to_first_token_s" in kids["a"].info
+        out = engine_rounds.compare(kids, rounds=2)
+    finally:
+        for kid in kids.values():
+            kid.close()
+    per_round = len(engine_rounds.FIGURES)
+    for name in ("a", "b"):
+        assert len(out[name]["rounds"]) == 2 and out[name]["pss_mib"] == 1.0
+        assert out[name]["ttft_ms"]["32"] == 1.0
+        assert out[name]["decode_tok_s_per_seq"]["8"] == 2.0 * per_round
+    assert all(not kid.alive for kid in kids.values())
