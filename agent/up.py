@@ -54,16 +54,25 @@ DEFAULT_PORT = 7400   # where ``rewarm generate`` looks by default
 # --- preparing the model ---------------------------------------------------------------------
 
 def prepare_release(model_dir: Path, release_dir: Path, *, cache_dir: Path) -> tuple[Path | None, str]:
-    """The AOT release for this machine's target: reused when a package is there, else built
-    by a ``rewarm build`` child process (minutes on two cores).  Returns ``(release or None,
-    note)``; None (eager) when the build fails, with the reason in ``note``."""
+    """The AOT release for this machine's target: reused when a package is there that this
+    code built for this model's weight scheme (``package.json``'s ``source``, see
+    :func:`agent.replica.aot.forward_source_digest`, and ``weight_scheme``), else built by a
+    ``rewarm build`` child process (minutes on two cores) over the stale one.  Returns
+    ``(release or None, note)``; None (eager) when the build fails, with the reason in
+    ``note``."""
     from agent.errors import RewarmError
     from agent.replica import aot
     from agent.replica.compile_cache import apply_cache_env
+    from agent.replica.config import LlamaConfig
 
     try:
-        aot.find_package(release_dir)
-        return release_dir, "aot (package reused)"
+        manifest = aot.read_package_manifest(aot.find_package(release_dir))
+        scheme = LlamaConfig.from_dir(model_dir).weight_scheme
+        if (manifest.get("source") == aot.forward_source_digest()
+                and manifest.get("weight_scheme", "dense") == scheme):
+            return release_dir, "aot (package reused)"
+        logs.say(f"the AOT package in {release_dir} was built from other forward code or for "
+                 f"another weight scheme than {scheme}; rebuilding it")
     except (FileNotFoundError, RewarmError, OSError, ValueError):
         pass
     logs.say(f"building the AOT package for this CPU into {release_dir} (a few minutes, once)")
