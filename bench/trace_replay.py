@@ -270,8 +270,7 @@ def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, re
             f"batch {scale.batch}, offered {scale.offered_rps:.2f} req/s = load {scale.load:.2f}"
             f"{' (' + scale.bound + ' bound)' if scale.bound else ''}; {len(plan)} requests "
             f"over {scale.wall_s:.0f} s")
-        policy = predictor_policy(restore_s, cap)
-        stack.predictor_overrides = policy
+        stack.predictor_overrides = predictor_policy(restore_s, cap)
         stack.start_predicting()
         stack.predictor.predictor.update_speed(model, profile, max_seqs,
                                                mean_prompt_tokens=scale.mean_prompt_tokens,
