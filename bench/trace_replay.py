@@ -281,8 +281,10 @@ def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, re
         outcomes = asyncio.run(replay.send_plan(address, model, plan, base,
                                                 until_s=scale.wall_s))
         span_s = sampler.stop()
+        busy1 = _machine_busy_s()
         contention = contention_of(cpu_s=_own_cpu_s() - cpu0,
-                                   machine_busy_s=_machine_busy_s() - busy0, span_s=span_s,
+                                   machine_busy_s=None if busy0 is None or busy1 is None
+                                   else busy1 - busy0, span_s=span_s,
                                    requests=len(plan), cap=cap, threads=args.threads,
                                    actual=calibrated, scale=scale)
         # the front door's own counts: replica 429s, requests placed again, late first tokens
