@@ -168,6 +168,8 @@ class Queues:
         self.queued_models.add(model)
         self.telemetry.queue_depth(model, len(queue))
         self.restores.maybe_restore(model)
+        if len(queue) == 1 and warm_pred_s is not None:
+            self.drain(model)   # admitted late with a replica that can take it now: sent now
 
     def drain(self, model: str) -> None:
         """Dispatch queued requests earliest deadline first while a replica can start them
