@@ -408,7 +408,7 @@ def contention_of(*, cpu_s: float, machine_busy_s: float | None, span_s: float,
     """What the replay's own process took of the node during the window, and the speed it
     leaves the replicas (:func:`agent.sim.contention.shared_core_speed`): ``cpu_s`` (this
     process), ``cpu_s_per_request``, ``machine_busy_cores`` (every process, mean over the
-    window; the other engineers' work included), ``service_rps`` (one replica at the
+    window; other users' work included), ``service_rps`` (one replica at the
     replay's batch at the calibrated speed) and ``speed``."""
     from agent.node.capacity import usable_cores
     from agent.sim.contention import shared_core_speed
