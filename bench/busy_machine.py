@@ -291,6 +291,8 @@ def guidellm_rate(port: int, model: str, rate: float, count: int) -> dict:
     exe = Path(sys.executable).with_name("guidellm")
     if exe.is_file():
         from agent.replica.smollm2 import DEFAULT_DIR
+
+        sys.path.insert(0, str(REPO / "bench"))   # http_load imports its sibling open_loop
         from bench.http_load import _guidellm, _guidellm_summary
 
         report = _guidellm(port, model, DEFAULT_DIR, REPO / "var" / "bench", rate=rate,
