@@ -237,12 +237,13 @@ def discover(*, consul_host: str | None = None, consul_port: int = 8500,
     cannot be reached."""
     if registry is not None:
         return [(i.address, i.port) for i in registry.healthy(FRONTDOOR_SERVICE)]
-    from agent.cluster.consul_http import consul_client  # CONSUL_HTTP_SSL, CONSUL_CACERT...
+    from agent.cluster import ClusterChoice, consul_client  # CONSUL_HTTP_SSL, CONSUL_CACERT...
     from agent.errors import ClusterError
+    choice = ClusterChoice(registry="consul",
+                           consul=f"{consul_host or '127.0.0.1'}:{consul_port}")
     try:
-        _, entries = consul_client(f"{consul_host or '127.0.0.1'}:{consul_port}",
-                                   consul_token).health.service(FRONTDOOR_SERVICE,
-                                                                passing=True)
+        _, entries = consul_client(choice, token=consul_token).health.service(
+            FRONTDOOR_SERVICE, passing=True)
     except Exception as exc:  # requests/py-consul errors
         raise ClusterError(f"consul at {consul_host}:{consul_port}: {exc}",
                            service="consul", status=None) from exc

@@ -238,7 +238,7 @@ class Stack:
     async def _serve(self, ready: threading.Event) -> None:
         from agent.frontdoor.capacity import NodeAgentCapacity
         from agent.frontdoor.server import FrontDoor
-        from agent.cluster.control import control_token
+        from agent.wire.control import control_token
         from agent.node.control import ControlServer
 
         self._stop_async = asyncio.Event()

@@ -101,7 +101,7 @@ def run_up(args: argparse.Namespace) -> int:
         from agent.telemetry import DEFAULT_METRICS_PORT
         args.metrics_port = 0 if args.demo or args.port == 0 else DEFAULT_METRICS_PORT
     if args.agent_listen is None:
-        from agent.cluster.control import DEFAULT_AGENT
+        from agent.wire.control import DEFAULT_AGENT
         args.agent_listen = "127.0.0.1:0" if args.demo else DEFAULT_AGENT
     try:
         check_port(args.host, args.port)   # said before minutes of preparation, as is

@@ -43,7 +43,7 @@ WHEELS=(
   "$(pin zstandard '>=0.22,<1')" "$(pin cffi '>=1.16,<3')" "$(pin pycparser '')"
   "$(pin nvidia-ml-py '>=12.535')" "$(pin py-consul '>=1.5,<2')" "$(pin python-nomad '>=2,<3')"
   "$(pin prometheus-client '>=0.20,<1')" "$(pin gguf '>=0.10,<1')" "$(pin tokenizers '>=0.19,<1')"
-  "$(pin huggingface-hub '')" "$(pin python-hcl2 '>=4.3')" "$(pin lark '')" "$(pin tqdm '>=4.66')"
+  "$(pin huggingface-hub '')" "$(pin tqdm '>=4.66')"
   "$(pin pyyaml '')" "$(pin requests '')" "$(pin urllib3 '')" "$(pin idna '')" "$(pin certifi '')"
   "$(pin charset-normalizer '')" "$(pin packaging '')" "$(pin filelock '')" "$(pin fsspec '')"
   "$(pin typing-extensions '')"

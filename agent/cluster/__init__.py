@@ -25,10 +25,27 @@ flag                        meaning (default)
 
 ``--scaler agents`` is the former spelling of ``--scaler local`` and is still accepted.
 The cluster-mode services beside the registry (a Consul client, the snapshot summary in
-Consul KV, the predictor's leader lock, the model catalog, Nomad node metadata) are built here
-too (:func:`consul_client`, :func:`snapshot_summary`, :func:`leader_lock`,
-:func:`model_catalog`, :func:`catalog_watcher`, :func:`node_metadata`).  Code outside this package depends on the
-Protocols of :mod:`agent.cluster.base` and on these functions, not on the modules behind them.
+Consul KV and the scale-in guard over it, the predictor's leader lock, the model catalog,
+Nomad node metadata, the ACL-refusal gauge) are built here too (:func:`consul_client`,
+:func:`snapshot_summary`, :func:`snapshot_durable`, :func:`leader_lock`,
+:func:`cluster_model_catalog`, :func:`catalog_watcher`, :func:`node_metadata`,
+:func:`acl_denied_gauge`).  No function here takes a module's name: importing
+``agent.cluster.NAME`` binds ``NAME`` in this package to the module, over a function of that
+name.
+
+Code outside this package imports this package's functions and two of its modules, never the
+modules behind the functions (tests/cluster/test_boundary.py scans ``agent/`` for it):
+
+- :mod:`agent.cluster.base`: the Protocols (``Registry``, ``Scaler``), ``ServiceInstance``
+  and the registry meta keys every side reads;
+- :mod:`agent.cluster.scale_up`: ``ScaleUp``, the front door's serialised scale-from-zero;
+  it drives any ``Scaler`` through the Protocol alone and reaches no outside system.
+
+The node agent's control-API client (its token, the default address, ``control_call``) is no
+registry or scaler: it is the control API's wire protocol, in :mod:`agent.wire.control` beside
+the other clients of rewarm's wire, where the front door, the predictor, ``rewarm up`` and
+the node agent's server and commands all reach it (``agent.cluster.control`` names the same
+objects, for scripts that import it there).
 """
 
 from __future__ import annotations
@@ -46,7 +63,9 @@ if TYPE_CHECKING:
 
     from agent.clock import Clock
     from agent.cluster.base import Registry, Scaler
-    from agent.cluster.consul_kv import SnapshotKV
+    from prometheus_client import Gauge
+
+    from agent.cluster.consul_kv import DurableCatalog, SnapshotKV
     from agent.cluster.leader import LeaderLock
     from agent.cluster.model_catalog import CatalogWatcher, ModelCatalog
     from agent.cluster.node_meta import SnapshotMetadata
@@ -167,7 +186,7 @@ def choose(kind: str, choice: ClusterChoice, *, clock: Clock | None = None,
 
     ``clock`` drives TTLs and back-offs (default: the system clock).  For a local scaler,
     ``agents`` maps node names to ``call(op, **fields)`` functions (default: each of
-    ``choice.node_agents`` through :func:`agent.cluster.control.control_call`); for a Nomad
+    ``choice.node_agents`` through :func:`agent.wire.control.control_call`); for a Nomad
     scaler, ``max_replicas(model)`` is the scaling max of a job it registers (default
     ``choice.max_replicas`` for every model).  KeyError names the choices for an unknown
     ``kind``; what the implementation's constructor raises passes through.
@@ -191,7 +210,7 @@ def _consul_registry(cls: type, choice: ClusterChoice, clock: Clock | None, **_:
 
 def _local_scaler(cls: type, choice: ClusterChoice, clock: Clock | None, *,
                   agents: Mapping[str, Callable[..., dict]] | None, **_: Any) -> Any:
-    from agent.cluster.control import control_call, default_agent
+    from agent.wire.control import control_call, default_agent
 
     if agents is None:
         agents = {a: functools.partial(control_call, a, timeout_s=CONTROL_TIMEOUT_S)
@@ -222,13 +241,14 @@ _BUILDERS: dict[tuple[str, str], Callable[..., Any]] = {
 
 # --- cluster-mode services beside the registry -------------------------------------------------
 
-def consul_client(choice: ClusterChoice) -> consul.Consul:
+def consul_client(choice: ClusterChoice, *, token: str | None = None) -> consul.Consul:
     """A py-consul client for ``choice.consul`` (None: ``$CONSUL_HTTP_ADDR``, else
-    127.0.0.1:8500; token and TLS from the ``CONSUL_*`` variables).  One call at a time per
-    client: each thread that talks to Consul gets its own."""
+    127.0.0.1:8500; TLS from the ``CONSUL_*`` variables) with ACL ``token`` (None:
+    ``$CONSUL_HTTP_TOKEN``).  One call at a time per client: each thread that talks to Consul
+    gets its own."""
     from agent.cluster.consul_http import consul_client as client
 
-    return client(choice.consul)
+    return client(choice.consul, token)
 
 
 def snapshot_summary(choice: ClusterChoice) -> SnapshotKV | None:
@@ -241,6 +261,25 @@ def snapshot_summary(choice: ClusterChoice) -> SnapshotKV | None:
     return SnapshotKV(consul_client(choice))
 
 
+def snapshot_durable(catalog: DurableCatalog | None, summary: SnapshotKV | None
+                     ) -> Callable[[str], bool]:
+    """The predictor's scale-in guard, ``check(model) -> bool``: the model's snapshot is
+    ready and durable in ``catalog`` (the node's SQLite catalog) and in ``summary``
+    (:func:`snapshot_summary`); each source that is given must agree, neither given answers
+    False, and an unreachable Consul answers False."""
+    from agent.cluster.consul_kv import snapshot_durable as guard
+
+    return guard(catalog, summary)
+
+
+def acl_denied_gauge() -> Gauge:
+    """``rewarm_cluster_acl_denied{service}``: 1 while Consul or Nomad refuses this process's
+    token (agent/cluster/acl.py), for a process to register on its status port."""
+    from agent.cluster.acl import ACL_DENIED
+
+    return ACL_DENIED
+
+
 def leader_lock(choice: ClusterChoice, *, clock: Clock, name: str) -> LeaderLock | None:
     """The predictor's leader lock (a Consul session held as ``name``), or None with a local
     registry (one predictor: it always acts)."""
@@ -251,7 +290,7 @@ def leader_lock(choice: ClusterChoice, *, clock: Clock, name: str) -> LeaderLock
     return LeaderLock(consul_client(choice), clock=clock, name=name)
 
 
-def model_catalog(choice: ClusterChoice) -> ModelCatalog | None:
+def cluster_model_catalog(choice: ClusterChoice) -> ModelCatalog | None:
     """The models and their policies in Consul KV (``rewarm/models/``), or None with a local
     registry."""
     if choice.registry != "consul":
@@ -263,9 +302,9 @@ def model_catalog(choice: ClusterChoice) -> ModelCatalog | None:
 
 def catalog_watcher(choice: ClusterChoice,
                     on_change: Callable[[dict[str, dict]], None]) -> CatalogWatcher | None:
-    """A started watch of :func:`model_catalog` calling ``on_change({model: policy})`` from
-    its own thread at each change, or None with a local registry."""
-    catalog = model_catalog(choice)
+    """A started watch of :func:`cluster_model_catalog` calling ``on_change({model:
+    policy})`` from its own thread at each change, or None with a local registry."""
+    catalog = cluster_model_catalog(choice)
     if catalog is None:
         return None
     from agent.cluster.model_catalog import CatalogWatcher

@@ -1,8 +1,10 @@
 """Extension points for service discovery and scaling.
 
-Two small protocols; implementations are registered in ``agent.cluster.IMPLEMENTATIONS``
-style tables by their modules (local: in-process; consul: py-consul; nomad: python-nomad).
-Code outside ``agent/cluster`` depends only on these.
+Two small protocols; their implementations (local: in-process; consul: py-consul; nomad:
+python-nomad) are listed in ``agent.cluster.IMPLEMENTATIONS`` and built by
+``agent.cluster.choose``.  Code outside ``agent/cluster`` depends on these and on the
+package's functions, not on an implementation's module (agent/cluster/__init__.py says what
+else it may import).
 """
 
 from __future__ import annotations

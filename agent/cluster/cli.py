@@ -23,31 +23,37 @@ def _var(text: str) -> tuple[str, str]:
 
 
 def register(subparsers) -> None:
-    from agent.cluster.control import default_agent
+    from agent.wire.control import default_agent
     from agent.cluster.jobs import REPLICA_TEMPLATE
 
     jobs = subparsers.add_parser("jobs", help="Nomad job specs (through Nomad's own parser)")
     sub = jobs.add_subparsers(dest="jobs_command", required=True)
     render = sub.add_parser("render", help="the per-model replica job as Nomad parses it "
                                            "(POST /v1/jobs/parse; NOMAD_ADDR)")
-    render.add_argument("--model", required=True)
-    render.add_argument("--max-replicas", type=positive_int, default=8)
-    render.add_argument("--template", type=Path, default=REPLICA_TEMPLATE)
+    render.add_argument("--model", required=True, help="model the replica job serves")
+    render.add_argument("--max-replicas", type=positive_int, default=8,
+                        help="the job's scaling max")
+    render.add_argument("--template", type=Path, default=REPLICA_TEMPLATE,
+                        help="jobspec template (default: jobs/rewarm-replica.nomad.hcl)")
     render.set_defaults(func=_render)
     run = sub.add_parser("run", help="parse FILE with -var values and register it "
                                      "(nomad job run -var ..., without the nomad binary)")
-    run.add_argument("file", type=Path)
+    run.add_argument("file", type=Path, help="jobspec (HCL2)")
     run.add_argument("--var", "-var", action="append", default=[], type=_var,
-                     metavar="NAME=VALUE")
+                     metavar="NAME=VALUE", help="a job variable (repeatable)")
     run.set_defaults(func=_run)
 
     hold = subparsers.add_parser("hold", help="the task of a replica allocation: restore "
                                               "MODEL on this node's agent, hold it, drain on SIGTERM")
-    hold.add_argument("model")
-    hold.add_argument("--agent", default=default_agent())
-    hold.add_argument("--timeout-s", type=positive_float, default=600.0)
-    hold.add_argument("--poll-s", type=positive_float, default=1.0)
-    hold.add_argument("--drain-timeout-s", type=positive_float, default=30.0)
+    hold.add_argument("model", help="model to restore and hold")
+    hold.add_argument("--agent", default=default_agent(),
+                      help="the node agent's control address, HOST:PORT or unix:PATH")
+    hold.add_argument("--timeout-s", type=positive_float, default=600.0,
+                      help="how long the restore may take (s)")
+    hold.add_argument("--poll-s", type=positive_float, default=1.0,
+                      help="how often the held replica is checked (s)")
+    hold.add_argument("--drain-timeout-s", type=positive_float, default=30.0,
+                      help="at SIGTERM, how long in-flight requests may finish (s)")
     hold.set_defaults(func=_hold)
 
 

@@ -98,11 +98,13 @@ class SnapshotKV:
         return bool(summary and summary.get("status") == "ready" and summary.get("durable"))
 
 
-class _DurableCatalog(Protocol):
+class DurableCatalog(Protocol):
+    """What the scale-in guard reads of the node's catalog (agent/snapshot/catalog.py)."""
+
     def durable_ready(self, model_name: str) -> bool: ...
 
 
-def snapshot_durable(catalog: _DurableCatalog | None, kv: SnapshotKV | None
+def snapshot_durable(catalog: DurableCatalog | None, kv: SnapshotKV | None
                      ) -> Callable[[str], bool]:
     """The predictor's scale-in guard: ready and durable in the catalog and in Consul KV
     (each source that is given must agree; an unreachable Consul answers False)."""

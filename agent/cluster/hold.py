@@ -28,7 +28,7 @@ from typing import Any
 from collections.abc import Callable
 
 from agent import logs
-from agent.cluster.control import control_call
+from agent.wire.control import control_call
 from agent.errors import ConfigError, RewarmError
 
 log = logging.getLogger(__name__)

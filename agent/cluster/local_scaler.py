@@ -2,7 +2,7 @@
 suspend or drain replicas until a model has its target of serving replicas.
 
 ``agents`` maps a node name to a ``call(op, **fields) -> dict`` function (in production
-``functools.partial(agent.cluster.control.control_call, address)``; tests pass fakes), so this
+``functools.partial(agent.wire.control.control_call, address)``; tests pass fakes), so this
 module needs nothing from ``agent/node``. Ops used (``agent/node/control.py``, the server): ``status``
 (``replicas``: ``{"replica", "model", "state"}``), ``restore`` (``model``), ``resume``,
 ``suspend`` and ``drain`` (``replica``).

@@ -146,7 +146,7 @@ class NodeAgentCapacity:
 
     def __init__(self, nodes: Callable[[str], list[tuple[str, int]]], *,
                  timeout_s: float = 120.0, token: str | None = None) -> None:
-        from agent.cluster.control import control_token
+        from agent.wire.control import control_token
 
         self._nodes = nodes
         self._timeout_s = timeout_s

@@ -18,8 +18,10 @@ from agent.errors import ConfigError, RewarmError, Unreachable
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("frontdoor", help="serve the front door (msgpack/TCP and OpenAI-compatible HTTP)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port, default=7400)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address both entrances listen on (beyond loopback needs --tokens or "
+                        "--allow-open)")
+    p.add_argument("--port", type=port, default=7400, help="msgpack/TCP door port (0: any free)")
     p.add_argument("--model", action="append", default=[], metavar="NAME[=DEADLINE_MS]",
                    help="a model to accept, optionally with its default deadline (ms)")
     p.add_argument("--tokens", help="file of tenant:token lines (enables auth)")
@@ -31,9 +33,12 @@ def register(subparsers) -> None:
     add_flags(p, max_replicas=True)
     p.add_argument("--replica", action="append", default=[], metavar="MODEL@HOST:PORT",
                    help="a static replica (local registry; 64 seqs, 1 Mi KV tokens assumed)")
-    p.add_argument("--max-queue-depth", type=positive_int, default=1024)
-    p.add_argument("--max-wait-s", type=positive_float, default=60.0)
-    p.add_argument("--max-connections", type=positive_int, default=4096)
+    p.add_argument("--max-queue-depth", type=positive_int, default=1024,
+                   help="requests queued per model beyond which new ones get 429 queue_full")
+    p.add_argument("--max-wait-s", type=positive_float, default=60.0,
+                   help="longest a request may wait for capacity, whatever its deadline (s)")
+    p.add_argument("--max-connections", type=positive_int, default=4096,
+                   help="open msgpack connections beyond which new ones get 429")
     p.add_argument("--http-port", type=port, default=None,
                    help="OpenAI-compatible HTTP entrance port (default $REWARM_HTTP_PORT or "
                         "8000; 0: any free port)")
@@ -57,13 +62,15 @@ def register(subparsers) -> None:
     g.add_argument("prompt", nargs="?", help="text (the model's tokenizer encodes it)")
     g.add_argument("--tokens", type=token_ids, metavar="ID,ID,...",
                    help="token ids instead of text (models without a tokenizer)")
-    g.add_argument("--model", required=True)
-    g.add_argument("--address", type=host_port, default="127.0.0.1:7400", metavar="HOST:PORT")
+    g.add_argument("--model", required=True, help="model name the front door accepts")
+    g.add_argument("--address", type=host_port, default="127.0.0.1:7400", metavar="HOST:PORT",
+                   help="the front door's msgpack door")
     g.add_argument("--consul", type=host_port, metavar="HOST:PORT", help="discover a front door in Consul")
-    g.add_argument("--token")
-    g.add_argument("--max-tokens", type=max_tokens, default=32)
-    g.add_argument("--seed", type=seed)
-    g.add_argument("--deadline-ms", type=positive_float)
+    g.add_argument("--token", help="tenant token (front doors started with --tokens)")
+    g.add_argument("--max-tokens", type=max_tokens, default=32, help="tokens to generate")
+    g.add_argument("--seed", type=seed, help="sampling seed (default: greedy)")
+    g.add_argument("--deadline-ms", type=positive_float,
+                   help="first token within this, else 429 at once (default: the model's)")
     g.set_defaults(func=_generate)
 
 

@@ -8,10 +8,12 @@ it) over collaborators that share its named state (:class:`~agent.node.state.Nod
 - snapshot bookkeeping (:class:`~agent.node.snapshots.Snapshots`): reconciliation at start,
   list/verify/evict, the cluster summary, the scale-in durability test;
 - suspend/resume (:class:`~agent.node.suspend.SuspendResume`, GPU nodes);
+- scale-in (:class:`~agent.node.drain.Drainer`): drain one replica behind the durability
+  guard, or all of them at close;
 - the zygote pool (:class:`~agent.node.pool.ZygotePool`) and the registrar
   (:class:`~agent.node.registration.Registrar`).
 
-It keeps drain, the agent loop and status.  Zygotes per device are kept at
+It keeps the agent loop, status and close.  Zygotes per device are kept at
 ``zygotes_per_device`` per replica the device hosts (:meth:`NodeAgent.pool_target`) by
 :meth:`NodeAgent.refill_pool`, run on the background executor after each restore and each
 capture.  :meth:`NodeAgent.tick` (the agent loop, clock-injected) keeps registrations and
@@ -32,6 +34,7 @@ from agent.cluster.base import Registry, ServiceInstance
 from agent.errors import RewarmError
 from agent.node.backend import Backend, ModelSpec
 from agent.node.capacity import NodeCapacity, ReplicaLimit
+from agent.node.drain import Drainer, ScaleInBlocked
 from agent.node.inventory import Inventory
 from agent.node.ladder import RestoreLadder
 from agent.node.lifecycle import ReplicaState as S
@@ -56,17 +59,10 @@ class NodeMetadata(Protocol):
     def update(self, models: list[str]) -> bool: ...
 
 
-class ScaleInBlocked(RewarmError, RuntimeError):
-    """Draining would remove the last replica of a model with no ready, durable snapshot.
-    Attributes: ``model``, ``replica``."""
-
-    code = 409
-
-
 class NodeAgent:
     """One per node. Thread-safe; blocking methods are called from the control server's
     threads.  The collaborators are :attr:`ladder`, :attr:`snapshots`, :attr:`suspension`,
-    :attr:`zygotes` and :attr:`registrar`, over :attr:`state`."""
+    :attr:`draining`, :attr:`zygotes` and :attr:`registrar`, over :attr:`state`."""
 
     def __init__(self, config: AgentConfig, *, models: list[ModelSpec], backend: Backend,
                  catalog: Catalog, store: LocalStore, registry: Registry, inventory: Inventory,
@@ -98,6 +94,7 @@ class NodeAgent:
         self.suspension = SuspendResume(st, suspender, self.restore, sleep=self._sleep)
         st.tier = self.suspension.tier      # the suspended tier in the agent's registry meta
         self.node_capacity = NodeCapacity(st, backend)
+        self.draining = Drainer(st, durable=self.snapshot_durable, sleep=self._sleep)
         self.ladder = RestoreLadder(st, zygotes=self.zygotes, backend=backend,
                                     snapshots=self.snapshots, metrics=self.metrics,
                                     executor=self.executor, refill=self._refill_later,
@@ -231,41 +228,10 @@ class NodeAgent:
     # -- drain ---------------------------------------------------------------------------------
     def drain(self, replica_id: str, timeout_s: float | None = None,
               force: bool = False) -> dict[str, Any]:
-        """Stop new requests (deregister), wait up to ``timeout_s`` for in-flight ones, stop.
-
-        Raises ScaleInBlocked when this is the model's last live replica and its snapshot is
-        not ready and durable (unless ``force``, used at node shutdown).
-        """
-        rec = self.state.rec(replica_id)
-        model = rec.spec.name
-        others = [r for r in self.live_replicas(model) if r is not rec]
-        if not force and not others and not self.snapshot_durable(model):
-            raise ScaleInBlocked(
-                f"replica {replica_id} is the last of {model} and no ready, durable snapshot "
-                "exists yet; scale-in waits for the capture", model=model, replica=replica_id)
-        rec.lifecycle.move(S.DRAINING, "drain")
-        self.registrar.drop(replica_id)
-        self.state.record(rec)
-        bound = self.config.drain_timeout_s if timeout_s is None else timeout_s
-        start = self.clock.now()
-        while rec.handle is not None and rec.handle.in_flight() > 0:
-            if self.clock.now() - start >= bound:
-                log.warning("drain of %s: %d requests still in flight after %.1f s; stopping",
-                            replica_id, rec.handle.in_flight(), bound)
-                break
-            self._sleep(self.config.drain_poll_s)
-        left = rec.handle.in_flight() if rec.handle is not None else 0
-        self._stop(rec, "drained")
-        return {**rec.describe(), "in_flight_at_stop": left}
-
-    def _stop(self, rec: ReplicaRecord, reason: str) -> None:
-        if rec.handle is not None:
-            try:
-                rec.handle.shutdown()
-            except (OSError, RewarmError, RuntimeError) as exc:
-                log.warning("shutdown of %s: %s", rec.lifecycle.replica_id, exc)
-        rec.lifecycle.move(S.DEAD, reason)
-        self.state.record(rec)
+        """:meth:`Drainer.drain <agent.node.drain.Drainer.drain>`: deregister, wait up to
+        ``timeout_s`` for in-flight requests, stop; ScaleInBlocked for a model's last
+        replica without a ready, durable snapshot (unless ``force``)."""
+        return self.draining.drain(replica_id, timeout_s, force)
 
     # -- loop, status, registration ------------------------------------------------------------
     def tick(self) -> None:
@@ -362,10 +328,7 @@ class NodeAgent:
                 log.warning("node %s closing: %d restores still under way after %.0f s; "
                             "each stops its replica when it comes up", self.config.node_id,
                             self.state.restoring, self.config.restore_timeout_s)
-        live = [r.lifecycle.replica_id for r in self.live_replicas_all()]
-        if live:
-            with ThreadPoolExecutor(max_workers=len(live), thread_name_prefix="drain") as pool:
-                list(pool.map(lambda rid: self.drain(rid, force=True), live))
+        self.draining.drain_all()
         self.registrar.drop(self.agent_instance.id)
         self.executor.shutdown(wait=True)
         self.zygotes.close()

@@ -14,14 +14,14 @@ import json
 from agent import logs
 from agent.argtypes import host_port, nonneg_int, positive_float, positive_int
 from agent.cluster import add_flags
-from agent.cluster.control import DEFAULT_AGENT, default_agent
+from agent.wire.control import DEFAULT_AGENT, default_agent
 from agent.errors import RewarmError
 from agent.exitcodes import exit_code
 
 
 def _client(op: str, **fields):
     def run(args: argparse.Namespace) -> int:
-        from agent.cluster.control import control_call
+        from agent.wire.control import control_call
 
         values = {k: getattr(args, v) for k, v in fields.items() if getattr(args, v) is not None}
         try:
@@ -48,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--agent", default=default_agent(),
                        help="the agent's control address, HOST:PORT or unix:PATH")
-        p.add_argument("--timeout-s", type=positive_float, default=600.0)
+        p.add_argument("--timeout-s", type=positive_float, default=600.0,
+                       help="how long to wait for the agent's answer (s)")
         return p
 
     p = sub.add_parser("run", help="run the node agent")
@@ -66,7 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-replicas-per-model", type=positive_int, default=None, metavar="N",
                    help="at N replicas of a model, a restore answers with a warm one instead "
                         "of starting another (default: no cap)")
-    p.add_argument("--backend", choices=["process", "inproc"], default="process")
+    p.add_argument("--backend", choices=["process", "inproc"], default="process",
+                   help="replicas as child processes (default), or in this process (tests, demos)")
     p.add_argument("--buffer-mib", type=positive_int, default=1024, help="restore buffer per zygote")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per replica")
     p.add_argument("--replica-host", default=None, metavar="HOST",
@@ -90,18 +92,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     client("status", "the agent's replicas, zygotes, registry health").set_defaults(
         func=_client("status"))
     p = client("restore", "bring up one warm replica of a model")
-    p.add_argument("model")
-    p.add_argument("--device", default=None)
+    p.add_argument("model", help="model name as the agent serves it")
+    p.add_argument("--device", default=None,
+                   help="cpu or cuda[:N] (default: the least busy device of the node)")
     p.set_defaults(func=_client("restore", model="model", device="device"))
     p = client("drain", "drain and stop one replica")
-    p.add_argument("replica")
-    p.add_argument("--drain-timeout-s", type=positive_float, default=None)
-    p.add_argument("--force", action="store_true", default=None)
+    p.add_argument("replica", help="replica id (rewarm agent status)")
+    p.add_argument("--drain-timeout-s", type=positive_float, default=None,
+                   help="how long in-flight requests may finish before the stop (s)")
+    p.add_argument("--force", action="store_true", default=None,
+                   help="stop even the model's last replica before a ready, durable snapshot "
+                        "exists")
     p.set_defaults(func=_client("drain", replica="replica", timeout_s="drain_timeout_s",
                                 force="force"))
     for op in ("suspend", "resume"):
         p = client(op, f"{op} one replica (GPU nodes: CUDA checkpoint API)")
-        p.add_argument("replica")
+        p.add_argument("replica", help="replica id (rewarm agent status)")
         p.set_defaults(func=_client(op, replica="replica"))
 
     snap = sub.add_parser("snapshot", help="the agent's snapshots: ls, verify, evict")
@@ -111,11 +117,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             ("verify", "snapshot_verify", "re-read every chunk of a local copy", "snapshot"),
             ("evict", "snapshot_evict", "remove a local copy", "snapshot")):
         p = ssub.add_parser(name, help=help_)
-        p.add_argument("--agent", default=default_agent())
-        p.add_argument("--timeout-s", type=positive_float, default=600.0)
+        p.add_argument("--agent", default=default_agent(),
+                       help="the agent's control address, HOST:PORT or unix:PATH")
+        p.add_argument("--timeout-s", type=positive_float, default=600.0,
+                       help="how long to wait for the agent's answer (s)")
         if positional:
-            p.add_argument(positional)
+            p.add_argument(positional, help="snapshot id (rewarm agent snapshot ls)")
             p.set_defaults(func=_client(op, snapshot="snapshot"))
         else:
-            p.add_argument("--model", default=None)
+            p.add_argument("--model", default=None, help="only this model's snapshots")
             p.set_defaults(func=_client(op, model="model"))

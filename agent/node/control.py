@@ -22,7 +22,7 @@ framing error: 400 for a malformed request, 404 for a model or replica the node 
 (ConfigError: suspend/resume without CUDA checkpoint support, a device it lacks; ScaleInBlocked:
 draining the last replica before its snapshot is durable), the error's own code otherwise;
 500 only for a bug.  Its clients (the token, ``control_call``) live in
-:mod:`agent.cluster.control`, so the front door and the predictor need nothing from here.
+:mod:`agent.wire.control`, so the front door and the predictor need nothing from here.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.argtypes import is_loopback
-from agent.cluster.control import TOKEN_ENV
+from agent.wire.control import TOKEN_ENV
 from agent.errors import ConfigError, ProtocolError, RewarmError, Unauthorized
 from agent.node.agent import NodeAgent
 from agent.protocol import Decoder, error_message, pack, read_messages, reply_id

@@ -3,7 +3,8 @@
 The cffi declarations come from ``ext/cuda_checkpoint_build.py`` (built into
 ``agent._cuda_checkpoint`` by ``setup.py``); the library is opened with ``ffi.dlopen`` on
 first use, so importing this module never needs a GPU.  Without the library, or with a driver
-older than r570 (the ``cuCheckpointProcess*`` symbols missing), every call raises one
+older than r570 (the ``cuCheckpointProcess*`` symbols missing, or ``cuDriverGetVersion`` below
+:data:`MIN_DRIVER_VERSION` or unreadable), every call raises one
 :class:`~agent.errors.DriverUnavailable` naming what is missing.  Every non-zero ``CUresult``
 becomes a :class:`~agent.errors.CudaCheckpointError` carrying the driver's name for it
 (``CUDA_ERROR_...``; table taken from the ``CUresult`` enum of CUDA 13's ``cuda.h``).
@@ -157,10 +158,21 @@ class CudaCheckpointDriver:
                 f"CUDA checkpoint API unavailable: {self.library} lacks {', '.join(missing)} "
                 f"(driver older than r570, which introduced them)",
                 call="dlsym", result=None, name=None, missing=missing)
-        self._lib = lib
         version = ffi.new("int *")
-        if _has_symbol(lib, "cuDriverGetVersion") and lib.cuDriverGetVersion(version) == 0:
-            self.driver_version = int(version[0])
+        if not (_has_symbol(lib, "cuDriverGetVersion") and lib.cuDriverGetVersion(version) == 0):
+            # fail closed: a driver that cannot say its version is not trusted to lock a process
+            return DriverUnavailable(
+                f"CUDA checkpoint API unavailable: {self.library} cannot report its version "
+                f"(cuDriverGetVersion); suspend/resume needs a driver >= {MIN_DRIVER_VERSION} (r570)",
+                call="cuDriverGetVersion", result=None, name=None, missing=["cuDriverGetVersion"])
+        self.driver_version = int(version[0])
+        if self.driver_version < MIN_DRIVER_VERSION:
+            return DriverUnavailable(
+                f"CUDA checkpoint API unavailable: {self.library} reports driver version "
+                f"{self.driver_version}, below the minimum {MIN_DRIVER_VERSION} (r570, CUDA 12.8)",
+                call="cuDriverGetVersion", result=None, name=None,
+                missing=[f"driver version >= {MIN_DRIVER_VERSION} (found {self.driver_version})"])
+        self._lib = lib
         return None
 
     def available(self) -> bool:

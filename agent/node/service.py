@@ -17,27 +17,24 @@ import socket
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from agent import sdnotify
 from agent import logs
-from agent.cluster import (ClusterChoice, choice_from_args, choose, model_catalog, node_metadata,
-                           snapshot_summary)
+from agent.cluster import (ClusterChoice, choice_from_args, choose, cluster_model_catalog,
+                           node_metadata, snapshot_summary)
 from agent.cluster.base import Registry
 from agent.errors import ConfigError
 from agent.health import serve_status
 from agent.limits import raise_nofile
 from agent.node.agent import AgentConfig, NodeAgent
 from agent.node.backend import Backend, InProcessBackend, ModelSpec
-from agent.cluster.control import control_token
 from agent.node.control import ControlServer, check_control_bind
 from agent.node.inventory import Inventory
 from agent.node.metrics import readiness
 from agent.snapshot.catalog import Catalog
 from agent.snapshot.store import LocalStore
-
-if TYPE_CHECKING:
-    from agent.cluster.model_catalog import ModelCatalog
+from agent.wire.control import control_token
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +68,14 @@ def build_agent(state_dir: Path, model_dirs: list[Path], *, backend: Backend | N
                      suspender=suspender, summary=summary, node_meta=node_meta)
 
 
-def _announce_models(agent: NodeAgent, catalog: ModelCatalog) -> None:
+class ModelAnnouncer(Protocol):
+    """What the node needs of the cluster's model catalog (agent.cluster.model_catalog:
+    ``announce`` creates ``rewarm/models/<model>`` unless it exists; True when created)."""
+
+    def announce(self, model: str, version: str = "", node: str = "") -> bool: ...
+
+
+def _announce_models(agent: NodeAgent, catalog: ModelAnnouncer) -> None:
     """Put this node's models in the cluster catalog (``rewarm/models/<m>``, created once)
     so that front doors accept them before any snapshot exists.  Best effort: a failure is
     logged (the snapshot summary announces the model later too)."""
@@ -176,7 +180,7 @@ def run_agent(args: argparse.Namespace) -> int:
                         node_meta=node_meta,
                         drain_timeout_s=args.drain_grace_s)
 
-    catalog = model_catalog(choice)
+    catalog = cluster_model_catalog(choice)
     if catalog is not None:
         _announce_models(agent, catalog)
 

@@ -15,7 +15,8 @@ import logging
 import threading
 
 from agent.argtypes import port, positive_float, positive_int
-from agent.cluster import add_flags, choice_from_args, choose, leader_lock, snapshot_summary
+from agent.cluster import (add_flags, choice_from_args, choose, leader_lock, snapshot_durable,
+                           snapshot_summary)
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +28,31 @@ def register(subparsers) -> None:
     # --registry, --consul, --scaler, --node-agent (agent/cluster/__init__.py); a replica
     # job's scaling max is the model's MAX.
     add_flags(p)
-    p.add_argument("--frontdoor", action="append", default=[], metavar="HOST:PORT")
+    p.add_argument("--frontdoor", action="append", default=[], metavar="HOST:PORT",
+                   help="a front door whose stats feed the forecast (repeatable; with Consul: "
+                        "found in the registry)")
     p.add_argument("--catalog", help="SQLite catalog for forecast rows (agent/snapshot)")
-    p.add_argument("--lead-time-s", type=positive_float, default=15.0)
-    p.add_argument("--restore-p99-s", type=positive_float, default=3.6)
-    p.add_argument("--decision-latency-s", type=positive_float, default=1.0)
-    p.add_argument("--occupancy-s", type=positive_float, default=7.0)
+    p.add_argument("--lead-time-s", type=positive_float, default=15.0,
+                   help="how far ahead the forecast looks (s); must exceed restore p99 + "
+                        "decision latency")
+    p.add_argument("--restore-p99-s", type=positive_float, default=3.6,
+                   help="restore time assumed until the node agents report measured ones (s)")
+    p.add_argument("--decision-latency-s", type=positive_float, default=1.0,
+                   help="from a decision to the scaler acting on it (s)")
+    p.add_argument("--occupancy-s", type=positive_float, default=7.0,
+                   help="mean time a request holds a sequence slot (s; Little's law's W) until "
+                        "a replica reports its speed")
     p.add_argument("--seqs-per-replica", type=positive_int, default=80,
                    help="until a replica reports its KV capacity")
-    p.add_argument("--mean-context-tokens", type=positive_float, default=900.0)
-    p.add_argument("--utilisation", type=float, default=0.75)
-    p.add_argument("--gpu-cost-per-hour", type=positive_float, default=2.80)
-    p.add_argument("--tick-s", type=positive_float, default=1.0)
+    p.add_argument("--mean-context-tokens", type=positive_float, default=900.0,
+                   help="mean KV tokens a request holds, to size sequences per replica from "
+                        "its KV capacity")
+    p.add_argument("--utilisation", type=float, default=0.75,
+                   help="fraction of a replica's sequence slots the plan fills, (0, 1]")
+    p.add_argument("--gpu-cost-per-hour", type=positive_float, default=2.80,
+                   help="price of one replica-hour ($), for the breakeven keep-alive")
+    p.add_argument("--tick-s", type=positive_float, default=1.0,
+                   help="seconds between decisions")
     p.add_argument("--ticks", type=positive_int, help="run this many ticks, print decisions, exit")
     p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics here")
     p.set_defaults(func=_run)
@@ -97,7 +111,6 @@ def build(args, clock):
     if args.catalog:
         from agent.snapshot.catalog import Catalog
         catalog = Catalog(args.catalog, clock=clock)
-    from agent.cluster.consul_kv import snapshot_durable
     predictor = Predictor(policies, clock=clock, scaler=scaler,
                           snapshot_durable=snapshot_durable(catalog, kv), catalog=catalog)
 
@@ -135,9 +148,9 @@ def _run(args) -> int:
         from prometheus_client import ProcessCollector
 
         from agent.health import serve_status
-        from agent.cluster.acl import ACL_DENIED
+        from agent.cluster import acl_denied_gauge
         ProcessCollector(registry=service.registry)
-        service.registry.register(ACL_DENIED)   # a refused Consul/Nomad token shows here too
+        service.registry.register(acl_denied_gauge())   # a refused Consul/Nomad token shows here too
         status = serve_status(service.registry, "127.0.0.1", args.metrics_port,
                               ready=service.ready, component="predictor")
     sdnotify.ready()

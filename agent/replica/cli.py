@@ -67,20 +67,21 @@ def _register_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_import_gguf)
 
     p = msub.add_parser("make-synthetic", help="write deterministic seeded weights")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "13b-shaped"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "13b-shaped"],
+                   help="model shape (agent/replica/synthetic.py)")
+    p.add_argument("--seed", type=int, default=0, help="weights' seed")
     p.add_argument("--scale", type=positive_int, default=1,
                    help="13b-shaped: divide hidden/MLP/vocab (1: 11.3 B parameters, 22.7 GB; 5)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights' dtype (default: the preset's own)")
-    p.add_argument("out_dir")
+    p.add_argument("out_dir", help="HF-layout directory to write")
     p.set_defaults(func=_make_synthetic)
 
     p = msub.add_parser("generate", help="eager greedy (or seeded) generation, for a quick check")
-    p.add_argument("model_dir")
-    p.add_argument("prompt")
-    p.add_argument("--max-tokens", type=positive_int, default=16)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("model_dir", help="HF-layout model directory")
+    p.add_argument("prompt", help="text (the model's tokenizer encodes it)")
+    p.add_argument("--max-tokens", type=positive_int, default=16, help="tokens to generate")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: greedy)")
     p.set_defaults(func=_generate)
 
 
@@ -137,7 +138,7 @@ def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=device_name, default="cpu",
                    help="cpu or cuda[:N]: where the model runs (a zygote there holds a CUDA "
                         "context and a device restore buffer; restores read with kvikio)")
-    p.add_argument("--replica-id", default=None)
+    p.add_argument("--replica-id", default=None, help="the id its answers and stats carry (default: replica)")
     p.add_argument("--data-listen", type=listen_address, default=None, metavar="HOST:PORT",
                    help="a second, TCP listener for generate/health/stats only (a node agent "
                         "gives its host's address so front doors on other hosts reach it)")

@@ -35,7 +35,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="simulate fleet policy, capacity and cost",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--scenario", choices=["spike", "cost"])
+    src.add_argument("--scenario", choices=["spike", "cost"],
+                     help="spike: one burst by cold-start tier; cost: a day of traffic by policy")
     src.add_argument("--trace", type=Path, help="CSV: TIMESTAMP,ContextTokens,GeneratedTokens")
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument("--plot", type=Path, help="draw a PNG here")
@@ -57,8 +58,8 @@ def register(subparsers) -> None:
                    help="trace: the default deadline over each request's SLO (agent/slo.py: "
                         "3; 1 = the deadline is the SLO)")
     p.add_argument("--policy", action="append", help="only these policies (repeatable)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic arrivals")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run, parser=p)
 
 
@@ -70,7 +71,7 @@ def _table(result: dict) -> str:
             rows.append(f"{r['cold_start_s']:>12g} | {str(r['min_buffer_pct_zero_drops']):>21} | "
                         f"{r['dropped_at_10pct']:>12} | {r['shortage_minutes_at_10pct']:>17.2f} | "
                         f"{r['peak_shortfall_at_10pct']:>19}")
-        rows.append("AOT document: 26 s needs < 3%, 5.6 min ~18%; at 10% 26 s drops nothing, "
+        rows.append("published AOT figures: 26 s needs < 3%, 5.6 min ~18%; at 10% 26 s drops nothing, "
                     "5.6 min is short > 4 min with ~800 calls stranded at worst")
         return "\n".join(rows)
     rows = [f"{'policy':<20} | GPU-h/day (doc) | $/1k req (doc basis) | SLA % (doc) | shed | "

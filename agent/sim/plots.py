@@ -1,9 +1,10 @@
 """Pictures of a simulation result (matplotlib, Agg backend; nothing opens a window).
 
 - spike: capacity against demand over time for each cold-start time, shortage shaded; the
-  buffer-versus-cold-start frontier beside the AOT document's two points.
-- cost: GPU-hours per day and cost per 1,000 requests per policy as bars beside the snapshot
-  document's table, SLA compliance written on each bar; billed replicas over time.
+  buffer-versus-cold-start frontier beside the two start-up times AOT compilation was
+  published with (5.6 min before, 26 s after).
+- cost: GPU-hours per day and cost per 1,000 requests per policy as bars beside the figures the
+  snapshot-restore design published, SLA compliance written on each bar; billed replicas over time.
 - trace: billed and warm replicas over time per policy.
 """
 
@@ -43,8 +44,8 @@ def _spike_axes(result: dict, ax_time, ax_frontier) -> None:
     mb = [np.nan if r["min_buffer_pct_zero_drops"] is None else r["min_buffer_pct_zero_drops"]
           for r in sweep]
     ax_frontier.plot(cs, mb, "o-", label="rewarm sim: smallest buffer, zero drops")
-    ax_frontier.plot([26], [3], "v", color="tab:red", label="AOT document: 26 s needs < 3%")
-    ax_frontier.plot([336], [18], "s", color="tab:red", label="AOT document: 5.6 min ~18%")
+    ax_frontier.plot([26], [3], "v", color="tab:red", label="published AOT figure: 26 s needs < 3%")
+    ax_frontier.plot([336], [18], "s", color="tab:red", label="published AOT figure: 5.6 min ~18%")
     ax_frontier.axhline(10, ls=":", color="grey", lw=0.8)
     for r in sweep:
         ax_frontier.annotate(f"{r['dropped_at_10pct']} dropped\n@10%", (r["cold_start_s"],
@@ -62,7 +63,7 @@ def _cost_axes(result: dict, ax_bars, ax_time) -> None:
     ours = [p["gpu_hours_per_day"] for p in result["policies"]]
     doc = [result["doc"].get(n, {}).get("gpu_hours_per_day", np.nan) for n in names]
     x = np.arange(len(names))
-    ax_bars.bar(x - 0.2, doc, 0.4, color="lightgrey", label="snapshot document")
+    ax_bars.bar(x - 0.2, doc, 0.4, color="lightgrey", label="snapshot-restore design (published)")
     bars = ax_bars.bar(x + 0.2, ours, 0.4, color="tab:blue", label="rewarm sim")
     for b, p in zip(bars, result["policies"], strict=True):
         ax_bars.annotate(f"SLA {100 * p['sla_compliance']:.2f}%\n"

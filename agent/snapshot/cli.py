@@ -68,12 +68,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, func, doc in (("inspect", _inspect, "print the manifest"),
                             ("verify", _verify, "read and check every chunk")):
         p = ssub.add_parser(name, help=doc)
-        p.add_argument("path", type=Path)
+        p.add_argument("path", type=Path, help="snapshot directory (holds manifest.json)")
         p.add_argument("--key-file", help="node key; the manifest's HMAC must verify under it")
         if name == "inspect":
             p.add_argument("--tensors", action="store_true", help="include the tensor table")
         else:
-            p.add_argument("--threads", type=positive_int, default=2)
+            p.add_argument("--threads", type=positive_int, default=2, help="reader threads")
         p.set_defaults(func=_guard(func))
     imp = subparsers.add_parser(
         "import", help="store an HF-layout checkpoint as a weights-only snapshot (not restorable "
@@ -83,9 +83,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "A replica refuses to restore it; replicas restore snapshots captured from a "
                     "warmed replica (the node agent's). To serve the weights: rewarm replica "
                     "--model-dir HF_DIR.")
-    imp.add_argument("hf_dir", type=Path)
-    imp.add_argument("snapshot_dir", type=Path)
-    imp.add_argument("--name")
-    imp.add_argument("--version")
-    imp.add_argument("--key-file")
+    imp.add_argument("hf_dir", type=Path, help="config.json + *.safetensors")
+    imp.add_argument("snapshot_dir", type=Path, help="where to write the snapshot")
+    imp.add_argument("--name", help="model name in the manifest (default: the directory's)")
+    imp.add_argument("--version", help="model version in the manifest")
+    imp.add_argument("--key-file", help="node key the manifest's HMAC is signed with")
     imp.set_defaults(func=_guard(_import))

@@ -11,7 +11,7 @@ import pytest
 from agent.cli import build_parser
 from agent.clock import ManualClock
 from agent.cluster import (_BUILDERS, IMPLEMENTATIONS, ClusterChoice, add_flags, choice_from_args,
-                           choose, leader_lock, model_catalog, snapshot_summary)
+                           choose, cluster_model_catalog, leader_lock, snapshot_summary)
 from agent.cluster.base import ServiceInstance
 
 
@@ -110,8 +110,30 @@ def test_the_local_scaler_asks_the_node_agents_given(monkeypatch):
 
 def test_the_consul_side_services_exist_only_with_consul():
     local = ClusterChoice()
-    assert snapshot_summary(local) is None and model_catalog(local) is None
+    assert snapshot_summary(local) is None and cluster_model_catalog(local) is None
     assert leader_lock(local, clock=ManualClock(), name="p") is None
     consul = ClusterChoice(registry="consul", consul="10.9.8.7:8600")
     assert type(snapshot_summary(consul)).__name__ == "SnapshotKV"
-    assert type(model_catalog(consul)).__name__ == "ModelCatalog"
+    assert type(cluster_model_catalog(consul)).__name__ == "ModelCatalog"
+
+
+def test_each_builder_still_builds_after_the_modules_behind_it_are_imported():
+    # importing agent.cluster.NAME binds NAME in the package to that module: a builder of
+    # the same name would be a module on its second call
+    import ast
+    import importlib
+    from pathlib import Path
+
+    import agent.cluster as cluster
+
+    package = Path(cluster.__file__).parent
+    functions = {node.name for node in ast.parse((package / "__init__.py").read_text()).body
+                 if isinstance(node, ast.FunctionDef)}
+    modules = {p.stem for p in package.glob("*.py")} - {"__init__"}
+    assert "cluster_model_catalog" in functions and not functions & modules
+    for name in sorted(modules):
+        importlib.import_module(f"agent.cluster.{name}")
+    consul = ClusterChoice(registry="consul", consul="10.9.8.7:8600")
+    for _ in range(2):
+        assert type(cluster.cluster_model_catalog(consul)).__name__ == "ModelCatalog"
+        assert callable(cluster.snapshot_summary) and callable(cluster.leader_lock)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from agent.cluster.control import ControlError
+from agent.wire.control import ControlError
 from agent.cluster.hold import Hold, device_for
 from agent.errors import ConfigError
 

@@ -11,7 +11,7 @@ import pytest
 from agent import exitcodes
 from agent.cli import main
 from agent.errors import ModelNotFound, ProtocolError, ReplicaNotFound
-from agent.cluster.control import ControlError, control_call
+from agent.wire.control import ControlError, control_call
 from agent.node.control import ControlServer
 from agent.protocol import pack
 
@@ -171,7 +171,7 @@ def test_the_control_api_refuses_an_open_bind_without_a_token():
                                          ("\udcff" * 20, "UTF-8")])
 def test_a_weak_or_broken_control_token_is_refused(monkeypatch, value, says):
     from agent.errors import ConfigError
-    from agent.cluster.control import control_token
+    from agent.wire.control import control_token
 
     monkeypatch.setenv("REWARM_CONTROL_TOKEN", value)
     with pytest.raises(ConfigError, match=says):
@@ -199,7 +199,7 @@ def test_answers_never_echo_an_id_a_client_could_not_mean(served):
 
 def test_fields_named_like_the_clients_own_arguments_reach_the_agent(monkeypatch):
     # drain's own timeout_s collides with control_call's timeout_s: sent through ``fields``
-    import agent.cluster.control as control
+    import agent.wire.control as control
 
     sent = {}
 

@@ -48,6 +48,24 @@ def test_old_driver_names_every_missing_symbol(cuda_ffi, old_libcuda_path):
     assert "cuCheckpointProcessLock" in str(info.value)
 
 
+def test_driver_below_the_minimum_version_fails_closed(cuda_ffi, fake_libcuda_path, fake):
+    fake.fake_set_version(cc.MIN_DRIVER_VERSION - 40)  # 12.4: symbols present, pin not met
+    drv = CudaCheckpointDriver(library=str(fake_libcuda_path), ffi=cuda_ffi)
+    assert drv.available() is False
+    with pytest.raises(DriverUnavailable) as info:
+        drv.lock(1, 1.0)
+    assert str(cc.MIN_DRIVER_VERSION) in str(info.value)
+    assert str(cc.MIN_DRIVER_VERSION - 40) in str(info.value)
+    assert fake.fake_calls(C_LOCK) == 0
+
+
+def test_driver_at_the_minimum_version_is_used(cuda_ffi, fake_libcuda_path, fake):
+    fake.fake_set_version(cc.MIN_DRIVER_VERSION)
+    drv = CudaCheckpointDriver(library=str(fake_libcuda_path), ffi=cuda_ffi)
+    assert drv.available()
+    assert drv.driver_version == cc.MIN_DRIVER_VERSION
+
+
 def test_full_cycle_moves_states_and_zeroes_reserved(cuda_ffi, fake_libcuda_path, fake):
     drv = CudaCheckpointDriver(library=str(fake_libcuda_path), ffi=cuda_ffi)
     assert drv.get_state(7) is ProcessState.RUNNING
