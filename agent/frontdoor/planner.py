@@ -156,24 +156,19 @@ class QueuePlanner:
         refused by the rule below though its deadline could be made, the reason.
 
         A request the planner can start before its deadline is admitted (:meth:`assign`),
-        late or not, except one that is predicted past its SLO *because of the queue ahead
-        of it*: placed alone (nothing queued ahead) it would start within its SLO.  By
-        Little's law the queue ahead, ``L`` requests at the replicas' throughput ``X``, waits
-        ``W = L / X``; once ``W`` alone is past the SLO, every later arrival waits at least
-        that long while arrivals outpace ``X``, and each late admission adds ``1 / X`` to
-        the wait of all that follow: it spends the capacity that would have served a later
-        request on time to serve this one late.  Refusing it holds the queue at the depth
-        whose wait is the SLO (``X x SLO``).  A request that is late with nothing queued
-        ahead (the replicas' work in flight, or a restore still coming, make it so) adds no
-        such backlog: the deadline, not the SLO, decides it, unless arrivals outpace the
-        capacity in sight (``lambda >= X``, utilisation ``rho >= 1``: :meth:`capacity_rps`
-        against :meth:`_arrival_rps` over the request's warm deadline, the time a late
-        admission's wait lingers).  A queue with ``rho >= 1`` never drains, wherever its
-        requests wait (here or in a replica's prefill queue), so every late admission then
-        delays all that follow; with ``rho < 1`` a one-off burst drains and a late answer
-        beats a refusal.  The SLO is the path's
-        (:meth:`~agent.frontdoor.budgets.Budgets.slos_s`): the warm SLO on a replica up
-        before the request arrived, the restore SLO on one brought up since."""
+        on time or late, except a late one (predicted past its SLO) while arrivals outpace
+        the capacity in sight: ``lambda >= X``, utilisation ``rho >= 1``
+        (:meth:`_arrival_rps` over the request's warm deadline, the time a late admission's
+        wait lingers, against :meth:`capacity_rps`).  By Little's law the work queued ahead,
+        ``L`` requests, waits ``W = L / X``; with ``rho >= 1`` that queue never drains,
+        wherever it waits (here or in a replica's prefill queue), so each late admission
+        adds ``1 / X`` to the wait of every request that follows: it spends the capacity that
+        would serve a later request on time to serve this one late.  With ``rho < 1`` the
+        backlog (a one-off burst, a restore still coming, one long request in the way)
+        drains, and a late answer beats a refusal: the deadline, not the SLO, decides it.
+        The SLO is the path's (:meth:`~agent.frontdoor.budgets.Budgets.slos_s`): the warm
+        SLO on a replica up before the request arrived, the restore SLO on one brought up
+        since."""
         predicted, fresh, first = self._place(model, before + [flight], now, margin_s, ahead)
         ttft_s = predicted[-1]
         arrival_rps = self._arrival_rps(model, now, flight.warm_deadline_s - flight.arrival_s)
@@ -191,20 +186,7 @@ class QueuePlanner:
                 f"{slo_s * 1000:.0f} ms, while arrivals ({arrival_rps:.1f}/s) outpace what "
                 f"the replicas in sight serve ({serve_rps:.1f}/s): a late admission would "
                 f"only make every later request later")
-        if not before and ahead == 0:
-            return ttft_s, first, ""
-        alone, alone_fresh, _ = self._place(model, [flight], now, margin_s, 0)
-        if alone[0] is None:
-            return ttft_s, first, ""
-        alone_slo_s = restore_slo_s if alone_fresh[0] else warm_slo_s
-        if waited_s + alone[0] > alone_slo_s:
-            return ttft_s, first, ""      # late with no queue ahead: the deadline decides
-        queued = ahead or len(before)
-        return None, first, (
-            f"predicted {(waited_s + ttft_s) * 1000:.0f} ms, past its SLO of "
-            f"{slo_s * 1000:.0f} ms because of the {queued} queued ahead (alone it would "
-            f"start in {(waited_s + alone[0]) * 1000:.0f} ms); a late admission would make "
-            f"the next requests late too")
+        return ttft_s, first, ""
 
     def _arrival_rps(self, model: str, now: float, window_s: float) -> float:
         """``model``'s arrivals per second over the last ``window_s`` (its
