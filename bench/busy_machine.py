@@ -15,7 +15,7 @@ serving SmolLM2-135M as users meet it, through the official ``openai`` client an
    and how long either took;
 4. ``--concurrent`` streamed ``--max-tokens``-token completions at once through the official
    ``openai`` client (``AsyncOpenAI.completions.create(stream=True)``): each one's code, TTFT
-   (from the send to the first streamed text) and refusal reason;
+   (from the send to the first streamed chunk) and refusal reason;
 5. the RSS and PSS of every process of the stack while it serves (``/proc/PID/smaps_rollup``:
    the ``rewarm up`` process with the front door, node agent and predictor, each replica and
    zygote) and their sums;
@@ -240,7 +240,8 @@ def stack_memory(root: int) -> dict:
 
 async def one_completion(client, model: str, prompt: str, max_tokens: int) -> dict:
     """One streamed completion: ``code`` (200, or the HTTP status of the refusal),
-    ``ttft_ms`` (send to first streamed text), ``total_ms``, ``reason``."""
+    ``ttft_ms`` (send to the first streamed chunk: the first token, whose text may be
+    empty), ``total_ms``, ``reason``."""
     import openai
 
     t0 = time.monotonic()
@@ -249,7 +250,7 @@ async def one_completion(client, model: str, prompt: str, max_tokens: int) -> di
         stream = await client.completions.create(model=model, prompt=prompt,
                                                  max_tokens=max_tokens, stream=True)
         async for chunk in stream:
-            if ttft is None and chunk.choices and chunk.choices[0].text:
+            if ttft is None and chunk.choices:   # the first token (its text may be empty)
                 ttft = (time.monotonic() - t0) * 1000.0
         code, reason = 200, ""
     except openai.APIStatusError as err:
@@ -291,6 +292,8 @@ def guidellm_rate(port: int, model: str, rate: float, count: int) -> dict:
     exe = Path(sys.executable).with_name("guidellm")
     if exe.is_file():
         from agent.replica.smollm2 import DEFAULT_DIR
+
+        sys.path.insert(0, str(REPO / "bench"))   # http_load imports its sibling open_loop
         from bench.http_load import _guidellm, _guidellm_summary
 
         report = _guidellm(port, model, DEFAULT_DIR, REPO / "var" / "bench", rate=rate,

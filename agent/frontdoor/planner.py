@@ -73,6 +73,7 @@ class QueuePlanner:
         self.sizing = sizing
         self.arrivals = arrivals
         self.capacity = capacity
+        self._arrivals: dict[str, list[tuple[float, int]]] = {}   # (time, arrivals so far)
 
     def etas_s(self, model: str, now: float) -> list[float]:
         """When new replicas of ``model`` are expected, soonest first
@@ -155,39 +156,73 @@ class QueuePlanner:
         refused by the rule below though its deadline could be made, the reason.
 
         A request the planner can start before its deadline is admitted (:meth:`assign`),
-        late or not, except one that is predicted past its SLO *because of the queue ahead
-        of it*: placed alone (nothing queued ahead) it would start within its SLO.  By
-        Little's law the queue ahead, ``L`` requests at the replicas' throughput ``X``, waits
-        ``W = L / X``; once ``W`` alone is past the SLO, every later arrival waits at least
-        that long while arrivals outpace ``X``, and each late admission adds ``1 / X`` to
-        the wait of all that follow: it spends the capacity that would have served a later
-        request on time to serve this one late.  Refusing it holds the queue at the depth
-        whose wait is the SLO (``X x SLO``).  A request that is late with nothing queued
-        ahead (the replicas' work in flight, or a restore still coming, make it so) adds no
-        such backlog: the deadline, not the SLO, decides it.  The SLO is the path's
-        (:meth:`~agent.frontdoor.budgets.Budgets.slos_s`): the warm SLO on a replica up
-        before the request arrived, the restore SLO on one brought up since."""
+        on time or late, except a late one (predicted past its SLO) while arrivals outpace
+        the capacity in sight: ``lambda >= X``, utilisation ``rho >= 1``
+        (:meth:`_arrival_rps` over the request's warm deadline, the time a late admission's
+        wait lingers, against :meth:`capacity_rps`).  By Little's law the work queued ahead,
+        ``L`` requests, waits ``W = L / X``; with ``rho >= 1`` that queue never drains,
+        wherever it waits (here or in a replica's prefill queue), so each late admission
+        adds ``1 / X`` to the wait of every request that follows: it spends the capacity that
+        would serve a later request on time to serve this one late.  With ``rho < 1`` the
+        backlog (a one-off burst, a restore still coming, one long request in the way)
+        drains, and a late answer beats a refusal: the deadline, not the SLO, decides it.
+        The SLO is the path's (:meth:`~agent.frontdoor.budgets.Budgets.slos_s`): the warm
+        SLO on a replica up before the request arrived, the restore SLO on one brought up
+        since."""
         predicted, fresh, first = self._place(model, before + [flight], now, margin_s, ahead)
         ttft_s = predicted[-1]
-        if ttft_s is None or (not before and ahead == 0):
+        arrival_rps = self._arrival_rps(model, now, flight.warm_deadline_s - flight.arrival_s)
+        if ttft_s is None:
             return ttft_s, first, ""
         warm_slo_s, restore_slo_s = self.sizing.slos_s(model, flight.prompt_tokens)
         slo_s = restore_slo_s if fresh[-1] else warm_slo_s
         waited_s = now - flight.arrival_s
         if waited_s + ttft_s <= slo_s:
             return ttft_s, first, ""
-        alone, alone_fresh, _ = self._place(model, [flight], now, margin_s, 0)
-        if alone[0] is None:
-            return ttft_s, first, ""
-        alone_slo_s = restore_slo_s if alone_fresh[0] else warm_slo_s
-        if waited_s + alone[0] > alone_slo_s:
-            return ttft_s, first, ""      # late with no queue ahead: the deadline decides
-        queued = ahead or len(before)
-        return None, first, (
-            f"predicted {(waited_s + ttft_s) * 1000:.0f} ms, past its SLO of "
-            f"{slo_s * 1000:.0f} ms because of the {queued} queued ahead (alone it would "
-            f"start in {(waited_s + alone[0]) * 1000:.0f} ms); a late admission would make "
-            f"the next requests late too")
+        serve_rps = self.capacity_rps(model, now)
+        if serve_rps is not None and arrival_rps > 0.0 and arrival_rps >= serve_rps:
+            return None, first, (
+                f"predicted {(waited_s + ttft_s) * 1000:.0f} ms, past its SLO of "
+                f"{slo_s * 1000:.0f} ms, while arrivals ({arrival_rps:.1f}/s) outpace what "
+                f"the replicas in sight serve ({serve_rps:.1f}/s): a late admission would "
+                f"only make every later request later")
+        return ttft_s, first, ""
+
+    def _arrival_rps(self, model: str, now: float, window_s: float) -> float:
+        """``model``'s arrivals per second over the last ``window_s`` (its
+        :class:`~agent.frontdoor.model_state.ModelState` ``arrivals`` count, sampled at most
+        every ``tick_s``; before a whole window is seen, the arrivals since the first sample
+        over the window: an underestimate, never
+        a burst's instantaneous rate; where no sample was taken near the window's start,
+        over the span since the one before it)."""
+        count = self.models.of(model).arrivals
+        samples = self._arrivals.setdefault(model, [])
+        if not samples or now - samples[-1][0] >= self.config.tick_s:
+            samples.append((now, count))
+        cut = now - max(window_s, self.config.tick_s)
+        while len(samples) > 1 and samples[1][0] <= cut:
+            samples.pop(0)          # keep the newest sample at or before the window's start
+        span_s = max(window_s, self.config.tick_s)
+        if samples[0][0] > cut:       # the first sample is inside the window
+            return (count - samples[0][1]) / span_s
+        return (count - samples[0][1]) / max(span_s, now - samples[0][0])
+
+    def capacity_rps(self, model: str, now: float) -> float | None:
+        """Requests per second the replicas of ``model`` in sight complete (warm, being
+        restored, and those the restores side would start, :meth:`etas_s`): each at its
+        sustainable batch (:meth:`Sizing.per_replica`) and the model's
+        mean request shape (``SpeedProfile.service_rps``, agent/speed.py); None before the
+        model's shape is known."""
+        state = self.models.of(model)
+        if state.shape is None:
+            return None
+        prompt, gen = state.mean_shape()
+        batch = max(1, self.sizing.per_replica(model))
+        prior = self.router.prior(model)
+        total = sum((load.speed or prior).service_rps(prompt, gen, min(batch, load.max_seqs))
+                    for load in self.router.warm(model))
+        restoring = len(self.etas_s(model, now))
+        return total + restoring * self.router.held_prior(model).service_rps(prompt, gen, batch)
 
     def assign(self, model: str, flights: list[Flight], now: float,
                 margin_s: float = 0.0, ahead: int = 0) -> tuple[list[float | None], float]:

@@ -177,6 +177,8 @@ class Queues:
         self.queued_models.add(model)
         self.telemetry.queue_depth(model, len(queue))
         self.restores.maybe_restore(model)
+        if len(queue) == 1 and warm_pred_s is not None:
+            self.drain(model)   # admitted late with a replica that can take it now: sent now
 
     def retry_after_ms(self, model: str, first_s: float, now: float) -> int:
         """``retry_after_ms`` of a 429 for ``model`` whose earliest slot is at ``first_s``

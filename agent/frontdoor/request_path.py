@@ -254,7 +254,8 @@ class RequestPath:
         found = None
         if not queue:
             found = self.router.choose_predicted(model, need, prompt)
-            if found is not None and found[1] <= warm_s:
+            # direct only when on time; a late one is the admission queue's to judge
+            if found is not None and found[1] <= min(warm_s, warm_slo_s):
                 self.dispatcher.dispatch(flight, found[0], found[1], now)
                 return flight
         warm = self.router.warm(model)
