@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent import logs
 from agent.cluster import ClusterChoice, choose
+from agent.slo import DEADLINE_FACTOR
 
 if TYPE_CHECKING:
     from agent.frontdoor.http_entrance import HttpEntrance
@@ -53,16 +54,25 @@ DEFAULT_PORT = 7400   # where ``rewarm generate`` looks by default
 # --- preparing the model ---------------------------------------------------------------------
 
 def prepare_release(model_dir: Path, release_dir: Path, *, cache_dir: Path) -> tuple[Path | None, str]:
-    """The AOT release for this machine's target: reused when a package is there, else built
-    by a ``rewarm build`` child process (minutes on two cores).  Returns ``(release or None,
-    note)``; None (eager) when the build fails, with the reason in ``note``."""
+    """The AOT release for this machine's target: reused when a package is there that this
+    code built for this model's weight scheme (``package.json``'s ``source``, see
+    :func:`agent.replica.aot.forward_source_digest`, and ``weight_scheme``), else built by a
+    ``rewarm build`` child process (minutes on two cores) over the stale one.  Returns
+    ``(release or None, note)``; None (eager) when the build fails, with the reason in
+    ``note``."""
     from agent.errors import RewarmError
     from agent.replica import aot
     from agent.replica.compile_cache import apply_cache_env
+    from agent.replica.config import LlamaConfig
 
     try:
-        aot.find_package(release_dir)
-        return release_dir, "aot (package reused)"
+        manifest = aot.read_package_manifest(aot.find_package(release_dir))
+        scheme = LlamaConfig.from_dir(model_dir).weight_scheme
+        if (manifest.get("source") == aot.forward_source_digest()
+                and manifest.get("weight_scheme", "dense") == scheme):
+            return release_dir, "aot (package reused)"
+        logs.say(f"the AOT package in {release_dir} was built from other forward code or for "
+                 f"another weight scheme than {scheme}; rebuilding it")
     except (FileNotFoundError, RewarmError, OSError, ValueError):
         pass
     logs.say(f"building the AOT package for this CPU into {release_dir} (a few minutes, once)")
@@ -134,7 +144,10 @@ class Stack:
     agent_listen: str = "127.0.0.1:0"
     http_port: int | None = None   # the OpenAI-compatible entrance (None: not served)
     metrics_port: int | None = None  # the status port, /metrics of every part (None: none)
-    deadline_ms: float = 60_000.0   # the front door's per-model deadline (replays: the SLO)
+    deadline_ms: float = 60_000.0   # the front door's per-model deadline (a cap on the default)
+    # a request without a deadline of its own waits at most this many times its SLO
+    # (FrontDoorConfig.deadline_factor, agent/slo.py; 1: the deadline is the SLO)
+    deadline_factor: float = DEADLINE_FACTOR
     max_wait_s: float = 60.0        # the front door's cap on any request's wait (FrontDoorConfig)
 
     def __post_init__(self) -> None:
@@ -220,14 +233,16 @@ class Stack:
 
     def frontdoor_config(self):
         """The embedded front door's :class:`~agent.frontdoor.config.FrontDoorConfig`: this
-        stack's address, the model's deadline, ``max_wait_s`` (a request's own ``deadline_ms``
-        is held at most this long, so a cold boot's request needs it at least that long)."""
+        stack's address, the model's deadline and ``deadline_factor``, ``max_wait_s`` (a
+        request's own ``deadline_ms`` is held at most this long, so a cold boot's request
+        needs it at least that long)."""
         from agent.frontdoor.server import FrontDoorConfig
 
         return FrontDoorConfig(host=self.host, port=self.port,
                                models={self.model: self.deadline_ms}, registry_poll_s=0.2,
                                restores_per_model=self.restores_per_model,
-                               max_wait_s=self.max_wait_s)
+                               max_wait_s=self.max_wait_s,
+                               deadline_factor=self.deadline_factor)
 
     async def _serve(self, ready: threading.Event) -> None:
         from agent.frontdoor.capacity import NodeAgentCapacity

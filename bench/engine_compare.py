@@ -3,13 +3,20 @@
     bench/engine_compare.py [--engines rewarm_engine,llama_cpp,transformers] [--threads 2]
                             [--peers-python .venv-engines/bin/python] --json PATH
 
-Every engine runs in a child process of its own (so its RSS/PSS is its own), one after the
-other, under the caller's ``flock /tmp/rewarm-bench.lock``.  Each child loads its engine,
-serves one short request and says so (the parent times start -> first token from the
-``Popen``), then measures, on the same token ids (SmolLM2's GGUF vocabulary is the model's):
+Every engine runs in a child process of its own (so its RSS/PSS is its own), under the
+caller's ``flock /tmp/rewarm-bench.lock``.  The children are started one after another; each
+loads its engine, serves one short request and says so (the parent times start -> first
+token from the ``Popen``), warms every shape it will be measured at (one short run per
+prompt length and concurrency), and then waits for commands on stdin.  The parent measures in
+``--rounds`` alternating rounds: each round asks every engine for every figure in turn (the
+order of the engines rotates), so a shared machine's load falls on all engines alike instead
+of on whichever ran while it peaked; each figure reported is the best round's (lowest TTFT,
+highest tokens/s: the least disturbed one), and every round's value is kept under
+``rounds``.  All engines get the same token ids (SmolLM2's GGUF vocabulary is the model's),
+the same threads, and are timed the same way, in the child, around the engine's own call:
 
-    ttft_ms {"32", "512"}     prompt of 32 / 511 tokens -> first token (median of 3; 511 so
-                              that prompt and first token fill the package's 512-token slot)
+    ttft_ms {"32", "512"}     prompt of 32 / 511 tokens -> first token (median of 3 per
+                              round; 511 so that prompt and first token fill a 512-token slot)
     decode_tok_s_per_seq {"1", "4", "8"}
                               tokens after the first / time after the first token, per
                               sequence (median over the sequences), with 1, 4 and 8
@@ -30,8 +37,11 @@ Engines:
   concurrency as one left-padded batch through ``generate``.
 
 ``golden`` (a child too): the int4 package against the int4 eager forward token for token
-(greedy, 3 prompts x 32 tokens) and the drift of the int4 package from the float32 eager
-forward over agent/replica/golden.py's fixed 256-token prompt set.
+(greedy, 3 prompts x 32 tokens: ``package_equals_eager``, ``tokens_equal`` of
+``tokens_compared`` counting each prompt's tokens before its first difference) and logit for logit over agent/replica/golden.py's fixed 256-token
+prompt set (``package_vs_eager_*``), and the drift of the int4 package (``top1_agreement``,
+``max_logit_diff``) and of the int4 eager forward (``eager_int4_vs_fp32_top1_agreement``)
+from the float32 eager forward over the same set.
 
 JSON: ``{"meta": {...}, "engines": {name: {...}}, "golden": {...}, "threads", "loadavg"}``.
 """
@@ -40,9 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,7 +61,7 @@ sys.path.insert(0, str(REPO))
 PROMPT_C, NEW_C = 128, 64            # each concurrent request: prompt tokens, new tokens
 LONG_PROMPT = 511                    # the "512" prompt: prompt + first token = a 512-token slot
 DECODE_NEW = 64                      # new tokens of the single-request decode run
-CONCURRENCY = (1, 4, 8)
+from bench.engine_rounds import CONCURRENCY  # noqa: E402  (shared with the parent side)
 
 
 def pss_rss_mib(pid: int | str = "self") -> tuple[float, float]:
@@ -195,7 +203,36 @@ class Transformers:
         return [[start] + [start + first + k * step for k in range(max_tokens)] for _ in prompts]
 
 
+def decode_prompts(ids: list[int], c: int) -> tuple[list[list[int]], int]:
+    """The prompts and new tokens of the decode run at concurrency ``c`` (see the docstring)."""
+    if c == 1:
+        return [ids[:32]], DECODE_NEW
+    return [ids[i:i + PROMPT_C] for i in range(c)], NEW_C
+
+
+def measure(eng, ids: list[int], what: str) -> dict:
+    """One figure, measured now: ``ttft:N`` or ``decode:C`` (see the docstring), ``mem``."""
+    kind, _, arg = what.partition(":")
+    if kind == "ttft":
+        runs = [eng.run([ids[:min(int(arg), LONG_PROMPT)]], 1)[0] for _ in range(3)]
+        return {"ttft_ms": round(statistics.median(r[1] - r[0] for r in runs) * 1e3, 1)}
+    if kind == "decode":
+        prompts, new = decode_prompts(ids, int(arg))
+        t0 = time.perf_counter()
+        times = eng.run(prompts, new)
+        wall = time.perf_counter() - t0
+        rates = [(len(t) - 2) / (t[-1] - t[1]) for t in times if len(t) > 2 and t[-1] > t[1]]
+        return {"tok_s_per_seq": round(statistics.median(rates), 2) if rates else None,
+                "output_tok_s": round(sum(len(t) - 1 for t in times) / wall, 1),
+                "served": sum(1 for t in times if len(t) - 1 >= new),
+                "ttft_ms_max": round(max(t[1] - t[0] for t in times) * 1e3, 1)}
+    rss, pss = pss_rss_mib()
+    return {"rss_mib": round(rss, 1), "pss_mib": round(pss, 1)}
+
+
 def child(args: argparse.Namespace) -> int:
+    """Load the engine, answer FIRST, warm every measured shape, then answer one RESULT line
+    per command line on stdin (a figure name for :func:`measure`) until stdin closes."""
     model_dir = args.model_dir
     if args.child == "rewarm_engine":
         eng = RewarmEngine(model_dir, args.release, args.threads)
@@ -208,29 +245,14 @@ def child(args: argparse.Namespace) -> int:
     ids = [int(t) for t in json.loads(args.ids.read_text())]
     eng.run([ids[:8]], 1)
     print("FIRST", flush=True)
-    out: dict = {"weights": eng.weights_desc, "concurrency_kind": eng.kind}
-    ttft = {}
-    for n in (32, 512):
-        # "512": 511 prompt tokens, so that prompt + first token fill a 512-position KV slot
-        runs = [eng.run([ids[:min(n, LONG_PROMPT)]], 1)[0] for _ in range(3)]
-        ttft[str(n)] = round(statistics.median(r[1] - r[0] for r in runs) * 1e3, 1)
-    out["ttft_ms"] = ttft
-    decode = {}
+    for n in (32, LONG_PROMPT):
+        eng.run([ids[:n]], 1)
     for c in CONCURRENCY:
-        prompts = [ids[i:i + PROMPT_C] for i in range(c)] if c > 1 else [ids[:32]]
-        new = NEW_C if c > 1 else DECODE_NEW
-        t0 = time.perf_counter()
-        times = eng.run(prompts, new)
-        wall = time.perf_counter() - t0
-        rates = [(len(t) - 2) / (t[-1] - t[1]) for t in times if len(t) > 2 and t[-1] > t[1]]
-        decode[str(c)] = round(statistics.median(rates), 2) if rates else None
-        if c == 8:
-            out["output_tok_s_c8"] = round(sum(len(t) - 1 for t in times) / wall, 1)
-            out["served_c8"] = sum(1 for t in times if len(t) - 1 >= new)
-            out["ttft_ms_c8_max"] = round(max(t[1] - t[0] for t in times) * 1e3, 1)
-    out["decode_tok_s_per_seq"] = decode
-    out["rss_mib"], out["pss_mib"] = (round(x, 1) for x in pss_rss_mib())
-    print("RESULT " + json.dumps(out), flush=True)
+        eng.run(decode_prompts(ids, c)[0], 4)
+    print("READY " + json.dumps({"weights": eng.weights_desc, "concurrency_kind": eng.kind}),
+          flush=True)
+    for line in sys.stdin:
+        print("RESULT " + json.dumps(measure(eng, ids, line.strip())), flush=True)
     return 0
 
 
@@ -262,44 +284,79 @@ def golden_child(args: argparse.Namespace) -> int:
     rows = drift_rows(lambda text: tok.encode(text).ids)
     k, v = new_kv_caches(config, sizes["max_seqs"], sizes["max_seq_len"])
     got = prefill_logits(packaged, rows, k, v)
+    k, v = new_kv_caches(config, sizes["max_seqs"], sizes["max_seq_len"])
+    same_precision = prefill_logits(Transformer.from_weights(config, weights), rows, k, v)
     dense_cfg = LlamaConfig.from_dir(args.dense_dir)
     reference = Transformer.from_weights(dense_cfg, load_hf_weights(args.dense_dir, dense_cfg))
     k, v = new_kv_caches(dense_cfg, len(rows), len(rows[0]))
     want = prefill_logits(reference, rows, k, v)
+    # tokens before each prompt's first difference (after one, the prefixes differ)
+    tokens_equal = sum(next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+                       for x, y in zip(runs[0], runs[1], strict=True))
     out = {"package_equals_eager": runs[0] == runs[1], "tokens_compared": sum(map(len, runs[0])),
+           "tokens_equal": tokens_equal,
            **{k: round(v, 4) if isinstance(v, float) else v for k, v in drift(want, got).items()}}
     out["top1_agreement"] = out.pop("top1_agreement")
+    vs_eager = drift(same_precision, got)
+    out["package_vs_eager_max_logit_diff"] = round(vs_eager["max_logit_diff"], 4)
+    out["package_vs_eager_top1_agreement"] = round(vs_eager["top1_agreement"], 4)
+    out["eager_int4_vs_fp32_top1_agreement"] = round(drift(want, same_precision)["top1_agreement"], 4)
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 
 
 # --- the parent ---------------------------------------------------------------------------------
-def run_child(python: str, name: str, argv: list[str], timeout_s: float) -> dict:
-    """Start the child for ``name``; returns its RESULT (with start_to_first_token_s) or
-    ``{"error": ...}``.  The child is killed when it outlives ``timeout_s``."""
-    cmd = [python, str(Path(__file__).resolve()), "--child", name, *argv]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)})
-    first, result = None, None
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("FIRST") and first is None:
-                first = time.perf_counter() - t0
-            elif line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
-            if time.perf_counter() - t0 > timeout_s:
-                break
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        _, err = proc.communicate()
-    if result is None:
-        return {"error": (err or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]}
-    if first is not None:
-        result["start_to_first_token_s"] = round(first, 2)
-    return result
+from bench.engine_rounds import FIGURES, Child, best_of, compare  # noqa: E402,F401
+
+
+def _ratio(a, b) -> str | None:
+    return f"{a / b:.2f}" if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+
+
+def headline(engines: dict[str, dict]) -> list[list[str]]:
+    """Ratios of rewarm's engine to llama.cpp measured in this run (higher is better for
+    rewarm in each): decode tokens/s at 1 sequence, TTFT at 32 tokens (llama.cpp's over
+    rewarm's), output tokens/s at 8 concurrent.  llama.cpp serves its "concurrent" requests
+    one after another, so each of its decode figures is a one-sequence rate: the ratio takes
+    its best of them (a round that disturbed only its c1 run does not flatter rewarm)."""
+    r, ll = engines.get("rewarm_engine", {}), engines.get("llama_cpp", {})
+    if "error" in r or "error" in ll or not r or not ll:
+        return []
+    ll_rates = [v for v in ll["decode_tok_s_per_seq"].values() if v is not None]
+    rows = [["decode tok/s, 1 seq, rewarm / llama.cpp",
+             _ratio(r["decode_tok_s_per_seq"]["1"], max(ll_rates) if ll_rates else None)],
+            ["TTFT 32-token prompt, llama.cpp / rewarm", _ratio(ll["ttft_ms"]["32"], r["ttft_ms"]["32"])],
+            ["output tok/s at 8 concurrent, rewarm / llama.cpp",
+             _ratio(r.get("output_tok_s_c8"), ll.get("output_tok_s_c8"))]]
+    return [row for row in rows if row[1] is not None]
+
+
+def tables(engines: dict[str, dict], golden: dict) -> list[dict]:
+    """The page's tables (bench/render_docs.py): the engines, each round's load, the golden."""
+    cols = ["engine", "weights", "concurrency", "start -> first token s", "TTFT 32 ms",
+            "TTFT 512 ms", "decode tok/s/seq c1", "c4", "c8", "output tok/s c8", "served c8",
+            "slowest TTFT c8 ms", "RSS MiB", "PSS MiB"]
+    rows = []
+    for name, e in engines.items():
+        if "error" in e:
+            rows.append([name, "error: " + " ".join(e["error"])] + [None] * (len(cols) - 2))
+            continue
+        d, t = e["decode_tok_s_per_seq"], e["ttft_ms"]
+        rows.append([name, e.get("weights"), e.get("concurrency_kind"),
+                     e.get("start_to_first_token_s"), t["32"], t["512"], d["1"], d["4"], d["8"],
+                     e.get("output_tok_s_c8"), e.get("served_c8"), e.get("ttft_ms_c8_max"),
+                     e.get("rss_mib"), e.get("pss_mib")])
+    load_rows = [[name, i + 1, r.get("loadavg")] for name, e in engines.items()
+                 for i, r in enumerate(e.get("rounds", []))]
+    out = [{"title": "Engines, best of the alternating rounds", "columns": cols, "rows": rows,
+            "notes": "each figure is the best round's (lowest TTFT, highest tokens/s) on a "
+                     "shared two-core machine; decode tok/s/seq counts tokens after the first"},
+           {"title": "Load average after each round", "columns": ["engine", "round", "loadavg"],
+            "rows": load_rows}]
+    if golden and "error" not in golden:
+        out.append({"title": "Golden: package against eager, drift from float32",
+                    "columns": ["key", "value"], "rows": [[k, v] for k, v in golden.items()]})
+    return out
 
 
 def print_table(out: dict) -> None:
@@ -334,7 +391,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="AOT release of --model-dir (default var/releases/<name>-<version>)")
     parser.add_argument("--peers-python", default=str(REPO / ".venv-engines" / "bin" / "python"),
                         help="a Python with llama-cpp-python (make bench-engines)")
+    parser.add_argument("--transformers-python", default=sys.executable,
+                        help="a Python with torch and transformers (default: this one)")
     parser.add_argument("--timeout-s", type=float, default=900)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds; each figure is the best round's")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.child:
@@ -358,19 +419,29 @@ def main(argv: list[str] | None = None) -> int:
     ids_file.write_text(json.dumps(token_ids(model_dir, 512)))
     common = ["--model-dir", str(model_dir), "--dense-dir", str(args.dense_dir), "--gguf", str(gguf),
               "--release", str(release), "--threads", str(args.threads), "--ids", str(ids_file)]
-    engines = {}
+    children = {}
     for name in [e for e in args.engines.split(",") if e]:
-        python = args.peers_python if name == "llama_cpp" else sys.executable
-        engines[name] = run_child(python, name, common, args.timeout_s)
-        print(f"{name}: {json.dumps(engines[name])}", file=sys.stderr, flush=True)
-    golden = run_child(sys.executable, "golden", common, args.timeout_s)
-    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    out = {"meta": {"command": "bench/engine_compare.py " + " ".join(argv or sys.argv[1:]),
-                    "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}", "loadavg": load,
-                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit},
-           "engines": engines, "golden": golden, "threads": args.threads, "loadavg": load,
+        python = {"llama_cpp": args.peers_python,
+                  "transformers": args.transformers_python}.get(name, sys.executable)
+        children[name] = Child(python, name, common, args.timeout_s)
+        print(f"{name}: {json.dumps(children[name].info)}", file=sys.stderr, flush=True)
+    try:
+        measured = compare(children, args.rounds)
+    finally:
+        for kid in children.values():
+            kid.close()
+    engines = {name: measured.get(name) or kid.error() for name, kid in children.items()}
+    golden_child_proc = Child(sys.executable, "golden", common, args.timeout_s)
+    golden_child_proc.close()
+    golden = golden_child_proc.info or golden_child_proc.error()
+    from bench.run_meta import run_meta
+
+    meta = run_meta([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    out = {"meta": meta, "title": "rewarm's engine beside llama.cpp and transformers, same "
+                                  f"model, {args.threads} threads, {args.rounds} alternating rounds",
+           "headline": headline(engines), "tables": tables(engines, golden),
+           "engines": engines, "golden": golden, "threads": args.threads,
+           "loadavg": meta["loadavg"], "rounds": args.rounds,
            "rewarm_up_pss_mib_idle": None, "rewarm_up_pss_mib_per_extra_replica": None}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")

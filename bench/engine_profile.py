@@ -27,6 +27,8 @@ Output schema ``rewarm.engine_profile/1`` (:data:`agent.speed.PROFILE_SCHEMA`), 
                         done_rel_err_max}
     prefill             [{prompt_tokens, s}]                 medians measured
     decode              [{batch, context_tokens, step_s}]    context = cached tokens, all seqs
+    kernels             [{n, k, m, int4_us, int8_us, bf16_us, fp32_us}]  each matmul kernel's
+                        minimum time at M rows for SmolLM2's shapes (:func:`kernel_table`)
     startup             {naive_s, restore_s, zygote_restore_s, staged_restore_s}: [low, high]
                         seconds from request to ready (StartupTimes.from_json reads it)
     startup_trials_s    the same, every trial
@@ -102,6 +104,48 @@ def sweep(engine) -> tuple[list[dict], list[dict]]:
             decode.append({"batch": b, "context_tokens": ctx + b * (DECODE_STEPS // 2),
                            "step_s": statistics.median(steps)})
     return prefill, decode
+
+
+KERNEL_ROWS = (1, 8, 64)
+KERNEL_SHAPES = ((576, 576), (960, 576), (576, 1536), (3072, 576), (49152, 576))
+"""(N, K) of SmolLM2-135M's matrices: o_proj, fused q/k/v, down, fused gate/up, the tied LM head."""
+
+
+def kernel_table(rounds_small: int = 40, rounds_large: int = 8) -> list[dict]:
+    """Each weight-only kernel beside dense matmuls at M rows (``KERNEL_ROWS``) for every shape
+    of ``KERNEL_SHAPES``: ``_weight_int4pack_mm_for_cpu`` (groups of 32), ``_weight_int8pack_mm``,
+    and ``F.linear`` in bfloat16 and float32 (bfloat16 activations for the first three).  The
+    four run in turn, round after round, and each keeps its minimum (us): on a shared machine
+    the least disturbed call is the kernel's own cost.  Random codes: the kernels' time does
+    not depend on the values."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for n, k in KERNEL_SHAPES:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g), 1)
+        sz = torch.randn(k // 32, n, 2, generator=g).to(torch.bfloat16)
+        w8 = torch.randint(-127, 127, (n, k), dtype=torch.int8, generator=g)
+        s8 = torch.rand(n, generator=g).to(torch.bfloat16)
+        wb = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        wf = wb.float()
+        for m in KERNEL_ROWS:
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            xf = x.float()
+            calls = {"int4_us": (torch.ops.aten._weight_int4pack_mm_for_cpu, (x, packed, 32, sz)),
+                     "int8_us": (torch._weight_int8pack_mm, (x, w8, s8)),
+                     "bf16_us": (F.linear, (x, wb)), "fp32_us": (F.linear, (xf, wf))}
+            best = dict.fromkeys(calls, float("inf"))
+            with torch.inference_mode():
+                for _ in range(rounds_large if n * k * m > 8_000_000 else rounds_small):
+                    for name, (fn, fn_args) in calls.items():
+                        t = time.perf_counter()
+                        fn(*fn_args)
+                        best[name] = min(best[name], time.perf_counter() - t)
+            out.append({"n": n, "k": k, "m": m, **{kk: round(v * 1e6, 1) for kk, v in best.items()}})
+    return out
 
 
 def check(engine, profile: SpeedProfile, n: int = 12) -> dict:
@@ -267,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                       "kv_capacity_tokens": engine.kv.capacity_tokens},
            "speed": profile.to_dict(), "meter_speed": engine.meter.profile().to_dict(),
            "fit": quality, "check": check(engine, profile), "prefill": prefill,
-           "decode": decode}
+           "decode": decode, "kernels": kernel_table()}
     del loaded, engine
     if not args.skip_startup:
         shutil.rmtree(args.work, ignore_errors=True)
@@ -279,10 +323,46 @@ def main(argv: list[str] | None = None) -> int:
     out["machine"] = {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
                       "torch": torch.__version__}
     out["wall_s"] = round(time.perf_counter() - wall0, 1)
+    from bench.run_meta import run_meta
+
+    out["meta"] = run_meta([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    out["tables"] = tables(out)
+    out["headline"] = headline(out)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")
     print_table(out)
     return 0
+
+
+def headline(out: dict) -> list[list]:
+    """The decode step at one and at the largest batch (shortest context, median ms) and the
+    fitted prefill rate."""
+    steps = {}
+    for d in out["decode"]:
+        steps.setdefault(d["batch"], d)       # the first (shortest) context of each batch
+    rows = [[f"decode step ms, batch {b}, {steps[b]['context_tokens']} tokens cached",
+             round(steps[b]["step_s"] * 1e3, 2)] for b in sorted({min(steps), max(steps)})]
+    return rows + [["prefill tokens/s (fit)", round(out["speed"]["prefill_tokens_per_s"], 1)]]
+
+
+def tables(out: dict) -> list[dict]:
+    """The measured points beside the fit, for bench/render_docs.py."""
+    sp = SpeedProfile(**out["speed"])
+    return [{"title": f"Prefill, one prompt ({out['forward']}, {out['threads']} threads)",
+             "columns": ["prompt tokens", "prefill ms (median)", "fit ms"],
+             "rows": [[p["prompt_tokens"], round(p["s"] * 1e3, 2),
+                       round(sp.prefill_s(p["prompt_tokens"]) * 1e3, 2)] for p in out["prefill"]]},
+            {"title": "Decode step, every active sequence together",
+             "columns": ["batch", "context tokens (all sequences)", "step ms (median)", "fit ms"],
+             "rows": [[d["batch"], d["context_tokens"], round(d["step_s"] * 1e3, 2),
+                       round(sp.decode_step_s(d["batch"], d["context_tokens"]) * 1e3, 2)]
+                      for d in out["decode"]]},
+            {"title": "Fitted speed (agent/speed.py's SpeedProfile)", "columns": ["key", "value"],
+             "rows": [[k, round(v, 6)] for k, v in out["speed"].items()]},
+            {"title": "Matmul kernels at M rows, minimum of interleaved rounds (us)",
+             "columns": ["N x K", "M", "int4", "int8", "bf16 dense", "fp32 dense"],
+             "rows": [[f"{r['n']} x {r['k']}", r["m"], r["int4_us"], r["int8_us"], r["bf16_us"],
+                       r["fp32_us"]] for r in out.get("kernels", [])]}]
 
 
 def print_table(out: dict) -> None:

@@ -2,9 +2,12 @@
 to this machine, beside the simulator's replay of the same requests.
 
     bench/trace_replay.py --trace CSV [--load 0.3[,3]] [--minutes 10] [--start-min 0]
-                          [--wall-s 240] [--profile JSON] --json PATH
+                          [--wall-s 240] [--profile JSON] [--deadline-policy slo,default]
+                          --json PATH
 
-For each ``--load``, on a fresh ``rewarm up`` stack (real ``rewarm replica`` processes on
+For each ``--load`` and each ``--deadline-policy`` (``slo``: a request's deadline is its SLO,
+``deadline_factor`` 1; ``default``: the front door's default, ``deadline_factor``
+:data:`agent.slo.DEADLINE_FACTOR` times the SLO, agent/slo.py), on a fresh ``rewarm up`` stack (real ``rewarm replica`` processes on
 SmolLM2-135M, the front door, the node agent and, for the replay, the predictor):
 
 1. the node agent cold-boots a replica (its ``restore`` op with no snapshot yet; the snapshot
@@ -23,13 +26,17 @@ SmolLM2-135M, the front door, the node agent and, for the replay, the predictor)
 5. the same requests go through the simulator (:func:`agent.sim.pathsim.simulate_path`): the
    production front-door request path, predictor service and local scaler on virtual time,
    with simulated replicas that report the profile the live replica reported and serve at
-   the speed the calibration measured, and a simulated node agent whose restores take the
+   the speed the calibration measured, slowed by the cores this process (front door, node
+   agent, predictor, load generator) took from them per request during the live window
+   (:mod:`agent.sim.contention`; ``contention`` in the JSON), and a simulated node agent whose restores take the
    median restore it timed during the live window (the front door starting with the
    probe's restore measured, as live).
 
 ``--resim LIVE.json --records REC`` runs step 5 alone again on an earlier run (its JSON and
 its ``--records`` file) and prints both columns: the simulator can be changed and re-judged
-against one live run without running the stack again.
+against one live run without running the stack again.  With ``--sustained`` the simulated
+node gets the capacity the live node sustained while saturated (:func:`sustained_rps`):
+where the two then agree, what the simulator lacks is the live capacity, not the mechanics.
 
 It prints live and simulated side by side and writes ``--json``: per load the keys of
 :func:`agent.sim.replay.summarise` (``requests, served, shed_429, shed_429_within_50ms,
@@ -62,6 +69,7 @@ from agent.argtypes import nonneg_float, positive_float, positive_int  # noqa: E
 from agent.errors import ConfigError, InvalidTrace, RewarmError  # noqa: E402
 
 WARM_SLO_MS, RESTORE_SLO_MS = 2000.0, 4000.0   # the default TTFT SLOs (docs/architecture.md)
+MODEL_DEADLINE_MS = 60_000.0   # the model's default deadline: a cap that no replay request nears
 DECISION_LATENCY_S = 1.0
 # a sparse window's median gap is kept at least this many times (restore + keep-alive) in
 # wall time: long enough that scaling to zero in it pays and shows (agent/sim/replay_scale.py)
@@ -70,6 +78,25 @@ GAP_FACTOR = 10.0
 
 def say(text: str) -> None:
     print(text, flush=True)
+
+
+def deadline_factors() -> dict[str, float]:
+    """``--deadline-policy`` names: ``slo`` (the deadline is the SLO) and ``default`` (the
+    front door's default deadline, ``DEADLINE_FACTOR`` x the SLO)."""
+    from agent.slo import DEADLINE_FACTOR
+
+    return {"slo": 1.0, "default": DEADLINE_FACTOR}
+
+
+def policy_list(text: str) -> list[str]:
+    """``slo``, ``default`` or ``slo,default``; ArgumentTypeError naming a name not known."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    known = deadline_factors()
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"deadline policy {text!r}: each must be one of "
+                                         f"{', '.join(known)}")
+    return names
 
 
 def load_list(text: str) -> list[float]:
@@ -85,8 +112,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--resim", type=Path, default=None, metavar="LIVE_JSON",
                     help="run only the simulator again, on the requests of an earlier run "
                          "(its --json file and, with --records, its records) and print both")
+    ap.add_argument("--sustained", action="store_true",
+                    help="--resim: simulate at the capacity the live node sustained while "
+                         "saturated instead of the contention model's")
     ap.add_argument("--load", type=load_list, default=[0.3],
                     help="offered load(s), fraction of one replica's capacity (0.3; 0.3,3)")
+    ap.add_argument("--deadline-policy", type=policy_list, default=["slo", "default"],
+                    help="deadline policies replayed at each load: slo (deadline = SLO), "
+                         "default (the front door's, a few times the SLO); default both")
     ap.add_argument("--minutes", type=positive_float, default=10.0, help="trace window (min)")
     ap.add_argument("--start-min", type=nonneg_float, default=0.0,
                     help="window start, minutes after the trace's first request")
@@ -161,8 +194,10 @@ def gap_floor(arrival_s, window_s: float, restore_s: float, cap: int) -> dict:
             "max_speedup": gap_keeping_speedup(a, floor)}
 
 
-def run_one(args, load: float, rows, window_s: float, model_dir, release, note) -> dict:
-    """One replay at ``load`` on a fresh stack: live, then simulated (module docstring)."""
+def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, release,
+            note) -> dict:
+    """One replay at ``load`` under deadline ``policy`` on a fresh stack: live, then
+    simulated (module docstring)."""
     from agent.sim import replay
     from agent.sim.demo import Sampler, _fresh_state, _vocabulary, replica_limits, replica_stats
     from agent.replica.config import LlamaConfig
@@ -174,8 +209,10 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
     tok, probe, base = _vocabulary(model_dir, LlamaConfig.from_dir(model_dir).vocab_size)
     state = args.state_dir
     _fresh_state(state)
+    factor = deadline_factors()[policy]
     stack = Stack(state, model_dir, release, threads=args.threads, start_predictor=False,
-                  restores_per_model=cap, max_replicas=cap, deadline_ms=RESTORE_SLO_MS)
+                  restores_per_model=cap, max_replicas=cap, deadline_ms=MODEL_DEADLINE_MS,
+                  deadline_factor=factor)
     t_start = time.monotonic()
     stack.start()
     sampler = None
@@ -238,17 +275,23 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
             f"batch {scale.batch}, offered {scale.offered_rps:.2f} req/s = load {scale.load:.2f}"
             f"{' (' + scale.bound + ' bound)' if scale.bound else ''}; {len(plan)} requests "
             f"over {scale.wall_s:.0f} s")
-        policy = predictor_policy(restore_s, cap)
-        stack.predictor_overrides = policy
+        stack.predictor_overrides = predictor_policy(restore_s, cap)
         stack.start_predicting()
         stack.predictor.predictor.update_speed(model, profile, max_seqs,
                                                mean_prompt_tokens=scale.mean_prompt_tokens,
                                                mean_gen_tokens=scale.mean_output_tokens)
         restores_before = len(stack.agent.catalog.cold_starts(model))
         sampler = Sampler(stack.agent)
+        cpu0, busy0 = _own_cpu_s(), _machine_busy_s()
         outcomes = asyncio.run(replay.send_plan(address, model, plan, base,
                                                 until_s=scale.wall_s))
         span_s = sampler.stop()
+        busy1 = _machine_busy_s()
+        contention = contention_of(cpu_s=_own_cpu_s() - cpu0,
+                                   machine_busy_s=None if busy0 is None or busy1 is None
+                                   else busy1 - busy0, span_s=span_s,
+                                   requests=len(plan), cap=cap, threads=args.threads,
+                                   actual=calibrated, scale=scale)
         # the front door's own counts: replica 429s, requests placed again, late first tokens
         fd_counts = dict(stack.frontdoor.path.counts)
         rows_after = stack.agent.catalog.cold_starts(model)
@@ -276,17 +319,20 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
                    restore_s=restore_s, cap=cap, mean_prompt_tokens=scale.mean_prompt_tokens,
                    mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
                    always_on_replicas=pool, actual=calibrated,
-                   replay_restores_s=replay_restores_s)
+                   replay_restores_s=replay_restores_s, deadline_factor=factor,
+                   shared_speed=contention["speed"])
     codes = {}
     for o in outcomes:
         codes[o.code] = codes.get(o.code, 0) + 1
     reasons = sorted({o.reason[:160] for o in outcomes if o.code not in (200,)})[:8]
-    out = {**live, "sim": sim, "load": load, "trace": Path(rows.path).name, "speedup": scale.speedup,
+    out = {**live, "sim": sim, "load": load, "deadline_policy": policy,
+           "deadline_factor": factor, "trace": Path(rows.path).name, "speedup": scale.speedup,
            "token_scale": scale.token_scale, "scale": scale.to_json(), "idle_gaps": gaps,
            "profile": profile.to_meta(), "profile_source": source,
            "replica_meter_profile": None if meter is None else meter.to_meta(),
            "calibrated_profile": calibrated.to_meta(),
            "restore_s": restore_s, "replay_restores_s": replay_restores_s,
+           "contention": contention,
            "max_replicas": cap, "threads": args.threads,
            "max_seqs": max_seqs, "max_seq_len": max_seq_len,
            "forward": note, "codes": {str(k): v for k, v in sorted(codes.items())},
@@ -295,14 +341,15 @@ def run_one(args, load: float, rows, window_s: float, model_dir, release, note) 
            "mean_rps_wall": float(len(plan) / scale.wall_s) if scale.wall_s else None}
     out["verdict"] = verdict(out)
     if args.records is not None:
-        write_records(args.records, load, plan, outcomes, stack.decisions)
+        write_records(args.records, load, policy, plan, outcomes, stack.decisions)
     return out
 
 
 def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float, cap: int,
              mean_prompt_tokens: float, mean_gen_tokens: float, span_s: float,
              always_on_replicas: int, actual=None,
-             replay_restores_s: list[float] | None = None) -> dict:
+             replay_restores_s: list[float] | None = None,
+             deadline_factor: float | None = None, shared_speed: float = 1.0) -> dict:
     """The simulator's side (step 5): the same requests through the production request path
     and predictor, with simulated replicas, node agent and clock
     (:func:`agent.sim.pathsim.simulate_path`), configured as this replay's stack.  The
@@ -312,11 +359,19 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
     front door starts with ``restore_s`` measured (the probe's restore, as live); each
     simulated restore takes the median of ``replay_restores_s`` (the restores the node agent
     timed during the live window; default ``restore_s``), plus the time to start a zygote
-    when none is ready, estimated from the slow ones (:func:`zygote_estimate_s`)."""
+    when none is ready, estimated from the slow ones (:func:`zygote_estimate_s`).
+    ``deadline_factor``: the live run's (default: the front door's default).
+    ``shared_speed``: the fraction of ``actual`` the replicas serve at on cores the stack's
+    process shares with them (:func:`agent.sim.contention.shared_core_speed`, from the CPU
+    the live stack spent per request; 1: none)."""
+    from agent.sim.contention import slowed
+
     from agent.sim.pathsim import PathSimConfig, simulate_path
 
     restores = list(replay_restores_s or [])
-    config = PathSimConfig(deadline_ms=RESTORE_SLO_MS, registry_poll_s=0.2, agent_tick_s=0.5,
+    factor = deadline_factors()["default"] if deadline_factor is None else deadline_factor
+    config = PathSimConfig(deadline_ms=MODEL_DEADLINE_MS, deadline_factor=factor,
+                           registry_poll_s=0.2, agent_tick_s=0.5,
                            restores_per_model=cap, max_replicas=cap, warm_slo_ms=WARM_SLO_MS,
                            restore_slo_ms=RESTORE_SLO_MS, zygote_s=zygote_estimate_s(restores))
     return simulate_path(plan, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
@@ -324,7 +379,47 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
                          policy=predictor_policy(restore_s, cap),
                          mean_prompt_tokens=mean_prompt_tokens, mean_gen_tokens=mean_gen_tokens,
                          config=config, initial_replicas=1, span_s=span_s,
-                         always_on_replicas=always_on_replicas, actual=actual)
+                         always_on_replicas=always_on_replicas,
+                         actual=slowed(actual or profile, shared_speed))
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process, every thread: the front door, node agent, predictor and
+    load generator of the replay (the replicas are processes of their own)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds the whole machine has been busy (``/proc/stat``'s ``cpu`` line: all but
+    idle and iowait, in USER_HZ ticks); None where it cannot be read."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        ticks = [int(x) for x in fields[:8]]
+    except (OSError, ValueError, IndexError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def contention_of(*, cpu_s: float, machine_busy_s: float | None, span_s: float,
+                  requests: int, cap: int, threads: int, actual, scale) -> dict:
+    """What the replay's own process took of the node during the window, and the speed it
+    leaves the replicas (:func:`agent.sim.contention.shared_core_speed`): ``cpu_s`` (this
+    process), ``cpu_s_per_request``, ``machine_busy_cores`` (every process, mean over the
+    window; other users' work included), ``service_rps`` (one replica at the
+    replay's batch at the calibrated speed) and ``speed``."""
+    from agent.node.capacity import usable_cores
+    from agent.sim.contention import shared_core_speed
+
+    per_request = cpu_s / max(1, requests)
+    mu = actual.service_rps(scale.mean_prompt_tokens, scale.mean_output_tokens, scale.batch)
+    speed = shared_core_speed(usable_cores(), cap, threads, mu, per_request)
+    busy = None if machine_busy_s is None or span_s <= 0 else machine_busy_s / span_s
+    return {"cpu_s": round(cpu_s, 2), "cpu_s_per_request": round(per_request, 5),
+            "machine_busy_cores": None if busy is None else round(busy, 2),
+            "cores": usable_cores(), "service_rps": round(mu, 2), "speed": round(speed, 4)}
 
 
 def _median(values: list[float]) -> float | None:
@@ -344,10 +439,32 @@ def zygote_estimate_s(restores_s: list[float]) -> float:
     return _median(slow) or 0.0
 
 
-def resimulate(live_json: Path, records: Path) -> list[dict]:
+def sustained_rps(rows: list[dict]) -> tuple[float | None, int]:
+    """What the live node served while it was saturated: the mean first tokens per wall
+    second over the seconds in which it refused requests (429) and refused in the seconds
+    either side too (so the capacity, not a passing restore, was the limit), and how many
+    such seconds there were; None when there were none.  ``rows``: a run's records."""
+    reqs = [r for r in rows if r.get("kind") == "request"]
+    refused = {int(r["sent_s"]) for r in reqs if r["code"] == 429}
+    firsts: dict[int, int] = {}
+    for r in reqs:
+        if r["code"] == 200 and r.get("ttft_ms") is not None:
+            t = int(r["sent_s"] + r["ttft_ms"] / 1000.0)
+            firsts[t] = firsts.get(t, 0) + 1
+    sat = [t for t in refused if t - 1 in refused and t + 1 in refused]
+    if not sat:
+        return None, 0
+    return sum(firsts.get(t, 0) for t in sat) / len(sat), len(sat)
+
+
+def resimulate(live_json: Path, records: Path, sustained: bool = False) -> list[dict]:
     """``--resim``: the simulator's side again for each run of an earlier ``--json`` file,
     its requests read from that run's ``--records`` file (``RECORDS.<load>.jsonl``); the
-    live numbers are kept as they were measured."""
+    live numbers are kept as they were measured.  ``sustained``: the simulated replicas
+    serve at the speed that makes the node's capacity (``max_replicas`` x one replica's
+    ``service_rps``) what the live node served while saturated (:func:`sustained_rps`),
+    instead of the contention model's: whether the simulator's mechanics match the live
+    run once its capacity is the one measured (``sim_capacity_from``)."""
     from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS
     from agent.sim.replay_scale import ReplayRequest
     from agent.speed import SpeedProfile
@@ -360,7 +477,7 @@ def resimulate(live_json: Path, records: Path) -> list[dict]:
                           name="resim", value=str(live_json), limit="a --json file") from None
     out = []
     for run in runs:
-        rec = records.with_name(f"{records.name}.{run['load']:g}.jsonl")
+        rec = records_path(records, run["load"], run.get("deadline_policy"))
         try:
             rows = [json.loads(line) for line in rec.read_text().splitlines() if line.strip()]
         except (OSError, ValueError) as exc:
@@ -374,6 +491,17 @@ def resimulate(live_json: Path, records: Path) -> list[dict]:
                               name="profile", value=run.get("profile"), limit=SpeedProfile)
         scale = run["scale"]
         run = dict(run)
+        cont = run.get("contention") or {}
+        speed = cont.get("speed", 1.0)
+        run["sim_capacity_from"] = "contention model (agent/sim/contention.py)"
+        if sustained:
+            live_rps, seconds = sustained_rps(rows)
+            mu = cont.get("service_rps")
+            if live_rps is not None and mu:
+                speed = max(1e-3, min(1.0, live_rps / (run["max_replicas"] * mu)))
+                run["sim_capacity_from"] = (f"the live node's saturated seconds ({seconds}): "
+                                            f"{live_rps:.1f} first tokens/s")
+        run["sim_replica_speed"] = speed
         run["sim"] = simulate(plan, profile, max_seqs=run.get("max_seqs") or DEFAULT_MAX_SEQS,
                               max_seq_len=run.get("max_seq_len") or DEFAULT_MAX_SEQ_LEN,
                               restore_s=run["restore_s"], cap=run["max_replicas"],
@@ -381,15 +509,22 @@ def resimulate(live_json: Path, records: Path) -> list[dict]:
                               mean_gen_tokens=scale["mean_output_tokens"],
                               span_s=scale["wall_s"], always_on_replicas=run["always_on_replicas"],
                               actual=SpeedProfile.from_meta(run.get("calibrated_profile") or {}),
-                              replay_restores_s=run.get("replay_restores_s"))
+                              replay_restores_s=run.get("replay_restores_s"),
+                              deadline_factor=run.get("deadline_factor"),
+                              shared_speed=speed)
         run["verdict"] = verdict(run)
         out.append(run)
     return out
 
 
-def write_records(path: Path, load: float, plan, outcomes, decisions) -> None:
+def records_path(path: Path, load: float, policy: str | None) -> Path:
+    """One run's ``--records`` file: ``PATH.<load>[.<policy>].jsonl``."""
+    return path.with_name(f"{path.name}.{load:g}{'.' + policy if policy else ''}.jsonl")
+
+
+def write_records(path: Path, load: float, policy: str, plan, outcomes, decisions) -> None:
     """``--records``: one line per request (plan and outcome) and per predictor decision."""
-    target = path.with_name(f"{path.name}.{load:g}.jsonl")
+    target = records_path(path, load, policy)
     target.parent.mkdir(parents=True, exist_ok=True)
     t0 = decisions[0].at_s if decisions else 0.0
     with target.open("w") as f:
@@ -473,7 +608,8 @@ def _ms(x) -> str:
 
 def table(r: dict) -> str:
     s = r["sim"]
-    lines = [f"load {r['load']:g}: {r['requests']} requests over {r['scale']['wall_s']:.0f} s "
+    lines = [f"load {r['load']:g}, deadline policy {r.get('deadline_policy', '-')} "
+             f"(deadline_factor {r.get('deadline_factor', '-')}): {r['requests']} requests over {r['scale']['wall_s']:.0f} s "
              f"(speedup {r['speedup']:.2f}"
              f"{', held to keep idle gaps' if r['scale'].get('bound') == 'idle_gaps' else ''}, "
              f"token scale {r['token_scale']:.4f}); load average "
@@ -493,6 +629,11 @@ def table(r: dict) -> str:
                  f"{s['always_on_gpu_seconds']:>12.1f}")
     lines.append(f"{'  (replicas; one replica)':<28}{r['always_on_replicas']:>5} "
                  f"{r['one_replica_gpu_seconds']:>6.1f}")
+    cont = r.get("contention") or {}
+    if cont:
+        lines.append(f"{'stack CPU ms / request':<28}{cont['cpu_s_per_request'] * 1000:>12.2f}"
+                     f"{'':>12}")
+        lines.append(f"{'replica speed (shared)':<28}{'':>12}{cont['speed']:>12.3f}")
     pe = r.get("prediction") or {}
     if pe.get("count"):
         lines.append(f"{'ttft - predicted p50/p99 ms':<28}{_ms(pe['p50_ms']):>12}"
@@ -500,6 +641,65 @@ def table(r: dict) -> str:
     failed = [k for k, v in r["verdict"].items() if not v]
     lines.append("targets: " + ("all met" if not failed else "NOT met: " + ", ".join(failed)))
     return "\n".join(lines)
+
+
+def policy_table(results: list[dict]) -> str:
+    """The deadline policies side by side, per load: live (and simulated) attainment, the
+    fast refusals, the expired, the late-served and warm TTFT p99."""
+    rows = [("sla_attainment", lambda r: f"{r['sla_attainment']:.3f}"),
+            ("sim sla_attainment", lambda r: f"{r['sim']['sla_attainment']:.3f}"),
+            ("served", lambda r: str(r["served"])),
+            ("shed_429 (within 50 ms %)", lambda r: f"{r['shed_429']} ("
+             f"{100.0 * r['shed_429_within_50ms'] / max(1, r['shed_429']):.1f})"),
+            ("expired_504", lambda r: str(r["expired_504"])),
+            ("lost", lambda r: str(r["lost"])),
+            ("served past the SLO", lambda r: str(late_served(r))),
+            ("warm TTFT p99 ms", lambda r: _ms(r["ttft_ms"].get("warm_hit", {}).get("p99"))),
+            ("gpu_s / always-on", lambda r: f"{r['gpu_seconds'] / max(1e-9, r['always_on_gpu_seconds']):.2f}"),
+            ("load average (1 min)", lambda r: f"{r['loadavg'][0]:.1f}")]
+    out = []
+    for load in sorted({r["load"] for r in results}):
+        runs = [r for r in results if r["load"] == load]
+        out.append(f"load {load:g}" + "".join(f"{r.get('deadline_policy', '-'):>14}"
+                                              for r in runs))
+        out.extend(f"  {name:<28}" + "".join(f"{cell(r):>14}" for r in runs)
+                   for name, cell in rows)
+    return "\n".join(out)
+
+
+def result_tables(results: list[dict]) -> list[dict]:
+    """bench/render_docs.py's ``tables``: per run, live beside simulated."""
+    keys = ("requests", "served", "shed_429", "shed_429_within_50ms", "expired_504", "lost",
+            "restores", "peak_replicas", "sla_attainment", "gpu_seconds",
+            "always_on_gpu_seconds")
+    out = []
+    for r in results:
+        rows = [[k, r.get(k), r["sim"].get(k)] for k in keys]
+        for path in ("warm_hit", "snapshot_restore"):
+            for q in ("p50", "p99"):
+                rows.append([f"TTFT {path} {q} ms", r["ttft_ms"].get(path, {}).get(q),
+                             r["sim"]["ttft_ms"].get(path, {}).get(q)])
+        rows.append(["served past the SLO", late_served(r), late_served(r["sim"])])
+        cont = r.get("contention") or {}
+        failed = [k for k, v in r["verdict"].items() if not v]
+        out.append({"title": f"load {r['load']:g}, deadline policy "
+                             f"{r.get('deadline_policy', '-')} (deadline_factor "
+                             f"{r.get('deadline_factor', '-')}), load average "
+                             f"{' '.join(f'{x:.2f}' for x in r['loadavg'])}",
+                    "columns": ["figure", "live", "simulated"], "rows": rows,
+                    "notes": f"speedup {r['speedup']:.2f}, token scale {r['token_scale']:.5f}; "
+                             f"stack CPU {cont.get('cpu_s_per_request', 0) * 1000:.2f} ms a "
+                             f"request, simulated replica speed "
+                             f"{r.get('sim_replica_speed', cont.get('speed', 1.0)):.3f} (from "
+                             f"{r.get('sim_capacity_from', 'the contention model')}); targets "
+                             + ("all met" if not failed else "not met: " + ", ".join(failed))})
+    return out
+
+
+def late_served(r: dict) -> int:
+    """Requests served (200) with a first token past their path's SLO, live."""
+    return sum(p.get("count", 0) - p.get("within_slo", p.get("count", 0))
+               for p in r["ttft_ms"].values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -510,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --resim needs --records (the earlier run's records)", file=sys.stderr)
             return 2
         try:
-            results = resimulate(args.resim, args.records)
+            results = resimulate(args.resim, args.records, args.sustained)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -541,11 +741,15 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, release, note = prepare_model(ns)
         results = []
         for load in args.load:
-            say(f"replay of {args.trace.name}, minutes {args.start_min:g}-"
-                f"{args.start_min + args.minutes:g} ({len(win)} requests) at load {load:g}")
-            results.append(run_one(args, load, win, window_s, model_dir, release, note))
-            say(table(results[-1]))
-            write_json(args, results)   # after each load: a later failure keeps this one
+            for policy in args.deadline_policy:
+                say(f"replay of {args.trace.name}, minutes {args.start_min:g}-"
+                    f"{args.start_min + args.minutes:g} ({len(win)} requests) at load {load:g}, "
+                    f"deadline policy {policy}")
+                results.append(run_one(args, load, policy, win, window_s, model_dir, release,
+                                       note))
+                say(table(results[-1]))
+                write_json(args, results)   # after each run: a later failure keeps this one
+        say(policy_table(results))
     except (InvalidTrace, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -565,6 +769,14 @@ def write_json(args, results: list[dict]) -> None:
            "wall_s": args.wall_s, "runs": results}
     if len(results) == 1:
         doc.update(results[0])
+    doc["title"] = (f"Live trace replay of {args.trace.name}, minutes {args.start_min:g}-"
+                    f"{args.start_min + args.minutes:g}, beside the simulator, per load and "
+                    "deadline policy")
+    doc["tables"] = result_tables(results)
+    doc["headline"] = [
+        [f"SLA attainment at load {r['load']:g}, deadline {r.get('deadline_policy', '-')} "
+         f"(sim {r['sim']['sla_attainment']:.3f}; load average {r['loadavg'][0]:.1f})",
+         round(r["sla_attainment"], 3)] for r in results][:3]
     from bench.run_meta import run_meta   # command, machine, load average, date, commit
 
     doc["meta"] = run_meta()

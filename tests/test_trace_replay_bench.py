@@ -79,6 +79,16 @@ def test_loads_and_policy(bench):
     assert pol["max_replicas"] == 2
 
 
+def test_deadline_policies(bench):
+    assert bench.policy_list("slo,default") == ["slo", "default"]
+    assert bench.deadline_factors()["slo"] == 1.0
+    assert bench.deadline_factors()["default"] > 1.0
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench.policy_list("slo,loose")
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench.policy_list(",")
+
+
 def test_a_bad_trace_exits_2_before_any_stack(bench, tmp_path, capsys):
     bad = tmp_path / "b.csv"
     bad.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,1,\xff\n")
@@ -96,11 +106,11 @@ def test_records_are_strict_json_when_a_decision_never_saw_a_request(bench, tmp_
     d = SimpleNamespace(at_s=5.0, action="hold", target=0, desired=0, reason="idle",
                         forecast_rps=float("nan"), idle_s=math.inf, keepalive_s=30.0,
                         cold_miss=None)
-    bench.write_records(tmp_path / "rec", 1.0, [], [], [d])
+    bench.write_records(tmp_path / "rec", 1.0, "default", [], [], [d])
 
     def refuse(word):
         raise ValueError(f"not JSON: {word}")
-    lines = (tmp_path / "rec.1.jsonl").read_text().splitlines()
+    lines = (tmp_path / "rec.1.default.jsonl").read_text().splitlines()
     rows = [json.loads(line, parse_constant=refuse) for line in lines]
     assert rows == [{"kind": "decision", "t_s": 0.0, "action": "hold", "target": 0,
                      "desired": 0, "reason": "idle", "forecast_rps": None, "idle_s": None,

@@ -50,8 +50,9 @@ class AdmissionQueue:
 
     ``max_depth`` bounds the requests held; ``max_wait_s`` bounds how long one is held:
     a request leaves at ``give_up_s = min(deadline_s, arrival_s + max_wait_s)``, one that
-    ``awaits_start`` (held for its model's start from zero) never: it goes to the replica
-    that start brings up, or is answered when the start fails.
+    ``awaits_start`` (held for its model's start from zero) at its ``deadline_s`` (the
+    model's default deadline; the caller answers it 429) unless the replica that start
+    brings up serves it first, or the start fails first.
     :meth:`expire` hands back those past ``give_up_s``: the caller answers 504 when the
     request's own deadline has passed (``deadline_s <= now``) and 429 otherwise (the wait
     bound).  ``expected_wait_s`` may be set by the owner (e.g. the restore p99 while no
@@ -106,7 +107,7 @@ class AdmissionQueue:
                 f"(deadline {p.deadline_s - now:.3f} s from now)", model=self.model,
                 retry_after_ms=self.retry_after_ms(), depth=self._live, limit=self.max_depth,
                 refusal=refusals.DEADLINE_UNREACHABLE)
-        p.give_up_s = float("inf") if p.awaits_start else \
+        p.give_up_s = p.deadline_s if p.awaits_start else \
             min(p.deadline_s, p.arrival_s + self.max_wait_s)
         heapq.heappush(self._heap, (p.give_up_s, next(self._seq), p))
         self._live += 1

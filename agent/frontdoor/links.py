@@ -64,12 +64,17 @@ class LinkOwner(Protocol):
         """The link broke or the replica answered garbage."""
         ...
 
+    def replica_answered(self, link: ReplicaLink, message: dict) -> None:
+        """The replica answered a :meth:`ReplicaLink.probe` with ``message``."""
+        ...
+
 
 class ReplicaLink(Batched):
     """The front door's connection to one replica; requests multiplex over it by id.
 
     ``in_flight`` maps the link's own request id to the owner's object for that request
-    (whatever it passed to :meth:`dispatch`)."""
+    (whatever it passed to :meth:`dispatch`); :meth:`probe` asks the replica for ``health``
+    (its answer goes to :meth:`LinkOwner.replica_answered`)."""
 
     def __init__(self, owner: LinkOwner, replica_id: str, limits: Limits) -> None:
         super().__init__()
@@ -80,6 +85,8 @@ class ReplicaLink(Batched):
         self._ids = itertools.count(1)
         self.ready = False
         self._waiting: list[bytes] = []  # packed before the connection was made
+        self._probes: set[int] = set()    # ids of health probes not answered yet
+        self.heard_s = float("-inf")      # owner's clock time of the last answer (its owner sets it)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -113,6 +120,19 @@ class ReplicaLink(Batched):
         else:
             self._waiting.append(data)
 
+    def probe(self) -> None:
+        """Send ``{"op": "health"}``; any answer to it (a result or an error: the replica's
+        event loop runs) is reported to the owner.  At most a few probes are outstanding."""
+        if len(self._probes) >= 4:
+            return
+        rid = next(self._ids)
+        self._probes.add(rid)
+        data = packb({"v": PROTOCOL_VERSION, "op": "health", "id": rid})
+        if self.ready:
+            self.send(data)
+        else:
+            self._waiting.append(data)
+
     def data_received(self, data: bytes) -> None:
         try:
             messages = self.decoder.feed(data)
@@ -125,6 +145,9 @@ class ReplicaLink(Batched):
             flight = in_flight.get(rid)
             if flight is not None:
                 on_answer(self, flight, message)
+            elif self._probes and rid in self._probes:
+                self._probes.clear()
+                self.owner.replica_answered(self, message)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.closed:  # closed on purpose (replica gone from the registry, shutdown)
@@ -135,14 +158,34 @@ class ReplicaLink(Batched):
 
 Connector = Callable[[ReplicaLink, str], Awaitable[None]]
 """Connects a new :class:`ReplicaLink` to the replica at an address (raises OSError when it
-cannot): :func:`open_socket` in production; the simulator (agent/sim/) gives its own."""
+cannot): :func:`open_socket` in production; the simulator (agent/sim/) gives its own.  The
+caller bounds it (:func:`connect_timeout_s`): a replica address that drops SYNs would
+otherwise hold it for the kernel's SYN retries (``tcp_syn_retries``, about two minutes)."""
+
+CONNECT_MIN_S = 0.1
+"""The shortest connect timeout: a connection on a loaded host's loopback can take tens of
+milliseconds; a request with less time left than this is answered by its deadline anyway."""
+CONNECT_MAX_S = 5.0
+"""The longest connect timeout (a request held for its model's start has no deadline at the
+replica): a replica that accepts no connection within it is failed and its requests placed
+again."""
+
+
+def connect_timeout_s(left_s: float | None) -> float:
+    """The connect timeout for a link opened for a request with ``left_s`` seconds left to its
+    deadline (None: none): ``left_s`` within [``CONNECT_MIN_S``, ``CONNECT_MAX_S``]."""
+    if left_s is None:
+        return CONNECT_MAX_S
+    return min(CONNECT_MAX_S, max(CONNECT_MIN_S, left_s))
 
 
 async def open_socket(link: ReplicaLink, address: str) -> None:
-    """Connect ``link`` over TCP (``host:port``) or a Unix socket (a path)."""
+    """Connect ``link`` over TCP (``host:port``) or a Unix socket (a path).  Raises OSError
+    (TimeoutError after ``CONNECT_MAX_S``, when the caller bounds it no tighter)."""
     loop = asyncio.get_running_loop()
     host, _, port = address.rpartition(":")
     if host:
-        await loop.create_connection(lambda: link, host, int(port))
+        connect = loop.create_connection(lambda: link, host, int(port))
     else:
-        await loop.create_unix_connection(lambda: link, address)
+        connect = loop.create_unix_connection(lambda: link, address)
+    await asyncio.wait_for(connect, CONNECT_MAX_S)

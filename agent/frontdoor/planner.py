@@ -47,9 +47,12 @@ class ReplicaArrivals(Protocol):
 
 
 class Sizing(Protocol):
-    """One new replica's size (:class:`~agent.frontdoor.budgets.Budgets`)."""
+    """One new replica's size and a request's SLOs (:class:`~agent.frontdoor.budgets.Budgets`)."""
 
     def per_replica(self, model: str) -> int:
+        ...
+
+    def slos_s(self, model: str, prompt_tokens: int = 0) -> tuple[float, float]:
         ...
 
 
@@ -70,6 +73,7 @@ class QueuePlanner:
         self.sizing = sizing
         self.arrivals = arrivals
         self.capacity = capacity
+        self._arrivals: dict[str, list[tuple[float, int]]] = {}   # (time, arrivals so far)
 
     def etas_s(self, model: str, now: float) -> list[float]:
         """When new replicas of ``model`` are expected, soonest first
@@ -144,6 +148,82 @@ class QueuePlanner:
         plan = state.slot_plan = SlotPlan(now, slots, slots[0][0] if slots else inf, busy)
         return plan
 
+    def admit(self, model: str, before: list[Flight], flight: Flight, now: float,
+              margin_s: float = 0.0, ahead: int = 0) -> tuple[float | None, float, str]:
+        """Whether ``flight`` joins ``model``'s queue behind ``before`` (the queued requests
+        with earlier deadlines, or ``ahead`` more of them taken by count): its predicted TTFT
+        from now (None: refused), the earliest slot's time (for ``retry_after_ms``) and, when
+        refused by the rule below though its deadline could be made, the reason.
+
+        A request the planner can start before its deadline is admitted (:meth:`assign`),
+        on time or late, except a late one (predicted past its SLO) while arrivals outpace
+        the capacity in sight: ``lambda >= X``, utilisation ``rho >= 1``
+        (:meth:`_arrival_rps` over the request's warm deadline, the time a late admission's
+        wait lingers, against :meth:`capacity_rps`).  By Little's law the work queued ahead,
+        ``L`` requests, waits ``W = L / X``; with ``rho >= 1`` that queue never drains,
+        wherever it waits (here or in a replica's prefill queue), so each late admission
+        adds ``1 / X`` to the wait of every request that follows: it spends the capacity that
+        would serve a later request on time to serve this one late.  With ``rho < 1`` the
+        backlog (a one-off burst, a restore still coming, one long request in the way)
+        drains, and a late answer beats a refusal: the deadline, not the SLO, decides it.
+        The SLO is the path's (:meth:`~agent.frontdoor.budgets.Budgets.slos_s`): the warm
+        SLO on a replica up before the request arrived, the restore SLO on one brought up
+        since."""
+        predicted, fresh, first = self._place(model, before + [flight], now, margin_s, ahead)
+        ttft_s = predicted[-1]
+        arrival_rps = self._arrival_rps(model, now, flight.warm_deadline_s - flight.arrival_s)
+        if ttft_s is None:
+            return ttft_s, first, ""
+        warm_slo_s, restore_slo_s = self.sizing.slos_s(model, flight.prompt_tokens)
+        slo_s = restore_slo_s if fresh[-1] else warm_slo_s
+        waited_s = now - flight.arrival_s
+        if waited_s + ttft_s <= slo_s:
+            return ttft_s, first, ""
+        serve_rps = self.capacity_rps(model, now)
+        if serve_rps is not None and arrival_rps > 0.0 and arrival_rps >= serve_rps:
+            return None, first, (
+                f"predicted {(waited_s + ttft_s) * 1000:.0f} ms, past its SLO of "
+                f"{slo_s * 1000:.0f} ms, while arrivals ({arrival_rps:.1f}/s) outpace what "
+                f"the replicas in sight serve ({serve_rps:.1f}/s): a late admission would "
+                f"only make every later request later")
+        return ttft_s, first, ""
+
+    def _arrival_rps(self, model: str, now: float, window_s: float) -> float:
+        """``model``'s arrivals per second over the last ``window_s`` (its
+        :class:`~agent.frontdoor.model_state.ModelState` ``arrivals`` count, sampled at most
+        every ``tick_s``; before a whole window is seen, the arrivals since the first sample
+        over the window: an underestimate, never
+        a burst's instantaneous rate; where no sample was taken near the window's start,
+        over the span since the one before it)."""
+        count = self.models.of(model).arrivals
+        samples = self._arrivals.setdefault(model, [])
+        if not samples or now - samples[-1][0] >= self.config.tick_s:
+            samples.append((now, count))
+        cut = now - max(window_s, self.config.tick_s)
+        while len(samples) > 1 and samples[1][0] <= cut:
+            samples.pop(0)          # keep the newest sample at or before the window's start
+        span_s = max(window_s, self.config.tick_s)
+        if samples[0][0] > cut:       # the first sample is inside the window
+            return (count - samples[0][1]) / span_s
+        return (count - samples[0][1]) / max(span_s, now - samples[0][0])
+
+    def capacity_rps(self, model: str, now: float) -> float | None:
+        """Requests per second the replicas of ``model`` in sight complete (warm, being
+        restored, and those the restores side would start, :meth:`etas_s`): each at its
+        sustainable batch (:meth:`Sizing.per_replica`) and the model's
+        mean request shape (``SpeedProfile.service_rps``, agent/speed.py); None before the
+        model's shape is known."""
+        state = self.models.of(model)
+        if state.shape is None:
+            return None
+        prompt, gen = state.mean_shape()
+        batch = max(1, self.sizing.per_replica(model))
+        prior = self.router.prior(model)
+        total = sum((load.speed or prior).service_rps(prompt, gen, min(batch, load.max_seqs))
+                    for load in self.router.warm(model))
+        restoring = len(self.etas_s(model, now))
+        return total + restoring * self.router.held_prior(model).service_rps(prompt, gen, batch)
+
     def assign(self, model: str, flights: list[Flight], now: float,
                 margin_s: float = 0.0, ahead: int = 0) -> tuple[list[float | None], float]:
         """Predicted TTFTs from now (None: no capacity in sight makes its deadline) of
@@ -157,6 +237,13 @@ class QueuePlanner:
         ``ahead`` slots.  The last flight must make its deadlines with ``margin_s`` to spare
         (admission; see :meth:`agent.frontdoor.queues.Queues.hold`).  Also returns the
         earliest slot's time."""
+        predicted, _fresh, first = self._place(model, flights, now, margin_s, ahead)
+        return predicted, first
+
+    def _place(self, model: str, flights: list[Flight], now: float, margin_s: float,
+               ahead: int) -> tuple[list[float | None], list[bool], float]:
+        """:meth:`assign`, and per flight whether its slot is on a replica brought up since
+        it arrived (the restore path's SLO applies there)."""
         slots, first, busy = self.slots(model, now)[1:]
         busy = dict(busy)
         held = self.router.held_prior(model)
@@ -174,11 +261,12 @@ class QueuePlanner:
         else:
             heap = []
         out: list[float | None] = []
+        fresh: list[bool] = []
         last = len(flights) - 1
         for k, flight in enumerate(flights):
             own = held.prefill_s(flight.prompt_tokens)
             spare = margin_s if k == last else 0.0
-            found, passed = None, []
+            found, passed, new = None, [], False
             while heap:
                 slot = heapq.heappop(heap)
                 t, seen, step_s, rid = slot
@@ -189,7 +277,7 @@ class QueuePlanner:
                 ttft_s = max(0.0, begin - now) + own
                 if now + ttft_s + spare <= flight.deadline_s and (
                         seen > flight.arrival_s or now + ttft_s + spare <= flight.warm_deadline_s):
-                    found = ttft_s
+                    found, new = ttft_s, seen > flight.arrival_s
                     if rid:
                         busy[rid] = now + ttft_s
                     heapq.heappush(heap, (now + ttft_s + (flight.req.max_tokens + 1) * step_s,
@@ -199,7 +287,8 @@ class QueuePlanner:
             for slot in passed:
                 heapq.heappush(heap, slot)
             out.append(found)
-        return out, first
+            fresh.append(new)
+        return out, fresh, first
 
     def choose_in_time(self, flight: Flight, now: float) -> tuple[ReplicaLoad, float] | None:
         """The replica with the lowest predicted TTFT that starts ``flight`` within its

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from agent.clock import Clock
 from agent.errors import Overloaded
 from agent.frontdoor.admission import AdmissionQueue, Pending
-from agent.frontdoor.capacity import RestoreTimes
+from agent.frontdoor.capacity import RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.model_state import ModelStates, RestoreRecord
 from agent.frontdoor.planner import QueuePlanner
@@ -37,6 +37,12 @@ log = logging.getLogger("agent.frontdoor.request_path")
 DRAIN_SKIP = 32    # queued requests passed over per drain when the head cannot go yet
 EXACT_QUEUE = 32   # longer queues: a new request is placed after len(queue) slots
 RECHECK_MAX = 128  # queued requests re-checked each time, earliest deadline first
+RETRY_AFTER_UNKNOWN_MS = 1000
+"""The floor of a 429's ``retry_after_ms`` when the capacity that would serve the request is
+a start nothing has timed yet (no restore of the model measured, no cold boot of it either),
+and its value when no capacity is in sight at all: about one registry refresh and one
+restore decision, after which the front door knows more.  (Without it the ETA of an
+unmeasured start is "now", and clients were told to retry after 1 ms.)"""
 
 
 class QueueOwner(Protocol):
@@ -79,7 +85,7 @@ class Queues:
     def __init__(self, config: FrontDoorConfig, clock: Clock, telemetry: Telemetry,
                  router: Router, models: ModelStates, counts: dict[str, int],
                  restore_times: RestoreTimes, planner: QueuePlanner, restores: RestoreAsker,
-                 owner: QueueOwner, budgets: DeadlineNames) -> None:
+                 owner: QueueOwner, budgets: DeadlineNames, gate: RestoreGate) -> None:
         self.config = config
         self.clock = clock
         self.telemetry = telemetry
@@ -91,6 +97,7 @@ class Queues:
         self.restores = restores
         self.owner = owner
         self.budgets = budgets
+        self.gate = gate
         self.queued_models: set[str] = set()   # models whose queue may hold requests
         self._expired_log = RateLimitedLog(log, "504s (deadline passed while queued)",
                                            clock=clock, interval_s=config.accept_log_interval_s)
@@ -115,8 +122,15 @@ class Queues:
         # of error) and one re-check interval, so that a small error is a 429 now, not later.
         margin_s = self.config.recheck_s + self.router.prior(model).decode_step_s(
             state.max_seqs or self.config.default_max_seqs)
-        predicted, first = self.planner.assign(model, before + [flight], now, margin_s, skip)
-        ttft_s = predicted[-1]
+        ttft_s, first, queue_late = self.planner.admit(model, before, flight, now, margin_s,
+                                                       skip)
+        if ttft_s is None and queue_late:   # within its deadline, but the queue makes it late
+            retry_ms = self.retry_after_ms(model, first, now)
+            self.counts["shed_429"] += 1
+            self.owner.fail(flight, 429, f"model {model!r}: {queue_late}",
+                            retry_after_ms=retry_ms, refusal=refusals.DEADLINE_UNREACHABLE)
+            self.restores.after_refusal(model)
+            return
         if ttft_s is None:
             warm_name, restore_name = self.budgets.deadline_names(
                 model, flight.req.deadline_ms, flight.prompt_tokens)
@@ -131,8 +145,7 @@ class Queues:
             warm = ("no warm replica with a free slot" if warm_pred_s is None else
                     f"best warm replica predicted {warm_pred_s * 1000:.0f} ms, past the "
                     f"warm-hit budget of {(flight.warm_deadline_s - now) * 1000:.0f} ms")
-            retry_ms = max(1, round(((first if first < float("inf") else now + 1.0) - now)
-                                    * 1000))
+            retry_ms = self.retry_after_ms(model, first, now)
             self.counts["shed_429"] += 1
             self.owner.fail(flight, 429, f"model {model!r}: cannot start within {left_ms:.0f} ms "
                             f"({name}): {warm}, {cap}, "
@@ -147,8 +160,12 @@ class Queues:
         # Nothing warm and no deadline of the client's own: it waits for the start under way
         # (a cold boot's length is unknown until one is measured), admitted because that
         # start can still make its default deadline; it is served when the replica comes up,
-        # late or not, never refused at that deadline.  A client's own deadline_ms is kept.
+        # late or not, up to the model's default deadline (never the capacity requester's
+        # timeout, minutes): then it is answered 429 with the start's estimate as
+        # retry_after_ms (expire_queued).  A client's own deadline_ms is kept.
         pending.awaits_start = flight.cold and flight.req.deadline_ms is None
+        if pending.awaits_start:
+            pending.deadline_s = max(flight.deadline_s, flight.arrival_s + state.deadline_ms / 1000.0)
         try:
             queue.offer(pending)
         except Overloaded as err:
@@ -160,6 +177,30 @@ class Queues:
         self.queued_models.add(model)
         self.telemetry.queue_depth(model, len(queue))
         self.restores.maybe_restore(model)
+        if len(queue) == 1 and warm_pred_s is not None:
+            self.drain(model)   # admitted late with a replica that can take it now: sent now
+
+    def retry_after_ms(self, model: str, first_s: float, now: float) -> int:
+        """``retry_after_ms`` of a 429 for ``model`` whose earliest slot is at ``first_s``
+        (clock s; inf: none in sight): the time to it, from measured figures only.  While no
+        restore of the model is measured the new replicas' slots are "now" (their ETA is
+        unknown), so the time is to the earliest warm replica's slot, or to the start's
+        estimate if sooner: the oldest start in flight (else now) plus the model's measured
+        cold-boot p99, at least ``RETRY_AFTER_UNKNOWN_MS`` (also the answer with nothing in
+        sight)."""
+        inf = float("inf")
+        if self.restore_times.p99_ms(model) is None:
+            warm_s = next((slot[0] for slot in self.planner.slots(model, now).slots
+                           if slot[3]), inf)
+            start_s = now + RETRY_AFTER_UNKNOWN_MS / 1000.0
+            cold_ms = self.restore_times.p99_ms(model, "cold_boot")
+            if cold_ms is not None:
+                started = self.gate.started_s.get(model)
+                start_s = max(start_s, (started[0] if started else now) + cold_ms / 1000.0)
+            first_s = min(warm_s, start_s)
+        if first_s == inf:
+            first_s = now + RETRY_AFTER_UNKNOWN_MS / 1000.0
+        return max(1, round((first_s - now) * 1000))
 
     def drain(self, model: str) -> None:
         """Dispatch queued requests earliest deadline first while a replica can start them
@@ -236,15 +277,16 @@ class Queues:
                             f"{was:.0f} ms; capacity now in sight cannot start it within its "
                             f"deadline of {(p.deadline_s - p.arrival_s) * 1000:.0f} ms "
                             f"({name}; {(p.deadline_s - now) * 1000:.0f} ms left)",
-                            retry_after_ms=max(1, round(((first if first < float("inf")
-                                                          else now + 1.0) - now) * 1000)),
+                            retry_after_ms=self.retry_after_ms(model, first, now),
                             refusal=refusals.DEADLINE_UNREACHABLE)
         self.telemetry.queue_depth(model, len(queue))
 
     def expire_queued(self) -> None:
         """Answer queued requests past their deadline (504: a prediction was wrong, logged
-        with it) or wait bound (429); every ``recheck_s`` re-check each queue against the
-        capacity then in sight (:meth:`recheck`)."""
+        with it) or wait bound (429), and those held for their model's start from zero past
+        the model's default deadline (429, ``retry_after_ms`` from the start's estimate);
+        every ``recheck_s`` re-check each queue against the capacity then in sight
+        (:meth:`recheck`)."""
         now = self.clock.now()
         for model in list(self.queued_models):
             state = self.models.of(model)
@@ -252,7 +294,16 @@ class Queues:
             assert queue is not None   # a model is queued once its queue is made
             for p in queue.expire():
                 flight: Flight = p.payload
-                if p.deadline_s <= now:
+                if p.awaits_start:   # the start from zero is not up by the default deadline
+                    self.counts["shed_429"] += 1
+                    self.owner.fail(flight, 429, f"model {model!r}: no replica came up within "
+                                    f"its default deadline of "
+                                    f"{(p.deadline_s - p.arrival_s) * 1000:.0f} ms (the start "
+                                    f"from zero goes on; retry after it)",
+                                    retry_after_ms=self.retry_after_ms(
+                                        model, self.planner.slots(model, now).first_s, now),
+                                    refusal=refusals.DEADLINE_UNREACHABLE)
+                elif p.deadline_s <= now:
                     self.counts["expired_504"] += 1
                     waited_ms = (now - p.arrival_s) * 1000
                     predicted = (f"{p.predicted_ttft_s * 1000:.0f} ms"

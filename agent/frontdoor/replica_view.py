@@ -33,18 +33,21 @@ class ReplicaView:
 
     ``links``: the request path's replica links by replica id (read: what is in flight at
     each; written: an idle link to a replica gone from the registry is hung up);
-    ``known_models``: models the front door serves (a model seen in the registry is added).
+    ``known_models``: models the front door serves (a model seen in the registry is added);
+    ``suspects``: replicas found silent after a dispatch (agent/frontdoor/first_token.py),
+    kept out of the view, and their links kept for the probe, until they answer one.
     """
 
     def __init__(self, router: Router, clock: Clock, models: ModelStates,
                  links: dict[str, ReplicaLink], known_models: set[str],
-                 registry_poll_s: float) -> None:
+                 registry_poll_s: float, suspects: dict[str, float] | None = None) -> None:
         self.router = router
         self.clock = clock
         self.models = models
         self.links = links
         self.known_models = known_models
         self.registry_poll_s = registry_poll_s
+        self.suspects = suspects if suspects is not None else {}
         self._first_seen: dict[str, float] = {}       # replica id -> when it entered the view
         self._upserted: dict[str, float] = {}         # replica id -> when a restore reported it
         self._came_up: dict[str, RestoreRecord] = {}  # replica id -> the restore that made it
@@ -100,9 +103,12 @@ class ReplicaView:
         is raised to at least what this front door has dispatched to it; one missing from
         the list leaves the view unless a restore reported it within the last
         3 x ``registry_poll_s`` (it may not be registered yet).  An idle link to a replica
-        gone from both is hung up."""
+        gone from both is hung up (not a suspect's: it carries the probe)."""
         seen = set()
+        suspects = self.suspects
         for inst in instances:
+            if suspects and inst.id in suspects:
+                continue          # silent: out of the view until it answers a probe
             try:
                 load = ReplicaLoad.from_instance(inst)
             except ValueError as exc:
@@ -120,7 +126,8 @@ class ReplicaView:
                     self.router.remove(load.replica_id)
                     self._upserted.pop(load.replica_id, None)
         for rid, link in list(self.links.items()):  # gone and idle: hang up
-            if rid not in seen and not link.in_flight and self.router.get(rid) is None:
+            if rid not in seen and not link.in_flight and self.router.get(rid) is None \
+                    and rid not in suspects:
                 del self.links[rid]
                 link.closed = True
                 if link.transport is not None:

@@ -129,7 +129,8 @@ class Flight:
                  "owner", "req", "sink", "model", "arrival_s", "deadline_s", "need_tokens",
                  "prompt_tokens", "path", "restore_ms", "queue_wait_ms", "replica_id",
                  "replica_rid", "ttft_s", "pending", "over", "predicted_ttft_s", "tried",
-                 "warm_deadline_s", "cold", "last_token_s", "token_gaps", "slo_s")
+                 "warm_deadline_s", "cold", "last_token_s", "token_gaps", "slo_s",
+                 "silent_moved")
 
     def __init__(self, owner: Canceller, req: GenerateRequest, sink: Sink,
                  arrival_s: float) -> None:
@@ -154,6 +155,7 @@ class Flight:
         self.pending: Pending | None = None
         self.over = False  # answered (done/error) or cancelled
         self.cold = False  # no warm replica of its model when it arrived
+        self.silent_moved = False  # placed again once after a replica gave no first token
         self.last_token_s = 0.0  # when its latest tokens message arrived
         # (seconds since the previous tokens message, tokens in it), for inter-token latency
         self.token_gaps: list[tuple[float, int]] = []

@@ -42,6 +42,8 @@ and a small Protocol for what it calls back:
 | :class:`~agent.frontdoor.queues.Queues` | queues.py | hold, drain, re-check, expire |
 | :class:`~agent.frontdoor.dispatch.Dispatcher` | dispatch.py | links, sending, first tokens |
 | :class:`~agent.frontdoor.reroute.Reroute` | reroute.py | a request a replica did not start |
+| :class:`~agent.frontdoor.first_token.FirstTokenWatch` | first_token.py | a replica silent after a dispatch |
+| :class:`~agent.frontdoor.answers.Answers` | answers.py | final answers and their records |
 
 The registry is read off the request path (a watcher thread) into the router's view.
 """
@@ -54,10 +56,12 @@ from typing import Any
 from agent.clock import Clock
 from agent.cluster.base import ServiceInstance
 from agent.frontdoor.admission import AdmissionQueue
+from agent.frontdoor.answers import Answers
 from agent.frontdoor.budgets import Budgets
 from agent.frontdoor.capacity import CapacityRequester, RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.dispatch import Dispatcher
+from agent.frontdoor.first_token import FirstTokenWatch
 from agent.frontdoor.links import Connector, ReplicaLink, open_socket
 from agent.frontdoor.model_state import ModelStates
 from agent.frontdoor.path_info import info_answer
@@ -65,12 +69,11 @@ from agent.frontdoor.planner import QueuePlanner
 from agent.frontdoor.queues import Queues
 from agent.frontdoor.replica_view import ReplicaView
 from agent.frontdoor.request import SAMPLING_FIELDS, Flight, GenerateRequest, Sink
-from agent.frontdoor.reroute import Reroute, _client_error, _retry_ms
+from agent.frontdoor.reroute import Reroute
 from agent.frontdoor.restores import Restores
 from agent.frontdoor.router import ReplicaLoad, Router
 from agent.telemetry import Telemetry
 from agent.wire import refusals
-from agent.wire.refusals import known_refusal
 
 __all__ = ["RequestPath", "GenerateRequest", "Sink", "Flight", "SAMPLING_FIELDS"]
 
@@ -98,12 +101,13 @@ class RequestPath:
         self.known_models: set[str] = set(config.models)
         self.counts = {"requests": 0, "dispatched": 0, "done": 0, "errors": 0, "cancelled": 0,
                        "shed_429": 0, "expired_504": 0, "late_first_token": 0,
-                       "replica_429": 0, "rerouted": 0}
+                       "replica_429": 0, "rerouted": 0, "silent_replica": 0}
         self.stopping = False
         self._drain_until_s: float | None = None
         self.budgets = Budgets(config, clock, self.router, self.restore_times, self.models)
+        suspects: dict[str, float] = {}   # replicas silent after a dispatch (first_token.py)
         self.replicas = ReplicaView(self.router, clock, self.models, self.links,
-                                    self.known_models, config.registry_poll_s)
+                                    self.known_models, config.registry_poll_s, suspects)
         self.restores = Restores(config, clock, telemetry, self.router, self.gate, self.models,
                                  capacity, sizing=self.budgets, replicas=self.replicas,
                                  owner=self)
@@ -112,9 +116,17 @@ class RequestPath:
                                     arrivals=self.replicas, capacity=self.restores)
         self.admission = Queues(config, clock, telemetry, self.router, self.models, self.counts,
                                 self.restore_times, self.planner, self.restores, owner=self,
-                                budgets=self.budgets)
+                                budgets=self.budgets, gate=self.gate)
+        self.watch = FirstTokenWatch(clock, self.router, self.models, self.links, self.counts,
+                                     self.planner, owner=self, suspects=suspects,
+                                     probe_every_s=config.registry_poll_s, slo_s=config.slo_s,
+                                     back=self.replicas.upsert,
+                                     log_interval_s=config.accept_log_interval_s)
         self.dispatcher = Dispatcher(config, clock, self.router, self.links, self.counts,
-                                     self.planner, self.replicas, connector, link_owner=self)
+                                     self.planner, self.replicas, connector, link_owner=self,
+                                     watch=self.watch)
+        self.answers = Answers(telemetry, self.models, self.counts, self.dispatcher,
+                               self.admission, self.router, self.links)
         self.reroute = Reroute(clock, self.router, self.links, self.counts, self.models,
                                self.planner, self.budgets, self.restores, owner=self)
 
@@ -135,7 +147,8 @@ class RequestPath:
 
     @telemetry.setter
     def telemetry(self, value: Telemetry) -> None:
-        self._telemetry = self.restores.telemetry = self.admission.telemetry = value
+        self._telemetry = self.restores.telemetry = self.admission.telemetry = \
+            self.answers.telemetry = value
 
     @property
     def queues(self) -> dict[str, AdmissionQueue]:
@@ -161,8 +174,17 @@ class RequestPath:
 
     def expire_queued(self) -> None:
         """Answer queued requests past their deadline or wait bound
-        (:meth:`agent.frontdoor.queues.Queues.expire_queued`)."""
+        (:meth:`agent.frontdoor.queues.Queues.expire_queued`), and end the waits of
+        dispatched ones whose replica gave no first token in time
+        (:meth:`agent.frontdoor.first_token.FirstTokenWatch.check`)."""
         self.admission.expire_queued()
+        if self.watch.watching:
+            self.watch.check(self.clock.now())
+
+    @property
+    def watching(self) -> bool:
+        """Whether dispatched requests or silent replicas need :meth:`expire_queued` ticks."""
+        return self.watch.watching
 
     def upsert(self, load: ReplicaLoad) -> None:
         """A replica's reported load into the view (:meth:`ReplicaView.upsert`)."""
@@ -182,6 +204,7 @@ class RequestPath:
     def replica_failed(self, link: ReplicaLink, reason: str, retry: bool = True,
                        refusal: str = refusals.REPLICA_FAILED) -> None:
         """The link broke (:meth:`agent.frontdoor.reroute.Reroute.replica_failed`)."""
+        self.watch.forget(link.replica_id)
         self.reroute.replica_failed(link, reason, retry, refusal)
 
     # --- the way in ------------------------------------------------------------------
@@ -231,7 +254,8 @@ class RequestPath:
         found = None
         if not queue:
             found = self.router.choose_predicted(model, need, prompt)
-            if found is not None and found[1] <= warm_s:
+            # direct only when on time; a late one is the admission queue's to judge
+            if found is not None and found[1] <= min(warm_s, warm_slo_s):
                 self.dispatcher.dispatch(flight, found[0], found[1], now)
                 return flight
         warm = self.router.warm(model)
@@ -265,26 +289,9 @@ class RequestPath:
         return flight
 
     def cancel(self, flight: Flight) -> None:
-        """Forget ``flight`` (its client is gone): out of its queue, or cancelled at the
-        replica (``cancel`` op) with its slot freed in the router's view."""
-        if flight.over:
-            return
-        flight.over = True
-        self.counts["cancelled"] += 1
-        if flight.pending is not None:
-            queue = self.models.of(flight.model).queue
-            assert queue is not None   # a pending flight is in its model's queue
-            queue.cancel(flight.pending)
-            flight.pending = None
-            self.telemetry.queue_depth(flight.model, len(queue))
-            return
-        link = self.links.get(flight.replica_id)
-        if link is not None and flight.replica_rid in link.in_flight:
-            link.cancel(flight.replica_rid)
-            self.router.on_complete(link.replica_id, flight.need_tokens, flight.prompt_tokens,
-                                    flight.ttft_s is not None)
-            if self.models.queue(flight.model):
-                self.admission.drain(flight.model)
+        """Forget ``flight``: its client is gone (:meth:`Answers.cancelled
+        <agent.frontdoor.answers.Answers.cancelled>`)."""
+        self.answers.cancelled(flight)
 
     def refused(self, request_id: Any, model: str, code: int) -> None:
         """Count a request an entrance refused itself (400, 401) before :meth:`submit`."""
@@ -294,10 +301,11 @@ class RequestPath:
     # --- answers ------------------------------------------------------------------------
 
     def on_answer(self, link: ReplicaLink, flight: Flight, message: dict) -> None:
-        """A message from a replica for ``flight``: hand it to the flight's sink."""
+        """A message from a replica for ``flight``: tokens to the flight's sink; a 429 or 503
+        before any token placed again (reroute.py); else its final answer (answers.py)."""
         kind = message.get("type")
+        now = link.heard_s = self.clock.now()   # alive (first_token.py reads it)
         if kind == "tokens":
-            now = self.clock.now()
             if flight.ttft_s is None:
                 self.dispatcher.first_token(flight, now)
             else:   # for inter-token latency: (seconds since the last message, tokens in it)
@@ -306,7 +314,6 @@ class RequestPath:
             flight.last_token_s = now
             flight.sink.tokens(message)
             return
-        now = self.clock.now()
         del link.in_flight[flight.replica_rid]
         had_first = flight.ttft_s is not None
         self.router.on_complete(link.replica_id, flight.need_tokens, flight.prompt_tokens,
@@ -319,61 +326,17 @@ class RequestPath:
             return
         if not had_first and kind == "done":
             self.dispatcher.first_token(flight, now)
-        flight.over = True
-        self.dispatcher.settle_path(flight)
-        ttft_ms = None if flight.ttft_s is None else (flight.ttft_s - flight.arrival_s) * 1000.0
-        # attainment counts the SLO (base + prefill), not the deadline it was admitted by
-        late = flight.ttft_s is None or flight.ttft_s > flight.slo_s
-        if kind != "done":   # an error misses the SLO, unless it is the client's (4xx, not 429)
-            c = message.get("code")
-            late = late and flight.ttft_s is not None if _client_error(c) else True
-        if flight.cold and late:
-            self.models.of(flight.model).cold_misses += 1
-        refusal = None
-        if kind == "done":
-            self.counts["done"] += 1
-            message["ttft_ms"] = ttft_ms
-            message["total_ms"] = (now - flight.arrival_s) * 1000.0
-            message["path"] = flight.path
-            message["replica"] = link.replica_id
-            message["queue_wait_ms"] = flight.queue_wait_ms
-            message["predicted_ttft_ms"] = _ms(flight.predicted_ttft_s)
-            code = 200
-            flight.sink.done(message)
-        else:
-            self.counts["errors"] += 1
-            code = message.get("code", 500)
-            if type(code) is not int:
-                code = 500
-            refusal = known_refusal(message.get("refusal"))   # the replica's, if it gave one
-            flight.sink.error(code, str(message.get("reason", "replica error")),
-                              _retry_ms(message.get("retry_after_ms")), refusal)
-        self.telemetry.event(flight.req.request_id, flight.model, flight.path, code,
-                             flight.queue_wait_ms, flight.restore_ms, ttft_ms if code == 200 else None,
-                             flight.ttft_s is None or flight.ttft_s > flight.slo_s,
-                             reason=refusal, predicted_ttft_ms=_ms(flight.predicted_ttft_s),
-                             done=message if code == 200 else None,
-                             token_gaps=flight.token_gaps)
-        if self.models.queue(flight.model):
-            self.admission.drain(flight.model)
+        self.answers.final(link, flight, message, now)
+
+    def replica_answered(self, link: ReplicaLink, message: dict) -> None:
+        """The replica answered a probe: a silent one may be back in routing (first_token.py)."""
+        self.watch.answered(link.replica_id, message)
 
     def fail(self, flight: Flight, code: int, reason: str, path: str = "refused",
              retry_after_ms: int | None = None, predicted_ttft_ms: float | None = None,
              refusal: str | None = None) -> None:
-        """Answer ``flight`` with an error (its final answer) and record it; ``refusal``: why,
-        as one of agent/wire/refusals.py's codes, set where the refusal was decided (it goes to
-        the sink, and to telemetry as the rejection's ``reason`` label)."""
-        if flight.over:
-            return
-        flight.over = True
-        flight.pending = None
-        self.counts["errors"] += 1
-        if flight.cold and code in (429, 503, 504):
-            self.models.of(flight.model).cold_misses += 1
-        flight.sink.error(code, reason, retry_after_ms, refusal)
-        self.telemetry.event(flight.req.request_id, flight.model, path, code, 0.0, None, None,
-                             code == 504, reason=refusal or reason,
-                             predicted_ttft_ms=predicted_ttft_ms)
+        """Answer ``flight`` with an error (:meth:`agent.frontdoor.answers.Answers.fail`)."""
+        self.answers.fail(flight, code, reason, path, retry_after_ms, predicted_ttft_ms, refusal)
 
     def begin_stop(self, drain_until_s: float | None = None) -> None:
         """Drain: take no new requests (503 with ``retry_after_ms`` until ``drain_until_s``,
@@ -390,6 +353,7 @@ class RequestPath:
         """Summarise rate-limited log lines whose interval is over (all, when ``final``)."""
         self.dispatcher.tick_log(final)
         self.admission.tick_log(final)
+        self.watch.tick_log(final)
 
     def dispatched(self) -> int:
         """Requests at replicas, not yet answered."""
@@ -407,7 +371,3 @@ class RequestPath:
         return info_answer(op, connections, counts=self.counts, known_models=self.known_models,
                            models=self.models, router=self.router,
                            restores_in_flight=self.gate.total)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000.0

@@ -135,10 +135,11 @@ class FrontDoor:
     # --- background loops ------------------------------------------------------------
 
     async def _ticker(self) -> None:
-        """Answer queued requests past their deadline (504) or wait bound (429)."""
+        """Answer queued requests past their deadline (504) or wait bound (429), and
+        dispatched ones whose replica gave no first token in time (first_token.py)."""
         while True:
             await asyncio.sleep(self.config.tick_s)
-            if self.path.queued_models:
+            if self.path.queued_models or self.path.watching:
                 self.path.expire_queued()
 
     async def _sweeper(self) -> None:

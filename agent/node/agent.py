@@ -40,6 +40,7 @@ from agent.node.ladder import RestoreLadder
 from agent.node.lifecycle import ReplicaState as S
 from agent.node.metrics import NodeMetrics, restores_in_flight
 from agent.node.pool import ZygotePool
+from agent.node import silence
 from agent.node.registration import Registrar
 from agent.node.snapshots import Snapshots, SnapshotSummary
 from agent.node.state import AgentConfig, NodeState, ReplicaRecord, load_meta
@@ -251,11 +252,13 @@ class NodeAgent:
                 self.state.record(rec)
                 continue
             if rec.lifecycle.state is S.WARM and rec.handle is not None:
+                sent_s = self.clock.now()
                 try:
-                    stats = rec.handle.stats(timeout_s=self.config.probe_timeout_s)
+                    stats = rec.handle.stats(timeout_s=silence.probe_timeout_s(self.config, rec))
                 except (OSError, RewarmError, RuntimeError) as exc:
                     self._unanswered(rec, exc)
                     continue
+                silence.probe_answered(rec, self.clock.now() - sent_s)
                 self._answered(rec)
                 rec.last_stats = stats
                 self.registrar.update_meta(rec.lifecycle.replica_id, load_meta(stats))
@@ -266,11 +269,14 @@ class NodeAgent:
             self.node_meta.update(self.cached_models())
 
     def _unanswered(self, rec: ReplicaRecord, exc: BaseException) -> None:
-        """A stats probe failed: after ``unresponsive_after_s`` of failures, out of routing."""
+        """A stats probe failed: after :func:`agent.node.silence.unresponsive_after_s` of
+        failures (the configured floor, raised from the replica's probe history and measured
+        step), out of routing."""
         now = self.clock.now()
         if rec.silent_since_s is None:
             rec.silent_since_s = now
-        if not rec.unrouted and now - rec.silent_since_s >= self.config.unresponsive_after_s:
+        if not rec.unrouted and \
+                now - rec.silent_since_s >= silence.unresponsive_after_s(self.config, rec):
             rid = rec.lifecycle.replica_id
             log.error("replica %s has not answered for %.1f s (last: %s); out of routing until "
                       "it does", rid, now - rec.silent_since_s, exc, extra={"replica": rid})

@@ -10,6 +10,7 @@ collaborator takes the narrow view of it that it needs.  Every field of a
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +52,10 @@ class AgentConfig:
     # every model's replicas together at most what the cores or devices serve at speed
     # (agent/node/capacity.py: cores // threads on CPU, one per GPU); False: no such limit
     limit_to_node: bool = False
-    # a warm replica that has not answered its stats probe (each bounded by probe_timeout_s)
-    # for unresponsive_after_s is taken out of routing until it answers again (SIGSTOP, a
-    # livelock, a swap storm): the front door stops sending it requests within about
-    # unresponsive_after_s + probe_timeout_s + one agent tick
+    # a warm replica that has not answered its stats probes for unresponsive_after_s is taken
+    # out of routing until it answers again (SIGSTOP, a livelock, a swap storm); both are
+    # floors, raised per replica from its probe round trips and measured decode step
+    # (agent/node/silence.py): it leaves routing within about that bound + one probe + one tick
     probe_timeout_s: float = 2.0
     unresponsive_after_s: float = 5.0
 
@@ -90,6 +91,7 @@ class ReplicaRecord:
     phase: str | None = None            # while coming up: stage | restore | cold_boot
     phase_since_s: float = 0.0
     silent_since_s: float | None = None  # its stats probes have failed since then
+    probe_rtts_s: deque | None = None    # round trips (s) of its last answered probes
     unrouted: bool = False               # taken out of routing for not answering
     last_stats: dict = field(default_factory=dict)   # the worker's stats at the last tick
 

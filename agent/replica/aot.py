@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 PACKAGE_NAME = "model.pt2"
 MANIFEST_NAME = "package.json"
+FORWARD_SOURCES = ("model.py", "quant.py", "config.py", "shapes.py")
+"""The replica modules whose code a package compiles (the forward, its quantized layers, the
+config and the shape checks): :func:`forward_source_digest` covers them."""
 PACKAGE_FORMAT = 2
 """2: ranges and kv recorded, checked at build (1 lacked them and refused B=1 and S=1)."""
 RANGES_METADATA = "rewarm.ranges"
@@ -216,6 +219,7 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
     manifest = {
         "format": PACKAGE_FORMAT, "target": target, "device": device,
         "torch": torch.__version__, "digest": file_digest(package),
+        "source": forward_source_digest(),
         "max_seqs": max_seqs, "max_seq_len": max_seq_len,
         "ranges": {k: list(v) for k, v in ranges.items()},
         "kv": {"layers": config.num_hidden_layers, "max_seq_len": max_seq_len,
@@ -302,6 +306,17 @@ def read_package_manifest(package_dir: Path) -> dict[str, Any]:
                                     value=None, limit=None)
     parse_ranges(manifest["ranges"], path)
     return manifest
+
+
+def forward_source_digest() -> str:
+    """sha256 (hex) over the bytes of :data:`FORWARD_SOURCES`, in that order: recorded in
+    ``package.json`` as ``source``, so a package compiled from other forward code (an older
+    rewarm) is told apart from one this code would build."""
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for name in FORWARD_SOURCES:
+        h.update(name.encode() + b"\0" + (here / name).read_bytes())
+    return h.hexdigest()
 
 
 def find_package(release_dir: Path, device: str = "cpu") -> Path:

@@ -10,6 +10,17 @@ ahead of it and its own (agent/speed.py's model), not every prefill of the step.
 The scheduler holds the requests accepted but not yet handed to the engine (``submits``),
 the engine sequences in flight (``by_seq``) and the cancels for the next tick; what it needs
 of the server is a :class:`SchedulerHost` (the loaded model, its tokenizer, the replica id).
+
+An engine step that raises never stops the loop.  A typed error (:class:`RewarmError`, e.g.
+a package refusing its inputs: nothing ran) fails the requests of that step with its own
+code.  Any other exception (a ``RuntimeError`` from a forward: what it left in the KV cache
+is unknown) answers every request held or being submitted 503 ``replica_failed`` (none of
+the step's tokens is sent: the events of a failed call are never delivered) and frees their
+KV slots; the loop keeps serving while the engine stays usable, and after
+``ENGINE_FAILURES_MAX`` such steps in a row without one that succeeds, or when freeing the
+slots fails too, the engine is broken: ``on_broken`` is called (the worker then drains and
+exits, so its node agent replaces it), :meth:`BatchScheduler.health` says why, and every
+later request is answered 503.
 """
 
 from __future__ import annotations
@@ -19,14 +30,20 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from agent.errors import RewarmError
 from agent.protocol import error_message, pack
 from agent.replica.meter import ReplicaMeter
 from agent.replica.stops import StopText
+from agent.wire import refusals
 
 log = logging.getLogger("agent.replica.worker")
+
+ENGINE_FAILURES_MAX = 3
+"""Engine steps failing with an untyped exception in a row, with none succeeding between,
+after which the engine is taken as broken (one may be a bad input's; three are the engine)."""
 
 
 @dataclass
@@ -77,10 +94,11 @@ class SchedulerHost(Protocol):
 class BatchScheduler:
     """One batching loop over the engine (module docstring).  ``pool``: the engine's one
     thread (agent/replica/worker.py's ``make_engine_thread``); ``meter``: the replica's
-    measured speed, fed one step per tick."""
+    measured speed, fed one step per tick; ``on_broken``: called once if the engine breaks
+    (module docstring)."""
 
     def __init__(self, host: SchedulerHost, pool: ThreadPoolExecutor,
-                 meter: ReplicaMeter) -> None:
+                 meter: ReplicaMeter, on_broken: Callable[[], None] | None = None) -> None:
         self.host = host
         self._pool = pool
         self.meter = meter
@@ -89,6 +107,10 @@ class BatchScheduler:
         self.by_seq: dict[int, Request] = {}            # engine sequence id -> its request
         self.wake = asyncio.Event()
         self.send = send          # writes one answer to a connection (tests watch it here)
+        self.failures = 0         # untyped engine failures in a row (module docstring)
+        self.broken: str | None = None   # why the engine is taken as broken, once it is
+        self.on_broken = on_broken
+        self.call_started_s: float | None = None   # perf_counter when the engine call began
 
     def accept(self, request: Request, args: dict) -> None:
         """Queue ``request`` for the next tick (``args``: :meth:`Engine.submit`'s)."""
@@ -149,12 +171,72 @@ class BatchScheduler:
             self.send(request.writer, error_message(request.request_id, exc.code, exc.message,
                                              refusal=exc.refusal))
 
+    async def _engine_raised(self, exc: Exception, submitting: list[Request]) -> None:
+        """An engine step raised an untyped exception (module docstring): every request held
+        or ``submitting`` is answered 503 ``replica_failed``, their slots are freed, and after
+        ``ENGINE_FAILURES_MAX`` in a row (or when freeing fails) the engine is broken."""
+        self.failures += 1
+        reason = f"engine step failed: {type(exc).__name__}: {exc}"
+        log.error("%s (%d in a row); failing the requests in it", reason, self.failures,
+                  exc_info=exc, extra={"replica": self.host.replica_id})
+        held = list(self.by_seq.values()) + submitting
+        ids = [r.seq_id for r in held if r.seq_id >= 0]
+        self.by_seq.clear()
+        engine = self.host.loaded.engine
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._pool, lambda: [engine.cancel(i) for i in ids])
+        except Exception as again:   # the engine cannot even free its slots
+            reason += f"; freeing its KV slots failed too: {type(again).__name__}: {again}"
+            self.failures = ENGINE_FAILURES_MAX
+        for request in {id(r): r for r in held}.values():
+            request.finished()
+            self.send(request.writer, error_message(request.request_id, 503, reason,
+                                                    refusal=refusals.REPLICA_FAILED))
+        if self.failures >= ENGINE_FAILURES_MAX and self.broken is None:
+            self.broken = reason
+            log.error("engine broken (%s): this replica stops taking requests", reason,
+                      extra={"replica": self.host.replica_id})
+            if self.on_broken is not None:
+                self.on_broken()
+
+    def health(self) -> dict[str, Any]:
+        """What the ``health`` op adds: ``broken`` (why) once the engine is broken, and
+        ``engine_busy_s`` while an engine call runs (seconds since it began: a front door
+        that found the replica silent keeps it out of routing while this is past its bound,
+        agent/frontdoor/first_token.py)."""
+        out: dict[str, Any] = {} if self.broken is None else {"broken": self.broken}
+        started = self.call_started_s
+        if started is not None:
+            out["engine_busy_s"] = round(time.perf_counter() - started, 3)
+        return out
+
+    def _refuse_broken(self) -> None:
+        """The engine is broken: answer what was accepted since, without touching it."""
+        submits, self.submits = self.submits, []
+        self.cancels.clear()
+        for request, _ in submits:
+            request.finished()
+            self.send(request.writer, error_message(
+                request.request_id, 503, f"replica's engine is broken ({self.broken}); it is "
+                "being replaced", refusal=refusals.REPLICA_FAILED))
+
+    async def _engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the engine thread, timed for :meth:`health` while it runs."""
+        self.call_started_s = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self.call_started_s = None
+
     async def run(self) -> None:
         """The batching loop (module docstring), until cancelled."""
-        loop = asyncio.get_running_loop()
         while True:
             loaded = self.host.loaded
-            if not (self.submits or self.cancels or (loaded and loaded.engine.busy)):
+            if self.broken is not None:
+                self._refuse_broken()
+            if not (self.submits or self.cancels or (loaded and loaded.engine.busy)) \
+                    or self.broken is not None:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
@@ -164,9 +246,12 @@ class BatchScheduler:
                 request.seq_id = -2  # being submitted
             started = time.perf_counter()
             try:
-                failed, events = await loop.run_in_executor(self._pool, self._tick, submits, cancels)
+                failed, events = await self._engine(self._tick, submits, cancels)
             except RewarmError as exc:
                 await self._fail_held(exc, [r for r, _ in submits])
+                continue
+            except Exception as exc:   # untyped: the engine's state is unknown
+                await self._engine_raised(exc, [r for r, _ in submits])
                 continue
             for request, err in failed:
                 request.finished()
@@ -191,13 +276,17 @@ class BatchScheduler:
                     cancels, self.cancels = self.cancels, []
                     for seq_id in cancels:
                         self.by_seq.pop(seq_id, None)
-                    admitted = await loop.run_in_executor(self._pool, self._admit_one, cancels)
+                    admitted = await self._engine(self._admit_one, cancels)
                     self._deliver(admitted)
                     events += admitted
-                decoded = await loop.run_in_executor(self._pool, self.host.loaded.engine.decode)
+                decoded = await self._engine(self.host.loaded.engine.decode)
             except RewarmError as exc:
                 await self._fail_held(exc, [])
                 continue
+            except Exception as exc:   # untyped: the engine's state is unknown
+                await self._engine_raised(exc, [])
+                continue
+            self.failures = 0
             self._deliver(decoded)
             events += decoded  # one tick for the meter: the admitted prefills and the decode step
             self.meter.step(sum(1 for e in events if e.token >= 0),

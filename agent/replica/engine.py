@@ -7,13 +7,10 @@ active sequence together (B=active, S=1).  Every call goes through the same
 either the eager :class:`Transformer` or any callable with that signature (a loaded AOT
 package, a ``torch.compile`` of the module).
 
-Sampling is per sequence (:class:`Sampling`): greedy (argmax) when ``temperature`` is 0, or
-when neither a temperature nor a seed is given; otherwise a draw from
-``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens and then to
-the smallest set whose probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019),
-with a per-sequence ``torch.Generator`` seeded with ``seed`` (a random seed when absent), so a
-sequence's tokens do not depend on what else is in the batch.  A sequence ends after
-``max_tokens`` new tokens or when it samples a stop token (the stop token is not returned).
+Sampling is per sequence (agent/replica/sampling.py: greedy, or temperature / top-k / top-p
+with a per-sequence seeded generator); a decode step samples every active sequence from one
+[B, V] logits tensor.  A sequence ends after ``max_tokens`` new tokens or when it samples a
+stop token (the stop token is not returned).
 
 Speed: every prefill (one prompt, its first token sampled) and every decode step (sampling
 included) is timed with the injected ``clock`` and fed to the engine's
@@ -26,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -37,12 +33,12 @@ from agent.replica.config import LlamaConfig
 from agent.replica.kv import KVPlan, KVSlotAllocator, plan_kv
 from agent.replica.lockstep import Lockstep
 from agent.replica.model import Transformer, new_kv_caches
+from agent.replica.sampling import (GREEDY, MAX_SEED, Sampler, Sampling, make_sampler,  # noqa: F401
+                                    sample, sample_rows)
 from agent.replica.speedmeter import SpeedMeter
 from agent.speed import slot_wait_steps
 
 Forward = Callable[..., torch.Tensor]
-MAX_SEED = 2**63 - 1
-"""Largest sampling seed (torch.Generator.manual_seed takes a signed 64-bit value)."""
 
 
 def mark_dynamic_inputs(tokens: torch.Tensor, input_pos: torch.Tensor, cache_batch_idx: torch.Tensor,
@@ -72,30 +68,13 @@ def jit_forward(model: torch.nn.Module, **compile_kwargs) -> Forward:
     return forward
 
 
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How one sequence picks its tokens.  ``temperature`` None means the engine's default
-    (used only when ``seed`` is given: no temperature and no seed is greedy); 0 is greedy.
-    ``top_k`` 0 or None and ``top_p`` 1.0 or None leave the distribution whole."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-
-
-GREEDY = Sampling()
-
-
 @dataclasses.dataclass
 class _Seq:
     seq_id: int
     prompt: list[int]
     max_tokens: int
     stop: frozenset[int]
-    generator: torch.Generator | None   # None: greedy
-    temperature: float = 1.0
-    top_p: float | None = None
-    top_k: int | None = None
+    sampler: Sampler
     slot: int = -1
     pos: int = 0               # tokens written to the cache so far
     last: int = -1             # the token to feed next
@@ -229,31 +208,10 @@ class Engine(Lockstep):
         if max_tokens < 1:
             raise ProtocolError(f"max_tokens={max_tokens} must be >= 1", field="max_tokens",
                                 value=max_tokens, limit=1)
-        if seed is not None and not 0 <= int(seed) <= MAX_SEED:
-            raise ProtocolError(f"seed={seed} outside [0, {MAX_SEED}]", field="seed", value=seed,
-                                limit=MAX_SEED)
-        temperature = sampling.temperature
-        if temperature is not None and not temperature >= 0:
-            raise ProtocolError(f"temperature={temperature} must be >= 0", field="temperature",
-                                value=temperature, limit=0)
-        if sampling.top_p is not None and not 0 < sampling.top_p <= 1:
-            raise ProtocolError(f"top_p={sampling.top_p} outside (0, 1]", field="top_p",
-                                value=sampling.top_p, limit=1)
-        if sampling.top_k is not None and sampling.top_k < 0:
-            raise ProtocolError(f"top_k={sampling.top_k} must be >= 0", field="top_k",
-                                value=sampling.top_k, limit=0)
+        sampler = make_sampler(seed, sampling, default_temperature=self.temperature,
+                               default_top_k=self.top_k, vocab_size=self.config.vocab_size)
         self.kv.check(len(prompt) + max_tokens)
-        greedy = temperature == 0 or (temperature is None and seed is None)
-        if greedy:
-            gen = None
-        else:
-            gen = torch.Generator().manual_seed(
-                int(seed) if seed is not None else secrets.randbits(63))
-        top_k = sampling.top_k if sampling.top_k is not None else self.top_k
-        seq = _Seq(self._next_id, prompt, max_tokens, frozenset(stop or ()), gen,
-                   temperature if temperature is not None else self.temperature,
-                   sampling.top_p if sampling.top_p is not None and sampling.top_p < 1 else None,
-                   min(top_k, self.config.vocab_size) if top_k else None)
+        seq = _Seq(self._next_id, prompt, max_tokens, frozenset(stop or ()), sampler)
         self._next_id += 1
         self._waiting.append(seq)
         self._publish()
@@ -273,7 +231,7 @@ class Engine(Lockstep):
         seq.slot = self.kv.allocate(len(seq.prompt) + seq.max_tokens)  # the lowest: slot 0
         seq.pos = len(seq.prompt)
         self._active[seq.slot] = seq
-        token = self._emit(seq, logits).token
+        token = self._emit(seq, self._sample(seq, logits)).token
         self._publish()
         return seq_id, token
 
@@ -352,7 +310,7 @@ class Engine(Lockstep):
                 seq.slot = self.kv.allocate(len(seq.prompt) + seq.max_tokens)
                 logits = self._prefill(seq)
                 self._active[seq.slot] = seq
-                events.append(self._emit(seq, logits))  # sampling syncs the device
+                events.append(self._emit(seq, self._sample(seq, logits)))  # syncs the device
                 meter.observe_prefill(len(seq.prompt), clock() - t0)
         if events:
             self._publish()
@@ -373,9 +331,10 @@ class Engine(Lockstep):
             pos = torch.tensor([[s.pos] for s in batch], dtype=torch.int64, device=dev)
             idx = torch.tensor([s.slot for s in batch], dtype=torch.int64, device=dev)
             logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)[:, -1]
-            for row, seq in enumerate(batch):
+            picked = sample_rows([s.sampler for s in batch], logits)   # one host sync
+            for seq, token in zip(batch, picked, strict=True):
                 seq.pos += 1
-                events.append(self._emit(seq, logits[row]))
+                events.append(self._emit(seq, token))
         self.meter.observe_decode(len(batch), ctx, self.clock() - t0)
         self._publish()
         return events
@@ -400,24 +359,10 @@ class Engine(Lockstep):
         return logits
 
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> int:
-        if seq.generator is None:
-            return int(logits.argmax())
-        scaled = logits.float() / max(seq.temperature, 1e-5)
-        if seq.top_k is not None:
-            kth = torch.topk(scaled, seq.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1).cpu()
-        if seq.top_p is not None:
-            # keep the most likely tokens until their mass reaches top_p (the token that
-            # crosses it included), then renormalise by sampling from what is left
-            sorted_p, order = torch.sort(probs, descending=True)
-            drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= seq.top_p
-            drop[0] = False   # the most likely always stays (a top_p that is 0 in float32)
-            probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
+        """One token for ``seq`` from ``logits`` [V] (agent/replica/sampling.py)."""
+        return sample(seq.sampler, logits)
 
-    def _emit(self, seq: _Seq, logits: torch.Tensor) -> Event:
-        token = self._sample(seq, logits)
+    def _emit(self, seq: _Seq, token: int) -> Event:
         seq.produced += 1
         stopped = token in seq.stop
         done = stopped or seq.produced >= seq.max_tokens

@@ -23,7 +23,7 @@ import torch
 
 from agent.replica.config import LlamaConfig
 from agent.replica.engine import Engine
-from agent.replica.model import Transformer, TransformerBlock, new_kv_caches
+from agent.replica.model import Transformer, TransformerBlock, live_context, new_kv_caches
 from agent.replica.quant import adopt_quantized
 from agent.replica.weights import stream_hf_weights
 
@@ -97,7 +97,7 @@ def streamed_first_boot(model_dir: Path | str, prompt: Sequence[int], max_tokens
     with torch.device("meta"):
         shell = Transformer(config)  # RoPE/mask/head helpers only; no weights of its own
     cos, sin = shell.rope_cos_sin(pos)
-    mask = shell.causal_mask(pos, max_seq_len)
+    mask = shell.causal_mask(pos, live_context(pos, max_seq_len))   # [1, 1, S, L]
     h = None
     with torch.inference_mode():
         while True:

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from agent.errors import ProtocolError
+from agent.replica.sampling import sample_rows
 
 
 class Lockstep:
@@ -112,8 +113,8 @@ class Lockstep:
             if step:
                 logits = self._decode_rows([g[-1] for g in got],
                                            [len(s.prompt) + step - 1 for s in group], idx)
-            for row, seq in enumerate(group):
-                got[row].append(self._sample(seq, logits[row]))
+            for row, token in enumerate(sample_rows([s.sampler for s in group], logits)):
+                got[row].append(token)
         return got
 
     def teacher_forced(self, prompts: list[list[int]], tokens: list[list[int]],

@@ -18,10 +18,15 @@ Three sizes vary independently: B (active batch), C (cache batch, the number of 
 **The cache is written in place**: each layer writes its new K and V rows with
 ``index_put_`` at ``[cache_batch_idx[b], input_pos[b, s]]``, i.e. the forward mutates its
 ``k_caches`` / ``v_caches`` inputs (torch.export records input mutation; AOTInductor performs
-it on the caller's tensors).  Attention then reads the whole slot ``[T]`` of each active
-sequence and masks key positions ``t > input_pos[b, s]`` (causal, and hides whatever a previous
-occupant of the slot left behind, since a sequence always writes positions 0..p in order).
-No Python branch depends on data, so the control flow is fixed for every (B, C, S).
+it on the caller's tensors).  Attention then reads, for all B sequences together, the live
+context only: positions ``[0, L)`` of each active slot with ``L = max(input_pos) + 1`` (the
+longest sequence's context, rounded up to a block of 16: :func:`live_context`), and masks key positions
+``t > input_pos[b, s]`` (causal, and hides whatever a previous occupant of the slot left
+behind, since a sequence always writes positions 0..p in order).  Reading ``[0, T)`` instead
+would cost every decode step the whole slot whatever the context (at T=512 and B=8 the gather
+and the two attention matmuls were half of an eager step's kernel time, bench/engine_profile.py).
+``L`` is a data-dependent size (unbacked under torch.export, bounded by ``[1, T]``); no Python
+branch depends on data, so the control flow is fixed for every (B, C, S).
 
 Runtime layout (the tensors a snapshot stores; ``load_hf_weights`` and the load hook produce it):
 Q/K/V fused into ``attention.wqkv`` [n_q + 2 n_kv, hidden] and gate/up fused into
@@ -227,13 +232,37 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+CONTEXT_BLOCK = 16
+"""Attention reads the cache in blocks of this many positions (see :func:`live_context`)."""
+
+
+def live_context(input_pos: torch.Tensor, max_seq_len: int):
+    """L: the cache positions attention reads in this call, ``max(input_pos) + 1`` rounded up
+    to a multiple of :data:`CONTEXT_BLOCK` (``input_pos`` [B, S] int64); the whole slot
+    ``max_seq_len`` when that is not a multiple of the block (or no more than one).
+
+    Rounding to blocks keeps L a multiple of 16, so a compiler never has to ask whether the
+    size is 1 (AOTInductor's lowering of the attention matmuls refuses an unbacked size that
+    might be), and it costs at most 15 masked positions.  Under torch.export the block count is
+    an unbacked size declared to lie in [1, max_seq_len / 16] (``torch._check``); positions are
+    checked against ``max_seq_len`` before a call (agent/replica/aot_inputs.py, the engine's
+    slot reservation).  Returns an int (a SymInt under export)."""
+    if max_seq_len % CONTEXT_BLOCK or max_seq_len <= CONTEXT_BLOCK:
+        return max_seq_len
+    blocks = (input_pos.max() // CONTEXT_BLOCK + 1).item()
+    torch._check(blocks >= 1)
+    torch._check(blocks <= max_seq_len // CONTEXT_BLOCK)
+    return blocks * CONTEXT_BLOCK
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            mask: torch.Tensor) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads (GQA), softmax in float32.
 
     q [B, S, H, D]; keys/values [B, T, Hkv, D] (H a multiple of Hkv; query head h reads KV head
     h // (H / Hkv), the ``repeat_interleave`` convention of Hugging Face Llama); mask
-    [B, 1, S, T] bool (True: visible).  Returns [B, S, H * D] in q's dtype.
+    [B, 1, S, T] bool (True: visible; T here is the live context L of the forward).  Returns
+    [B, S, H * D] in q's dtype.
 
     Written with bmm rather than ``F.scaled_dot_product_attention``, and every transpose
     materialised with ``clone(memory_format=torch.contiguous_format)`` before it is viewed:
@@ -266,7 +295,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_q, config.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, input_pos, cache_batch_idx, k_cache, v_cache, mask):
-        # x [B, S, hidden]; k_cache/v_cache [C, T, Hkv, D]; mask [B, 1, S, T] bool
+        # x [B, S, hidden]; k_cache/v_cache [C, T, Hkv, D]; mask [B, 1, S, L] bool, L <= T
         bsz, seqlen = x.shape[0], x.shape[1]
         # View the fused projection as heads first, then split: a view of a contiguous tensor
         # needs no stride reasoning, where viewing a split (a strided slice) makes Inductor
@@ -278,8 +307,9 @@ class Attention(nn.Module):
         slot = cache_batch_idx.unsqueeze(1).expand(bsz, seqlen)           # [B, S]
         k_cache.index_put_((slot, input_pos), k.to(k_cache.dtype))
         v_cache.index_put_((slot, input_pos), v.to(v_cache.dtype))
-        keys = k_cache.index_select(0, cache_batch_idx)                    # [B, T, Hkv, D]
-        values = v_cache.index_select(0, cache_batch_idx)
+        live = mask.shape[-1]                                              # L <= T
+        keys = k_cache[:, :live].index_select(0, cache_batch_idx)          # [B, L, Hkv, D]
+        values = v_cache[:, :live].index_select(0, cache_batch_idx)
         return self.wo(attend(q, keys.to(q.dtype), values.to(q.dtype), mask))
 
 
@@ -354,18 +384,25 @@ class Transformer(nn.Module):
         return model.eval().requires_grad_(False)
 
     def rope_cos_sin(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, S, 1, D] float32 for positions ``input_pos`` [B, S] (theta from config)."""
+        """cos/sin [B, S, 1, D] float32 for positions ``input_pos`` [B, S] (theta from config).
+
+        Computed in float64 and rounded to float32: the compiled package's vectorised float32
+        ``cos``/``sin`` differ from ATen's by one ulp in more than half of the values (measured
+        over positions 0..511 of SmolLM2's head_dim 64), which after bfloat16 rounding flipped
+        prefill logits by up to 0.8 between the package and its eager forward; two float64
+        results 1 ulp apart round to the same float32 except in rare ties."""
         d = self.config.head_dim
         inv_freq = 1.0 / (self.config.rope_theta ** (
-            torch.arange(0, d, 2, dtype=torch.float32, device=input_pos.device) / d))
-        angles = input_pos.unsqueeze(-1).float() * inv_freq                # [B, S, D/2]
+            torch.arange(0, d, 2, dtype=torch.float64, device=input_pos.device) / d))
+        angles = input_pos.unsqueeze(-1).double() * inv_freq               # [B, S, D/2]
         angles = torch.cat([angles, angles], dim=-1).unsqueeze(2)          # [B, S, 1, D]
-        return angles.cos(), angles.sin()
+        return angles.cos().float(), angles.sin().float()
 
     @staticmethod
-    def causal_mask(input_pos: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-        """[B, 1, S, T] bool: key position t is visible to the query at p iff t <= p."""
-        t = torch.arange(max_seq_len, device=input_pos.device)
+    def causal_mask(input_pos: torch.Tensor, context_len: int) -> torch.Tensor:
+        """[B, 1, S, L] bool (L = ``context_len``): key position t is visible to the query at
+        p iff t <= p."""
+        t = torch.arange(context_len, device=input_pos.device)
         return (t.view(1, 1, 1, -1) <= input_pos.unsqueeze(1).unsqueeze(-1))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -386,7 +423,7 @@ class Transformer(nn.Module):
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
         """See the module docstring for shapes.  Mutates ``k_caches``/``v_caches`` in place."""
         cos, sin = self.rope_cos_sin(input_pos)
-        mask = self.causal_mask(input_pos, k_caches[0].shape[1])
+        mask = self.causal_mask(input_pos, live_context(input_pos, k_caches[0].shape[1]))
         h = self.embed(tokens)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             h = layer(h, cos, sin, input_pos, cache_batch_idx, k_cache, v_cache, mask)

@@ -99,7 +99,9 @@ class Worker:
         self._pool = engine_thread if engine_thread is not None else make_engine_thread()
         self._stop = asyncio.Event()
         self.meter = ReplicaMeter()
-        self.batch = BatchScheduler(self, self._pool, self.meter)
+        # an engine found broken: health says so, and the replica drains and stops (its node
+        # agent sees it gone and replaces it; agent/replica/batching.py)
+        self.batch = BatchScheduler(self, self._pool, self.meter, on_broken=self.drain)
         self.drain_grace_s, self.draining = drain_grace_s, False
         self.text = ModelText(loaded)   # its tokenizer and chat template, on first use
         self.snapshots = RestoreOps(self)   # the restore and capture ops
@@ -179,6 +181,7 @@ class Worker:
     def in_flight(self) -> int:
         return self.batch.in_flight()
 
+
     async def _drain_then_stop(self, poll_s: float = 0.05) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_grace_s
@@ -250,7 +253,8 @@ class Worker:
                 if request is not None:
                     self._cancel(request)
             elif op == "health":
-                reply({"ok": self.state is State.SERVING, "state": self.state.value})
+                reply({"ok": self.state is State.SERVING and self.batch.broken is None,
+                       "state": self.state.value, **self.batch.health()})
             elif op == "stats":
                 reply(self.stats())
             elif op == "restore":
@@ -475,6 +479,8 @@ def _serve_status(worker: Worker, listen: str):
     from agent.replica.meter import replica_registry
 
     def ready() -> tuple[bool, str]:
+        if worker.batch.broken is not None:
+            return False, f"engine broken: {worker.batch.broken}"
         if worker.draining:
             return False, "draining"
         if worker.state is not State.SERVING:

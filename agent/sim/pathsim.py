@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from agent.sim.replay import Outcome, summarise
 from agent.sim.replay_scale import ReplayRequest
 from agent.sim.vloop import LoopClock, run_virtual
+from agent.slo import DEADLINE_FACTOR
 from agent.speed import SpeedProfile
 
 
@@ -43,7 +44,8 @@ from agent.speed import SpeedProfile
 class PathSimConfig:
     """The live embedded stack's settings (agent/up.py ``Stack``; bench/trace_replay.py).
 
-    ``deadline_ms``: the model's default deadline at the front door; ``registry_poll_s``
+    ``deadline_ms``: the model's default deadline at the front door (a cap);
+    ``deadline_factor`` its default deadline over the SLO (agent/slo.py); ``registry_poll_s``
     the front door's registry polling (Stack's front door config); ``agent_tick_s`` the
     node agent loop (Stack: 0.5 s); ``predictor_step_s`` the predictor's tick;
     ``restores_per_model`` the front door's cap on restores in flight; ``max_wait_s`` its
@@ -53,6 +55,7 @@ class PathSimConfig:
 
     model: str = "m"
     deadline_ms: float = 4000.0
+    deadline_factor: float = DEADLINE_FACTOR
     registry_poll_s: float = 0.2
     agent_tick_s: float = 0.5
     predictor_step_s: float = 1.0
@@ -129,7 +132,8 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
                    zygotes=max(1, cfg.max_replicas))
     config = FrontDoorConfig(models={model: cfg.deadline_ms}, registry_poll_s=cfg.registry_poll_s,
                              restores_per_model=cfg.restores_per_model, max_wait_s=cfg.max_wait_s,
-                             warm_slo_ms=cfg.warm_slo_ms, restore_slo_ms=cfg.restore_slo_ms)
+                             warm_slo_ms=cfg.warm_slo_ms, restore_slo_ms=cfg.restore_slo_ms,
+                             deadline_factor=cfg.deadline_factor)
     path = RequestPath(config, clock=clock, telemetry=Telemetry(process_metrics=False),
                        capacity=node, connector=node.connect)
     # Before the live window the front door restored a replica (the probe after scale to

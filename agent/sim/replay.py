@@ -256,6 +256,7 @@ def summarise(outcomes: Sequence[Outcome], *, gpu_seconds: float, always_on_gpu_
     always_on_gpu_seconds, gpu_ratio, restores``."""
     slo_ms = slo_ms or PATH_SLO_MS
     ttft: dict[str, list[float]] = {p: [] for p in PATHS}
+    on_time = dict.fromkeys(PATHS, 0)
     served = shed = fast = expired = lost = within = 0
     for o in outcomes:
         if o.code == 200:
@@ -263,7 +264,9 @@ def summarise(outcomes: Sequence[Outcome], *, gpu_seconds: float, always_on_gpu_
             path = o.path if o.path in ttft else "warm_hit"
             if o.ttft_ms is not None:
                 ttft[path].append(o.ttft_ms)
-                within += o.ttft_ms <= slo_ms.get(path, slo_ms["warm_hit"])
+                made = o.ttft_ms <= slo_ms.get(path, slo_ms["warm_hit"])
+                within += made
+                on_time[path] += made
         elif o.code == 429:
             shed += 1
             fast += (math.inf if o.answered_ms is None else o.answered_ms) <= FAST_REFUSAL_MS
@@ -277,7 +280,7 @@ def summarise(outcomes: Sequence[Outcome], *, gpu_seconds: float, always_on_gpu_
         "expired_504": expired, "lost": lost,
         "sla_attainment": within / n if n else 1.0,
         "ttft_ms": {p: {"p50": percentile(v, 50), "p99": percentile(v, 99), "count": len(v),
-                        "slo_ms": slo_ms.get(p)}
+                        "within_slo": on_time[p], "slo_ms": slo_ms.get(p)}
                     for p, v in ttft.items()},
         "gpu_seconds": round(gpu_seconds, 2),
         "always_on_gpu_seconds": round(always_on_gpu_seconds, 2),

@@ -15,7 +15,10 @@ code                        HTTP   decided where, and when
 ``deadline``                504    its deadline passed while queued (a prediction was wrong)
 ``no_capacity``             503    no warm replica and no restore can be made
 ``draining``                503    the front door or the replica is shutting down
-``replica_failed``          503    the link to its replica broke after tokens were streamed
+``replica_failed``          503    the link to its replica broke after tokens were streamed,
+                                   its replica went silent before its first token and no
+                                   other could start it in time, or its replica's engine
+                                   step failed
 ``too_large``               413    prompt + max_tokens exceed the largest replica's KV cache
 ``context_length``          400    prompt + max_tokens exceed the model's context length
 ``unknown_model``           404    no such model here

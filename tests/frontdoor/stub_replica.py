@@ -41,6 +41,7 @@ class StubReplica:
         self.speed: SpeedProfile | None = INSTANT if speed is _DEFAULT else speed  # type: ignore[assignment]
         self.received: list[dict] = []
         self.cancelled: list[int] = []
+        self.probes = 0          # health probes answered
         self._held: list[tuple[asyncio.Transport, bytes]] = []
         self._server = None
         self.active = 0          # sequences admitted and not done (paced mode)
@@ -113,6 +114,11 @@ class _Conn(asyncio.Protocol):
             if msg.get("op") == "cancel":
                 stub.cancelled.append(msg["id"])
                 self.cancelled.add(msg["id"])
+                continue
+            if msg.get("op") == "health":   # the event loop answers while the engine holds
+                stub.probes += 1
+                out.append(pack({"id": msg["id"], "type": "result",
+                                 "result": {"ok": True, "state": "serving"}}))
                 continue
             stub.received.append(msg)
             if stub.paced and stub.fail_with is None and stub.refuse <= 0:

@@ -76,3 +76,42 @@ def test_a_deadline_factor_below_one_is_refused():
     with pytest.raises(ConfigError) as err:
         FrontDoorConfig(deadline_factor=0.5)
     assert err.value.name == "deadline_factor"
+
+
+def test_a_request_late_with_nothing_queued_ahead_is_still_served_within_its_deadline():
+    async def main():
+        # a restore still coming (5 s, past the 4 s restore SLO) makes it late, not a queue
+        f = Fleet(warm=0, speed=SLOW_PREFILL, deadline_factor=3.0, restore_s=5.0,
+                  measured_restores_s=(5.0,))
+        sink = f.submit(prompt_tokens=10)
+        await f.timeline.run_until(f.clock.now() + 30)
+        assert sink.code == 200 and sink.first_s - sink.arrival_s > 4.0
+    run(main())
+
+
+def test_late_work_is_refused_while_arrivals_outpace_the_replicas():
+    async def main():
+        # 1.5 s prefills, one replica (~0.66 requests/s); arrivals at 1/s for 20 s
+        f = Fleet(max_seqs=8, speed=SLOW_PREFILL, deadline_factor=3.0)
+        t0 = f.clock.now()
+        for i in range(20):
+            f.arrive(t0 + i, prompt_tokens=1500, max_tokens=4)
+        await f.timeline.run_until(t0 + 60)
+        served = [s for s in f.sinks if s.code == 200]
+        late = [s for s in served if s.first_s - s.arrival_s > 2.0 + 0.05]
+        outpaced = [s for s in f.sinks if s.code == 429 and "outpace" in s.final["reason"]]
+        assert len(outpaced) >= 8 and all(s.at_s == s.arrival_s for s in outpaced)
+        # late answers only while the rate was still being learnt (the first window)
+        assert all(s.arrival_s < t0 + 6.0 for s in late), [s.arrival_s - t0 for s in late]
+        assert [s for s in served if s.arrival_s >= t0 + 6.0]   # and on-time ones after
+    run(main())
+
+
+def test_a_one_off_burst_is_served_late_rather_than_refused():
+    async def main():
+        f = Fleet(max_seqs=8, speed=SLOW_PREFILL, deadline_factor=3.0)
+        sinks = [f.submit(prompt_tokens=1500, max_tokens=4) for _ in range(3)]
+        await f.timeline.run_until(f.clock.now() + 30)
+        assert [s.code for s in sinks] == [200, 200, 200]
+        assert sinks[-1].first_s - sinks[-1].arrival_s > 2.0     # late, within 6 s
+    run(main())

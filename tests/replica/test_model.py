@@ -97,4 +97,62 @@ def test_rope_rotates_pairs_half_apart(setup):
     assert cos.shape == (1, 2, 1, model.config.head_dim)
     torch.testing.assert_close(cos[0, 0], torch.ones_like(cos[0, 0]))
     # frequency 0 of the first half equals frequency 0 of the second half (rotate-half layout)
-    assert cos[0, 1, 0, 0] == cos[0, 1, 0, model.config.head_dim // 2] == torch.cos(torch.tensor(1.0))
+    assert cos[0, 1, 0, 0] == cos[0, 1, 0, model.config.head_dim // 2] == torch.cos(torch.tensor(1.0, dtype=torch.float64)).float()
+
+
+def test_live_context_is_the_longest_position_rounded_up_to_a_block():
+    from agent.replica.model import CONTEXT_BLOCK, live_context
+
+    assert CONTEXT_BLOCK == 16
+    assert live_context(torch.tensor([[0]]), 64) == 16
+    assert live_context(torch.tensor([[3], [15]]), 64) == 16
+    assert live_context(torch.tensor([[3], [16]]), 64) == 32
+    assert live_context(torch.tensor([[63]]), 64) == 64
+    assert live_context(torch.tensor([[5]]), 16) == 16      # one block: the whole slot
+    assert live_context(torch.tensor([[5]]), 40) == 40      # not a multiple of the block
+
+
+def test_attention_over_the_live_context_equals_attention_over_the_whole_slot(setup, monkeypatch):
+    """A batched decode step of sequences at different positions reads [0, L) of each slot;
+    the logits and the cache it leaves are those of reading all T positions (the masked tail,
+    here stale garbage from an earlier occupant, contributes nothing either way)."""
+    from agent.replica import model as model_mod
+
+    config, _, model = setup
+    g = torch.Generator().manual_seed(5)
+    t, lens = 64, (3, 20, 37)
+    caches = new_kv_caches(config, 4, t)
+    for c in caches[0] + caches[1]:
+        c.normal_(generator=g)                       # every position holds something
+    slots = torch.tensor([2, 0, 3])
+    tokens = torch.randint(0, config.vocab_size, (3, 1), generator=g)
+    pos = torch.tensor([[n] for n in lens])
+    whole = ([c.clone() for c in caches[0]], [c.clone() for c in caches[1]])
+    live = run(model, tokens, pos, slots, caches)
+    monkeypatch.setattr(model_mod, "live_context", lambda input_pos, max_seq_len: max_seq_len)
+    full = run(model, tokens, pos, slots, whole)
+    torch.testing.assert_close(live, full, atol=1e-5, rtol=1e-5)
+    for a, b in zip(caches[0] + caches[1], whole[0] + whole[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_compiled_rope_tables_equal_eager_bit_for_bit():
+    """The package computes cos/sin with Inductor's vectorised math, eager with ATen's; in
+    float32 they differ by one ulp in most entries, which bfloat16 rounding turns into
+    different prefill logits.  Computed in float64 and rounded, they agree exactly."""
+    from agent.replica.config import LlamaConfig
+
+    config = LlamaConfig(hidden_size=576, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=16,
+                         max_position_embeddings=1024, rope_theta=100000.0)
+    with torch.device("meta"):
+        shell = Transformer(config)
+    pos = torch.arange(512).view(2, 256)
+
+    def tables(p):
+        return Transformer.rope_cos_sin(shell, p)
+
+    eager, compiled = tables(pos), torch.compile(tables, dynamic=False)(pos)
+    assert eager[0].dtype == torch.float32 and eager[0].shape == (2, 256, 1, 64)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
