@@ -18,7 +18,11 @@ def test_summarise_counts_classes_and_judges_each_path_by_its_slo():
     assert s["sla_attainment"] == pytest.approx(2 / 8)
     assert s["ttft_ms"]["warm_hit"]["p50"] == 150.0 and s["ttft_ms"]["warm_hit"]["p99"] == 2100.0
     assert s["ttft_ms"]["snapshot_restore"]["count"] == 2
-    assert s["ttft_ms"]["cold_boot"] == {"p50": None, "p99": None, "count": 0, "slo_ms": 4000.0}
+    assert s["ttft_ms"]["cold_boot"] == {"p50": None, "p99": None, "count": 0, "slo_ms": 4000.0,
+                                         "within_slo": 0}
+    # per path, the served requests that met that path's SLO
+    assert s["ttft_ms"]["warm_hit"]["within_slo"] == 1
+    assert s["ttft_ms"]["snapshot_restore"]["within_slo"] == 1
     assert s["gpu_ratio"] == pytest.approx(0.3) and s["restores"] == 2
 
 

@@ -41,6 +41,9 @@ def test_restore_metrics_after_cold_boot_restore_and_a_corrupt_copy(make_agent):
     (Path(row.path) / "data-00000.bin").write_bytes(bytes(raw))
     third = agent.restore("tiny")                            # checksum fails closed -> cold
     assert third["path"] == "cold_boot"
+    # the cold boot captures anew behind it: let that write land before the scrape, so the
+    # cache gauges and the store are read in one state
+    agent.captures[agent.models["tiny"].key].result(timeout=120)
     f = scrape(agent)
 
     hist = f["rewarm_node_restore_seconds"]

@@ -35,6 +35,7 @@ class RecompileLog(logging.Handler):
 def test_every_batch_and_length_after_warmup_without_recompiling(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch._dynamo.reset()
+    counters.clear()   # reset() keeps dynamo's counters: graphs compiled by earlier tests count
     torch._logging.set_logs(recompiles=True)
     log = RecompileLog()
     logger = logging.getLogger("torch._dynamo")
