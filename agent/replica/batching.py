@@ -108,6 +108,7 @@ class BatchScheduler:
         self.wake = asyncio.Event()
         self.send = send          # writes one answer to a connection (tests watch it here)
         self.failures = 0         # untyped engine failures in a row (module docstring)
+        self._taking: list[Request] = []   # taken from ``submits``, not yet held or answered
         self.broken: str | None = None   # why the engine is taken as broken, once it is
         self.on_broken = on_broken
         self.call_started_s: float | None = None   # perf_counter when the engine call began
@@ -164,8 +165,13 @@ class BatchScheduler:
         ids = [r.seq_id for r in held if r.seq_id >= 0]
         self.by_seq.clear()
         engine = self.host.loaded.engine
-        await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: [engine.cancel(i) for i in ids])
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._pool, lambda: [engine.cancel(i) for i in ids])
+        except Exception as again:   # the engine cannot free its slots: it is broken
+            self.failures = ENGINE_FAILURES_MAX - 1
+            await self._engine_raised(again, held)
+            return
         for request in {id(r): r for r in held}.values():
             request.finished()
             self.send(request.writer, error_message(request.request_id, exc.code, exc.message,
@@ -230,67 +236,95 @@ class BatchScheduler:
             self.call_started_s = None
 
     async def run(self) -> None:
-        """The batching loop (module docstring), until cancelled."""
+        """The batching loop (module docstring), until cancelled.  An exception outside the
+        engine calls (sending, bookkeeping) is handled like an engine step's: the requests
+        held are answered 503 and their slots freed, and the loop goes on (or the engine is
+        broken): it never ends with requests unanswered."""
         while True:
-            loaded = self.host.loaded
-            if self.broken is not None:
-                self._refuse_broken()
-            if not (self.submits or self.cancels or (loaded and loaded.engine.busy)) \
-                    or self.broken is not None:
-                self.wake.clear()
-                await self.wake.wait()
-                continue
-            submits, self.submits = self.submits, []
-            cancels, self.cancels = self.cancels, []
-            for request, _ in submits:
-                request.seq_id = -2  # being submitted
-            started = time.perf_counter()
             try:
-                failed, events = await self._engine(self._tick, submits, cancels)
-            except RewarmError as exc:
-                await self._fail_held(exc, [r for r, _ in submits])
-                continue
-            except Exception as exc:   # untyped: the engine's state is unknown
-                await self._engine_raised(exc, [r for r, _ in submits])
-                continue
-            for request, err in failed:
-                request.finished()
-                self.send(request.writer, error_message(request.request_id, err.code, err.message,
-                                                         refusal=err.refusal))
-            for request, _ in submits:
-                if request.seq_id >= 0 and (request.writer.is_closing()
-                                            or request.owner is not None
-                                            and request.owner.get(request_key(request.request_id))
-                                            is not request):  # left or cancelled meanwhile
-                    self.cancels.append(request.seq_id)
-                elif request.seq_id >= 0:
-                    self.by_seq[request.seq_id] = request
-            for seq_id in cancels:
-                self.by_seq.pop(seq_id, None)
-            self._deliver(events)
-            try:
-                # One prefill per call, its first token sent at once: a request's TTFT is
-                # the prefills queued ahead of it and its own (agent/speed.py's model), not
-                # every prefill of the step (the ones behind it too).
-                while self.host.loaded.engine.can_admit:
-                    cancels, self.cancels = self.cancels, []
-                    for seq_id in cancels:
-                        self.by_seq.pop(seq_id, None)
-                    admitted = await self._engine(self._admit_one, cancels)
-                    self._deliver(admitted)
-                    events += admitted
-                decoded = await self._engine(self.host.loaded.engine.decode)
-            except RewarmError as exc:
-                await self._fail_held(exc, [])
-                continue
-            except Exception as exc:   # untyped: the engine's state is unknown
-                await self._engine_raised(exc, [])
-                continue
-            self.failures = 0
-            self._deliver(decoded)
-            events += decoded  # one tick for the meter: the admitted prefills and the decode step
-            self.meter.step(sum(1 for e in events if e.token >= 0),
-                            len({e.seq_id for e in events}), time.perf_counter() - started)
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # requests taken from the queue but not yet held by the engine's sequences
+                # are answered too, but none twice
+                taken, self._taking = self._taking, []
+                await self._engine_raised(exc, [r for r in taken if r.owner is None
+                                                or r.owner.get(request_key(r.request_id)) is r])
+
+    def loop_ended(self, task: asyncio.Task, stop: Callable[[], None]) -> None:
+        """:meth:`run`'s task ended other than by a stop (a bug past its own guard): the
+        engine is taken as broken (health says so) and ``stop`` answers what is held 503,
+        so no request waits on a loop that is gone."""
+        if task.cancelled():
+            return
+        self.broken = self.broken or f"batch loop ended: {task.exception()!r}"
+        log.error("%s; the replica stops", self.broken, extra={"replica": self.host.replica_id})
+        stop()
+
+    async def _step(self) -> None:
+        """One pass of :meth:`run`: wait for work, or tick the engine once."""
+        loaded = self.host.loaded
+        if self.broken is not None:
+            self._refuse_broken()
+        if not (self.submits or self.cancels or (loaded and loaded.engine.busy)) \
+                or self.broken is not None:
+            self.wake.clear()
+            await self.wake.wait()
+            return
+        submits, self.submits = self.submits, []
+        self._taking = [r for r, _ in submits]
+        cancels, self.cancels = self.cancels, []
+        for request, _ in submits:
+            request.seq_id = -2  # being submitted
+        started = time.perf_counter()
+        try:
+            failed, events = await self._engine(self._tick, submits, cancels)
+        except RewarmError as exc:
+            await self._fail_held(exc, [r for r, _ in submits])
+            return
+        except Exception as exc:   # untyped: the engine's state is unknown
+            await self._engine_raised(exc, [r for r, _ in submits])
+            return
+        for request, err in failed:
+            request.finished()
+            self.send(request.writer, error_message(request.request_id, err.code, err.message,
+                                                     refusal=err.refusal))
+        for request, _ in submits:
+            if request.seq_id >= 0 and (request.writer.is_closing()
+                                        or request.owner is not None
+                                        and request.owner.get(request_key(request.request_id))
+                                        is not request):  # left or cancelled meanwhile
+                self.cancels.append(request.seq_id)
+            elif request.seq_id >= 0:
+                self.by_seq[request.seq_id] = request
+        self._taking = []    # each is held by a sequence now, or answered
+        for seq_id in cancels:
+            self.by_seq.pop(seq_id, None)
+        self._deliver(events)
+        try:
+            # One prefill per call, its first token sent at once: a request's TTFT is
+            # the prefills queued ahead of it and its own (agent/speed.py's model), not
+            # every prefill of the step (the ones behind it too).
+            while self.host.loaded.engine.can_admit:
+                cancels, self.cancels = self.cancels, []
+                for seq_id in cancels:
+                    self.by_seq.pop(seq_id, None)
+                admitted = await self._engine(self._admit_one, cancels)
+                self._deliver(admitted)
+                events += admitted
+            decoded = await self._engine(self.host.loaded.engine.decode)
+        except RewarmError as exc:
+            await self._fail_held(exc, [])
+            return
+        except Exception as exc:   # untyped: the engine's state is unknown
+            await self._engine_raised(exc, [])
+            return
+        self.failures = 0
+        self._deliver(decoded)
+        events += decoded  # one tick for the meter: the admitted prefills and the decode step
+        self.meter.step(sum(1 for e in events if e.token >= 0),
+                        len({e.seq_id for e in events}), time.perf_counter() - started)
 
     def _deliver(self, events) -> None:
         """Send each event's token (and the ``done`` answer) to its request's connection."""

@@ -133,7 +133,10 @@ class Worker:
                 loop.add_signal_handler(sig, self.drain)
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
-        tasks = [asyncio.create_task(self.batch.run())]
+        batching = asyncio.create_task(self.batch.run())
+        batching.add_done_callback(lambda t: None if self._stop.is_set() else
+                                   self.batch.loop_ended(t, self.stop))
+        tasks = [batching]
         if self.parent_pid is not None:
             tasks.append(asyncio.create_task(self._watch_parent()))
         if ready is not None:

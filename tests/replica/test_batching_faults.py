@@ -156,3 +156,76 @@ def test_health_says_how_long_the_engine_has_been_in_one_call(booted):
     finally:
         release.set()
         engine.forward = inner
+
+
+def test_a_typed_failure_whose_slots_cannot_be_freed_breaks_the_engine_not_the_loop(booted):
+    """A forward refusing its inputs (a typed error) and then an engine that cannot even
+    cancel: the request is answered, health says the engine is broken, and a later request is
+    refused, never left waiting on a loop that died."""
+    from agent.errors import PackageInputError
+
+    engine = booted.engine
+    inner, inner_cancel = engine.forward, engine.cancel
+    calls = []
+
+    def refusing(tokens, *rest):           # the prefill works; the first decode is refused
+        calls.append(tokens.shape[1])
+        if len(calls) == 2:
+            raise PackageInputError("decode outside the package's ranges", field="batch",
+                                    value=9, limit=8)
+        return inner(tokens, *rest)
+
+    def cannot_cancel(seq_id):
+        raise RuntimeError("KV allocator corrupted")
+
+    async def main():
+        worker = Worker(dataclasses.replace(booted, engine=engine))
+        conn = await Conn().open(worker)
+        first = await conn.ask(gen(1, n=10))
+        assert first[-1]["type"] == "error" and first[-1]["code"] == 503
+        health = await conn.ask({"op": "health", "id": "h"})
+        assert health[-1]["result"]["ok"] is False
+        assert "KV allocator corrupted" in health[-1]["result"]["broken"]
+        late = await conn.ask(gen(2))
+        assert late[-1]["type"] == "error" and late[-1]["code"] == 503
+        await conn.close()
+
+    engine.forward, engine.cancel = refusing, cannot_cancel
+    try:
+        asyncio.run(main())
+    finally:
+        engine.forward, engine.cancel = inner, inner_cancel
+        for seq in [*engine._active.values(), *engine._waiting]:   # the shared engine's slots
+            inner_cancel(seq.seq_id)
+        assert engine.kv.active == 0 and not engine.busy
+
+
+def test_an_exception_outside_the_engine_calls_answers_the_held_requests(booted, monkeypatch):
+    """A failure in the loop's own bookkeeping (here: delivering a token) is handled like an
+    engine step's: the request is answered 503 and the next one is served."""
+    from agent.replica.batching import BatchScheduler
+
+    engine = booted.engine
+    real = BatchScheduler._deliver
+    calls = []
+
+    def failing_once(self, events):
+        if events:
+            calls.append(len(events))
+            if len(calls) == 1:
+                raise KeyError("bookkeeping bug")
+        return real(self, events)
+
+    monkeypatch.setattr(BatchScheduler, "_deliver", failing_once)
+
+    async def main():
+        conn = await Conn().open(Worker(dataclasses.replace(booted, engine=engine)))
+        first = await conn.ask(gen(1))
+        assert first[-1]["type"] == "error" and first[-1]["code"] == 503
+        assert "KeyError" in first[-1]["reason"]
+        assert engine.kv.active == 0
+        second = await conn.ask(gen(2))
+        assert second[-1]["type"] == "done" and second[-1]["n_tokens"] == 3
+        await conn.close()
+
+    asyncio.run(main())
