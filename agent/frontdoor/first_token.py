@@ -141,8 +141,14 @@ class FirstTokenWatch:
         """``flight`` was just sent to ``load``'s replica with ``predicted_s`` (s from now)."""
         prior_step_s = self.router.prior(load.model).decode_step_s(max(1, load.max_seqs))
         bound_s = silent_after_s(load, predicted_s, prior_step_s, self.slo_s(load.model)[0])
-        heapq.heappush(self._heap, (now + bound_s, next(self._seq), flight, load.replica_id,
-                                    flight.replica_rid, bound_s))
+        self._push(flight, load.replica_id, now, bound_s)
+
+    def _push(self, flight: Flight, rid: str, now: float, bound_s: float) -> None:
+        """Look at ``flight`` again at its silence bound, and at the latest :meth:`grace_s`
+        past its deadline (a request is answered by then whatever its replica does)."""
+        at = min(now + bound_s, flight.deadline_s + self.grace_s(flight))
+        heapq.heappush(self._heap, (at, next(self._seq), flight, rid, flight.replica_rid,
+                                    bound_s))
 
     def check(self, now: float) -> None:
         """Act on every wait that ended by ``now`` (module docstring), and probe suspects."""
@@ -196,15 +202,38 @@ class FirstTokenWatch:
 
     def _ended(self, flight: Flight, rid: str, now: float, bound_s: float) -> None:
         """``flight``'s wait at ``rid`` passed its bound of ``bound_s``.  A replica that sent
-        anything on its link since ``flight`` was sent is alive and only late for it: the
-        wait is extended by the same bound (its first token, when it comes, is counted late).
-        One that sent nothing is silent (:meth:`_silent`)."""
+        anything on its link since ``flight`` was sent (a probe's answer too) is alive and
+        only late for it: the wait is extended by the same bound (its first token, when it
+        comes, is counted late), up to :meth:`grace_s` past the request's deadline, when it
+        is answered 504 (:meth:`_expire`).  One that sent nothing is silent (:meth:`_silent`)."""
         link = self.links.get(rid)
-        if getattr(link, "heard_s", float("-inf")) > flight.sent_s:
-            heapq.heappush(self._heap, (now + bound_s, next(self._seq), flight, rid,
-                                        flight.replica_rid, bound_s))
+        heard = getattr(link, "heard_s", float("-inf")) > flight.sent_s
+        if now >= flight.deadline_s + self.grace_s(flight):
+            self._expire(flight, link, rid, now)   # a replica alive but starving it
+            return
+        if heard:
+            self._push(flight, rid, now, bound_s)
             return
         self._silent(link, flight, rid, now)
+
+    def grace_s(self, flight: Flight) -> float:
+        """How long past its deadline a dispatched request may still wait for a first token
+        from a replica that is alive: the model's warm TTFT SLO (the silence bound's floor;
+        the bound itself grows with a replica's measured slowdown, without limit)."""
+        return self.slo_s(flight.model)[0]
+
+    def _expire(self, flight: Flight, link: ReplicaLink | None, rid: str, now: float) -> None:
+        """``flight``'s deadline passed with no first token from ``rid``: cancelled there
+        (nothing was streamed, so nothing is lost or wrong) and answered 504 ``deadline``."""
+        if link is not None:
+            link.cancel(flight.replica_rid)    # frees its slot; a late answer is dropped
+        self.router.on_complete(rid, flight.need_tokens, flight.prompt_tokens, False)
+        self.counts["deadline_after_dispatch"] += 1
+        self.owner.fail(flight, 504, f"no first token from replica {rid} within "
+                        f"{(now - flight.sent_s) * 1000:.0f} ms of dispatch (predicted "
+                        f"{flight.sent_predicted_s * 1000:.0f} ms); the request's deadline of "
+                        f"{(flight.deadline_s - flight.arrival_s) * 1000:.0f} ms passed",
+                        path=flight.path, refusal=refusals.DEADLINE)
 
     def _silent(self, link: ReplicaLink | None, flight: Flight, rid: str, now: float,
                 quiet_s: float | None = None) -> None:
@@ -226,21 +255,57 @@ class FirstTokenWatch:
                               flight.req.request_id, flight.sent_predicted_s * 1000.0)
         stuck = [flight] if link is None else \
             [f for f in link.in_flight.values() if f is not flight] + [flight]
+        quiet_s = now - flight.sent_s if quiet_s is None else quiet_s
+        # Each not started moves, once, to a replica that can start it in time.  One that
+        # cannot keeps waiting here one more bound (a replica only slow still answers its
+        # probe, and then it waits to its deadline): silent through that too, it is answered
+        # 503.  One past its deadline is answered 504.
+        waited = {id(f) for f in stuck if f.silent_moved}
+        moves: dict[int, tuple[ReplicaLoad, float]] = {}
         for f in stuck:
-            if link is not None:
+            if f.ttft_s is None and not f.silent_moved and now < f.deadline_s and not f.over:
+                f.silent_moved = True
+                f.tried = (f.tried or set()) | {rid}
+                found = self.planner.choose_in_time(f, now)
+                if found is not None:
+                    moves[id(f)] = found
+
+        def waits(f: Flight) -> bool:
+            return (f.ttft_s is None and id(f) not in moves and now < f.deadline_s
+                    and not f.over and not (f is flight and id(f) in waited))
+        for f in stuck:
+            if link is not None and not waits(f):
                 link.cancel(f.replica_rid)     # frees its slot; a late answer is dropped
-            self.router.on_complete(rid, f.need_tokens, f.prompt_tokens, f.ttft_s is not None)
-        self.router.remove(rid)
+        self.router.remove(rid)             # its load goes: what it held goes with it
         self.models.forget_slots()
         for f in stuck:
+            if waits(f):
+                if id(f) not in waited:        # one waiting already has its own look due
+                    self._push(f, rid, now, quiet_s)
+                continue
             if f.over:
                 continue
             if f.ttft_s is not None:   # part of its answer was streamed: never sent again
                 self.owner.fail(f, 503, f"replica {rid} went silent mid-stream (nothing for "
                                 f"{quiet_ms:.0f} ms)", path=f.path,
                                 refusal=refusals.REPLICA_FAILED)
+            elif id(f) in moves:
+                self.counts["rerouted"] += 1
+                self.owner.dispatch(f, moves[id(f)][0], moves[id(f)][1], now)
+            elif now >= f.deadline_s:
+                self.counts["deadline_after_dispatch"] += 1
+                self.owner.fail(f, 504, f"no first token from replica {rid} within "
+                                f"{(now - f.sent_s) * 1000:.0f} ms of dispatch; the "
+                                f"request's deadline of "
+                                f"{(f.deadline_s - f.arrival_s) * 1000:.0f} ms passed",
+                                path=f.path, refusal=refusals.DEADLINE)
             else:
-                self._place_again(f, rid, now, (now - f.sent_s) * 1000.0)
+                self.owner.fail(f, 503, f"replica {rid} gave no first token within "
+                                f"{(now - f.sent_s) * 1000:.0f} ms of dispatch (predicted "
+                                f"{f.sent_predicted_s * 1000:.0f} ms), said nothing since, "
+                                f"and no other replica can start the request before its "
+                                f"deadline", path=f.path, retry_after_ms=RETRY_AFTER_MIN_MS,
+                                refusal=refusals.REPLICA_FAILED)
 
     def _scan_streams(self, now: float) -> None:
         """Every ``probe_every_s``: a link whose requests have all begun to stream (no first
@@ -271,28 +336,6 @@ class FirstTokenWatch:
                           + SILENT_STEPS * step_s)
             if now - last_s > bound_s:
                 self._silent(link, flights[-1], rid, now, now - last_s)
-
-    def _place_again(self, flight: Flight, rid: str, now: float, waited_ms: float) -> None:
-        """Once on a replica that can start ``flight`` before its deadline, else answered."""
-        if not flight.silent_moved:
-            flight.silent_moved = True
-            flight.tried = (flight.tried or set()) | {rid}
-            found = self.planner.choose_in_time(flight, now)
-            if found is not None:
-                self.counts["rerouted"] += 1
-                self.owner.dispatch(flight, found[0], found[1], now)
-                return
-        if now >= flight.deadline_s:
-            self.owner.fail(flight, 504, f"no first token from replica {rid} within "
-                            f"{waited_ms:.0f} ms of dispatch; the request's deadline of "
-                            f"{(flight.deadline_s - flight.arrival_s) * 1000:.0f} ms passed",
-                            path=flight.path, refusal=refusals.DEADLINE)
-            return
-        self.owner.fail(flight, 503, f"replica {rid} gave no first token within "
-                        f"{waited_ms:.0f} ms of dispatch (predicted "
-                        f"{flight.sent_predicted_s * 1000:.0f} ms) and no other replica "
-                        f"can start the request before its deadline", path=flight.path,
-                        retry_after_ms=RETRY_AFTER_MIN_MS, refusal=refusals.REPLICA_FAILED)
 
     def _probe(self, rid: str, now: float) -> None:
         self._probed[rid] = now

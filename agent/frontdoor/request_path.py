@@ -101,7 +101,8 @@ class RequestPath:
         self.known_models: set[str] = set(config.models)
         self.counts = {"requests": 0, "dispatched": 0, "done": 0, "errors": 0, "cancelled": 0,
                        "shed_429": 0, "expired_504": 0, "late_first_token": 0,
-                       "replica_429": 0, "rerouted": 0, "silent_replica": 0}
+                       "replica_429": 0, "rerouted": 0, "silent_replica": 0,
+                       "deadline_after_dispatch": 0}
         self.stopping = False
         self._drain_until_s: float | None = None
         self.budgets = Budgets(config, clock, self.router, self.restore_times, self.models)
@@ -329,7 +330,9 @@ class RequestPath:
         self.answers.final(link, flight, message, now)
 
     def replica_answered(self, link: ReplicaLink, message: dict) -> None:
-        """The replica answered a probe: a silent one may be back in routing (first_token.py)."""
+        """The replica answered a probe: alive (a request kept waiting there waits on to its
+        deadline), and a silent one may be back in routing (first_token.py)."""
+        link.heard_s = self.clock.now()
         self.watch.answered(link.replica_id, message)
 
     def fail(self, flight: Flight, code: int, reason: str, path: str = "refused",

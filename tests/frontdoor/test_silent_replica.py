@@ -115,11 +115,39 @@ def test_a_stopped_only_replica_answers_503_replica_failed_at_the_bound_not_at_t
         t0 = f.clock.now()
         sink = f.submit(deadline_ms=20_000)
         floor_s = f.path.config.slo_s("m")[0]
+        # silent at the bound: out of routing, but with nowhere else to go the request waits
+        # one bound more (a replica only slow would answer its probe meanwhile)
         await f.timeline.run_until(t0 + floor_s + 0.1)
+        assert sink.final is None and f.path.router.get("r0") is None
+        await f.timeline.run_until(t0 + 2 * floor_s + 0.1)
         assert sink.code == 503 and sink.final["refusal"] == refusals.REPLICA_FAILED
-        assert sink.at_s <= t0 + floor_s + 0.01           # at the bound, within the deadline
+        assert sink.at_s <= t0 + 2 * floor_s + 0.01       # two bounds, well within the deadline
         assert sink.final["retry_after_ms"] >= 1
         assert r0.cancels == [1]
+    run(main())
+
+
+def test_a_slow_replica_that_answers_its_probe_serves_its_late_request_by_the_deadline():
+    """Found silent, but alive (its loop answers the probe): the request it holds is not
+    failed, it waits to its deadline; one past the deadline is answered 504 then."""
+    async def main():
+        f, r0 = stopped_fleet(warm_after=0)
+        t0 = f.clock.now()
+        slow = f.submit(deadline_ms=8_000)
+        floor_s = f.path.config.slo_s("m")[0]
+        await f.timeline.run_until(t0 + floor_s + 0.1)      # silent at the bound
+        assert slow.final is None
+        f.path.replica_answered(r0, {"type": "result", "result": {"ok": True,
+                                                                   "state": "serving"}})
+        f.timeline.at(t0 + 5.0, lambda: r0._answer(1, {"type": "tokens", "tokens": [1]}))
+        f.timeline.at(t0 + 5.1, lambda: r0._answer(1, {"type": "done", "n_tokens": 1}))
+        await f.timeline.run_until(t0 + 6.0)
+        assert slow.code == 200 and slow.first_s == t0 + 5.0   # served where it was, late
+        never = f.submit(deadline_ms=3_000)                 # r0 never answers this one
+        t1 = f.clock.now()
+        await f.timeline.run_until(t1 + 3.0 + floor_s + 0.1)
+        assert never.code == 504 and never.final["refusal"] == refusals.DEADLINE
+        assert never.at_s <= t1 + 3.0 + floor_s + 0.01      # by one bound past its deadline
     run(main())
 
 
@@ -201,7 +229,7 @@ def test_a_replica_streaming_other_requests_is_alive_and_its_late_one_is_not_cut
         f, r0 = stopped_fleet(warm_after=0)
         t0 = f.clock.now()
         busy = f.submit(max_tokens=1000)                  # r0 streams this one ...
-        late = f.submit()                                 # ... and starts this one late
+        late = f.submit(deadline_ms=10_000)               # ... and starts this one late
         assert len(r0.received) == 2
         for k in range(1, 60):                            # a token every 0.1 s for 6 s
             f.timeline.at(t0 + 0.1 * k, lambda: r0._answer(1, {"type": "tokens",
