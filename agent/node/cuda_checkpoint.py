@@ -16,6 +16,7 @@ names another (the tests load a small fake driver built with gcc).
 from __future__ import annotations
 
 import enum
+import math
 import os
 import threading
 from typing import Any
@@ -216,9 +217,11 @@ class CudaCheckpointDriver:
     def lock(self, pid: int, timeout_s: float) -> None:
         """``cuCheckpointProcessLock`` with ``timeoutMs = timeout_s * 1000`` (0 = no timeout).
 
-        Raises ConfigError for a negative timeout or one past ``timeoutMs``'s 32 bits.
+        Raises ConfigError for a negative, non-finite or non-numeric timeout or one past
+        ``timeoutMs``'s 32 bits.
         """
-        timeout_ms = int(round(timeout_s * 1000))
+        finite = isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
+        timeout_ms = int(round(timeout_s * 1000)) if finite else -1
         if not 0 <= timeout_ms <= MAX_LOCK_TIMEOUT_MS:
             raise ConfigError(
                 f"lock timeout_s={timeout_s} out of range; limit 0..{MAX_LOCK_TIMEOUT_MS / 1000} s",

@@ -127,6 +127,10 @@ def test_lock_timeout_limits(cuda_ffi, fake_libcuda_path, fake):
         drv.lock(1, cc.MAX_LOCK_TIMEOUT_MS / 1000 + 0.001)
     with pytest.raises(ConfigError):
         drv.lock(1, -0.001)
+    for bad in (float("nan"), float("inf"), "5"):
+        with pytest.raises(ConfigError) as info:
+            drv.lock(1, bad)
+        assert info.value.name == "lock_timeout_s"
 
 
 def test_uuid_length_checked_before_the_call(cuda_ffi, fake_libcuda_path, fake):

@@ -109,3 +109,24 @@ def test_the_bounds_grow_with_the_replicas_measured_step_and_keep_their_floors()
                       "decode_per_seq_s": 0.05, "decode_per_ctx_token_s": 0.0}
     assert abs(probe_timeout_s(config, rec) - 2 * 1.5) < 1e-9
     assert abs(unresponsive_after_s(config, rec) - 3 * 2 * 1.5) < 1e-9
+
+
+def test_one_slow_answer_or_a_replicas_own_stats_cannot_lift_the_bounds_past_their_ceiling():
+    from agent.node.silence import (CEILING, probe_answered, probe_timeout_s,
+                                    unresponsive_after_s)
+    from agent.node.state import AgentConfig, ReplicaRecord
+
+    config = AgentConfig("n", probe_timeout_s=2.0, unresponsive_after_s=5.0)
+    rec = ReplicaRecord.__new__(ReplicaRecord)
+    rec.probe_rtts_s, rec.last_stats = None, {}
+    probe_answered(rec, 30.0)                        # one answer after a 30 s swap storm
+    assert probe_timeout_s(config, rec) == CEILING * 2.0
+    assert unresponsive_after_s(config, rec) == CEILING * 5.0
+    rec.probe_rtts_s = None                          # stats that claim an endless step
+    for huge in ({"active_ctx_tokens": 10**12, "decode_per_ctx_token_s": 1e-6},
+                 {"active_ctx_tokens": 0, "decode_per_ctx_token_s": 0.0, "decode_base_s": 1e300}):
+        rec.last_stats = {"max_seqs": 8, "prefill_tokens_per_s": 100.0,
+                          "prefill_overhead_s": 0.1, "decode_base_s": 0.02,
+                          "decode_per_seq_s": 0.002, **huge}
+        assert probe_timeout_s(config, rec) <= CEILING * 2.0
+        assert unresponsive_after_s(config, rec) <= CEILING * 5.0
