@@ -247,6 +247,9 @@ class Worker:
                                                  f"drain_grace_s({self.drain_grace_s})",
                                                  retry_after_ms=1000, refusal=refusals.DRAINING))
             elif op == "generate":
+                if request_key(rid) in mine:    # its answers could not be told apart
+                    raise ProtocolError(f"id {rid!r} is already in flight on this connection",
+                                        field="id", value=rid, limit="unique while in flight")
                 request = self._accept(msg, writer)
                 request.owner = mine
                 mine[request_key(rid)] = request

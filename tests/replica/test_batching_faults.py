@@ -229,3 +229,23 @@ def test_an_exception_outside_the_engine_calls_answers_the_held_requests(booted,
         await conn.close()
 
     asyncio.run(main())
+
+
+def test_a_second_request_with_an_id_in_flight_on_the_connection_is_refused_400(booted):
+    """Two in-flight requests sharing an id on one connection: their answers could not be
+    told apart, so the second is refused with a 400 naming the id; the first is served."""
+    async def main():
+        conn = await Conn().open(Worker(dataclasses.replace(booted, engine=booted.engine)))
+        conn.writer.write(pack(gen(7, n=8)) + pack(dict(gen(7, n=8), tokens=[4, 5, 6, 7])))
+        seen: list[dict] = []
+        while not any(m["type"] == "done" for m in seen):
+            data = await asyncio.wait_for(conn.reader.read(65536), 5)
+            assert data, "worker closed the connection"
+            seen.extend(conn.decoder.feed(data))
+        errors = [m for m in seen if m["type"] == "error"]
+        assert len(errors) == 1 and errors[0]["code"] == 400 and "already in flight" in \
+            errors[0]["reason"]
+        assert [m for m in seen if m["type"] == "done"][0]["n_tokens"] == 8
+        await conn.close()
+
+    asyncio.run(main())
