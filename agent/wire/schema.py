@@ -125,7 +125,7 @@ def validate_request(message: dict[str, Any], limits: Limits = DEFAULT_LIMITS,
                 raise _bad(repr(key), type(key).__name__, "str", "map keys must be strings")
             raise _bad(key, value, sorted(schema), f"unknown field for op {op!r}")
         if type(value) not in spec[0]:
-            raise _bad(key, type(value).__name__, [t.__name__ for t in spec[0]],
+            raise _bad(key, value, [t.__name__ for t in spec[0]],
                        f"wrong type {type(value).__name__}")
     required = _REQUIRED.get(str(op)) if schemas is OP_SCHEMAS else None
     if required is None:

@@ -250,3 +250,12 @@ def test_a_generate_at_the_frame_limit_that_would_grow_past_it_when_forwarded_is
     (ok,) = Decoder().feed(frame(small))
     assert validate_request(ok)["max_tokens"] == 16
     assert len(pack(ok)) + LINK_ID_BYTES <= 1 << 20
+
+
+def test_a_field_of_the_wrong_type_is_named_with_its_value_not_its_type():
+    msg = {"v": 1, "op": "generate", "id": 1, "model": "m", "tokens": [1],
+           "deadline_ms": "100"}
+    with pytest.raises(ProtocolError) as info:
+        validate_request(msg)
+    assert info.value.field == "deadline_ms" and info.value.value == "100"
+    assert "value '100'" in str(info.value) and "wrong type str" in str(info.value)
