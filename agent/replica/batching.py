@@ -161,21 +161,13 @@ class BatchScheduler:
         PackageInputError: nothing ran).  Fail what the engine holds and ``submitting``,
         answer each request with the error, and keep serving the next ones."""
         log.error("engine step failed; failing the requests in it: %s", exc)
-        held = list(self.by_seq.values()) + submitting
-        ids = [r.seq_id for r in held if r.seq_id >= 0]
-        self.by_seq.clear()
-        engine = self.host.loaded.engine
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                self._pool, lambda: [engine.cancel(i) for i in ids])
-        except Exception as again:   # the engine cannot free its slots: it is broken
-            self.failures = ENGINE_FAILURES_MAX - 1
-            await self._engine_raised(again, held)
+        held, again = await self._release(submitting)
+        if again is None:
+            self._answer(held, exc.code, exc.message, exc.refusal)
             return
-        for request in {id(r): r for r in held}.values():
-            request.finished()
-            self.send(request.writer, error_message(request.request_id, exc.code, exc.message,
-                                             refusal=exc.refusal))
+        self.failures = ENGINE_FAILURES_MAX      # it cannot free its slots: it is broken
+        self._failed(held, f"engine step failed: {type(exc).__name__}: {exc}; freeing its KV "
+                           f"slots failed too: {type(again).__name__}: {again}")
 
     async def _engine_raised(self, exc: Exception, submitting: list[Request]) -> None:
         """An engine step raised an untyped exception (module docstring): every request held
@@ -185,20 +177,37 @@ class BatchScheduler:
         reason = f"engine step failed: {type(exc).__name__}: {exc}"
         log.error("%s (%d in a row); failing the requests in it", reason, self.failures,
                   exc_info=exc, extra={"replica": self.host.replica_id})
-        held = list(self.by_seq.values()) + submitting
+        held, again = await self._release(submitting)
+        if again is not None:   # the engine cannot even free its slots
+            reason += f"; freeing its KV slots failed too: {type(again).__name__}: {again}"
+            self.failures = ENGINE_FAILURES_MAX
+        self._failed(held, reason)
+
+    async def _release(self, submitting: list[Request]) -> tuple[list[Request], Exception | None]:
+        """Take every request the engine holds, and ``submitting``, off the batch and free
+        their sequences on the engine thread: the requests (each once) and what freeing
+        raised (None when it worked)."""
+        held = list({id(r): r for r in [*self.by_seq.values(), *submitting]}.values())
         ids = [r.seq_id for r in held if r.seq_id >= 0]
         self.by_seq.clear()
         engine = self.host.loaded.engine
         try:
             await asyncio.get_running_loop().run_in_executor(
                 self._pool, lambda: [engine.cancel(i) for i in ids])
-        except Exception as again:   # the engine cannot even free its slots
-            reason += f"; freeing its KV slots failed too: {type(again).__name__}: {again}"
-            self.failures = ENGINE_FAILURES_MAX
-        for request in {id(r): r for r in held}.values():
+        except Exception as again:
+            return held, again
+        return held, None
+
+    def _answer(self, held: list[Request], code: int, reason: str, refusal: str | None) -> None:
+        for request in held:
             request.finished()
-            self.send(request.writer, error_message(request.request_id, 503, reason,
-                                                    refusal=refusals.REPLICA_FAILED))
+            self.send(request.writer, error_message(request.request_id, code, reason,
+                                                    refusal=refusal))
+
+    def _failed(self, held: list[Request], reason: str) -> None:
+        """Answer ``held`` 503 ``replica_failed``; at ``ENGINE_FAILURES_MAX`` failures in a
+        row the engine is broken (once): health says so and ``on_broken`` runs."""
+        self._answer(held, 503, reason, refusals.REPLICA_FAILED)
         if self.failures >= ENGINE_FAILURES_MAX and self.broken is None:
             self.broken = reason
             log.error("engine broken (%s): this replica stops taking requests", reason,
