@@ -228,6 +228,9 @@ class FirstTokenWatch:
         if link is not None:
             link.cancel(flight.replica_rid)    # frees its slot; a late answer is dropped
         self.router.on_complete(rid, flight.need_tokens, flight.prompt_tokens, False)
+        self._answer_504(flight, rid, now)
+
+    def _answer_504(self, flight: Flight, rid: str, now: float) -> None:
         self.counts["deadline_after_dispatch"] += 1
         self.owner.fail(flight, 504, f"no first token from replica {rid} within "
                         f"{(now - flight.sent_s) * 1000:.0f} ms of dispatch (predicted "
@@ -293,12 +296,7 @@ class FirstTokenWatch:
                 self.counts["rerouted"] += 1
                 self.owner.dispatch(f, moves[id(f)][0], moves[id(f)][1], now)
             elif now >= f.deadline_s:
-                self.counts["deadline_after_dispatch"] += 1
-                self.owner.fail(f, 504, f"no first token from replica {rid} within "
-                                f"{(now - f.sent_s) * 1000:.0f} ms of dispatch; the "
-                                f"request's deadline of "
-                                f"{(f.deadline_s - f.arrival_s) * 1000:.0f} ms passed",
-                                path=f.path, refusal=refusals.DEADLINE)
+                self._answer_504(f, rid, now)
             else:
                 self.owner.fail(f, 503, f"replica {rid} gave no first token within "
                                 f"{(now - f.sent_s) * 1000:.0f} ms of dispatch (predicted "
