@@ -73,8 +73,15 @@ def test_a_stale_package_is_rebuilt(tmp_path, model_dir, overrides):
     assert len(FakeBuild.calls) == 1 and FakeBuild.calls[0][-2:] == ["--out", str(release)]
 
 
-def test_the_source_digest_follows_the_forward_code():
+def test_the_source_digest_covers_each_forward_module(monkeypatch):
+    """Leaving any one module out, or reading another file in its place, changes the digest:
+    each is part of what a package is told apart by."""
     digest = aot.forward_source_digest()
     assert len(digest) == 64 and digest == aot.forward_source_digest()
-    here = Path(aot.__file__).resolve().parent
-    assert all((here / name).is_file() for name in aot.FORWARD_SOURCES)
+    for name in aot.FORWARD_SOURCES:
+        monkeypatch.setattr(aot, "FORWARD_SOURCES",
+                            tuple(n for n in aot.FORWARD_SOURCES if n != name))
+        assert aot.forward_source_digest() != digest, name
+        monkeypatch.undo()
+    monkeypatch.setattr(aot, "FORWARD_SOURCES", (*aot.FORWARD_SOURCES[:-1], "aot.py"))
+    assert aot.forward_source_digest() != digest
