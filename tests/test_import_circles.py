@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.import_graph import import_from_base
+
 AGENT = Path(__file__).resolve().parents[1] / "agent"
 
 
@@ -42,11 +44,7 @@ def imported(source: str, module: str, known: set[str], *, package: bool = False
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                here = module.split(".") if package else module.split(".")[:-1]
-                here = here[:len(here) - (node.level - 1)]
-                base = ".".join([*here, base] if base else here)
+            base = import_from_base(node, module, package=package)
             targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
         else:
             visit(node)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.import_graph import import_from_base
+
 AGENT = Path(__file__).resolve().parents[2] / "agent"
 CLUSTER = AGENT / "cluster"
 
@@ -44,11 +46,7 @@ def cluster_imports(source: str, module: str, *, package: bool = False) -> list[
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                here = module.split(".") if package else module.split(".")[:-1]
-                here = here[:len(here) - (node.level - 1)]
-                base = ".".join([*here, base] if base else here)
+            base = import_from_base(node, module, package=package)
             names = [base]
             if base == "agent.cluster":
                 names += [f"{base}.{a.name}" for a in node.names if a.name in submodules]
