@@ -166,8 +166,8 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
             await node.settle()           # the scaler's blocking calls, as long as they take
             await asyncio.sleep(max(0.0, cfg.predictor_step_s - (loop.time() - started)))
 
-    def expire() -> None:
-        if path.queued_models:
+    def expire() -> None:   # as the front door's ticker (agent/frontdoor/server.py) runs it
+        if path.queued_models or path.watching:
             path.expire_queued()
 
     tasks = [loop.create_task(every(config.tick_s, expire)),
