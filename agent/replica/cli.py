@@ -107,7 +107,7 @@ def _replica(args: argparse.Namespace) -> int:
                        replica_id=args.replica_id, tcp_control=args.tcp_control,
                        data_listen=args.data_listen,
                        drain_grace_s=args.drain_grace_s, metrics_listen=args.metrics_listen, warm=args.warm,
-                       device=args.device)
+                       device=args.device, shared=not args.private_buffer)
 
 
 def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
@@ -134,6 +134,11 @@ def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
                    help="with --zygote: the snapshot it will likely restore; its package is bound "
                         "to the buffer and its golden calls run once before the zygote is ready, "
                         "so a restore of it pays no first-call costs (any snapshot still restores)")
+    p.add_argument("--private-buffer", action="store_true",
+                   help="with --zygote on the CPU: a prefaulted anonymous buffer of --buffer-mib "
+                        "(a private copy of the weights) instead of the default, the --warm "
+                        "snapshot's page-cache pages shared by every replica of it on the node "
+                        "(and no buffer without --warm)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (all cores)")
     p.add_argument("--device", type=device_name, default="cpu",
                    help="cpu or cuda[:N]: where the model runs (a zygote there holds a CUDA "

@@ -418,13 +418,15 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
                 replica_id: str | None = None, started_unix: float | None = None,
                 tcp_control: bool = False, data_listen: str | None = None,
                 drain_grace_s: float = 30.0, metrics_listen: str | None = None,
-                warm: str | None = None, device: str = "cpu") -> int:
+                warm: str | None = None, device: str = "cpu", shared: bool = True) -> int:
     """The body of ``rewarm replica``: load one way, print the ready line, serve until stopped.
 
     Exactly one of ``model_dir`` (full boot; ``release`` binds its AOT package, ``compile``
     uses torch.compile), ``snapshot`` (restore into a fresh process) or ``zygote_mode`` (wait
     for a ``restore`` op; ``buffer_bytes`` sizes the restore buffer, ``warm`` names the snapshot
-    it will likely restore, whose first-call costs it pays before it is ready).  On a TCP ``listen``
+    it will likely restore, whose first-call costs it pays before it is ready; ``shared``: on
+    the CPU the buffer is that snapshot's page-cache pages, shared by every replica of it on
+    the node, and a zygote without ``warm`` holds none: prepare_zygote).  On a TCP ``listen``
     the control ops (:data:`CONTROL_OPS`) are refused unless ``tcp_control``.  Raises
     ConfigError when not exactly one is given.  SIGTERM drains for ``drain_grace_s``;
     ``metrics_listen`` (HOST:PORT) serves /metrics, /healthz, /readyz (agent/health.py).
@@ -453,7 +455,8 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
         torch.set_num_threads(threads or os.cpu_count() or 1)
         if zygote_mode:
             return None, zygote.prepare_zygote(threads, buffer_bytes or zygote.DEFAULT_BUFFER_BYTES,
-                                               warm=Path(warm) if warm else None, device=device)
+                                               warm=Path(warm) if warm else None, device=device,
+                                               shared=shared)
         if snapshot:
             return zygote.restore(Path(snapshot), release=Path(release) if release else None,
                                   device=device), None

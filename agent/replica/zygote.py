@@ -102,10 +102,15 @@ def _layout(manifest: Manifest) -> tuple:
 
 def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
                    *, prefault: bool = True, warm: Path | None = None, device: str = "cpu",
-                   kvikio: Any = None):
+                   kvikio: Any = None, shared: bool = False):
     """Do the zygote's work ahead of need: set torch's intra-op threads (all cores when None)
     and allocate the restore buffer of ``buffer_bytes``: on the CPU a page-aligned HostBuffer
-    (touched, with ``prefault``); on ``device`` "cuda[:N]" a
+    (touched, with ``prefault``).  ``shared`` (CPU only): weights live once per node instead:
+    with ``warm`` the buffer is the snapshot's own data file mapped and faulted in
+    (:meth:`~agent.snapshot.reader.HostBuffer.map_snapshot`: page-cache pages every replica of
+    that snapshot shares; an anonymous buffer where it cannot be mapped), and without ``warm``
+    there is no buffer at all (returns None: the restore maps the snapshot it is given, so a
+    zygote without a model costs the runtime only).  On ``device`` "cuda[:N]" a
     :class:`~agent.snapshot.gpu.DeviceBuffer` (which makes the CUDA context, pins two bounce
     buffers and loads kvikio, or records why it could not: its restores then take the host
     path).  With ``warm`` (a snapshot the zygote will likely restore), also
@@ -123,8 +128,12 @@ def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFE
         if buffer.kvikio is None:
             log.warning("zygote on %s: %s; its restores read into host memory and copy",
                         device, buffer.unavailable)
+    elif shared and warm is None:
+        return None
     else:
-        buffer = HostBuffer.allocate(buffer_bytes, prefault=prefault)
+        buffer = HostBuffer.map_snapshot(warm) if shared and warm is not None else None
+        if buffer is None:
+            buffer = HostBuffer.allocate(buffer_bytes, prefault=prefault)
     if warm is not None:
         warm_zygote(buffer, Path(warm))
     return buffer

@@ -68,6 +68,7 @@ class HostBuffer:
         self.memory = memory
         self.capacity_bytes = capacity_bytes
         self.locked = False          # True for a locked file map (map_locked)
+        self.file_key: tuple[int, int, int, int] | None = None   # map_snapshot's data file
 
     @classmethod
     def allocate(cls, nbytes: int, *, prefault: bool = False, huge: bool | None = None) -> HostBuffer:
@@ -110,6 +111,42 @@ class HostBuffer:
         buf = cls(memory, nbytes)
         buf.locked = True
         return buf
+
+    @classmethod
+    def map_snapshot(cls, path: Path | str) -> HostBuffer | None:
+        """A zygote's buffer that *is* the snapshot at ``path``: the locked private map of its
+        one data file (:meth:`map_locked`), every page faulted in for reading ahead of need
+        (MADV_POPULATE_READ: the page-cache pages themselves, no copy).  Replicas restored from
+        the same snapshot on one node then share those pages read-only, the kernel divides them
+        in every process's PSS, instead of each holding a private copy (the issue's "weights
+        live once per node").  ``file_key`` (st_dev, st_ino, st_size, st_mtime_ns of the data
+        file) lets :func:`restore_snapshot` verify in place when it is asked for that very file.
+        Nothing here is trusted: the restore hashes every byte of the map before any tensor is
+        built.  Returns None, having mapped nothing, when the manifest or the file cannot be
+        read, the layout is not one file with identity offsets, the file is empty, or the lock
+        is refused (RLIMIT_MEMLOCK); the caller then allocates an anonymous buffer."""
+        path = Path(path)
+        try:
+            manifest = read_manifest(path)
+            fds = _open_files(path, manifest, direct=False)
+        except (SnapshotError, OSError):
+            return None
+        try:
+            if not _mappable(manifest, fds):
+                return None
+            (_fd, fd_b), = fds.values()
+            st = os.fstat(fd_b)
+            buffer = cls.map_locked(fd_b, manifest.total_bytes)
+        finally:
+            _close(fds)
+        if buffer is None:
+            return None
+        try:
+            _restore.populate(buffer.memory, write=False)
+        except OSError:                  # kernel before 5.14: the restore's hashing faults it in
+            pass
+        buffer.file_key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return buffer
 
     def as_tensor(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the buffer as a uint8 tensor [nbytes] (a view, no copy)."""
@@ -347,6 +384,10 @@ def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, veri
     # any memory is allocated: a hostile total_bytes fails here, not in mmap.
     fds = _open_files(path, manifest, direct=False)
     try:
+        if buffer is not None and buffer.file_key is not None:
+            if _same_file(buffer, manifest, fds):     # a zygote holding this snapshot's map
+                return _verify_mapped(path, manifest, buffer, verify, threads)
+            buffer = None          # the map of another snapshot: never written into
         if buffer is None and copy == "auto" and direct == "auto" and _mappable(manifest, fds):
             mapped = _restore_mapped(path, manifest, fds, verify, threads)
             if mapped is not None:
@@ -381,30 +422,48 @@ def _mappable(manifest: Manifest, fds: dict[str, tuple[int, int]]) -> bool:
             and all(c.offset == c.buffer_offset for c in manifest.chunks))
 
 
+def _same_file(buffer: HostBuffer, manifest: Manifest, fds: dict[str, tuple[int, int]]) -> bool:
+    """Whether ``buffer`` (:meth:`HostBuffer.map_snapshot`) maps the very data file ``fds``
+    opened (same device, inode, size and modification time), laid out as ``manifest`` says."""
+    if not _mappable(manifest, fds) or buffer.capacity_bytes != manifest.total_bytes:
+        return False
+    (_fd, fd_b), = fds.values()
+    st = os.fstat(fd_b)
+    return buffer.file_key == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _restore_mapped(path: Path, manifest: Manifest, fds: dict[str, tuple[int, int]], verify: bool,
                     threads: int) -> Restored | None:
     """The locked-map restore (module docstring); None when the lock is refused.  The file's
     size was checked against every chunk and total_bytes, so no mapped page is past its end.
     Raises SnapshotCorrupt naming the first bad chunk (its map is closed first)."""
     (_fd_d, fd_b), = fds.values()
-    total = manifest.total_bytes
-    buffer = HostBuffer.map_locked(fd_b, total)
+    buffer = HostBuffer.map_locked(fd_b, manifest.total_bytes)
     if buffer is None:
         return None
-    workers = max(threads, MAP_THREADS)
     try:
-        start = time.perf_counter()
-        hashes, errs = _restore.hash_ranges(buffer.memory, [(c.buffer_offset, c.length) for c in manifest.chunks],
-                                            workers, MAP_AHEAD, "read", MAP_PIECE_BYTES, verify)
-        seconds = time.perf_counter() - start
-        _check_results(path, manifest, list(range(len(hashes))),
-                       [(e, 0, 0, h) for e, h in zip(errs, hashes, strict=True)], verify)
+        return _verify_mapped(path, manifest, buffer, verify, threads)
     except BaseException:
         buffer.memory.close()
         raise
-    stats = RestoreStats(bytes=total, seconds=seconds, odirect=False, direct_chunks=0,
+
+
+def _verify_mapped(path: Path, manifest: Manifest, buffer: HostBuffer, verify: bool,
+                   threads: int) -> Restored:
+    """Hash every chunk where it lies in ``buffer``, a locked map of the snapshot's data file
+    (faulting in what is not yet resident), then build the tensors as views of it.  Raises
+    SnapshotCorrupt naming the first bad chunk; the map is left to the caller."""
+    workers = max(threads, MAP_THREADS)
+    start = time.perf_counter()
+    hashes, errs = _restore.hash_ranges(buffer.memory, [(c.buffer_offset, c.length) for c in manifest.chunks],
+                                        workers, MAP_AHEAD, "read", MAP_PIECE_BYTES, verify)
+    seconds = time.perf_counter() - start
+    _check_results(path, manifest, list(range(len(hashes))),
+                   [(e, 0, 0, h) for e, h in zip(errs, hashes, strict=True)], verify)
+    stats = RestoreStats(bytes=manifest.total_bytes, seconds=seconds, odirect=False, direct_chunks=0,
                          chunks=len(hashes), threads=workers, verified=verify, mode="map")
-    return Restored(tensor_views(manifest, buffer.as_tensor(total)), manifest, stats, buffer)
+    return Restored(tensor_views(manifest, buffer.as_tensor(manifest.total_bytes)), manifest,
+                    stats, buffer)
 
 
 def verify_chunks(path: Path | str, manifest: Manifest, *, threads: int = 2) -> int:
