@@ -53,6 +53,8 @@ from agent.argtypes import nonneg_int, positive_float, positive_int  # noqa: E40
 TTFT_TARGET_MS = 4000.0      # every one of the concurrent requests (the restore-path SLO)
 SERVED_TARGET = 0.95         # of guidellm's requests
 SAMPLE_S = 0.5
+RUNNING = ("cold", "restoring", "warm")   # counted by agent/node/capacity.py (and draining
+                                          # replicas with requests in flight)
 PR_SET_PDEATHSIG = 1         # <linux/prctl.h>
 
 
@@ -114,7 +116,7 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 6
 class Up:
     """``rewarm up`` as a child process on free ports; :meth:`wait_banner` reads its banner."""
 
-    def __init__(self, state_dir: Path, aot: bool) -> None:
+    def __init__(self, state_dir: Path, aot: bool, extra: list[str] | None = None) -> None:
         self.ports = {k: free_port() for k in ("port", "http", "metrics", "agent")}
         self.agent = f"127.0.0.1:{self.ports['agent']}"
         self.base_url = f"http://127.0.0.1:{self.ports['http']}/v1"
@@ -123,6 +125,7 @@ class Up:
                 "--metrics-port", str(self.ports["metrics"]), "--agent-listen", self.agent]
         if not aot:
             argv.append("--no-aot")
+        argv += extra or []
         self.lines: list[str] = []
         self.banner = threading.Event()
         self.model = ""
@@ -155,7 +158,7 @@ class ReplicaSampler:
     node's replica limit, and each change of the count (seconds since start, count)."""
 
     def __init__(self, agent: str) -> None:
-        self.agent, self.peak, self.limit = agent, 0, None
+        self.agent, self.peak, self.peak_listed, self.limit = agent, 0, 0, None
         self.changes: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self.t0 = time.monotonic()
@@ -172,9 +175,15 @@ class ReplicaSampler:
                 st = control_call(self.agent, "status", timeout_s=5.0)
             except (RewarmError, OSError, TimeoutError):
                 continue
-            n = len(st.get("replicas") or [])
+            listed = st.get("replicas") or []
+            # what takes the node's cores: replicas coming up, warm, or draining with requests
+            # still in flight (an idle one draining after a scale-in only exits; every listed
+            # one is counted in peak_listed)
+            n = sum(1 for r in listed if r.get("state") in RUNNING
+                    or (r.get("state") == "draining" and r.get("in_flight")))
             self.limit = (st.get("capacity") or {}).get("replica_limit", self.limit)
             self.peak = max(self.peak, n)
+            self.peak_listed = max(self.peak_listed, len(listed))
             if n != last:
                 self.changes.append((round(time.monotonic() - self.t0, 1), n))
                 last = n
@@ -401,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {"busy_core": args.busy_core, "forward": "aot" if args.aot else "eager (--no-aot)",
                "model": up.model, "banner_s": round(banner_s, 1),
                "replicas_peak": sampler.peak, "replica_limit": sampler.limit,
+               "replicas_peak_listed": sampler.peak_listed,
                "replica_changes": sampler.changes, "first_request": first,
                "max_tokens": args.max_tokens, "concurrent": conc, "rate_rps": args.rate,
                "rate": rate, "memory": memory, "loadavg": os.getloadavg()}

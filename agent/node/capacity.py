@@ -13,7 +13,8 @@ replicas on two cores served 0 of 8 concurrent requests within their deadline). 
   it has the node to itself: limit 1;
 - on GPU, one replica per device (a replica's KV cache takes the memory its weights leave).
 
-The limit counts every replica on the node coming up or warm, whatever its model
+The limit counts every replica on the node coming up, warm, or draining with requests still
+in flight (it runs until they finish), whatever its model
 (:class:`NodeCapacity`, which the restore ladder asks before it starts one).
 """
 
@@ -88,9 +89,12 @@ class NodeCapacity:
         return ReplicaLimit.for_devices(len(inventory.devices))
 
     def up(self, model: str | None = None) -> int:
-        """Replicas (of ``model``, when given) coming up or warm (call with the lock held)."""
+        """Replicas (of ``model``, when given) coming up, warm, or draining with requests
+        still in flight (they run until those finish; call with the lock held)."""
         states = (S.COLD, S.RESTORING, S.WARM)
-        return sum(1 for r in self.state.replicas.values() if r.lifecycle.state in states
+        return sum(1 for r in self.state.replicas.values()
+                   if (r.lifecycle.state in states
+                       or (r.lifecycle.state is S.DRAINING and r.draining_in_flight > 0))
                    and (model is None or r.spec.name == model))
 
     def full(self, model: str) -> NoCapacity | None:

@@ -65,14 +65,18 @@ class Drainer:
         st.record(rec)
         bound = st.config.drain_timeout_s if timeout_s is None else timeout_s
         start = st.clock.now()
-        while rec.handle is not None and rec.handle.in_flight() > 0:
+        # While it finishes requests it still takes the node's cores: the node's replica
+        # limit counts it (agent/node/capacity.py) until they are done.
+        while rec.handle is not None and (n := rec.handle.in_flight()) > 0:
+            rec.draining_in_flight = n
             if st.clock.now() - start >= bound:
                 log.warning("drain of %s: %d requests still in flight after %.1f s; stopping",
-                            replica_id, rec.handle.in_flight(), bound)
+                            replica_id, n, bound)
                 break
             self._sleep(st.config.drain_poll_s)
         left = rec.handle.in_flight() if rec.handle is not None else 0
         self.stop(rec, "drained")
+        rec.draining_in_flight = 0
         return {**rec.describe(), "in_flight_at_stop": left}
 
     def stop(self, rec: ReplicaRecord, reason: str) -> None:

@@ -94,6 +94,7 @@ class ReplicaRecord:
     probe_rtts_s: deque | None = None    # round trips (s) of its last answered probes
     unrouted: bool = False               # taken out of routing for not answering
     last_stats: dict = field(default_factory=dict)   # the worker's stats at the last tick
+    draining_in_flight: int = 0          # DRAINING: requests it was still serving at the last poll
 
     def describe(self, *, load: bool = False) -> dict[str, Any]:
         """The replica as the control API reports it.  With ``load`` (and a running
@@ -108,6 +109,8 @@ class ReplicaRecord:
             "attempts": self.attempts}
         if self.phase is not None:
             out["phase"] = self.phase
+        if self.lifecycle.state is S.DRAINING:
+            out["in_flight"] = self.draining_in_flight
         for key in ("restore_io", "fallback"):    # gds | compat | host; why it read via host
             if getattr(self.handle, key, None):
                 out[key] = getattr(self.handle, key)

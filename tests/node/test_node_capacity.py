@@ -95,3 +95,22 @@ def test_the_pool_is_refilled_as_soon_as_a_restore_takes_its_zygote(make_agent):
     agent.ladder._refill = lambda: (order.append("refill"), real_refill())
     assert agent.restore("tiny")["path"] == "restore"
     assert order[:2] == ["refill", "restore"]
+
+
+def test_a_replica_draining_with_requests_in_flight_still_holds_its_cores(make_agent, monkeypatch):
+    monkeypatch.setattr("agent.node.capacity.usable_cores", lambda: 1)
+    agent = make_agent(limit_to_node=True)
+    rid = first_boot(agent)["replica"]
+    rec = agent.state.rec(rid)
+    left = iter([2, 1, 0, 0])
+    rec.handle.in_flight = lambda: next(left)
+    seen = []
+
+    def poll(seconds):        # what a restore asking for room would see while the drain waits
+        seen.append((agent.capacity()["replicas"], agent.status()["replicas"][0]["in_flight"]))
+        agent.clock.advance(seconds)
+
+    agent.draining._sleep = poll
+    out = agent.drain(rid, force=True)
+    assert seen == [(1, 2), (1, 1)]           # counted while it still serves; a restore waits
+    assert out["in_flight_at_stop"] == 0 and agent.capacity()["replicas"] == 0
