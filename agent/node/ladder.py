@@ -76,6 +76,33 @@ def _classify(exc: BaseException, snapshot: Path) -> str:
     return "transient"
 
 
+def check_package_current(manifest, snapshot: Path) -> None:
+    """Raise SnapshotIncompatible when the AOT package ``manifest`` was captured with has been
+    replaced: its directory now holds a package of another digest (``rewarm up`` rebuilds a
+    package compiled from other forward code in place, agent/up.py ``prepare_release``).  Such
+    a snapshot can never restore here (the worker refuses the digest), so it is stale, like one
+    whose pins differ: the ladder cold-boots and captures a snapshot of the new package instead
+    of cold-booting at every scale-up while the old one stays "ready".  A package that is gone,
+    or unreadable, is left to the restore (it then serves eager, which the golden check
+    guards)."""
+    from agent.errors import InvalidCheckpoint
+    from agent.replica.aot import read_package_manifest
+
+    extra = manifest.extra if isinstance(manifest.extra, dict) else {}
+    ref = extra.get("aot_package")
+    if not isinstance(ref, dict) or not isinstance(ref.get("dir"), str):
+        return
+    try:
+        current = read_package_manifest(Path(ref["dir"])).get("digest")
+    except (InvalidCheckpoint, OSError):
+        return
+    if current != ref.get("digest"):
+        raise SnapshotIncompatible(
+            f"{snapshot}: captured with the AOT package {ref.get('digest')} in {ref['dir']}, "
+            f"which now holds {current} (rebuilt): the snapshot is stale",
+            path=snapshot, mismatches={"aot_package": (ref.get("digest"), current)})
+
+
 class RestoreLadder:
     """Brings replicas up on ``state``'s node: zygotes from ``zygotes``, cold boots and
     scratch verification through ``backend``, captures on ``executor``, snapshot status
@@ -250,6 +277,7 @@ class RestoreLadder:
                 try:
                     manifest = read_manifest(snap)
                     check_pins(manifest.pins, self.state.inventory.pins(rec.device), snap)
+                    check_package_current(manifest, snap)
                     handle = call_within(lambda: zygote.restore(snap, rec.lifecycle.replica_id),
                                       self.state.config.restore_timeout_s, "restore")
                 except (SnapshotError, GoldenMismatch, CudaCheckpointError, OSError,
