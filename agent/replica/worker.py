@@ -103,7 +103,8 @@ class Worker:
         # agent sees it gone and replaces it; agent/replica/batching.py)
         self.batch = BatchScheduler(self, self._pool, self.meter, on_broken=self.drain)
         self.drain_grace_s, self.draining = drain_grace_s, False
-        self.text = ModelText(loaded)   # its tokenizer and chat template, on first use
+        self.text = ModelText(loaded)   # its tokenizer and chat template, loaded ahead
+        self.text.preload_in_background()
         self.snapshots = RestoreOps(self)   # the restore and capture ops
 
     # --- lifecycle -----------------------------------------------------------------------

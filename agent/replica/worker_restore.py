@@ -60,6 +60,7 @@ class RestoreOps:
             raise
         worker.loaded, worker.state = loaded, State.SERVING
         worker.text = ModelText(loaded)
+        worker.text.preload_in_background()   # at once when the zygote preloaded it (warm)
         return worker.stats()
 
     async def capture(self, msg: dict) -> dict:

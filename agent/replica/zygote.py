@@ -178,6 +178,10 @@ def warm_zygote(buffer, snapshot: Path) -> Warmed | None:
         assert golden is not None, "check_replica_manifest refuses a snapshot without one"
         engine.teacher_forced([list(p) for p in golden.prompts],
                               [list(r) for r in golden.expected], seed=golden.seed)
+        if isinstance(extra.get("tokenizer_dir"), str):   # the first request's text, too
+            from agent.replica.model_text import preload_tokenizer
+
+            preload_tokenizer(extra["tokenizer_dir"])
     except (RewarmError, OSError, ValueError, RuntimeError) as exc:
         log.warning("zygote: cannot warm for %s (%s); the restore will do it all", snapshot, exc)
         return None

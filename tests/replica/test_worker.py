@@ -482,3 +482,26 @@ def test_stopping_frees_the_kv_slots_of_requests_it_held(booted):
     seen = asyncio.run(main())
     assert seen[-1]["type"] == "error" and seen[-1]["code"] == 503
     assert not booted.engine.busy and booted.engine.capacity()["active_seqs"] == 0
+
+
+def test_a_serving_worker_loads_its_tokenizer_before_the_first_request(texted):
+    import time
+
+    worker = Worker(texted)            # constructed serving: the text side loads at once
+    deadline = time.monotonic() + 30
+    while worker.text._tokenizer is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.text._tokenizer is not None and worker.text._chat_template not in (None, False)
+
+
+def test_a_zygote_warmed_for_a_snapshot_preloads_its_tokenizer(texted, tmp_path):
+    from agent.replica import model_text
+
+    snap = tmp_path / "snap"
+    zygote.capture(texted, snap)
+    model_text._PRELOADED.pop(texted.tokenizer_dir, None)
+    zygote.prepare_zygote(1, 1 << 20, prefault=False, warm=snap)
+    assert texted.tokenizer_dir in model_text._PRELOADED
+    restored = zygote.restore(snap, buffer=None)
+    text = model_text.ModelText(restored)
+    assert text.tokenizer() is model_text._PRELOADED[texted.tokenizer_dir]   # not loaded again
