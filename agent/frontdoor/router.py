@@ -13,8 +13,15 @@ Each replica's predictions also carry its measured error: after every first toke
 front door compares the TTFT it predicted when it sent the request with the one it saw
 (:meth:`ReplicaLoad.observe_ttft`), and a replica that has been slower than predicted is
 predicted slower by that ratio (``slowdown``: the 99th percentile of the last
-:data:`SLOWDOWN_WINDOW` ratios, at least 1, kept across load reports; a replica new to the
-view starts at its model's, until its own first token).  The
+:data:`SLOWDOWN_WINDOW` ratios by nearest rank, at least 1, kept across load reports; a
+replica new to the view starts at its model's, until its own first token).  The p99 of a full
+window of 100 is its second-largest ratio: one request in a hundred may be slower than the
+prediction.  A window not yet full takes the same rank, so one ratio alone never sets the
+slowdown: a replica's first request paid one-off costs (its tokenizer loaded, pages faulted
+in after a restore) in 0.5 s against a 34 ms prediction, and taking that ratio of 11 as the
+replica's speed predicted its 511-token prompts at 12 s instead of 1.1 s, refusing them for
+the next hundred requests.  A replica that is really slower shows it again on the next
+request, and is predicted slower from then on.  The
 speed model cannot see everything a replica meets (a neighbour on its CPU, prompts longer
 than any it measured, page faults after a restore); what it misses shows up here, in the
 front door's own observations, within a few requests, so admission stops promising TTFTs
@@ -33,7 +40,7 @@ simulator drives the same class.
 from __future__ import annotations
 
 import collections
-import math
+import heapq
 from dataclasses import dataclass, field, replace
 from collections.abc import Iterable, Mapping
 
@@ -54,6 +61,14 @@ SLOWDOWN_WINDOW = 100
 """First tokens per replica whose measured slowdown is kept: the slowdown applied is their
 99th percentile (the SLO is a p99), so about a hundred requests after a slow spell (a
 restore beside it on the same CPU) the replica is trusted again."""
+
+
+def p99_of_window(ratios: collections.deque) -> float:
+    """The nearest-rank 99th percentile of a window of at most :data:`SLOWDOWN_WINDOW`
+    ratios, at the full window's rank at every fill: the second largest (1.0 below two)."""
+    if len(ratios) < 2:
+        return 1.0
+    return heapq.nlargest(2, ratios)[1]
 
 
 @dataclass
@@ -86,7 +101,8 @@ class ReplicaLoad:
         """A request sent here with a predicted TTFT of ``predicted_s`` (the slowdown of
         then, ``slowdown_then``, included) got its first token ``observed_s`` after it was
         sent: the ratio of that to the speed model's own prediction joins the window, whose
-        99th percentile (at least 1) is the slowdown (:data:`SLOWDOWN_WINDOW`).  Both are
+        99th percentile by nearest rank (the second largest: module docstring; at least 1,
+        and 1 while only one ratio is known) is the slowdown (:data:`SLOWDOWN_WINDOW`).  Both are
         padded with one decode step at this replica's batch (the model's quantum of error;
         a short prediction off by less says nothing about its rates).  Non-finite or
         negative values are ignored."""
@@ -97,8 +113,7 @@ class ReplicaLoad:
         pad = s.decode_step_s(max(1, self.active_seqs), self.active_ctx_tokens)
         model_s = predicted_s / max(1.0, slowdown_then)  # the speed model's own prediction
         self.ratios.append((observed_s + pad) / (model_s + pad))
-        ordered = sorted(self.ratios)
-        self.slowdown = max(1.0, ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)])
+        self.slowdown = max(1.0, p99_of_window(self.ratios))
 
     @property
     def headroom_tokens(self) -> int:

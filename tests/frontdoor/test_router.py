@@ -74,7 +74,9 @@ def test_measured_slowdown_is_the_p99_ratio_kept_across_reports_and_never_below_
     assert load.predict_ttft_s(100, speed) == 1.0
     load.observe_ttft(0.9, 0.4)                 # faster than predicted: stays 1
     assert load.slowdown == 1.0
-    load.observe_ttft(0.9, 1.9)                 # (1.9 + 0.1) / (0.9 + 0.1): twice as slow
+    load.observe_ttft(0.9, 1.9)                 # (1.9 + 0.1) / (0.9 + 0.1): twice as slow, once
+    assert load.slowdown == 1.0                 # one request in a hundred may be (the p99)
+    load.observe_ttft(0.9, 1.9)                 # twice: the replica is slower
     assert load.slowdown == 2.0
     assert load.predict_ttft_s(100, speed) == 2.0
     load.observe_ttft(1.8, 1.9, slowdown_then=2.0)   # its prediction already had the 2x
@@ -82,13 +84,29 @@ def test_measured_slowdown_is_the_p99_ratio_kept_across_reports_and_never_below_
     for bad in (float("nan"), float("inf"), -1.0):
         load.observe_ttft(bad, 1.0)
         load.observe_ttft(1.0, bad)
-    assert len(load.ratios) == 3
+    assert len(load.ratios) == 4
     fresh = ReplicaLoad("r", "m", "h:1", 4, 0, 1000, 0, speed=speed)
     router.upsert(fresh)                         # a new load report keeps the measurement
     assert fresh.slowdown == 2.0
     for _ in range(SLOWDOWN_WINDOW):             # a window of on-time first tokens later
         fresh.observe_ttft(1.0, 1.0)
     assert fresh.slowdown == 1.0
+
+
+def test_one_slow_first_token_in_a_window_is_not_the_replicas_speed():
+    from agent.frontdoor.router import SLOWDOWN_WINDOW, ReplicaLoad
+    from agent.speed import SpeedProfile
+
+    speed = SpeedProfile(prefill_tokens_per_s=500.0, prefill_overhead_s=0.02,
+                         decode_base_s=0.012, decode_per_seq_s=0.001, decode_per_ctx_token_s=0.0)
+    load = ReplicaLoad("r", "m", "h:1", 8, 0, 4096, 0, speed=speed)
+    load.observe_ttft(0.034, 0.497)              # its first request paid one-off costs: 11x
+    assert load.slowdown == 1.0
+    assert load.predict_ttft_s(511, speed) < 1.1   # a long prompt is still predicted at speed
+    for _ in range(SLOWDOWN_WINDOW - 2):
+        load.observe_ttft(0.1, 0.1)
+    load.observe_ttft(0.1, 0.5)                  # a second slow one in the same window
+    assert load.slowdown > 3.0                   # two in a hundred: past the p99
 
 
 def test_a_new_replica_starts_at_its_models_measured_slowdown():
@@ -99,7 +117,8 @@ def test_a_new_replica_starts_at_its_models_measured_slowdown():
     router = Router()
     a = ReplicaLoad("a", "m", "h:1", 4, 0, 1000, 0, speed=speed)
     router.upsert(a)
-    a.observe_ttft(0.9, 2.9)                        # 3x slower than predicted
+    a.observe_ttft(0.9, 2.9)                        # 3x slower than predicted, twice
+    a.observe_ttft(0.9, 2.9)
     router.upsert(b := ReplicaLoad("b", "m", "h:2", 4, 0, 1000, 0, speed=speed))
     router.upsert(other := ReplicaLoad("c", "n", "h:3", 4, 0, 1000, 0, speed=speed))
     assert (b.slowdown, other.slowdown) == (3.0, 1.0)   # its model's, not another's

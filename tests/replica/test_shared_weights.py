@@ -8,7 +8,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from agent.errors import SnapshotCorrupt
 from agent.replica import zygote
