@@ -70,12 +70,13 @@ bench-http: $(BENCH_STAMP)
 
 # The cold-start ladder with the transformers rung.  transformers declares no torch, but its
 # own dependencies would move huggingface-hub/tokenizers: --no-deps (those it imports are
-# already installed with tokenizers), then the pinned torch is checked.
+# already installed with tokenizers, except regex), then the pinned torch is checked and the
+# model class imported (a fresh venv lacked regex, which only that import showed).
 LADDER_STAMP := $(VENV)/.rewarm-ladder-installed
 
 $(LADDER_STAMP): $(STAMP)
-	$(BIN)/pip install -q --no-deps 'transformers>=4.56,<6'
-	$(BIN)/python -c "import torch, transformers; v = torch.__version__; assert v.startswith('2.13.0'), f'torch replaced: {v}'"
+	$(BIN)/pip install -q --no-deps 'transformers>=4.56,<6' regex
+	$(BIN)/python -c "import torch; from transformers import AutoModelForCausalLM; v = torch.__version__; assert v.startswith('2.13.0'), f'torch replaced: {v}'"
 	touch $@
 
 # RELEASE=DIR reuses a release built by `rewarm build` (its check costs minutes); the
