@@ -93,9 +93,18 @@ ENGINES_VENV := .venv-engines
 ENGINES_STAMP := $(ENGINES_VENV)/.rewarm-engines-installed
 LLAMA_CPP := llama-cpp-python==0.3.36
 
+# Built for AVX-512 without AMX: GGML_NATIVE's -march=native compiles ggml's AMX backend on a
+# CPU that has it, and on the development VM (AMX_INT8 = 1) the first llama_decode of the
+# Q4_1 GGUF then dies with SIGSEGV, a known fault of that backend (ggml-org/llama.cpp#20824,
+# segfault in ggml_backend_amx_mul_mat, machine-dependent; #16315: its Q4_0/Q4_1 results were
+# wrong).  The AVX-512 (VNNI, BF16) kernels are what llama.cpp runs on any such CPU without it.
+LLAMA_CMAKE := -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=OFF \
+  -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON \
+  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+
 $(ENGINES_STAMP):
 	test -x $(ENGINES_VENV)/bin/python || $(PYTHON) -m venv $(ENGINES_VENV)
-	CMAKE_ARGS="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" $(ENGINES_VENV)/bin/pip install -q $(LLAMA_CPP)
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(ENGINES_VENV)/bin/pip install -q --no-cache-dir --force-reinstall $(LLAMA_CPP)
 	touch $@
 
 bench-engines: $(LADDER_STAMP) $(ENGINES_STAMP)
