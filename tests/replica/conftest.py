@@ -45,3 +45,20 @@ def tiny_engine(tiny_dir):
 
     config = LlamaConfig.from_dir(tiny_dir)
     return Engine(config, load_hf_weights(tiny_dir, config), max_seqs=3, max_seq_len=32)
+
+
+@pytest.fixture(scope="session")
+def two_snapshots(tmp_path_factory):
+    """Two captured snapshots of two tiny models (seeds 1 and 2) with different engines
+    (KV slots 2 and 3): ``{seed: (snapshot_dir, booted Loaded)}``."""
+    from agent.replica import zygote
+    from agent.replica.synthetic import make_synthetic
+
+    root = tmp_path_factory.mktemp("snapshots")
+    out = {}
+    for seed in (1, 2):
+        model_dir = make_synthetic(root / f"m{seed}", "tiny", seed=seed)
+        booted = zygote.boot(model_dir, max_seqs=seed + 1, max_seq_len=32)  # other engines
+        zygote.capture(booted, root / f"snap{seed}")
+        out[seed] = (root / f"snap{seed}", booted)
+    return out

@@ -13,21 +13,13 @@ from agent.errors import SnapshotCorrupt
 from agent.replica import zygote
 from agent.replica.config import LlamaConfig
 from agent.replica.model import new_kv_caches
-from agent.replica.synthetic import make_synthetic
 from agent.snapshot.manifest import read_manifest
 from agent.snapshot.reader import HostBuffer
 
 
 @pytest.fixture(scope="module")
-def snapshots(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shared")
-    out = {}
-    for seed in (1, 2):
-        model_dir = make_synthetic(root / f"m{seed}", "tiny", seed=seed)
-        booted = zygote.boot(model_dir, max_seqs=2, max_seq_len=32)
-        zygote.capture(booted, root / f"snap{seed}")
-        out[seed] = (root / f"snap{seed}", booted)
-    return out
+def snapshots(two_snapshots):
+    return two_snapshots
 
 
 def data_file(snap):

@@ -4,19 +4,11 @@ import pytest
 
 from agent.errors import GoldenMismatch
 from agent.replica import zygote
-from agent.replica.synthetic import make_synthetic
 
 
 @pytest.fixture(scope="module")
-def snapshots(tmp_path_factory):
-    root = tmp_path_factory.mktemp("warm")
-    out = {}
-    for seed in (1, 2):
-        model_dir = make_synthetic(root / f"m{seed}", "tiny", seed=seed)
-        booted = zygote.boot(model_dir, max_seqs=seed + 1, max_seq_len=32)  # other engines
-        zygote.capture(booted, root / f"snap{seed}")
-        out[seed] = (root / f"snap{seed}", booted)
-    return out
+def snapshots(two_snapshots):
+    return two_snapshots
 
 
 def test_a_warmed_zygote_restores_into_the_engine_it_made_and_still_checks(snapshots):
