@@ -354,6 +354,9 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
         t = time.perf_counter()
         boot_profile(engine)
         phases["profile_s"] = time.perf_counter() - t
+    if buffer is not None and getattr(buffer, "file_key", None) is not None \
+            and restored.buffer is not buffer:
+        buffer.release()      # the map of the snapshot it was warmed for: unpinned, unmapped
     return Loaded(config, tensors, engine, restored.manifest.model, golden, path, digest,
                   package_dir, extra.get("tokenizer_dir"), ranges, phases, keepalive=restored.buffer,
                   device=device, restore_io=io, fallback=fallback)

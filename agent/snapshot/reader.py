@@ -148,6 +148,25 @@ class HostBuffer:
         buffer.file_key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         return buffer
 
+    def release(self) -> None:
+        """Give the memory back now instead of when the last view of it is collected: unlock
+        a locked map and close it; while tensors still view it (mmap refuses to close), drop its
+        pages instead (MADV_DONTNEED: a private file map's unwritten pages are the page cache's,
+        an anonymous map's read as zeros again).  Use no tensor of it afterwards."""
+        if self.memory.closed:
+            return
+        if self.locked:
+            try:
+                _restore.lock_memory(self.memory, lock=False)
+            except OSError:
+                pass
+            self.locked = False
+        try:
+            self.memory.close()
+        except BufferError:
+            if hasattr(mmap, "MADV_DONTNEED"):
+                self.memory.madvise(mmap.MADV_DONTNEED)
+
     def as_tensor(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the buffer as a uint8 tensor [nbytes] (a view, no copy)."""
         if nbytes == 0:
@@ -377,7 +396,7 @@ def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, veri
     if accept is not None:
         accept(manifest)
     total = manifest.total_bytes
-    if buffer is not None and buffer.capacity_bytes < total:
+    if buffer is not None and buffer.capacity_bytes < total and buffer.file_key is None:
         raise ConfigError(f"{path}: buffer holds {buffer.capacity_bytes} bytes, snapshot needs {total}",
                           name="buffer", value=buffer.capacity_bytes, limit=total)
     # Data files are opened and their sizes checked against the chunks and total_bytes before
@@ -387,7 +406,7 @@ def restore_snapshot(path: Path | str, *, buffer: HostBuffer | None = None, veri
         if buffer is not None and buffer.file_key is not None:
             if _same_file(buffer, manifest, fds):     # a zygote holding this snapshot's map
                 return _verify_mapped(path, manifest, buffer, verify, threads)
-            buffer = None          # the map of another snapshot: never written into
+            buffer = None     # the map of another snapshot (any size): never written into
         if buffer is None and copy == "auto" and direct == "auto" and _mappable(manifest, fds):
             mapped = _restore_mapped(path, manifest, fds, verify, threads)
             if mapped is not None:

@@ -14,7 +14,8 @@ from agent.replica import zygote
 from agent.replica.config import LlamaConfig
 from agent.replica.model import new_kv_caches
 from agent.snapshot.manifest import read_manifest
-from agent.snapshot.reader import HostBuffer
+from agent.replica.synthetic import make_synthetic
+from agent.snapshot.reader import HostBuffer, verify_chunks
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +52,49 @@ def test_a_shared_zygote_without_a_model_holds_no_buffer_and_still_restores(snap
     assert restored.golden == booted.golden and restored.keepalive.file_key is None
 
 
-def test_the_map_of_another_snapshot_is_never_written(snapshots):
+def test_the_map_of_another_snapshot_is_never_written(snapshots, monkeypatch):
+    from agent import _restore
+
     (snap1, _), (snap2, booted2) = snapshots[1], snapshots[2]
     buffer = zygote.prepare_zygote(1, 1 << 20, warm=snap1, shared=True)
+    written = []
+    real = _restore.read_chunks
+    monkeypatch.setattr(_restore, "read_chunks",
+                        lambda memory, *a, **k: (written.append(memory), real(memory, *a, **k))[1])
     restored = zygote.restore(snap2, buffer=buffer)
     assert restored.golden == booted2.golden and restored.keepalive is not buffer
-    assert bytes(buffer.memory) == data_file(snap1).read_bytes()[:buffer.capacity_bytes]
+    assert all(m is not buffer.memory for m in written)   # snap2 went to its own map
+    assert buffer.memory.closed                           # and snap1's map was given back
+    verify_chunks(snap1, read_manifest(snap1))            # its file untouched
+
+
+def test_a_zygote_warmed_for_a_small_snapshot_restores_a_larger_one(snapshots, tmp_path):
+    snap, _ = snapshots[1]
+    model_dir = make_synthetic(tmp_path / "big", "small", seed=3)
+    booted = zygote.boot(model_dir, max_seqs=2, max_seq_len=32)
+    zygote.capture(booted, tmp_path / "bigsnap")
+    buffer = zygote.prepare_zygote(1, 1 << 20, warm=snap, shared=True)
+    assert buffer.capacity_bytes < read_manifest(tmp_path / "bigsnap").total_bytes
+    restored = zygote.restore(tmp_path / "bigsnap", buffer=buffer)
+    assert restored.golden == booted.golden
+
+
+def test_the_map_it_was_warmed_for_is_released_when_another_snapshot_restores(snapshots):
+    (snap1, _), (snap2, _) = snapshots[1], snapshots[2]
+    buffer = zygote.prepare_zygote(1, 1 << 20, warm=snap1, shared=True)
+    zygote.restore(snap2, buffer=buffer)
+    name = str(data_file(snap1))
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    locked = 0
+    current = False
+    for line in lines:
+        words = line.split()
+        if words and "-" in words[0] and len(words) >= 5:
+            current = line.endswith(name)
+        elif current and line.startswith("Locked:"):
+            locked += int(words[1])
+    assert locked == 0      # no page of the snapshot it no longer serves stays pinned
 
 
 def test_a_byte_changed_under_the_shared_map_fails_closed(snapshots, tmp_path):
