@@ -71,13 +71,19 @@ def save_tokenizer(tok: Tokenizer, model_dir: Path, *, bos: str | None, eos: str
 
 
 def load_tokenizer(model_dir: Path | str) -> Tokenizer:
-    """The ``tokenizers.Tokenizer`` saved in ``model_dir``.  Raises InvalidCheckpoint if absent."""
+    """The ``tokenizers.Tokenizer`` saved in ``model_dir``.  Raises InvalidCheckpoint if absent
+    or unreadable."""
     path = Path(model_dir) / TOKENIZER_FILE
     if not path.is_file():
         raise InvalidCheckpoint(f"{path}: no tokenizer.json (import the model with "
                                 "`rewarm model import-gguf`)", path=path, field=TOKENIZER_FILE,
                                 value=None, limit=None)
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:     # the tokenizers library raises a bare Exception for bad JSON
+        raise InvalidCheckpoint(f"{path}: not a tokenizer the tokenizers library reads ({exc})",
+                                path=path, field=TOKENIZER_FILE, value=str(exc)[:200],
+                                limit="a tokenizers JSON file") from None
 
 
 class ChatTemplate:

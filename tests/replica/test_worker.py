@@ -505,3 +505,22 @@ def test_a_zygote_warmed_for_a_snapshot_preloads_its_tokenizer(texted, tmp_path)
     restored = zygote.restore(snap, buffer=None)
     text = model_text.ModelText(restored)
     assert text.tokenizer() is model_text._PRELOADED[texted.tokenizer_dir]   # not loaded again
+
+
+def test_a_corrupt_tokenizer_is_a_typed_error_and_never_stops_a_warm_zygote(texted, tmp_path):
+    import shutil
+
+    from agent.errors import InvalidCheckpoint
+    from agent.replica import model_text
+    from agent.replica.tokenizer import load_tokenizer
+
+    bad = tmp_path / "bad"
+    shutil.copytree(texted.tokenizer_dir, bad)
+    (bad / "tokenizer.json").write_text('{"not": "a tokenizer"')
+    with pytest.raises(InvalidCheckpoint, match="tokenizer"):
+        load_tokenizer(bad)
+    model_text.preload_tokenizer(str(bad))          # left to the request that needs it
+    assert str(bad) not in model_text._PRELOADED
+    text = model_text.ModelText(dataclasses.replace(texted, tokenizer_dir=str(bad)))
+    text.preload()                                  # no exception out of the preload thread
+    assert not text.has_tokenizer()
