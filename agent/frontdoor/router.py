@@ -14,7 +14,7 @@ front door compares the TTFT it predicted when it sent the request with the one 
 (:meth:`ReplicaLoad.observe_ttft`), and a replica that has been slower than predicted is
 predicted slower by that ratio (``slowdown``: the 99th percentile of the last
 :data:`SLOWDOWN_WINDOW` ratios by nearest rank, at least 1, kept across load reports; a
-replica new to the view starts at its model's, until its own first token).  The p99 of a full
+replica new to the view starts at its model's, until it has two first tokens of its own).  The p99 of a full
 window of 100 is its second-largest ratio: one request in a hundred may be slower than the
 prediction.  A window not yet full takes the same rank, so one ratio alone never sets the
 slowdown: a replica's first request paid one-off costs (its tokenizer loaded, pages faulted
@@ -101,8 +101,9 @@ class ReplicaLoad:
         """A request sent here with a predicted TTFT of ``predicted_s`` (the slowdown of
         then, ``slowdown_then``, included) got its first token ``observed_s`` after it was
         sent: the ratio of that to the speed model's own prediction joins the window, whose
-        99th percentile by nearest rank (the second largest: module docstring; at least 1,
-        and 1 while only one ratio is known) is the slowdown (:data:`SLOWDOWN_WINDOW`).  Both are
+        99th percentile by nearest rank (the second largest: module docstring; at least 1)
+        is the slowdown (:data:`SLOWDOWN_WINDOW`) once the window holds two; before that the
+        slowdown stays what it was (its model's, or 1).  Both are
         padded with one decode step at this replica's batch (the model's quantum of error;
         a short prediction off by less says nothing about its rates).  Non-finite or
         negative values are ignored."""
@@ -113,7 +114,8 @@ class ReplicaLoad:
         pad = s.decode_step_s(max(1, self.active_seqs), self.active_ctx_tokens)
         model_s = predicted_s / max(1.0, slowdown_then)  # the speed model's own prediction
         self.ratios.append((observed_s + pad) / (model_s + pad))
-        self.slowdown = max(1.0, p99_of_window(self.ratios))
+        if len(self.ratios) >= 2:      # until then: its model's, inherited (or 1)
+            self.slowdown = max(1.0, p99_of_window(self.ratios))
 
     @property
     def headroom_tokens(self) -> int:

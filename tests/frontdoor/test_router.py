@@ -122,7 +122,9 @@ def test_a_new_replica_starts_at_its_models_measured_slowdown():
     router.upsert(b := ReplicaLoad("b", "m", "h:2", 4, 0, 1000, 0, speed=speed))
     router.upsert(other := ReplicaLoad("c", "n", "h:3", 4, 0, 1000, 0, speed=speed))
     assert (b.slowdown, other.slowdown) == (3.0, 1.0)   # its model's, not another's
-    b.observe_ttft(1.0, 1.0)                        # its own first token replaces it
+    b.observe_ttft(1.0, 1.0)                        # one on-time token of its own: not yet
+    assert b.slowdown == 3.0
+    b.observe_ttft(1.0, 1.0)                        # two: its own window replaces it
     assert b.slowdown == 1.0
     router.remove("a")
     router.remove("b")
