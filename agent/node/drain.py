@@ -66,7 +66,9 @@ class Drainer:
         bound = st.config.drain_timeout_s if timeout_s is None else timeout_s
         start = st.clock.now()
         # While it finishes requests it still takes the node's cores: the node's replica
-        # limit counts it (agent/node/capacity.py) until they are done.
+        # limit counts it (agent/node/capacity.py) until they are done, and until its first
+        # poll says how many it has (that poll is a call to the worker).
+        rec.draining_in_flight = 1
         while rec.handle is not None and (n := rec.handle.in_flight()) > 0:
             rec.draining_in_flight = n
             if st.clock.now() - start >= bound:

@@ -103,7 +103,14 @@ def test_a_replica_draining_with_requests_in_flight_still_holds_its_cores(make_a
     rid = first_boot(agent)["replica"]
     rec = agent.state.rec(rid)
     left = iter([2, 1, 0, 0])
-    rec.handle.in_flight = lambda: next(left)
+    during_first_call = []
+
+    def in_flight():          # a call to the worker: another thread may ask for room meanwhile
+        if not during_first_call:
+            during_first_call.append(agent.capacity()["replicas"])
+        return next(left)
+
+    rec.handle.in_flight = in_flight
     seen = []
 
     def poll(seconds):        # what a restore asking for room would see while the drain waits
@@ -112,5 +119,6 @@ def test_a_replica_draining_with_requests_in_flight_still_holds_its_cores(make_a
 
     agent.draining._sleep = poll
     out = agent.drain(rid, force=True)
+    assert during_first_call == [1]           # counted before its first answer, too
     assert seen == [(1, 2), (1, 1)]           # counted while it still serves; a restore waits
     assert out["in_flight_at_stop"] == 0 and agent.capacity()["replicas"] == 0
