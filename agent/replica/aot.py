@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import contextlib
 import json
+import stat
 import logging
 import re
 import time
@@ -280,18 +281,22 @@ def read_package_manifest(package_dir: Path) -> dict[str, Any]:
     (over MAX_MANIFEST_BYTES) or malformed."""
     path = Path(package_dir) / MANIFEST_NAME
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except FileNotFoundError:
         raise InvalidCheckpoint(f"{path}: no package manifest", path=path, field=MANIFEST_NAME,
                                 value=None, limit=None) from None
+    if not stat.S_ISREG(st.st_mode):    # a FIFO would block the read forever
+        raise InvalidCheckpoint(f"{path}: not a regular file", path=path, field=MANIFEST_NAME,
+                                value=stat.filemode(st.st_mode), limit="a regular file")
+    size = st.st_size
     if size > MAX_MANIFEST_BYTES:
         raise InvalidCheckpoint(f"{path}: {size} bytes exceeds {MAX_MANIFEST_BYTES}", path=path,
                                 field=MANIFEST_NAME, value=size, limit=MAX_MANIFEST_BYTES)
     try:
         manifest = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidCheckpoint(f"{path}: not valid JSON ({exc})", path=path, field=MANIFEST_NAME,
-                                value=None, limit=None) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidCheckpoint(f"{path}: not valid JSON ({type(exc).__name__}: {exc})",
+                                path=path, field=MANIFEST_NAME, value=None, limit=None) from None
     if not isinstance(manifest, dict) or "format" not in manifest:
         raise InvalidCheckpoint(f"{path}: missing 'format'", path=path, field="format",
                                 value=None, limit=PACKAGE_FORMAT)

@@ -457,7 +457,9 @@ def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     backed for each token written).  The tensor keeps the map alive."""
     import mmap
 
-    nbytes = max(1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         memory.madvise(mmap.MADV_NOHUGEPAGE)

@@ -61,3 +61,21 @@ def test_the_ladder_replaces_a_stale_snapshot_with_a_new_capture(make_agent, mon
     for rec in list(agent.live_replicas("tiny")):
         agent.drain(rec.lifecycle.replica_id, force=True)
     assert agent.restore("tiny")["path"] == "restore"       # the new one restores
+
+
+def test_a_package_manifest_that_is_not_a_regular_file_is_left_to_the_restore(tmp_path):
+    import os
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    os.mkfifo(pkg / "package.json")        # reading it would block forever
+    ladder.check_package_current(manifest(pkg, "sha256:old"), tmp_path / "snap")
+    from agent.errors import InvalidCheckpoint
+    from agent.replica.aot import read_package_manifest
+
+    with pytest.raises(InvalidCheckpoint, match="not a regular file"):
+        read_package_manifest(pkg)
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "package.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(InvalidCheckpoint, match="not valid JSON"):
+        read_package_manifest(tmp_path / "deep")
