@@ -78,7 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(sub)
     for child in _subparsers(parser):
         _log_options(child, top=False)
+        child.set_defaults(_parser=child)   # the innermost chosen one is set last
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that arguments no parser knows are reported by the
+    subcommand they were given to, with its usage (argparse's own check names the top
+    parser's usage and puts a flag's stray value among them)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        owner = getattr(args, "_parser", parser)
+        owner.error("unrecognized arguments: " + " ".join(extra)
+                    + " (see " + owner.prog + " --help)")
+    return args
 
 
 def port_in_use(exc: BaseException) -> bool:
@@ -90,7 +103,7 @@ def port_in_use(exc: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; the exit status is one of :mod:`agent.exitcodes` (2: bad usage,
     sysexits.h codes for an unreachable service, a refused request, a configuration error)."""
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), argv)
     logs.setup(args.log_level, args.log_format)
     try:
         result = args.func(args)

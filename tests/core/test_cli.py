@@ -1,6 +1,8 @@
 """The command line: building the parser (every ``--help``) imports no torch; a typed error
 is one line on stderr and exit status 2, never a traceback."""
 
+import pytest
+
 from agent import exitcodes
 import subprocess
 import sys
@@ -23,3 +25,14 @@ def test_a_typed_error_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "nope" in err and "Traceback" not in err
     assert err.count("\n") == 1
+
+
+def test_an_unknown_flag_is_reported_by_the_subcommand_it_was_given_to(capsys):
+    from agent.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["agent", "status", "--bogus"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith("usage: rewarm agent status")
+    assert "unrecognized arguments: --bogus (see rewarm agent status --help)" in err
