@@ -9,7 +9,8 @@ code  name            when
 0     OK              done
 1     FAILURE         any other typed failure (a golden mismatch at build, a server's 500)
 2     USAGE           bad command line (argparse's own code; also inconsistent flags)
-65    EX_DATAERR      bad input data: a corrupt snapshot, a malformed checkpoint or trace
+65    EX_DATAERR      bad input data: a corrupt snapshot, a malformed checkpoint or trace,
+                      a request a server answered 400 or 413 (no retry makes it valid)
 66    EX_NOINPUT      an input file or snapshot named on the command line does not exist
 69    EX_UNAVAILABLE  a service did not answer: node agent, front door, Consul, Nomad
 74    EX_IOERR        reading or writing a local file failed (disk full, permission)
@@ -55,6 +56,8 @@ def exit_code(exc: BaseException) -> int:
     if status is not None:
         if status in (401, 403):
             return EX_NOPERM
+        if status in (400, 413, 422):     # the request itself: over the context, a bad field
+            return EX_DATAERR
         return FAILURE if status == 500 else EX_TEMPFAIL
     if isinstance(exc, (Unauthorized, AclDenied, PermissionError)):
         return EX_NOPERM

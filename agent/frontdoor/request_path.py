@@ -225,7 +225,11 @@ class RequestPath:
                       refusal=refusals.DRAINING)
             return flight
         if model not in self.known_models:  # (not counted by model: names are the client's)
-            self.fail(flight, 404, f"unknown model {model!r}", refusal=refusals.UNKNOWN_MODEL)
+            served = sorted(self.known_models)
+            listed = ", ".join(repr(m) for m in served[:8]) + (", ..." if len(served) > 8 else "")
+            self.fail(flight, 404, f"unknown model {model!r}; this front door serves "
+                      f"{listed or 'no model yet'} (GET /v1/models lists them)",
+                      refusal=refusals.UNKNOWN_MODEL)
             return flight
         state = self.models.of(model)
         state.arrivals += 1

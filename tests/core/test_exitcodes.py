@@ -21,8 +21,10 @@ def test_each_kind_has_its_code():
 
 def test_a_servers_answer_is_a_refusal_not_a_local_error():
     # 409 comes back as ConfigError, but it was the server refusing, not this command's config
-    for code in (429, 503, 504, 409, 404, 413):
+    for code in (429, 503, 504, 409, 404):
         assert x.exit_code(error_from({"code": code, "reason": "r"})) == x.EX_TEMPFAIL == 75
+    for code in (400, 413):                  # the request itself is wrong: no retry helps
+        assert x.exit_code(error_from({"code": code, "reason": "r"})) == x.EX_DATAERR == 65
     assert x.exit_code(error_from({"code": 401, "reason": "r"})) == x.EX_NOPERM
     assert x.exit_code(error_from({"code": 500, "reason": "bug"})) == x.FAILURE
     assert x.answered_by_server(ConfigError("local", name="n", value=1, limit=2)) is None

@@ -256,6 +256,7 @@ def test_error_classes_404_401_503_and_bad_json():
     assert isinstance(out["401m"], openai.AuthenticationError)
     assert isinstance(out["404"], openai.NotFoundError)
     assert out["404"].response.json()["error"]["code"] == "model_not_found"
+    assert "serves 'm'" in out["404"].message and "/v1/models" in out["404"].message
     assert out["503"].status_code == 503 and "no warm replica" in out["503"].message
     assert b"400 Bad Request" in out["json"] and b'"param": "body"' in out["json"]
     assert b"404 Not Found" in out["route"] and b'"error"' in out["route"]
