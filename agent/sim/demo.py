@@ -469,11 +469,18 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
         say(f"numbers written to {args.json}")
-    ok = (summary["requests_by_path"]["cold_boot"] >= 1
-          and summary["requests_by_path"]["snapshot_restore"] >= 1
-          and summary["golden_checks_failed"] == 0 and summary["lost"] == 0
-          and summary["probe_match"])
-    return 0 if ok else 1
+    failed = [why for why, bad in (
+        ("no request came up by a cold boot", summary["requests_by_path"]["cold_boot"] < 1),
+        ("no request came up by a snapshot restore",
+         summary["requests_by_path"]["snapshot_restore"] < 1),
+        (f"{summary['golden_checks_failed']} golden check(s) failed",
+         summary["golden_checks_failed"] > 0),
+        (f"{summary['lost']} request(s) lost (answered 503 or not at all)", summary["lost"] > 0),
+        ("the probe's tokens differed after the restore", not summary["probe_match"]))
+        if bad]
+    for why in failed:
+        say(f"demo check failed: {why}")
+    return 1 if failed else 0
 
 
 def _fresh_state(state: Path) -> None:
