@@ -174,7 +174,8 @@ def sla_line(s: dict[str, Any]) -> str:
     if "sla_attainment" not in s:
         return "SLA attainment      -"
     return (f"SLA attainment      {100 * s['sla_attainment']:.1f} % of {s['sla_requests']} "
-            f"replay requests answered within their path's TTFT SLO (warm hit "
+            f"requests (the probe after scale-to-zero and the replay's) answered within "
+            f"their path's TTFT SLO (warm hit "
             f"{PATH_SLO_MS['warm_hit'] / 1000:g} s, restore {PATH_SLO_MS['snapshot_restore'] / 1000:g} s;"
             f" 429/504 count as misses)")
 
