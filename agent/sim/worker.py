@@ -13,8 +13,9 @@ it, on a virtual-time loop (agent/sim/vloop.py):
   ``Engine.predict_ttft_s``), refused with 429 (``predicted_ttft_ms``, ``retry_after_ms``),
   else queued at the :class:`~agent.sim.replica.SimReplica` engine: steps back to back while
   it has work (prefill the admitted prompts, then one decode step over the batch), the
-  first ``tokens`` message when its prefill ends, ``done`` when its last token is decoded
-  (the tokens in between are not sent: the request path only times the first);
+  first ``tokens`` message when its prefill ends, one ``tokens`` message per decode step
+  for every sequence still running (as the worker streams them: the front door's stream
+  watch judges a replica by them) and ``done`` when its last token is decoded;
 - ``cancel`` forgets a request (its answers are dropped; the engine finishes the sequence);
 - draining: ``generate`` answered 503 with ``retry_after_ms``, as the worker does;
 - :meth:`stats` is the load report the node agent copies into the registry meta
@@ -163,8 +164,8 @@ class SimWorker:
         loop = asyncio.get_running_loop()
         now = loop.time()
         firsts, end_s = self.engine.start_step(now)
-        if firsts:
-            loop.call_at(firsts[0][1], self._first_tokens, [req for req, _ in firsts])
+        for req, first_s in firsts:     # each when its own prefill ends, as the worker sends it
+            loop.call_at(first_s, self._first_tokens, [req])
         loop.call_at(end_s, self._step_end, self.engine.generation)
 
     def _first_tokens(self, keys: list[int]) -> None:
@@ -187,6 +188,10 @@ class SimWorker:
             self.served += 1
             self._send(transport, {"id": rid, "type": "done", "n_tokens": max_tokens,
                                    "prompt_tokens": prompt, "finish_reason": "length"})
+        for seq in self.engine._active:    # decoded a token this step: the stream moves on
+            entry = self._requests.get(seq[0])
+            if entry is not None:
+                self._send(entry[0], {"id": entry[1], "type": "tokens", "tokens": [1]})
         if self.engine.busy:
             self._step()
         elif self.draining and self.on_idle is not None:

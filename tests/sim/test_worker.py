@@ -60,12 +60,23 @@ def session(worker: SimWorker, messages: list[dict], wait_s: float = 10.0) -> Ow
 def test_answers_first_token_after_its_prefill_and_done_after_its_decode_steps():
     worker = SimWorker("r1", "m", SPEED, max_seqs=4, max_seq_len=512)
     owner = session(worker, [generate(40, 3)])
-    (t_first, first), (t_done, done) = owner.answers[0]
+    (t_first, first), (t_second, second), (t_done, done) = owner.answers[0]
     assert first["type"] == "tokens" and done["type"] == "done" and done["n_tokens"] == 3
     assert t_first == pytest.approx(SPEED.prefill_s(40))
-    # two decode steps after the prefill (the prefill gave the first token)
+    # two decode steps after the prefill (the prefill gave the first token); the stream
+    # moves at each step, as the worker's does
+    assert second["type"] == "tokens"
+    assert t_second == pytest.approx(SPEED.prefill_s(40) + SPEED.decode_step_s(1, 40))
     assert t_done == pytest.approx(SPEED.prefill_s(40) + SPEED.decode_step_s(1, 40)
                                    + SPEED.decode_step_s(1, 41))
+
+
+def test_each_first_token_is_sent_when_its_own_prefill_ends():
+    worker = SimWorker("r1", "m", SPEED, max_seqs=4, max_seq_len=512)
+    owner = session(worker, [generate(40, 1), generate(300, 1)])
+    first_a, first_b = owner.answers[0][0], owner.answers[1][0]
+    assert first_a[0] == pytest.approx(SPEED.prefill_s(40))
+    assert first_b[0] == pytest.approx(SPEED.prefill_s(40) + SPEED.prefill_s(300))
 
 
 def test_refuses_a_deadline_it_predicts_it_misses_with_the_workers_rule():
