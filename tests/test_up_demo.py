@@ -108,7 +108,7 @@ def test_format_table_shows_paths_phases_and_lost():
     assert "1 passed, 0 failed" in text
     assert "identical after restore" in text
     assert "'Paris'" in text
-    assert "SLA attainment      57.1 % of 7 replay requests" in text
+    assert "SLA attainment      57.1 % of 7 requests (the probe after scale-to-zero and the replay" in text
     assert "12.3 used vs 40.0 for one always-on replica (27.6 saved, 69 %" in text
 
 

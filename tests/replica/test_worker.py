@@ -489,7 +489,8 @@ def test_a_serving_worker_loads_its_tokenizer_before_the_first_request(texted):
 
     worker = Worker(texted)            # constructed serving: the text side loads at once
     deadline = time.monotonic() + 30
-    while worker.text._tokenizer is None and time.monotonic() < deadline:
+    while (worker.text._tokenizer is None or worker.text._chat_template is None) \
+            and time.monotonic() < deadline:
         time.sleep(0.01)
     assert worker.text._tokenizer is not None and worker.text._chat_template not in (None, False)
 
