@@ -295,6 +295,30 @@ async def open_loop(base_url: str, model: str, rate: float, count: int,
         return list(await asyncio.gather(*tasks))
 
 
+def rejections(metrics_port: int) -> dict[str, float]:
+    """The stack's ``rewarm_rejections_total`` by ``code`` and ``reason`` label, from its
+    /metrics (the whole run: the concurrent requests' and the rate's); {} when unreadable."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "rewarm_rejections":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.value:
+                key = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                               if k in ("code", "reason"))
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
 def guidellm_rate(port: int, model: str, rate: float, count: int) -> dict:
     """guidellm at ``rate`` for ``count`` requests (bench/http_load.py's invocation): its
     served count, TTFT p50/p99; or, without guidellm, the open-loop openai client."""
@@ -405,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         memory = stack_memory(up.proc.pid)   # serving: the replica warm, the zygote ready
         count = max(1, round(args.rate * args.duration_s))
         rate = guidellm_rate(up.ports["http"], up.model, args.rate, count)
+        rate["rejections"] = rejections(up.ports["metrics"])   # guidellm keeps no reasons
         say(f"rate: {rate}")
         sampler.stop()
         out = {"busy_core": args.busy_core, "forward": "aot" if args.aot else "eager (--no-aot)",
