@@ -64,10 +64,8 @@ restore beside it on the same CPU) the replica is trusted again."""
 
 
 def p99_of_window(ratios: collections.deque) -> float:
-    """The nearest-rank 99th percentile of a window of at most :data:`SLOWDOWN_WINDOW`
-    ratios, at the full window's rank at every fill: the second largest (1.0 below two)."""
-    if len(ratios) < 2:
-        return 1.0
+    """The nearest-rank 99th percentile of a window of 2 to :data:`SLOWDOWN_WINDOW` ratios,
+    at the full window's rank at every fill: the second largest."""
     return heapq.nlargest(2, ratios)[1]
 
 

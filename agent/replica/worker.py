@@ -104,7 +104,8 @@ class Worker:
         self.batch = BatchScheduler(self, self._pool, self.meter, on_broken=self.drain)
         self.drain_grace_s, self.draining = drain_grace_s, False
         self.text = ModelText(loaded)   # its tokenizer and chat template, loaded ahead
-        self.text.preload_in_background()
+        if loaded is not None:          # (a zygote's come with its restore: worker_restore.py)
+            self.text.preload_in_background()
         self.snapshots = RestoreOps(self)   # the restore and capture ops
 
     # --- lifecycle -----------------------------------------------------------------------

@@ -130,10 +130,11 @@ def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFE
                         device, buffer.unavailable)
     elif shared and warm is None:
         return None
+    elif shared and warm is not None:     # an anonymous buffer where the file cannot be mapped
+        buffer = HostBuffer.map_snapshot(warm) or HostBuffer.allocate(buffer_bytes,
+                                                                      prefault=prefault)
     else:
-        buffer = HostBuffer.map_snapshot(warm) if shared and warm is not None else None
-        if buffer is None:
-            buffer = HostBuffer.allocate(buffer_bytes, prefault=prefault)
+        buffer = HostBuffer.allocate(buffer_bytes, prefault=prefault)
     if warm is not None:
         warm_zygote(buffer, Path(warm))
     return buffer
