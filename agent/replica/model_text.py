@@ -2,9 +2,9 @@
 request (:meth:`ModelText.preload`, or :func:`preload_tokenizer` in a zygote warmed for a
 snapshot), else on first use.
 
-Loading SmolLM2's tokenizer takes 0.1-0.3 s (its tokenizer.json; development machine, quiet
-to loaded).  Paid inside the first request it was that request's TTFT (384 ms for an 8-token
-prompt predicted at ~30 ms), and the front door's measured slowdown (agent/frontdoor/router.py,
+Loading SmolLM2's tokenizer takes 0.11 s and its chat template 0.04 s (development machine,
+quiet).  Paid inside the first request they were part of its TTFT (the first request after a
+boot: 384 ms for an 8-token prompt predicted at ~30 ms), and the front door's measured slowdown (agent/frontdoor/router.py,
 the 99th percentile of observed over predicted TTFT) then carried that one-off ratio of ~9
 onto the next hundred predictions: long prompts that the replica serves in 1.1 s were
 predicted at 7 s and refused.
