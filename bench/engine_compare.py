@@ -226,7 +226,7 @@ class RewarmUp:
         warm replica of the same model adds: a fresh ``rewarm replica --snapshot`` of the
         stack's own snapshot (the same restore a scale-up does, weights mapped from the
         snapshot file), measured ready and idle, then stopped."""
-        from bench.busy_machine import stack_memory
+        from bench.busy_machine import memory_of, stack_memory
 
         mem = stack_memory(self.up.proc.pid)
         out = {"rss_mib": round(mem["rss_bytes_sum"] / 2**20, 1),
@@ -245,20 +245,12 @@ class RewarmUp:
                                threads=self.threads)
         try:
             time.sleep(1.0)
-            both = stack_memory(self.up.proc.pid)["pss_bytes_sum"] + \
-                (memory_pss(worker.proc.pid) or 0)
+            extra_row = memory_of(worker.proc.pid) or {"pss_bytes": 0}
+            both = stack_memory(self.up.proc.pid)["pss_bytes_sum"] + extra_row["pss_bytes"]
         finally:
             worker.kill()
         return {**out, "pss_mib_with_extra_replica": round(both / 2**20, 1),
                 "pss_mib_per_extra_replica": round((both - mem["pss_bytes_sum"]) / 2**20, 1)}
-
-
-def memory_pss(pid: int) -> int | None:
-    """PSS bytes of ``pid`` (bench/busy_machine.py memory_of)."""
-    from bench.busy_machine import memory_of
-
-    row = memory_of(pid)
-    return None if row is None else row["pss_bytes"]
 
 
 class Transformers:
