@@ -135,7 +135,12 @@ class DeviceBuffer:
                 raise ConfigError(f"DeviceBuffer {name}={value} is negative; limit >= 0",
                                   name=name, value=value, limit=0)
         dev = torch.device(device)
-        tensor = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        # zeroed, not empty: a zygote warmed for a snapshot runs the golden calls on whatever
+        # the buffer holds before its restore (agent/replica/zygote.py warm_zygote), and
+        # uninitialised memory decoded as weights can give NaN logits, which its sampling
+        # refuses (the warm-up was then skipped; seen as a flaky test on the CPU stand-in).
+        # Zeroing happens ahead of need, off the restore's clock.
+        tensor = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
         bounce = [_pinned(bounce_bytes, dev) for _ in range(hash_threads() + 1)]
         unavailable = None
         if kvikio is None:

@@ -135,3 +135,9 @@ def test_cuda_zygote_restores_and_checks_on_the_gpu(tmp_path):
     assert loaded.restore_io in ("gds", "compat") and loaded.fallback is None
     assert all(t.is_cuda for t in loaded.weights.values())
     assert loaded.engine.generate([PROMPT], 6, seed=9) == booted.engine.generate([PROMPT], 6, seed=9)
+
+
+def test_a_device_buffer_starts_zeroed_so_a_warm_up_never_reads_garbage(captured):
+    snap, _ = captured
+    buf = _buffer(snap, FakeKvikio())
+    assert int(buf.tensor.count_nonzero()) == 0
