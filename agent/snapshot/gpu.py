@@ -81,6 +81,10 @@ def load_kvikio() -> Any:
                                 call="dlopen", result=None, name="libcuda.so.1", missing=["libcuda.so.1"])
     try:
         import kvikio  # the optional `gpu` extra (kvikio-cu13)
+        # `import kvikio` does not import its `defaults` submodule (kvikio 26.10
+        # python/kvikio/kvikio/__init__.py imports only kvikio._lib.defaults), and io_path
+        # reads it: import it by name, as kvikio's own docs do (`import kvikio.defaults`).
+        import kvikio.defaults  # noqa: F401
     except ImportError as exc:
         raise DriverUnavailable(f"kvikio not importable ({exc}): install the gpu extra",
                                 call="import", result=None, name="kvikio",
