@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import torch
 
 VERSION = "26.10.00"
@@ -154,10 +155,10 @@ _SET_USAGE = ("Valid arguments are kvikio.defaults.set(config: dict) or "
 
 class Defaults(types.ModuleType):
     """The ``kvikio.defaults`` submodule.  ``compat``: the ``compat_mode`` setting (True: ON,
-    False: OFF, None: AUTO, which prefers compat mode when cuFile is unusable, as on a machine
-    without the driver)."""
+    False: OFF, None: AUTO, kvikio's default without ``KVIKIO_COMPAT_MODE``, which prefers
+    compat mode when cuFile is unusable, as it always is here)."""
 
-    def __init__(self, compat: bool | None = True) -> None:
+    def __init__(self, compat: bool | None = None) -> None:
         super().__init__("kvikio.defaults")
         self._values = {k: (list(d) if isinstance(d, list) else d) for k, (_, d) in _SETTINGS.items()}
         self._values["compat_mode"] = {True: CompatMode.ON, False: CompatMode.OFF, None: CompatMode.AUTO}[compat]
@@ -338,8 +339,10 @@ class CuFile:
         elif isinstance(buf, torch.Tensor):   # F-contiguous: its dimensions reversed are C order
             mem = buf.detach().permute(*range(buf.dim() - 1, -1, -1)).reshape(-1).view(torch.uint8)
             mem[:size].copy_(torch.frombuffer(data, dtype=torch.uint8))
-        else:
-            memoryview(buf).cast("B")[:size] = data
+        else:   # C order bytes, or an F-contiguous array's transpose (C order in memory)
+            view = memoryview(buf)
+            mem = view if view.c_contiguous else memoryview(np.asarray(view).T)
+            mem.cast("B")[:size] = data
         return IOFuture(_Handle(result=size))
 
     def read(self, buf, size: int | None = None, file_offset: int = 0,
