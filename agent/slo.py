@@ -11,10 +11,13 @@ Two numbers per request, kept apart:
   not a 2 s it could never meet.
 - the **deadline** is what admission refuses against: the client's (``deadline_ms``, or the
   HTTP header ``x-rewarm-deadline-ms``), else ``deadline_factor`` times the SLO (default
-  :data:`DEADLINE_FACTOR`, 3: a client would rather have a late answer than a refusal, up to a
-  few times the budget).  A request that cannot get its first token before its deadline is
-  refused at once with the reason; one answered after its SLO but before its deadline is
-  served and counted as an SLO miss.
+  :data:`DEADLINE_FACTOR`, 1: the deadline is the SLO).  A request that cannot get its first
+  token before its deadline is refused at once with the reason.  So by default a request is
+  either answered within its SLO or refused at once: a late answer is a miss too, and one
+  admitted late would also delay every request queued behind it, so the default never trades
+  misses for fewer refusals.  A client that would rather wait longer than be refused says
+  so with its own deadline (the client's choice); one answered after its SLO but before that
+  deadline is served and counted as an SLO miss.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from agent.errors import ConfigError
 
 WARM_BASE_S = 2.0
 RESTORE_BASE_S = 4.0
-DEADLINE_FACTOR = 3.0
+DEADLINE_FACTOR = 1.0
 
 
 def _positive(name: str, value: float) -> float:

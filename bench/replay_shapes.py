@@ -102,7 +102,7 @@ def run_traces(directory: Path) -> list[dict]:
           f"{'429':>5} {'(big)':>5} {'504':>5} {'late':>5}")
     for f in files:
         w = load_trace(f)
-        for label, factor in (("= SLO", 1.0), (f"{DEADLINE_FACTOR:g}x SLO", DEADLINE_FACTOR)):
+        for label, factor in (("default (= SLO)", DEADLINE_FACTOR), ("client 3x SLO", 3.0)):
             r = trace_scenario(w, StartupTimes(), slo=TtftSlo(deadline_factor=factor))
             on = next(p for p in r["policies"] if p["name"] == "always_on")["gpu_hours"]
             for pol in r["policies"]:

@@ -2,12 +2,13 @@
 to this machine, beside the simulator's replay of the same requests.
 
     bench/trace_replay.py --trace CSV [--load 0.3[,3]] [--minutes 10] [--start-min 0]
-                          [--wall-s 240] [--profile JSON] [--deadline-policy slo,default]
+                          [--wall-s 240] [--profile JSON] [--deadline-policy default,client3x]
                           --json PATH
 
-For each ``--load`` and each ``--deadline-policy`` (``slo``: a request's deadline is its SLO,
-``deadline_factor`` 1; ``default``: the front door's default, ``deadline_factor``
-:data:`agent.slo.DEADLINE_FACTOR` times the SLO, agent/slo.py), on a fresh ``rewarm up`` stack (real ``rewarm replica`` processes on
+For each ``--load`` and each ``--deadline-policy`` (``default``: no client deadline, so the
+front door's default, ``deadline_factor`` :data:`agent.slo.DEADLINE_FACTOR` times the SLO:
+the SLO itself; ``client3x``: clients that ask for three times the SLO, :func:`deadline_factors`),
+on a fresh ``rewarm up`` stack (real ``rewarm replica`` processes on
 SmolLM2-135M, the front door, the node agent and, for the replay, the predictor):
 
 1. the node agent cold-boots a replica (its ``restore`` op with no snapshot yet; the snapshot
@@ -80,16 +81,23 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
+CLIENT_DEADLINE_FACTOR = 3.0
+"""The ``client3x`` policy: every client asks for a deadline of three times its path's SLO
+(one that would rather have a late answer than a refusal)."""
+
+
 def deadline_factors() -> dict[str, float]:
-    """``--deadline-policy`` names: ``slo`` (the deadline is the SLO) and ``default`` (the
-    front door's default deadline, ``DEADLINE_FACTOR`` x the SLO)."""
+    """``--deadline-policy`` names: ``default`` (no client deadline: the front door's
+    default, ``DEADLINE_FACTOR`` x the SLO, agent/slo.py: the SLO itself) and ``client3x``
+    (clients' own deadlines of :data:`CLIENT_DEADLINE_FACTOR` x the SLO)."""
     from agent.slo import DEADLINE_FACTOR
 
-    return {"slo": 1.0, "default": DEADLINE_FACTOR}
+    return {"default": DEADLINE_FACTOR, "client3x": CLIENT_DEADLINE_FACTOR}
 
 
 def policy_list(text: str) -> list[str]:
-    """``slo``, ``default`` or ``slo,default``; ArgumentTypeError naming a name not known."""
+    """``default``, ``client3x`` or both, comma-separated; ArgumentTypeError naming a name
+    not known."""
     names = [x.strip() for x in text.split(",") if x.strip()]
     known = deadline_factors()
     bad = [n for n in names if n not in known]
@@ -117,9 +125,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "saturated instead of the contention model's")
     ap.add_argument("--load", type=load_list, default=[0.3],
                     help="offered load(s), fraction of one replica's capacity (0.3; 0.3,3)")
-    ap.add_argument("--deadline-policy", type=policy_list, default=["slo", "default"],
-                    help="deadline policies replayed at each load: slo (deadline = SLO), "
-                         "default (the front door's, a few times the SLO); default both")
+    ap.add_argument("--deadline-policy", type=policy_list, default=["default", "client3x"],
+                    help="deadline policies replayed at each load: default (no client "
+                         "deadline: the front door's, the SLO), client3x (clients ask for 3x "
+                         "the SLO); default both")
     ap.add_argument("--minutes", type=positive_float, default=10.0, help="trace window (min)")
     ap.add_argument("--start-min", type=nonneg_float, default=0.0,
                     help="window start, minutes after the trace's first request")

@@ -80,9 +80,11 @@ def test_loads_and_policy(bench):
 
 
 def test_deadline_policies(bench):
-    assert bench.policy_list("slo,default") == ["slo", "default"]
-    assert bench.deadline_factors()["slo"] == 1.0
-    assert bench.deadline_factors()["default"] > 1.0
+    assert bench.policy_list("default,client3x") == ["default", "client3x"]
+    assert bench.deadline_factors()["default"] == 1.0     # the front door's: the SLO
+    assert bench.deadline_factors()["client3x"] == 3.0
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench.policy_list("slo")
     with pytest.raises(argparse.ArgumentTypeError):
         bench.policy_list("slo,loose")
     with pytest.raises(argparse.ArgumentTypeError):

@@ -1,7 +1,7 @@
 """Per-model figures the request path derives and caches: time budgets and replica size.
 
 - :meth:`Budgets.slos_s`: a request's (warm, restore) TTFT SLOs, base + its own prefill;
-- :meth:`Budgets.budgets_s`: its (warm, restore) deadlines, a few times those SLOs;
+- :meth:`Budgets.budgets_s`: its (warm, restore) deadlines: those SLOs by default;
 - :meth:`Budgets.deadline_names`: where each of those deadlines came from (for refusals);
 - :meth:`Budgets.per_replica`: requests one new replica serves within the warm SLO (its
   sustainable concurrency, agent/speed.py), which sizes the restores asked for;

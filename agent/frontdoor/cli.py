@@ -14,6 +14,7 @@ from agent.cluster import (ClusterChoice, add_flags, catalog_watcher, choice_fro
                            consul_client)
 from agent.cluster.base import Registry
 from agent.errors import ConfigError, RewarmError, Unreachable
+from agent.slo import DEADLINE_FACTOR
 
 
 def register(subparsers) -> None:
@@ -52,6 +53,10 @@ def register(subparsers) -> None:
                    help="TTFT SLO of a request that waits for a restore (p99: 4000)")
     p.add_argument("--slo", action="append", default=[], metavar="MODEL=WARM_MS,RESTORE_MS",
                    help="one model's SLOs (repeatable)")
+    p.add_argument("--deadline-factor", type=positive_float, default=DEADLINE_FACTOR,
+                   metavar="F", help="a request without a deadline of its own must get its "
+                   "first token within F times its path's SLO (>= 1; default %(default)g: "
+                   "answered within the SLO or refused at once)")
     p.add_argument("--drain-grace-s", type=positive_float, default=30.0,
                    help="on SIGTERM, streams in flight finish within this; new requests get "
                         "503 + retry_after_ms meanwhile (match systemd TimeoutStopSec, Nomad "
@@ -147,7 +152,8 @@ def _serve(args) -> int:
                              max_queue_depth=args.max_queue_depth, max_wait_s=args.max_wait_s,
                              max_connections=args.max_connections,
                              drain_grace_s=args.drain_grace_s, warm_slo_ms=args.warm_slo_ms,
-                             restore_slo_ms=args.restore_slo_ms, slos=_slos(args.slo))
+                             restore_slo_ms=args.restore_slo_ms, slos=_slos(args.slo),
+                             deadline_factor=args.deadline_factor)
 
     async def run() -> None:
         # Handlers first: the door listens (and is announced) from fd.start() on, and a

@@ -12,6 +12,7 @@ from typing import Any
 from agent.errors import ConfigError
 from agent.frontdoor.router import DEFAULT_PRIOR
 from agent.protocol import DEFAULT_LIMITS, Limits
+from agent.slo import DEADLINE_FACTOR
 from agent.speed import SpeedProfile
 
 
@@ -24,8 +25,8 @@ class FrontDoorConfig:
     p99 2,000 ms and restore-path p99 4,000 ms), plus, with ``slo_counts_prefill``, the
     request's own prefill at its replicas' measured speed: the SLO is what attainment
     counts.  The deadline is what admission refuses against: a request with no
-    ``deadline_ms`` of its own must get its first token within ``deadline_factor`` (3) times
-    its path's SLO, counted from arrival (and within ``models[model]``, the model's default
+    ``deadline_ms`` of its own must get its first token within ``deadline_factor`` (1:
+    agent/slo.py's default, the deadline is the SLO) times its path's SLO, counted from arrival (and within ``models[model]``, the model's default
     deadline, when that is shorter); a request's own ``deadline_ms`` replaces both, and one
     whose prefill alone exceeds it is refused at arrival.  Models not listed (seen in the
     registry) have a default deadline of ``default_deadline_ms`` until restores are
@@ -47,7 +48,7 @@ class FrontDoorConfig:
     deadline_per_restore_p99: float = 1.5  # unconfigured models: max(default, this x p99)
     # a request with no deadline of its own may wait this many times its SLO (1: the deadline
     # is the SLO), and its SLO counts its own prefill at the replicas' measured speed
-    deadline_factor: float = 3.0
+    deadline_factor: float = DEADLINE_FACTOR
     slo_counts_prefill: bool = True
     max_queue_depth: int = 1024
     max_wait_s: float = 60.0

@@ -2,13 +2,30 @@
 
 ``stats`` is what the predictor and the dashboards read: the request path's counters, per
 model its arrivals and cold arrivals (those that found no warm replica) with their SLO
-misses, the queues, the restores in flight and each warm replica's use.
+misses, the queues, the restores in flight, the mean request lengths it sees (``lengths``)
+and each warm replica's use, measured speed and the capacity it sustained while backlogged
+(agent/speed.py, agent/throughput.py: what the predictor sizes the warm pool with).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from agent.frontdoor.model_state import ModelStates
-from agent.frontdoor.router import Router
+from agent.frontdoor.router import ReplicaLoad, Router
+
+
+def replica_entry(load: ReplicaLoad) -> dict[str, Any]:
+    """One warm replica in ``stats``: its model, use, slots and, once measured, its speed
+    (floats, agent/speed.py's keys) and sustained capacity (agent/throughput.py's keys)."""
+    out: dict[str, Any] = {"model": load.model, "active_seqs": load.active_seqs,
+                           "max_seqs": load.max_seqs, "kv_used_tokens": load.kv_used_tokens,
+                           "kv_capacity_tokens": load.kv_capacity_tokens}
+    if load.speed is not None:
+        out.update(load.speed.to_dict())
+    if load.backlog is not None:
+        out.update(load.backlog.to_meta())
+    return out
 
 
 def info_answer(op: str, connections: int, *, counts: dict[str, int], known_models: set[str],
@@ -31,7 +48,8 @@ def info_answer(op: str, connections: int, *, counts: dict[str, int], known_mode
                          "misses": s.cold_misses if s else 0} for m, s in states.items()},
             "restores_in_flight": restores_in_flight,
             "queued": {m: len(q) for m, q in models.queues().items() if q},
-            "replicas": {r.replica_id: {"model": r.model, "active_seqs": r.active_seqs,
-                                        "kv_used_tokens": r.kv_used_tokens,
-                                        "kv_capacity_tokens": r.kv_capacity_tokens}
+            "lengths": {m: dict(zip(("mean_prompt_tokens", "mean_gen_tokens"),
+                                    s.mean_shape(), strict=True))
+                        for m, s in states.items() if s is not None and s.shape is not None},
+            "replicas": {r.replica_id: replica_entry(r)
                          for m in router.models() for r in router.warm(m)}}

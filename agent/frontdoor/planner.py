@@ -209,20 +209,20 @@ class QueuePlanner:
 
     def capacity_rps(self, model: str, now: float) -> float | None:
         """Requests per second the replicas of ``model`` in sight complete (warm, being
-        restored, and those the restores side would start, :meth:`etas_s`): each at its
-        sustainable batch (:meth:`Sizing.per_replica`) and the model's
-        mean request shape (``SpeedProfile.service_rps``, agent/speed.py); None before the
-        model's shape is known."""
+        restored, and those the restores side would start, :meth:`etas_s`) at the model's
+        mean request shape: what each sustained while backlogged (agent/throughput.py,
+        :meth:`Router.sustained_rps`), else its speed profile's service rate at its
+        sustainable batch (:meth:`Sizing.per_replica`); None before the model's shape is
+        known."""
         state = self.models.of(model)
         if state.shape is None:
             return None
         prompt, gen = state.mean_shape()
         batch = max(1, self.sizing.per_replica(model))
-        prior = self.router.prior(model)
-        total = sum((load.speed or prior).service_rps(prompt, gen, min(batch, load.max_seqs))
+        total = sum(self.router.sustained_rps(load, prompt, gen, batch)
                     for load in self.router.warm(model))
         restoring = len(self.etas_s(model, now))
-        return total + restoring * self.router.held_prior(model).service_rps(prompt, gen, batch)
+        return total + restoring * self.router.new_replica_rps(model, prompt, gen, batch)
 
     def assign(self, model: str, flights: list[Flight], now: float,
                 margin_s: float = 0.0, ahead: int = 0) -> tuple[list[float | None], float]:

@@ -47,6 +47,7 @@ from collections.abc import Iterable, Mapping
 from agent.cluster.base import LOAD_META_KEYS as META_KEYS  # the registry meta schema
 from agent.cluster.base import ServiceInstance
 from agent.speed import QUEUE_META_KEYS, SPEED_META_KEYS, SpeedProfile
+from agent.throughput import BACKLOG_META_KEYS, BacklogCapacity
 
 DEFAULT_PRIOR = SpeedProfile(prefill_tokens_per_s=500.0, prefill_overhead_s=0.02,
                              decode_base_s=0.1, decode_per_seq_s=0.005,
@@ -90,6 +91,8 @@ class ReplicaLoad:
     active_ctx_tokens: int = 0
     penalty_s: float = field(default=0.0, repr=False)
     came_up: str = ""  # the node agent's word for how it came up (meta came_up), "" if unknown
+    # what it sustained while backlogged (agent/throughput.py), None until it has measured it
+    backlog: BacklogCapacity | None = None
     slowdown: float = field(default=1.0, repr=False)  # measured TTFT / predicted, >= 1
     ratios: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=SLOWDOWN_WINDOW), repr=False)
@@ -139,8 +142,9 @@ class ReplicaLoad:
     def from_meta(cls, replica_id: str, model: str, address: str,
                   meta: Mapping[str, object]) -> ReplicaLoad:
         """From a load report (ints or decimal strings): :data:`META_KEYS` required (else
-        ValueError naming the key and value); speed and queue keys optional (a missing or
-        bad speed key means no profile; a missing queue key is 0)."""
+        ValueError naming the key and value); speed, queue and backlog-capacity keys optional
+        (a missing or bad speed or backlog key means none measured; a missing queue key is
+        0)."""
         values = {}
         for key in META_KEYS:
             try:
@@ -154,7 +158,8 @@ class ReplicaLoad:
             except (ValueError, TypeError, OverflowError):
                 values[key] = 0
         speed = SpeedProfile.from_meta(meta) if SPEED_META_KEYS[0] in meta else None
-        return cls(replica_id, model, address, speed=speed, **values)
+        backlog = BacklogCapacity.from_meta(meta) if BACKLOG_META_KEYS[0] in meta else None
+        return cls(replica_id, model, address, speed=speed, backlog=backlog, **values)
 
     @classmethod
     def from_instance(cls, inst: ServiceInstance) -> ReplicaLoad:
@@ -200,6 +205,7 @@ class Router:
         self._by_model: dict[str, dict[str, ReplicaLoad]] = {}
         self.default_prior = default_prior
         self._slowest: dict[str, SpeedProfile] = {}  # model -> slowest reported (kept)
+        self._sustained: dict[str, BacklogCapacity] = {}  # model -> last capacity measured
         self._last_slowdown: dict[str, float] = {}   # model -> of its last replica removed
 
     def upsert(self, load: ReplicaLoad) -> None:
@@ -214,6 +220,8 @@ class Router:
             load.slowdown = self.model_slowdown(load.model)
         self._replicas[load.replica_id] = load
         self._by_model.setdefault(load.model, {})[load.replica_id] = load
+        if load.backlog is not None:
+            self._sustained[load.model] = load.backlog
         if load.speed is not None:
             current = slowest(r.speed for r in self._by_model[load.model].values()
                               if r.speed is not None)
@@ -236,6 +244,33 @@ class Router:
         if mine is not None:
             return mine
         return slowest(self._slowest.values()) or self.default_prior
+
+    def sustained_rps(self, load: ReplicaLoad, prompt_tokens: float, gen_tokens: float,
+                      batch: int) -> float:
+        """Requests per second ``load``'s replica sustains for requests of the given mean
+        lengths: what it measured while backlogged (agent/throughput.py), converted to these
+        lengths; before it has measured that, its model's last measured capacity, else its
+        speed profile's service rate at ``batch`` (at most its slots)."""
+        speed = load.speed or self.prior(load.model)
+        measured = load.backlog or self._sustained.get(load.model)
+        if measured is not None:
+            return measured.rps_at(speed, prompt_tokens, gen_tokens)
+        return speed.service_rps(prompt_tokens, gen_tokens, max(1, min(batch, load.max_seqs)))
+
+    def new_replica_rps(self, model: str, prompt_tokens: float, gen_tokens: float,
+                        batch: int) -> float:
+        """Requests per second one more replica of ``model`` (one being restored) will
+        sustain: its model's last capacity measured while backlogged, converted to these
+        lengths, else :meth:`held_prior`'s service rate at ``batch``."""
+        measured = self._sustained.get(model)
+        if measured is not None:
+            return measured.rps_at(self.prior(model), prompt_tokens, gen_tokens)
+        return self.held_prior(model).service_rps(prompt_tokens, gen_tokens, max(1, batch))
+
+    def model_capacity(self, model: str) -> BacklogCapacity | None:
+        """The last capacity a replica of ``model`` reported measuring while backlogged
+        (kept after the replica is gone: a restored replica is the same engine)."""
+        return self._sustained.get(model)
 
     def model_slowdown(self, model: str) -> float:
         """The front door's measured slowdown for a replica of ``model`` not yet in the view

@@ -26,6 +26,7 @@ from agent.node.registration import Registrar
 from agent.snapshot.catalog import Catalog
 from agent.snapshot.store import LocalStore
 from agent.speed import QUEUE_META_KEYS, SPEED_META_KEYS
+from agent.throughput import BACKLOG_META_KEYS
 
 LOAD_KEYS = LOAD_META_KEYS
 """A replica's load as its worker's ``stats`` reports it, in the front door's router's keys."""
@@ -33,6 +34,8 @@ QUEUE_KEYS = QUEUE_META_KEYS
 """Its queue (ints; agent/speed.py), reported beside the load when the worker gives them."""
 SPEED_KEYS = SPEED_META_KEYS
 """Its measured speed (floats; agent/speed.py), absent until the replica has measured itself."""
+BACKLOG_KEYS = BACKLOG_META_KEYS
+"""What it sustained while backlogged (floats; agent/throughput.py), absent until measured."""
 
 
 @dataclass
@@ -242,11 +245,12 @@ class NodeState:
 
 
 def load_report(stats: dict[str, Any]) -> dict[str, Any]:
-    """The load, queue and (once measured, all or none) speed keys of a worker's ``stats``:
-    ints, and floats for the speed."""
+    """The load, queue and (once measured, all or none) speed and backlog-capacity keys of
+    a worker's ``stats``: ints, and floats for the speed and capacity."""
     out: dict[str, Any] = {k: int(stats[k]) for k in LOAD_KEYS + QUEUE_KEYS if k in stats}
-    if all(k in stats for k in SPEED_KEYS):
-        out.update({k: float(stats[k]) for k in SPEED_KEYS})
+    for keys in (SPEED_KEYS, BACKLOG_KEYS):
+        if all(k in stats for k in keys):
+            out.update({k: float(stats[k]) for k in keys})
     return out
 
 

@@ -75,6 +75,7 @@ from agent.predictor.keepalive import IdleGaps, KeepAlivePlan, plan_keepalive
 from agent.predictor.policy import ModelPolicy, check_lead_time, release_after_s
 from agent.predictor.sizing import replicas_for_rate, seqs_per_replica, target_replicas
 from agent.speed import SpeedProfile
+from agent.throughput import BacklogCapacity
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class _State:
     seqs: int
     gaps: IdleGaps
     speed: SpeedProfile | None = None
+    sustained: BacklogCapacity | None = None   # what a replica sustained while backlogged
     max_seqs: int = 0
     arrivals: int = 0
     window_s: float = 0.0
@@ -244,12 +246,16 @@ class Predictor:
 
     def update_speed(self, model: str, profile: SpeedProfile, max_seqs: int, *,
                      mean_prompt_tokens: float | None = None,
-                     mean_gen_tokens: float | None = None) -> int:
+                     mean_gen_tokens: float | None = None,
+                     sustained: BacklogCapacity | None = None) -> int:
         """Size ``model`` from a replica's measured speed from now on (docs/architecture.md,
         "Capacity from measured rates"):
-        ``profile`` (the slowest replica's, agent/speed.py), its ``max_seqs`` KV slots and,
-        when given, the observed mean prompt and output lengths (tokens).  Returns the
-        sustainable concurrency per replica at the policy's TTFT SLO."""
+        ``profile`` (the slowest replica's, agent/speed.py), its ``max_seqs`` KV slots,
+        when given the observed mean prompt and output lengths (tokens), and ``sustained``,
+        the capacity a replica sustained while backlogged (agent/throughput.py; kept until
+        a newer one comes: a replica that has not been saturated since still has it), which
+        then sizes the pool instead of the profile's estimate.  Returns the sustainable
+        concurrency per replica at the policy's TTFT SLO."""
         st = self._state(model)
         if max_seqs < 1:
             raise ConfigError(f"update_speed {model}: max_seqs={max_seqs}; limit is >= 1",
@@ -260,6 +266,8 @@ class Predictor:
         if changes:
             st.policy = replace(st.policy, **changes)
         st.speed, st.max_seqs = profile, int(max_seqs)
+        if sustained is not None:
+            st.sustained = sustained
         p = st.policy
         return profile.sustainable_concurrency(p.ttft_slo_s, p.mean_prompt_tokens,
                                                p.mean_gen_tokens, st.max_seqs)
@@ -324,7 +332,8 @@ class Predictor:
                                         max_seqs=st.max_seqs,
                                         utilisation=p.speed_utilisation,
                                         min_replicas=p.min_replicas,
-                                        max_replicas=p.max_replicas)
+                                        max_replicas=p.max_replicas,
+                                        sustained=st.sustained)
         else:
             desired = target_replicas(demand, p.occupancy_s, st.seqs, p.utilisation,
                                       p.min_replicas, p.max_replicas)

@@ -145,7 +145,11 @@ class PredictorService:
         for model, tokens in capacity.items():
             self.predictor.update_capacity(model, tokens)
         for model, (profile, max_seqs, lengths) in _speeds(stats, known).items():
-            self.predictor.update_speed(model, profile, max_seqs, **lengths)
+            sustained = [d["sustained"][model] for d in stats.values()
+                         if model in (d.get("sustained") or {})]
+            self.predictor.update_speed(model, profile, max_seqs, **lengths,
+                                        sustained=min(sustained, key=lambda c: c.rps_at(
+                                            profile, 100, 10), default=None))
         return seen
 
     def step(self) -> list[Decision]:
@@ -228,9 +232,11 @@ def _parse_stats(address: str, result: dict) -> dict[str, Any]:
             raise ValueError(f"front door {address}: {name} is {type(value).__name__}, "
                              "not a map")
     from agent.speed import SpeedProfile
+    from agent.throughput import BacklogCapacity
 
     capacity: dict[str, int] = {}
     speed: dict[str, tuple] = {}
+    sustained: dict[str, BacklogCapacity] = {}
     for rep in replicas.values():
         if not (isinstance(rep, dict) and isinstance(rep.get("model"), str)):
             continue
@@ -244,6 +250,11 @@ def _parse_stats(address: str, result: dict) -> dict[str, Any]:
             old = speed.get(m)
             if old is None or profile.service_rps(100, 10, 1) < old[0].service_rps(100, 10, 1):
                 speed[m] = (profile, max_seqs)
+        # the replica that sustained the least while backlogged sizes its model
+        measured = BacklogCapacity.from_meta(rep)
+        if measured is not None and (m not in sustained or measured.rps_at(
+                profile, 100, 10) < sustained[m].rps_at(profile, 100, 10)):
+            sustained[m] = measured
     lengths: dict[str, dict] = {}
     reported = result.get("lengths")
     for m, value in (reported.items() if isinstance(reported, dict) else ()):
@@ -285,4 +296,4 @@ def _parse_stats(address: str, result: dict) -> dict[str, Any]:
              and rep["active_seqs"] > 0}
     return {"arrivals": {str(k): v for k, v in counters.items() if _count(v)},
             "kv_capacity_tokens": capacity, "speed": speed, "lengths": lengths, "cold": cold,
-            "busy": busy}
+            "busy": busy, "sustained": sustained}

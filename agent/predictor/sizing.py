@@ -25,6 +25,7 @@ import math
 
 from agent.errors import ConfigError
 from agent.speed import SpeedProfile
+from agent.throughput import BacklogCapacity
 
 # Floating-point slack for the ceiling: 140 / 60 must not become 2.3333334 -> fine, but
 # 120 / 60 computed as 2.0000000000000004 must stay 2.
@@ -73,17 +74,24 @@ def target_replicas(rate_rps: float, occupancy_s: float, seqs_per_replica: int,
 
 def replicas_for_rate(rate_rps: float, profile: SpeedProfile, *, ttft_slo_s: float,
                       mean_prompt_tokens: float, mean_gen_tokens: float, max_seqs: int,
-                      utilisation: float, min_replicas: int, max_replicas: int) -> int:
+                      utilisation: float, min_replicas: int, max_replicas: int,
+                      sustained: BacklogCapacity | None = None) -> int:
     """Replicas for ``rate_rps`` from a measured :class:`~agent.speed.SpeedProfile`.
 
-    Per replica: B = ``profile.sustainable_concurrency(ttft_slo_s, mean_prompt_tokens,
-    mean_gen_tokens, max_seqs)`` and the rate it serves at that batch,
+    Per replica, the rate one replica serves: what a replica sustained while backlogged
+    when that was measured (``sustained``, agent/throughput.py, converted to the mean
+    lengths by the profile), else B = ``profile.sustainable_concurrency(ttft_slo_s,
+    mean_prompt_tokens, mean_gen_tokens, max_seqs)`` and the rate at that batch,
     ``profile.service_rps(mean_prompt_tokens, mean_gen_tokens, B)``; then
-    :func:`target_replicas` with occupancy ``1 / service_rps`` and one "sequence" per replica
-    (a replica is a server of rate ``service_rps``).  Same clamps and errors as
+    :func:`target_replicas` with occupancy ``1 / rate`` and one "sequence" per replica
+    (a replica is a server of that rate).  Same clamps and errors as
     :func:`target_replicas`; ConfigError for ``max_seqs`` < 1.
     """
     _require("max_seqs", max_seqs, max_seqs >= 1, ">= 1")
+    if sustained is not None:
+        per_replica_rps = sustained.rps_at(profile, mean_prompt_tokens, mean_gen_tokens)
+        return target_replicas(rate_rps, 1.0 / per_replica_rps, 1, utilisation, min_replicas,
+                               max_replicas)
     batch = profile.sustainable_concurrency(ttft_slo_s, mean_prompt_tokens, mean_gen_tokens,
                                             max_seqs)
     per_replica_rps = profile.service_rps(mean_prompt_tokens, mean_gen_tokens, batch)

@@ -7,7 +7,9 @@ never as a precomputed rate.
 
 ``tokens_per_s`` is the tokens emitted in the last ``window_s`` seconds divided by that wall
 time (or by the time since the first step began, when that is shorter): a sliding window of
-engine steps, so an idle replica drops to 0 within the window.
+engine steps, so an idle replica drops to 0 within the window.  The capacity the replica
+sustained while backlogged (agent/throughput.py) is measured from the same steps and
+reported beside the load (``backlog_*`` keys) once measured.
 The clock is injected (seconds, monotonic).
 """
 
@@ -21,6 +23,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from agent.throughput import BacklogMeter
+
 
 class ReplicaMeter:
     def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -29,10 +33,16 @@ class ReplicaMeter:
         self.generated_tokens = 0
         self.batch_size = 0
         self._first_s: float | None = None
+        self.backlog = BacklogMeter(clock=clock)
 
-    def step(self, tokens: int, batch: int, duration_s: float = 0.0) -> None:
+    def step(self, tokens: int, batch: int, duration_s: float = 0.0, *,
+             departed: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
+             backlog: bool = False) -> None:
         """One engine step, which took ``duration_s``, emitted ``tokens`` tokens for ``batch``
-        sequences."""
+        sequences; ``departed``: ``(prompt_tokens, generated_tokens)`` of each request it
+        finished, ``backlog``: whether work is left over for the next step (both for the
+        capacity measured while backlogged, agent/throughput.py)."""
+        self.backlog.tick(departed, backlog=backlog, batch=batch)
         now = self._clock()
         if self._first_s is None:
             self._first_s = now - duration_s
@@ -57,12 +67,17 @@ class ReplicaMeter:
 
     def snapshot(self, engine) -> dict[str, Any]:
         """The load keys (``stats``) this meter adds: ``tokens_per_s`` (float), ``batch_size``,
-        ``kv_slots_used``, ``kv_slots``, ``generated_tokens`` (ints).  The queue
+        ``kv_slots_used``, ``kv_slots``, ``generated_tokens`` (ints), and once measured the
+        capacity sustained while backlogged (agent/throughput.py ``BACKLOG_META_KEYS``).  The queue
         (``queued_prefill_tokens``, ``waiting_seqs``) comes from the engine's own report
         (:meth:`Engine.speed_report`, agent/speed.py's QUEUE_META_KEYS)."""
-        return {"tokens_per_s": round(self.tokens_per_s(), 3), "batch_size": self.batch_size,
-                "kv_slots_used": int(engine.kv.active), "kv_slots": int(engine.kv.max_seqs),
-                "generated_tokens": self.generated_tokens}
+        out = {"tokens_per_s": round(self.tokens_per_s(), 3), "batch_size": self.batch_size,
+               "kv_slots_used": int(engine.kv.active), "kv_slots": int(engine.kv.max_seqs),
+               "generated_tokens": self.generated_tokens}
+        sustained = self.backlog.capacity()
+        if sustained is not None:
+            out.update(sustained.to_meta())
+        return out
 
 
 class _Collector:

@@ -37,12 +37,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.cluster.base import LOAD_META_KEYS, ServiceInstance
+from agent.cluster.base import ServiceInstance
 from agent.errors import ConfigError, NoCapacity
 from agent.frontdoor.capacity import RestoreResult
 from agent.frontdoor.router import ReplicaLoad
+from agent.node.state import load_meta   # the node agent's own: load, queue, speed, capacity
 from agent.sim.worker import SimWorker
-from agent.speed import QUEUE_META_KEYS, SPEED_META_KEYS, SpeedProfile
+from agent.speed import SpeedProfile
 
 UP = ("restoring", "warm")
 
@@ -63,15 +64,6 @@ class SimRecord:
     def describe(self) -> dict[str, Any]:
         return {"replica": self.replica_id, "model": self.worker.model, "state": self.state,
                 "path": self.path, "address": self.replica_id}
-
-
-def load_meta(stats: dict[str, Any]) -> dict[str, str]:
-    """A worker's ``stats`` as registry meta, as the node agent writes it: the load and
-    queue keys as ints, the speed keys (all or none) as floats, each ``repr``."""
-    out = {k: repr(int(stats[k])) for k in LOAD_META_KEYS + QUEUE_META_KEYS if k in stats}
-    if all(k in stats for k in SPEED_META_KEYS):
-        out.update({k: repr(float(stats[k])) for k in SPEED_META_KEYS})
-    return out
 
 
 class SimNode:

@@ -130,3 +130,44 @@ def test_a_new_replica_starts_at_its_models_measured_slowdown():
     router.remove("b")
     router.upsert(d := ReplicaLoad("d", "m", "h:4", 4, 0, 1000, 0, speed=speed))
     assert d.slowdown == 1.0                        # the last one removed said 1.0
+
+
+def test_sustained_rate_is_the_measured_one_converted_else_the_profiles():
+    from agent.speed import SpeedProfile
+    from agent.throughput import BacklogCapacity
+
+    speed = SpeedProfile(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.01,
+                         decode_base_s=0.02, decode_per_seq_s=0.002, decode_per_ctx_token_s=0.0)
+    measured = BacklogCapacity(rps=12.0, seconds=8.0, batch=4.0, prompt_tokens=20.0,
+                               gen_tokens=2.0)
+    r = Router()
+    fresh = load("a")
+    fresh.speed = speed
+    r.upsert(fresh)
+    # nothing measured yet: the profile's service rate at the batch asked (within its slots)
+    assert r.sustained_rps(fresh, 20, 2, 8) == pytest.approx(speed.service_rps(20, 2, 4))
+    assert r.new_replica_rps("m", 20, 2, 4) == pytest.approx(r.held_prior("m").service_rps(20, 2, 4))
+    assert r.model_capacity("m") is None
+    saturated = load("b")
+    saturated.speed, saturated.backlog = speed, measured
+    r.upsert(saturated)
+    assert r.sustained_rps(saturated, 20, 2, 8) == pytest.approx(12.0)
+    # a replica that has not been saturated itself takes its model's measured capacity
+    assert r.sustained_rps(fresh, 20, 2, 8) == pytest.approx(12.0)
+    assert r.new_replica_rps("m", 20, 2, 4) == pytest.approx(12.0)
+    ratio = speed.service_s(20, 2, 4) / speed.service_s(200, 2, 4)
+    assert r.sustained_rps(saturated, 200, 2, 8) == pytest.approx(12.0 * ratio)
+    r.remove("b")          # kept for the model after its replica is gone
+    assert r.model_capacity("m") == measured
+
+
+def test_load_reports_carry_the_sustained_capacity():
+    meta = {"max_seqs": "4", "active_seqs": "0", "kv_capacity_tokens": "1000",
+            "kv_used_tokens": "0"}
+    assert ReplicaLoad.from_meta("r", "m", "a:1", meta).backlog is None
+    measured = {"backlog_rps": "7.5", "backlog_s": "30.0", "backlog_batch": "6.0",
+                "backlog_prompt_tokens": "9.0", "backlog_gen_tokens": "1.0"}
+    got = ReplicaLoad.from_meta("r", "m", "a:1", {**meta, **measured}).backlog
+    assert got is not None and got.rps == 7.5 and got.batch == 6.0
+    bad = ReplicaLoad.from_meta("r", "m", "a:1", {**meta, **measured, "backlog_s": "-1"})
+    assert bad.backlog is None      # a malformed measurement is none, not a guess

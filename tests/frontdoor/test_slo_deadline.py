@@ -67,9 +67,11 @@ def test_a_late_answer_beats_a_refusal_when_the_deadline_allows_it():
     run(main())
 
 
-def test_the_default_contract_is_a_deadline_three_times_an_slo_that_counts_the_prefill():
+def test_the_default_contract_is_a_deadline_equal_to_an_slo_that_counts_the_prefill():
+    # answered within the SLO or refused at once: the default never trades misses for
+    # fewer refusals (a client that would rather wait says so with its own deadline)
     cfg = FrontDoorConfig()
-    assert cfg.deadline_factor == 3.0 and cfg.slo_counts_prefill
+    assert cfg.deadline_factor == 1.0 and cfg.slo_counts_prefill
 
 
 def test_a_deadline_factor_below_one_is_refused():

@@ -112,10 +112,10 @@ def _serve_once(answer):
         "cold": {"m": {"arrivals": 5, "misses": 2}, "n": {"arrivals": 1, "misses": 2},
                  "o": "many"}}},
      {"arrivals": {"m": 7}, "kv_capacity_tokens": {"m": 36000}, "speed": {}, "lengths": {},
-      "cold": {"m": (5, 2)}, "busy": set()}),
+      "cold": {"m": (5, 2)}, "busy": set(), "sustained": {}}),
     ({"type": "result", "result": {"requests": 9}},           # no per-model counters
      {"arrivals": {}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {}, "cold": {},
-      "busy": set()}),
+      "busy": set(), "sustained": {}}),
 ])
 def test_frontdoor_stats(answer, expect):
     addr, srv, t = _serve_once(answer)
@@ -251,12 +251,14 @@ def test_reads_the_real_front_doors_stats():
     before, after, answers = asyncio.run(main())
     # the known model counted from 0 before its first request (the first reading is a baseline)
     assert before == {"arrivals": {"m": 0}, "kv_capacity_tokens": {}, "speed": {}, "lengths": {},
-                      "cold": {"m": (0, 0)}, "busy": set()}
+                      "cold": {"m": (0, 0)}, "busy": set(), "sustained": {}}
     codes = {a["id"]: a["code"] for a in answers}
     assert [codes[i] for i in range(3)] == [404, 404, 404]
     assert all(codes[i] in (503, 504) for i in range(3, 6))  # no replica can come for "m"
     assert after["arrivals"] == {"m": 3}
     assert after["cold"] == {"m": (3, 3)}   # no warm replica for any of them; none served
+    # the lengths the front door saw reach the predictor, which sizes the pool for them
+    assert after["lengths"] == {"m": {"mean_prompt_tokens": 1.0, "mean_gen_tokens": 1.0}}
 
 
 def test_a_front_door_outage_is_logged_when_it_starts_each_minute_and_when_it_ends(caplog):
@@ -337,6 +339,31 @@ def test_service_sizes_from_the_reported_speed():
     st = pred._models["m"]
     assert st.speed == slow and st.max_seqs == 4
     assert st.policy.mean_prompt_tokens == 40.0 and st.policy.mean_gen_tokens == 3.0
+    assert st.sustained is None
+
+
+def test_the_capacity_replicas_sustained_while_backlogged_reaches_the_predictor():
+    from agent.frontdoor.path_info import replica_entry
+    from agent.frontdoor.router import ReplicaLoad
+    from agent.predictor.service import _parse_stats
+    from agent.speed import SpeedProfile
+    from agent.throughput import BacklogCapacity
+
+    speed = SpeedProfile(500.0, 0.02, 0.04, 0.004, 0.0)
+    fast = BacklogCapacity(rps=9.0, seconds=30.0, batch=6.0, prompt_tokens=40.0, gen_tokens=3.0)
+    slow = BacklogCapacity(rps=4.0, seconds=30.0, batch=6.0, prompt_tokens=40.0, gen_tokens=3.0)
+    loads = [ReplicaLoad(rid, "m", "a:1", 8, 1, 1000, 10, speed=speed, backlog=c)
+             for rid, c in (("r1", fast), ("r2", slow), ("r3", None))]
+    # the front door's own stats entry for each warm replica, parsed as the predictor does
+    stats = {"d": _parse_stats("d", {"arrivals": {"m": 0},
+                                     "replicas": {x.replica_id: replica_entry(x) for x in loads}})}
+    assert stats["d"]["speed"] == {"m": (speed, 8)}
+    assert stats["d"]["sustained"] == {"m": slow}      # the replica that sustained the least
+    clock = ManualClock()
+    pred = Predictor([ModelPolicy("m")], clock=clock, scaler=Scaler(),
+                     snapshot_durable=lambda m: True)
+    PredictorService(pred, clock=clock, fetch=lambda: stats).sample()
+    assert pred._models["m"].sustained == slow
 
 
 def test_cold_counters_feed_the_predictor_as_differences_per_door():

@@ -158,3 +158,25 @@ def test_replicas_for_rate_is_not_kv_slots():
     assert replicas_for_rate(rate, slow, **kw) == 3
     with pytest.raises(ConfigError):
         replicas_for_rate(1.0, slow, **{**kw, "max_seqs": 0})
+
+
+def test_a_measured_sustained_rate_sizes_the_pool_instead_of_the_profile():
+    from agent.predictor.sizing import replicas_for_rate
+    from agent.speed import SpeedProfile
+    from agent.throughput import BacklogCapacity
+
+    speed = SpeedProfile(prefill_tokens_per_s=300.0, prefill_overhead_s=0.013,
+                         decode_base_s=0.012, decode_per_seq_s=0.0025, decode_per_ctx_token_s=0.0)
+    kw = dict(ttft_slo_s=2.0, mean_prompt_tokens=9.0, mean_gen_tokens=1.0, max_seqs=8,
+              utilisation=1.0, min_replicas=0, max_replicas=4)
+    estimate = speed.service_rps(9.0, 1.0, speed.sustainable_concurrency(2.0, 9.0, 1.0, 8))
+    assert replicas_for_rate(1.5 * estimate, speed, **kw) == 2
+    # the replica measured 2x the estimate while backlogged (prefills batched): one is enough
+    sustained = BacklogCapacity(rps=2 * estimate, seconds=10.0, batch=8.0, prompt_tokens=9.0,
+                                gen_tokens=1.0)
+    assert replicas_for_rate(1.5 * estimate, speed, sustained=sustained, **kw) == 1
+    assert replicas_for_rate(2.5 * estimate, speed, sustained=sustained, **kw) == 2
+    # ... and it measured less than the estimate: the pool is sized up, not down
+    slow = BacklogCapacity(rps=0.5 * estimate, seconds=10.0, batch=8.0, prompt_tokens=9.0,
+                           gen_tokens=1.0)
+    assert replicas_for_rate(0.9 * estimate, speed, sustained=slow, **kw) == 2

@@ -70,13 +70,14 @@ def test_long_prompts_meet_an_slo_that_counts_their_prefill(tmp_path):
     assert per_request["rewarm"]["expired"] == 0
 
 
-def test_deadline_equal_to_the_slo_refuses_what_the_default_would_serve_late(tmp_path):
+def test_the_default_deadline_refuses_what_a_client_deadline_of_3x_would_serve_late(tmp_path):
     # a burst of 40 at once on one replica's worth of slots: later ones wait past their SLO
     offsets = np.concatenate([[0.0], np.full(40, 600.0)])
     w = load_trace(write_trace(tmp_path / "burst.csv", offsets))
-    tight = by_name(trace_scenario(w, slo=TtftSlo(deadline_factor=1.0), seqs_per_replica=4,
+    tight = by_name(trace_scenario(w, slo=TtftSlo(), seqs_per_replica=4,
                                    only=("rewarm",)))["rewarm"]
-    loose = by_name(trace_scenario(w, slo=TtftSlo(), seqs_per_replica=4,
+    assert TtftSlo().deadline_factor == 1.0             # the default deadline is the SLO
+    loose = by_name(trace_scenario(w, slo=TtftSlo(deadline_factor=3.0), seqs_per_replica=4,
                                    only=("rewarm",)))["rewarm"]
     assert tight["late"] == 0                           # past the SLO is past the deadline
     assert loose["served"] > tight["served"]            # a late answer beats a refusal
