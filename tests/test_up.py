@@ -90,11 +90,18 @@ def test_demo_end_to_end(tmp_path, tiny_model):
     assert 1 <= s["replayed_requests"] <= s["window_requests"]
     assert s["requests"] == 2 + s["replayed_requests"]  # + 2 probes
     assert 0.0 <= s["sla_attainment"] <= 1.0 and s["sla_requests"] == s["requests"] - 1
-    assert s["load"] == 0.3 and s["profile"]["prefill_tokens_per_s"]
-    assert 0 < s["gpu_seconds"] < s["always_on_gpu_seconds"]
+    # scaled to at most the asked load, where one always-on replica can meet the SLO
+    assert s["load_asked"] == 0.3 and 0 < s["load"] <= 0.3 + 1e-9
+    assert s["profile"]["prefill_tokens_per_s"] and s["sustained"]["backlog_rps"] > 0
+    # the same requests against one always-on replica, each side's GPU-seconds measured
+    on = s["always_on"]
+    assert on["requests"] == s["replayed_requests"] and on["lost"] == 0
+    assert 0.0 <= on["sla_attainment"] <= 1.0
+    assert s["gpu_seconds"] > 0 and on["gpu_seconds"] == s["always_on_gpu_seconds"] > 0
     assert s["ttft_ms"]["cold_boot"]["p50"] > 0
     assert any(r["path"] == "restore" and r["outcome"] == "ok" for r in s["restores"])
     assert "rewarm demo: requests as a client saw them" in proc.stdout
+    assert "always-on" in proc.stdout and "one always-on replica:" in proc.stdout
     assert "scaled to zero after" in proc.stdout
     assert wait_gone(str(state)) == []
 

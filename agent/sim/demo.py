@@ -1,29 +1,38 @@
-"""``rewarm up --demo``: what a client sees from a scale-to-zero model, end to end, over TCP.
+"""``rewarm up --demo``: what a client sees from a scale-to-zero model, end to end, over TCP,
+beside one always-on replica serving the same requests.
 
 Phases (against the :class:`agent.up.Stack` started here):
 
 1. the first request: no snapshot exists, so the node agent cold-boots a replica, it answers,
    and its snapshot is captured, verified and marked ready (in the background);
-2. idle: the predictor (started after phase 1) scales the model to zero once the keep-alive
-   allows — the demo shortens the keep-alive's inputs (:data:`DEMO_POLICY`) so this takes
-   seconds instead of minutes, and says so;
-   Before it is released, the warm replica's speed is measured through the front door
-   (:func:`agent.sim.replay.calibrate`) and handed to the predictor;
-3. the same probe request again (answered by a snapshot restore; its tokens must equal phase
-   1's), then a replay of the first ``--minutes`` of the Azure LLM code trace, scaled to the
-   measured replica as bench/trace_replay.py scales it (:mod:`agent.sim.replay_scale`: one
-   time compression from ``--replay-s``, one token scale, so the window's mean offered work
-   is ``--load`` of the replica's capacity and its burst shape is kept; a window too busy
-   for the replica within ``--replay-s`` even at 1-token lengths is thinned to an evenly
-   spaced subset of its requests, :func:`agent.sim.replay_scale.fit_within_wall`);
-4. the table (:func:`format_table`) and, with ``--json PATH``, the numbers (:func:`summarise`).
+2. the warm replica is measured through the front door: its speed profile
+   (:func:`agent.sim.replay.calibrate`) and what it sustains while backlogged at the
+   replay's own lengths (:func:`agent.sim.replay.saturate`); the first ``--minutes`` of the
+   Azure LLM code trace are scaled to it as bench/trace_replay.py scales a window
+   (:mod:`agent.sim.replay_scale`: one time compression from ``--replay-s``, one token
+   scale, the burst shape kept; a window too busy for the replica within ``--replay-s`` even
+   at 1-token lengths is thinned to an evenly spaced subset of its requests), at ``--load``
+   of that sustained capacity or less: the largest load at which one always-on replica can
+   meet the SLO, bursts included (:func:`agent.sim.replay_scale.fit_for_always_on`), so the
+   comparison is one the always-on replica can win;
+3. one always-on replica: the replica is kept warm (no predictor yet) and the scaled window
+   is replayed against it;
+4. idle: the predictor (started now) scales the model to zero once the keep-alive allows —
+   the demo shortens the keep-alive's inputs (:data:`DEMO_POLICY`) so this takes seconds
+   instead of minutes, and says so;
+5. rewarm: the same probe request again (answered by a snapshot restore; its tokens must
+   equal phase 1's), then the same requests as phase 3, the predictor and the front door
+   bringing capacity up from zero;
+6. the table (:func:`format_table`: rewarm's paths and restores, then its SLA attainment and
+   GPU-seconds beside the always-on replica's) and, with ``--json PATH``, the numbers
+   (:func:`summarise`).
 
 Outcome classes per request (agent/sim/replay.py): 200 → served (counted by the ``path`` the
 front door reports), 429 → ``shed``, 504 → ``expired``, anything else (503, a broken
 connection, no answer) → ``lost``, which must stay 0.  The SLA attainment is the share of the
 replay's requests answered within their path's TTFT SLO (warm hit 2 s, restore path 4 s).
-GPU-seconds are replica-seconds here (replicas alive, sampled every ``SAMPLE_S``), against
-one always-on replica over the same wall-clock span.
+GPU-seconds are replica-seconds here (replicas alive, sampled every ``SAMPLE_S``) over each
+replay, rewarm's from its probe on.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ PROBE_MAX_TOKENS = 12
 MAX_REPLAY_REQUESTS = 5000
 COLD_BOOT_DEADLINE_MS = 300_000.0   # the demo's first request waits for the cold boot
 SAMPLE_S = 0.25
+SATURATE_S = 5.0   # seconds the warm replica is kept backlogged to measure what it sustains
 # Keep-alive inputs shortened for the demo (the production defaults are the cost model's
 # $2.80/GPU-hour, a 600 s rate window and a 30 s cooldown, which keep an idle replica minutes).
 DEMO_POLICY_TEXT = ("demo keep-alive: GPU cost 0.05/s, wait cost 0.01/s, restore 2 s, "
@@ -154,6 +164,7 @@ def format_table(s: dict[str, Any]) -> str:
     for r in failed:
         lines.append(f"{r['path']:<18} {r['outcome']}")
     lines += ["", sla_line(s)]
+    lines += comparison_lines(s)
     lines += [
         f"golden checks       {s['golden_checks_passed']} passed, {s['golden_checks_failed']} failed",
         f"probe tokens        {'identical after restore' if s.get('probe_match') else 'DIFFER or not checked'}",
@@ -169,6 +180,28 @@ def format_table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def comparison_lines(s: dict[str, Any]) -> list[str]:
+    """Rewarm beside one always-on replica on the same requests (when the document has the
+    always-on replay): SLA attainment, answers, warm TTFT p99 and GPU-seconds."""
+    on = s.get("always_on")
+    if not on:
+        return []
+    replayed = s["sla_requests"] - 1     # the judged requests less the probe
+    warm = lambda d: _ms(d["ttft_ms"].get("warm_hit", {}).get("p99"))  # noqa: E731
+    rows = [("SLA attainment", f"{100 * s['sla_attainment']:.1f} %",
+             f"{100 * on['sla_attainment']:.1f} %"),
+            ("requests (429 / 504 / lost)",
+             f"{replayed} ({s['shed']} / {s['expired']} / {s['lost']})",
+             f"{on['requests']} ({on['shed_429']} / {on['expired_504']} / {on['lost']})"),
+            ("warm TTFT p99 ms", warm(s), warm(on)),
+            ("GPU-seconds", f"{s['gpu_seconds']:.1f}", f"{on['gpu_seconds']:.1f}")]
+    out = ["", f"{'':<28}{'rewarm':>14}{'always-on':>14}   (the same requests, load "
+               f"{s.get('load', 0):.2f}; one always-on replica can meet the SLO for "
+               f"{100 * s.get('always_on_bound', 0):.1f} % of them at best)"]
+    out += [f"{name:<28}{a:>14}{b:>14}" for name, a, b in rows]
+    return out
+
+
 def sla_line(s: dict[str, Any]) -> str:
     """``SLA attainment ...``: the share of the judged requests within their path's SLO."""
     if "sla_attainment" not in s:
@@ -181,8 +214,8 @@ def sla_line(s: dict[str, Any]) -> str:
 
 
 def gpu_line(s: dict[str, Any]) -> str:
-    """GPU-seconds against one always-on replica over the same span, saying plainly when
-    scaling to zero cost more than not scaling."""
+    """GPU-seconds against one always-on replica serving the same requests, saying plainly
+    when scaling to zero cost more than not scaling."""
     used, always = s["gpu_seconds"], s["always_on_gpu_seconds"]
     head = f"GPU-seconds         {used:.1f} used vs {always:.1f} for one always-on replica"
     if always <= 0:
@@ -264,15 +297,16 @@ def golden_counts(agent) -> dict[str, int]:
 
 
 async def _replay(address: str, model: str, plan: list, base: list[int],
-                  probe: list[int]) -> tuple[Outcome, list[Outcome]]:
-    """The probe (answered by a restore after scale-to-zero), then the plan at its times."""
+                  probe: list[int], until_s: float = 0.0) -> tuple[Outcome, list[Outcome]]:
+    """The probe (answered by a restore after scale-to-zero), then the plan at its times
+    (lasting at least ``until_s``)."""
     from agent.sim.replay import one_request_at, send_plan
 
     # the probe waits for the restore (its own deadline), so the front door measures the
     # snapshot restore before the replay's requests are admitted against its p99
     probe_out = await one_request_at(address, model, probe, PROBE_MAX_TOKENS,
                                      deadline_ms=COLD_BOOT_DEADLINE_MS)
-    return probe_out, await send_plan(address, model, plan, base)
+    return probe_out, await send_plan(address, model, plan, base, until_s=until_s)
 
 
 def demo_stack_options() -> dict[str, Any]:
@@ -348,9 +382,58 @@ def wait_scaled_to_zero(stack, timeout_s: float, say, on_ready=None) -> float:
         time.sleep(0.25)
 
 
+def measure_replica(stack, window, args, base: list[int], say) -> dict[str, Any]:
+    """The warm replica, before the predictor may release it: its speed profile (measured
+    through the front door, or what its meter reports), then what it sustains while
+    backlogged at the replay's own lengths (:func:`agent.sim.replay.saturate`), and the
+    scale that makes the window fit one always-on replica at that capacity
+    (:func:`agent.sim.replay_scale.fit_for_always_on`: ``--load`` or less, so the comparison
+    is one the always-on replica can win).  Returns the ``measured`` dict of
+    :func:`run_demo`."""
+    from agent.sim import replay
+    from agent.sim.replay_scale import fit_for_always_on, fit_within_wall, replay_requests
+    from agent.speed import SpeedProfile
+
+    address, model = stack.frontdoor_address, stack.model
+    max_seqs, max_seq_len = replica_limits(stack)
+    calibrated = asyncio.run(replay.calibrate(address, model, base, max_seq_len=max_seq_len))
+    # scale by what the replica reports (the front door admits by it), else by that
+    profile = SpeedProfile.from_meta(replica_stats(stack)) or calibrated
+    fit = dict(window_s=args.minutes * 60.0, profile=profile, wall_s=args.replay_s,
+               ttft_slo_s=PATH_SLO_MS["warm_hit"] / 1000.0, max_seqs=max_seqs,
+               max_tokens_per_request=max_seq_len)
+    first, kept = fit_within_wall(window.context_tokens, window.generated_tokens,
+                                  load=args.load, **fit)
+    lengths = [(r.prompt_tokens, r.output_tokens) for r in replay_requests(
+        window.arrival_s[kept], window.context_tokens[kept], window.generated_tokens[kept],
+        first, max_seq_len)]
+    sustained = asyncio.run(replay.saturate(address, model, base, lengths,
+                                            concurrency=2 * max_seqs, seconds=SATURATE_S))
+    scale, kept, fluid = fit_for_always_on(
+        window.context_tokens, window.generated_tokens, window.arrival_s, load=args.load,
+        wait_slo_s=PATH_SLO_MS["warm_hit"] / 1000.0, sustained=sustained, **fit)
+    plan = replay_requests(window.arrival_s[kept], window.context_tokens[kept],
+                           window.generated_tokens[kept], scale, max_seq_len)
+    say(f"  measured the replica: {profile.prefill_tokens_per_s:.0f} prompt tokens/s, "
+        f"decode step {1000 * profile.decode_base_s:.0f} ms; sustained "
+        f"{sustained.rps:.1f} req/s backlogged at the replay's lengths (the profile "
+        f"estimated {first.capacity_rps:.1f})")
+    say(f"  scaled to load {scale.load:.2f} of that (asked: at most {args.load:g}): one "
+        f"always-on replica can meet the SLO for {100 * fluid:.1f} % of the window's requests "
+        "at best, bursts included")
+    if kept.size < len(window):
+        say(f"  the window's {len(window)} requests take longer than --replay-s "
+            f"{args.replay_s:g} s on this replica even at 1-token lengths: replaying "
+            f"{kept.size} of them, evenly spaced in arrival order (the same burst shape at a "
+            "lower rate)")
+    return {"profile": profile, "scale": scale, "max_seqs": max_seqs,
+            "window_requests": len(window), "plan": plan, "sustained": sustained,
+            "always_on_bound": fluid, "profile_capacity_rps": first.capacity_rps}
+
+
 def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
              forward_note: str) -> int:
-    """The four phases (module docstring); prints the table; writes ``--json``.  Returns 0 when
+    """The phases (module docstring); prints the table; writes ``--json``.  Returns 0 when
     at least one cold boot and one snapshot restore served, every golden check passed and no
     request was lost, else 1."""
     from agent.replica.config import LlamaConfig
@@ -364,7 +447,6 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
         logging.getLogger("agent.predictor.loop").setLevel(logging.WARNING)
 
     from agent.sim import replay
-    from agent.sim.replay_scale import fit_within_wall, replay_requests
 
     trace = trace_path(args)
     window = replay_window(trace, minutes=args.minutes)
@@ -376,6 +458,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
     stack.start()
     sampler = Sampler(stack.agent)
     measured: dict[str, Any] = {}
+    always_on: dict[str, Any] = {}
     try:
         address, model = stack.frontdoor_address, stack.model
         say(f"rewarm up --demo: model {model}, forward {forward_note}; front door "
@@ -388,54 +471,39 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
         say(f"  answered: code {first.code}, path {first.path}, TTFT {_ms(first.ttft_ms)} ms")
         if first.code != 200:
             raise RuntimeError(f"the first request failed: {first.code} {first.reason}")
-
-        def measure() -> None:   # the warm replica, before the predictor may release it
-            max_seqs, max_seq_len = replica_limits(stack)
-            from agent.speed import SpeedProfile
-
-            calibrated = asyncio.run(replay.calibrate(address, model, base,
-                                                      max_seq_len=max_seq_len))
-            # scale by what the replica reports (the front door admits by it), else by that
-            profile = SpeedProfile.from_meta(replica_stats(stack)) or calibrated
-            scale, kept = fit_within_wall(
-                window.context_tokens, window.generated_tokens, window_s=args.minutes * 60.0,
-                profile=profile, load=args.load, wall_s=args.replay_s,
-                ttft_slo_s=PATH_SLO_MS["warm_hit"] / 1000.0, max_seqs=max_seqs,
-                max_tokens_per_request=max_seq_len)
-            measured.update(profile=profile, scale=scale, max_seqs=max_seqs,
-                            window_requests=len(window),
-                            plan=replay_requests(window.arrival_s[kept],
-                                                 window.context_tokens[kept],
-                                                 window.generated_tokens[kept], scale,
-                                                 max_seq_len))
-            say(f"  measured the replica: {profile.prefill_tokens_per_s:.0f} prompt tokens/s, "
-                f"decode step {1000 * profile.decode_base_s:.0f} ms; capacity "
-                f"{scale.capacity_rps:.1f} req/s at batch {scale.batch}")
-            if kept.size < len(window):
-                say(f"  the window's {len(window)} requests take longer than --replay-s "
-                    f"{args.replay_s:g} s on this replica even at 1-token lengths: replaying "
-                    f"{kept.size} of them, evenly spaced in arrival order (the same burst "
-                    f"shape at a lower rate)")
-
-        say(f"2. idle until the keep-alive scales the model to zero ({DEMO_POLICY_TEXT})")
-        waited = wait_scaled_to_zero(stack, args.idle_timeout_s, say, on_ready=measure)
+        say("2. measuring the warm replica")
+        measured.update(measure_replica(stack, window, args, base, say))
+        scale, plan = measured["scale"], measured["plan"]
+        say(f"3. one always-on replica: {len(plan)} requests of {trace.name} (its first "
+            f"{args.minutes:g} minutes at {scale.speedup:.2f}x, token lengths x"
+            f"{scale.token_scale:.4f}, {scale.wall_s:.0f} s), the replica kept warm")
+        on_sampler = Sampler(stack.agent)
+        on_outcomes = asyncio.run(replay.send_plan(address, model, plan, base,
+                                                   until_s=scale.wall_s))
+        on_span_s = on_sampler.stop()
+        always_on = replay.summarise(on_outcomes, gpu_seconds=on_sampler.replica_s,
+                                     always_on_gpu_seconds=on_span_s, restores=0)
+        say(f"  SLA attainment {100 * always_on['sla_attainment']:.1f} %, "
+            f"{on_sampler.replica_s:.0f} replica-seconds")
+        say(f"4. idle until the keep-alive scales the model to zero ({DEMO_POLICY_TEXT})")
+        waited = wait_scaled_to_zero(stack, args.idle_timeout_s, say)
         assert stack.predictor is not None, "started by start_predicting() above"
         stack.predictor.predictor.update_speed(
             model, measured["profile"], measured["max_seqs"],
-            mean_prompt_tokens=measured["scale"].mean_prompt_tokens,
-            mean_gen_tokens=measured["scale"].mean_output_tokens)
+            mean_prompt_tokens=scale.mean_prompt_tokens,
+            mean_gen_tokens=scale.mean_output_tokens, sustained=measured["sustained"])
         say(f"  scaled to zero after {waited:.1f} s with the predictor running")
-        scale, plan = measured["scale"], measured["plan"]
-        say(f"3. the probe again, then {len(plan)} requests of {trace.name} (its first "
-            f"{args.minutes:g} minutes at {scale.speedup:.2f}x, token lengths x"
-            f"{scale.token_scale:.4f}: load {scale.load:.2f} of the measured replica, "
-            f"{scale.wall_s:.0f} s)")
-        probe_again, outcomes = asyncio.run(_replay(address, model, plan, base, probe))
+        say(f"5. rewarm: the probe again, then the same {len(plan)} requests, the predictor "
+            "scaling the replica from zero")
+        rewarm_sampler = Sampler(stack.agent)
+        probe_again, outcomes = asyncio.run(_replay(address, model, plan, base, probe,
+                                                    until_s=scale.wall_s))
+        rewarm_span_s = rewarm_sampler.stop()
         say(f"  probe after scale-to-zero: path {probe_again.path}, TTFT "
             f"{_ms(probe_again.ttft_ms)} ms, tokens "
             f"{'identical' if probe_again.tokens == first.tokens else 'DIFFERENT'}")
     finally:
-        span_s = sampler.stop()
+        sampler.stop()
         rows = stack.agent.catalog.cold_starts(stack.model) if stack.agent else []
         golden = golden_counts(stack.agent) if stack.agent else {}
         stack.close()
@@ -450,18 +518,28 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
             entry["phases_s"] = {k: round(v, 3) for k, v in match.items() if k != "path"}
         restores.append(entry)
     example = tok.decode(probe_again.tokens) if tok is not None else str(probe_again.tokens)
-    scale = measured["scale"]
+    sustained = measured["sustained"]
     summary = summarise([first, probe_again, *outcomes], restores=restores, golden=golden,
-                        gpu_seconds=sampler.replica_s,
-                        always_on_gpu_seconds=span_s,
+                        gpu_seconds=rewarm_sampler.replica_s,
+                        always_on_gpu_seconds=on_sampler.replica_s,
                         example_completion=(PROBE_TEXT + example) if tok is not None else example,
                         sla_of=[probe_again, *outcomes],
                         extra={"probe_match": probe_again.tokens == first.tokens,
                                "forward": forward_note, "trace": trace.name,
-                               "minutes": args.minutes, "load": args.load,
+                               "minutes": args.minutes, "load": scale.load,
+                               "load_asked": args.load,
                                "speedup": scale.speedup, "token_scale": scale.token_scale,
                                "scale": scale.to_json(),
                                "profile": measured["profile"].to_meta(),
+                               "sustained": sustained.to_meta(),
+                               "profile_capacity_rps": measured["profile_capacity_rps"],
+                               "always_on_bound": measured["always_on_bound"],
+                               "always_on": {k: always_on[k] for k in (
+                                   "requests", "served", "shed_429", "expired_504", "lost",
+                                   "sla_attainment", "ttft_ms")}
+                               | {"gpu_seconds": round(on_sampler.replica_s, 2),
+                                  "span_s": round(on_span_s, 2)},
+                               "rewarm_span_s": round(rewarm_span_s, 2),
                                "replay_s": args.replay_s,
                                "window_requests": measured["window_requests"],
                                "replayed_requests": len(measured["plan"])})
@@ -477,6 +555,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path, release: Path | None,
         (f"{summary['golden_checks_failed']} golden check(s) failed",
          summary["golden_checks_failed"] > 0),
         (f"{summary['lost']} request(s) lost (answered 503 or not at all)", summary["lost"] > 0),
+        (f"{always_on['lost']} request(s) of the always-on replay lost", always_on["lost"] > 0),
         ("the probe's tokens differed after the restore", not summary["probe_match"]))
         if bad]
     for why in failed:

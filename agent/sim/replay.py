@@ -13,7 +13,8 @@ requests answered 200 with a TTFT within their path's SLO (:data:`PATH_SLO_MS`; 
 
 :func:`calibrate` measures the replica behind the front door (a :class:`~agent.speed.SpeedProfile`
 from the TTFT of single prompts of several lengths and the time per token of single and
-concurrent decodes), for a replay whose scale must come from the machine it runs on.
+concurrent decodes), and :func:`saturate` what it sustains while backlogged (requests per
+second, end to end), for a replay whose scale must come from the machine it runs on.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 from agent.errors import RewarmError
 from agent.sim.replay_scale import ReplayRequest
 from agent.speed import SpeedProfile
+from agent.throughput import BacklogCapacity
 
 PATHS = ("cold_boot", "snapshot_restore", "suspended_resume", "warm_hit")
 # TTFT SLO per path (ms), the front door's defaults (docs/architecture.md, "Admission"):
@@ -167,6 +169,60 @@ async def send_plan(address: str, model: str, plan: Sequence[ReplayRequest],
 
 
 # --- measuring the replica behind the front door ---------------------------------------------
+
+async def saturate(address: str, model: str, base: Sequence[int],
+                   lengths: Sequence[tuple[int, int]], *, concurrency: int, seconds: float,
+                   warmup_s: float = 1.0) -> BacklogCapacity:
+    """What the replicas behind ``address`` sustain while backlogged, measured by clients:
+    ``concurrency`` clients each send requests back to back (closed loop, so the front door
+    and the replicas always have more waiting than they serve) for ``warmup_s + seconds``,
+    request ``k`` with ``lengths[k % len(lengths)]`` (prompt, output tokens: the replay's own
+    mix), and the completions after ``warmup_s`` are counted over the time they took
+    (departures per busy second, agent/throughput.py).  Every request carries
+    :data:`CALIBRATION_DEADLINE_MS`, so admission holds rather than refuses.  ``batch`` of the
+    result is ``concurrency`` (what the clients offered; a replica's own meter reports the
+    batch it ran).  Raises RuntimeError when a request fails or none completes, ConfigError
+    for a concurrency, duration or length list out of range."""
+    from agent.client import AsyncClient
+    from agent.errors import ConfigError
+
+    if concurrency < 1 or not lengths or not (seconds > 0 and math.isfinite(seconds)) \
+            or not warmup_s >= 0:
+        raise ConfigError(f"saturate: concurrency={concurrency}, {len(lengths)} lengths, "
+                          f"seconds={seconds}, warmup_s={warmup_s}; limits are >= 1, >= 1, "
+                          "> 0 and >= 0", name="saturate", value=(concurrency, seconds),
+                          limit=">= 1")
+    host, _, port = address.rpartition(":")
+    client = await AsyncClient.connect(host, int(port), max_retries=0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    start_s, end_s = t0 + warmup_s, t0 + warmup_s + seconds
+    done: list[tuple[float, int, int]] = []     # (answered at, prompt, generated)
+    counter = iter(range(1 << 30))
+
+    async def worker() -> None:
+        while loop.time() < end_s:
+            k = next(counter)
+            prompt, gen = lengths[k % len(lengths)]
+            out = await one_request(client, model, prompt_tokens(base, 1000 + k, prompt),
+                                    gen, deadline_ms=CALIBRATION_DEADLINE_MS)
+            if out.code != 200:
+                raise RuntimeError(f"saturation request failed: {out.code} {out.reason}")
+            done.append((loop.time(), prompt, len(out.tokens)))
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        await client.close()
+    counted = [d for d in done if start_s <= d[0] <= end_s]
+    if not counted:
+        raise RuntimeError(f"saturation: no request completed in {seconds:g} s")
+    span_s = min(end_s, max(d[0] for d in counted)) - start_s
+    return BacklogCapacity(rps=len(counted) / max(span_s, 1e-9), seconds=max(span_s, 1e-9),
+                           batch=float(concurrency),
+                           prompt_tokens=statistics.fmean(p for _, p, _ in counted),
+                           gen_tokens=statistics.fmean(g for _, _, g in counted))
+
 
 async def calibrate(address: str, model: str, base: Sequence[int], *, max_seq_len: int,
                     repeats: int = 5) -> SpeedProfile:

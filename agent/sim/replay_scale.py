@@ -18,9 +18,12 @@ replay as
     load(k, c) = arrival rate (wall) / capacity(k)
                = (N * c / window_s) * mean_i service_s(P_i(k), G_i(k), B(k))
 
-where ``service_s`` is one request's engine seconds at the replica's sustainable
-concurrency ``B(k)`` for the TTFT SLO (``SpeedProfile.sustainable_concurrency`` at the scaled
-mean lengths; ``1 / service_s`` is ``SpeedProfile.service_rps``).  Then:
+where ``service_s`` is one request's seconds of the replica: ``1 / rps`` of what the replica
+was measured to sustain while backlogged (agent/throughput.py, converted to the request's
+lengths by the speed profile) where that was measured, else its engine seconds at the
+replica's sustainable concurrency ``B(k)`` for the TTFT SLO
+(``SpeedProfile.sustainable_concurrency`` at the scaled mean lengths; ``1 / service_s`` is
+``SpeedProfile.service_rps``).  Then:
 
 1. the compression that fits the window into the wall-time budget, ``c0 = window_s /
    wall_s``;
@@ -43,6 +46,7 @@ own lengths cannot make it up, and ``bound`` is ``"idle_gaps"``.
 
 from __future__ import annotations
 
+import heapq
 import math
 import numbers
 from dataclasses import asdict, dataclass
@@ -51,6 +55,7 @@ import numpy as np
 
 from agent.errors import ConfigError
 from agent.speed import SpeedProfile
+from agent.throughput import BacklogCapacity
 
 
 @dataclass(frozen=True)
@@ -139,14 +144,22 @@ def gap_keeping_speedup(arrival_s: np.ndarray, gap_floor_s: float) -> float | No
 
 
 def _capacity(profile: SpeedProfile, prompt: np.ndarray, output: np.ndarray, *,
-              ttft_slo_s: float, max_seqs: int) -> tuple[float, int]:
-    """(requests/s one replica serves at its sustainable batch, that batch)."""
-    batch = profile.sustainable_concurrency(ttft_slo_s, float(prompt.mean()),
-                                            float(output.mean()), max_seqs)
-    # mean engine seconds per request, each at its own lengths (SpeedProfile.service_s);
-    # distinct (prompt, output) pairs are few after scaling, so each is computed once
+              ttft_slo_s: float, max_seqs: int,
+              sustained: BacklogCapacity | None = None) -> tuple[float, int]:
+    """(requests/s one replica serves, the batch it serves them at): what it sustained while
+    backlogged (``sustained``, agent/throughput.py, each request's share converted to its
+    lengths by the profile) when measured, else the profile's rate at its sustainable batch."""
+    if sustained is not None:
+        batch = max(1, round(sustained.batch))
+        seconds = lambda p, o: 1.0 / sustained.rps_at(profile, p, o)  # noqa: E731
+    else:
+        batch = profile.sustainable_concurrency(ttft_slo_s, float(prompt.mean()),
+                                                float(output.mean()), max_seqs)
+        seconds = lambda p, o: profile.service_s(p, o, batch)  # noqa: E731
+    # mean seconds per request, each at its own lengths; distinct (prompt, output) pairs are
+    # few after scaling, so each is computed once
     pairs, counts = np.unique(np.stack([prompt, output]), axis=1, return_counts=True)
-    total = sum(c * profile.service_s(float(p), float(o), batch)
+    total = sum(c * seconds(float(p), float(o))
                 for (p, o), c in zip(pairs.T.tolist(), counts.tolist(), strict=True))
     service = total / int(prompt.shape[0])
     return 1.0 / service, batch
@@ -155,11 +168,14 @@ def _capacity(profile: SpeedProfile, prompt: np.ndarray, output: np.ndarray, *,
 def fit_scale(context_tokens: np.ndarray, generated_tokens: np.ndarray, *, window_s: float,
               profile: SpeedProfile, load: float, wall_s: float, ttft_slo_s: float,
               max_seqs: int, max_tokens_per_request: int,
-              max_speedup: float | None = None) -> ReplayScale:
+              max_speedup: float | None = None,
+              sustained: BacklogCapacity | None = None) -> ReplayScale:
     """The :class:`ReplayScale` that makes a window of ``len(context_tokens)`` requests over
     ``window_s`` trace seconds offer ``load`` of one replica of ``profile`` in about
     ``wall_s`` wall seconds (module docstring), compressed at most ``max_speedup`` when given
-    (:func:`gap_keeping_speedup`).  Raises ConfigError for an empty window or a
+    (:func:`gap_keeping_speedup`).  ``sustained``: the capacity the replica was measured to
+    sustain while backlogged (agent/throughput.py); the load is then a fraction of that
+    instead of the profile's estimate.  Raises ConfigError for an empty window or a
     ``load``/``wall_s``/``window_s``/``max_speedup`` that is not a finite number > 0."""
     if max_speedup is not None and not (max_speedup > 0 and math.isfinite(max_speedup)):
         raise ConfigError(f"fit_scale: max_speedup={max_speedup}; limit is a finite number > 0",
@@ -178,7 +194,8 @@ def fit_scale(context_tokens: np.ndarray, generated_tokens: np.ndarray, *, windo
 
     def load_at(k: float, c: float) -> tuple[float, float, int]:
         p, o = scale_lengths(ctx, gen, k, max_tokens_per_request)
-        cap, batch = _capacity(profile, p, o, ttft_slo_s=ttft_slo_s, max_seqs=max_seqs)
+        cap, batch = _capacity(profile, p, o, ttft_slo_s=ttft_slo_s, max_seqs=max_seqs,
+                               sustained=sustained)
         return n * c / window_s / cap, cap, batch
 
     c0 = window_s / wall_s
@@ -259,3 +276,75 @@ def always_on_replicas(at_s: np.ndarray, capacity_rps: float, max_replicas: int,
         return 1
     peak_rps = float(np.bincount((a // bin_s).astype(np.int64)).max()) / bin_s
     return int(max(1, min(max_replicas, math.ceil(peak_rps / capacity_rps - 1e-9))))
+
+
+def fluid_attainment(at_s: np.ndarray, service_s: np.ndarray, wait_slo_s: float,
+                     servers: int = 1) -> float:
+    """The share of requests ``servers`` always-on replicas can start within ``wait_slo_s``
+    of arrival, at best: each request, in arrival order, takes the replica that frees first
+    and holds it for its ``service_s`` (1 / the rate the replica sustains for its lengths:
+    batching is in that rate), and one that would wait longer than ``wait_slo_s`` is refused
+    at arrival and costs nothing (what deadline-bounded admission does).  A bound for any
+    scheduler with that many replicas: it never idles while work waits, and it wastes no
+    work on a late answer.  ``at_s`` [N] sorted arrival times and ``service_s`` [N], seconds;
+    ``wait_slo_s`` the SLO beyond a request's own prefill (its warm base).  Raises
+    ConfigError for ``servers`` < 1 or arrays of different lengths; 1.0 for no request."""
+    a = np.asarray(at_s, dtype=np.float64)
+    s = np.asarray(service_s, dtype=np.float64)
+    if servers < 1 or a.shape != s.shape:
+        raise ConfigError(f"fluid_attainment: servers={servers}, {a.shape[0]} arrivals and "
+                          f"{s.shape[0]} service times; limit is >= 1 and equal lengths",
+                          name="servers", value=servers, limit=1)
+    if not a.size:
+        return 1.0
+    free = [float(a[0])] * servers      # when each replica is next free (a min-heap)
+    met = 0
+    for arrival, service in zip(a.tolist(), s.tolist(), strict=True):
+        start = max(arrival, free[0])
+        if start - arrival > wait_slo_s:
+            continue
+        met += 1
+        heapq.heapreplace(free, start + service)
+    return met / int(a.size)
+
+
+def request_seconds(plan: list[ReplayRequest], profile: SpeedProfile,
+                    sustained: BacklogCapacity | None, batch: int) -> np.ndarray:
+    """Each planned request's share of one replica's time (s) [N]: ``1 / rps`` of what the
+    replica sustained while backlogged, converted to its lengths, else its engine seconds at
+    ``batch`` by the profile."""
+    if sustained is not None:
+        return np.array([1.0 / sustained.rps_at(profile, r.prompt_tokens, r.output_tokens)
+                         for r in plan])
+    return np.array([profile.service_s(r.prompt_tokens, r.output_tokens, batch) for r in plan])
+
+
+ALWAYS_ON_TARGET = 0.99
+"""The SLA attainment a replay scaled for an always-on replica gives it at best (the SLO is
+a p99: :func:`fit_for_always_on`)."""
+LOAD_STEP = 0.85   # each try offers this fraction of the one before
+
+
+def fit_for_always_on(context_tokens: np.ndarray, generated_tokens: np.ndarray,
+                      arrival_s: np.ndarray, *, load: float, wait_slo_s: float,
+                      target: float = ALWAYS_ON_TARGET, tries: int = 24,
+                      **fit_kw) -> tuple[ReplayScale, np.ndarray, float]:
+    """:func:`fit_within_wall` at the largest load, ``load`` or less (each try
+    :data:`LOAD_STEP` of the one before), at which one always-on replica can meet the SLO:
+    :func:`fluid_attainment` with one replica at the capacity ``fit_kw`` gives (its
+    ``sustained`` measurement when given) is at least ``target``.  So the window's bursts,
+    not only its mean, fit one replica, and a comparison against it is fair.  Returns the
+    scale, the kept indices and that attainment (of the last try when none reaches it)."""
+    at = np.asarray(arrival_s, dtype=np.float64)
+    tried = load
+    for _ in range(max(1, tries)):
+        scale, kept = fit_within_wall(context_tokens, generated_tokens, load=tried, **fit_kw)
+        plan = replay_requests(at[kept], np.asarray(context_tokens)[kept],
+                               np.asarray(generated_tokens)[kept], scale,
+                               fit_kw["max_tokens_per_request"])
+        seconds = request_seconds(plan, fit_kw["profile"], fit_kw.get("sustained"), scale.batch)
+        got = fluid_attainment(np.array([r.at_s for r in plan]), seconds, wait_slo_s, 1)
+        if got >= target:
+            break
+        tried *= LOAD_STEP
+    return scale, kept, got
