@@ -136,3 +136,59 @@ def test_a_window_that_fits_the_budget_is_not_thinned():
     _, ctx, gen = window()
     s, kept = fit_within(ctx, gen)
     assert kept.size == len(ctx) and s == fit(ctx, gen)
+
+
+def test_a_measured_capacity_sets_the_load_instead_of_the_profile():
+    from agent.throughput import BacklogCapacity
+
+    _, ctx, gen = window()
+    by_profile = fit(ctx, gen)
+    # the replica was measured to sustain twice what the profile says at that shape
+    p, o = scale_lengths(ctx, gen, by_profile.token_scale, 512)
+    sustained = BacklogCapacity(rps=2 * by_profile.capacity_rps, seconds=10.0, batch=8.0,
+                                prompt_tokens=float(p.mean()), gen_tokens=float(o.mean()))
+    by_measure = fit(ctx, gen, sustained=sustained)
+    assert by_measure.load == pytest.approx(0.3)
+    # the same wall time, so the same arrival rate: the requests grow until the measured
+    # replica is at 0.3 of what it sustains
+    assert by_measure.speedup == pytest.approx(by_profile.speedup, rel=0.02)
+    assert by_measure.token_scale > by_profile.token_scale
+    assert by_measure.batch == 8
+
+
+def test_fluid_attainment_is_a_bound_any_scheduler_meets_at_best():
+    from agent.sim.replay_scale import fluid_attainment
+
+    at = np.array([0.0, 0.0, 0.0, 0.0, 10.0])
+    service = np.full(5, 1.0)
+    # one replica: waits of 0, 1, 2 s are within 2 s, the 4th (3 s) is refused and costs
+    # nothing, the 5th finds it free
+    assert fluid_attainment(at, service, 2.0, 1) == pytest.approx(4 / 5)
+    assert fluid_attainment(at, service, 2.0, 2) == 1.0
+    assert fluid_attainment(at, service, 0.5, 1) == pytest.approx(2 / 5)
+    assert fluid_attainment(np.array([]), np.array([]), 2.0) == 1.0
+    with pytest.raises(ConfigError):
+        fluid_attainment(at, service, 2.0, 0)
+    with pytest.raises(ConfigError):
+        fluid_attainment(at, service[:2], 2.0, 1)
+
+
+def test_the_always_on_fit_lowers_the_load_until_one_replica_meets_the_slo():
+    from agent.sim.replay_scale import fit_for_always_on, fluid_attainment, request_seconds
+
+    rng = np.random.default_rng(9)
+    # a quiet window with one dense burst at minute 5: 10x the mean rate for 20 s
+    arrival = np.sort(np.concatenate([rng.uniform(0, 600, 400), rng.uniform(300, 320, 300)]))
+    ctx, gen = rng.integers(200, 3000, arrival.size), rng.integers(5, 60, arrival.size)
+    kw = dict(window_s=600.0, profile=PROFILE, wall_s=240.0, ttft_slo_s=2.0, max_seqs=8,
+              max_tokens_per_request=512)
+    plain = fit_scale(ctx, gen, load=0.3, **kw)
+    plan = replay_requests(arrival, ctx, gen, plain, 512)
+    at = np.array([r.at_s for r in plan])
+    assert fluid_attainment(at, request_seconds(plan, PROFILE, None, plain.batch), 2.0) < 0.99
+    scale, kept, got = fit_for_always_on(ctx, gen, arrival, load=0.3, wait_slo_s=2.0, **kw)
+    assert got >= 0.99 and scale.load < 0.3 and kept.size == arrival.size
+    # a window one replica already serves is left at the asked load
+    calm = np.sort(rng.uniform(0, 600, 300))
+    scale, _, got = fit_for_always_on(ctx[:300], gen[:300], calm, load=0.3, wait_slo_s=2.0, **kw)
+    assert scale.load == pytest.approx(0.3) and got >= 0.99
