@@ -240,11 +240,22 @@ class QueuePlanner:
         predicted, _fresh, first = self._place(model, flights, now, margin_s, ahead)
         return predicted, first
 
+    def beyond_warm(self, model: str, flights: list[Flight], now: float) -> int:
+        """How many of ``flights`` (earliest deadline first) the replicas already warm
+        cannot start before their deadlines, placed as :meth:`assign` places them but on
+        the warm replicas' slots alone: the requests only new capacity can serve in time
+        (what a restore is asked for; a queue the warm replicas drain in time needs none)."""
+        predicted, _fresh, _first = self._place(model, flights, now, 0.0, 0, warm_only=True)
+        return sum(1 for t in predicted if t is None)
+
     def _place(self, model: str, flights: list[Flight], now: float, margin_s: float,
-               ahead: int) -> tuple[list[float | None], list[bool], float]:
+               ahead: int, warm_only: bool = False) -> tuple[list[float | None], list[bool], float]:
         """:meth:`assign`, and per flight whether its slot is on a replica brought up since
-        it arrived (the restore path's SLO applies there)."""
+        it arrived (the restore path's SLO applies there); ``warm_only``: on the warm
+        replicas' slots alone."""
         slots, first, busy = self.slots(model, now)[1:]
+        if warm_only:
+            slots = [slot for slot in slots if slot[3]]    # (a sorted list stays a heap)
         busy = dict(busy)
         held = self.router.held_prior(model)
         if ahead < len(slots):

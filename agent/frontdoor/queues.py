@@ -286,7 +286,7 @@ class Queues:
         with it) or wait bound (429), and those held for their model's start from zero past
         the model's default deadline (429, ``retry_after_ms`` from the start's estimate);
         every ``recheck_s`` re-check each queue against the capacity then in sight
-        (:meth:`recheck`)."""
+        (:meth:`recheck`) and ask for the restores the rest needs (``maybe_restore``)."""
         now = self.clock.now()
         for model in list(self.queued_models):
             state = self.models.of(model)
@@ -325,6 +325,11 @@ class Queues:
             if queue and now - state.rechecked_s >= self.config.recheck_s:
                 state.rechecked_s = now
                 self.recheck(model)
+                # admission counts the restores that could start as capacity in sight: once
+                # the warm replicas' own slots no longer serve the queue in time (a prediction
+                # gone bad, a burst still arriving), those restores are asked for
+                if queue:
+                    self.restores.maybe_restore(model)
             if not queue:
                 self.queued_models.discard(model)
             self.telemetry.queue_depth(model, len(queue))

@@ -63,13 +63,27 @@ class Measuring(Protocol):
         ...
 
 
+class BeyondWarm(Protocol):
+    """The queued requests the warm replicas cannot start in time (the planner's
+    :meth:`~agent.frontdoor.planner.QueuePlanner.beyond_warm`)."""
+
+    def __call__(self, model: str, flights: list, now: float) -> int:
+        ...
+
+
+RECHECK_HELD = 128
+"""Queued requests placed when judging whether the warm replicas serve the queue in time
+(earliest deadline first; a longer queue's tail is judged as it moves up)."""
+
+
 class Restores:
     """Restores asked for, their outcomes and what they measure (module docstring)."""
 
     def __init__(self, config: FrontDoorConfig, clock: Clock, telemetry: Telemetry,
                  router: Router, gate: RestoreGate, models: ModelStates,
                  capacity: CapacityRequester | None, sizing: Measuring,
-                 replicas: Registering, owner: RestoreOwner) -> None:
+                 replicas: Registering, owner: RestoreOwner,
+                 short: BeyondWarm | None = None) -> None:
         self.config = config
         self.clock = clock
         self.telemetry = telemetry
@@ -80,6 +94,7 @@ class Restores:
         self.sizing = sizing
         self.replicas = replicas
         self.owner = owner
+        self.short = short     # the planner's count of what the warm replicas cannot serve
         self._tasks: set[asyncio.Task] = set()  # held: the loop keeps weak references
 
     @property
@@ -88,16 +103,24 @@ class Restores:
         return self.capacity is not None
 
     def maybe_restore(self, model: str) -> None:
-        """Ask for the replicas the queue needs: its length over one replica's measured
-        sustainable concurrency at the SLO, less restores in flight."""
+        """Ask for the replicas the queue needs: the queued requests the warm replicas
+        cannot start before their deadlines (``short``; all of them while none is warm), over
+        one replica's measured sustainable concurrency at the SLO, less restores in flight.
+        A queue the warm replicas drain in time asks for nothing: a replica more is paid for
+        only where the SLO needs it."""
         if self.capacity is None:
             return
         state = self.models.of(model)
-        if self.clock.now() < state.capped_until_s:
+        now = self.clock.now()
+        if now < state.capped_until_s:
             return
         queue = state.queue
-        self.restore_for(model, self.gate.wanted(model, len(queue) if queue else 0,
-                                                 self.sizing.per_replica(model)))
+        if not queue:
+            return
+        short = len(queue)
+        if self.router.warm(model) and self.short is not None:
+            short = self.short(model, [p.payload for p in queue.ordered(RECHECK_HELD)], now)
+        self.restore_for(model, self.gate.wanted(model, short, self.sizing.per_replica(model)))
 
     def after_refusal(self, model: str) -> None:
         """A request of ``model`` was refused at arrival (429): demand is seen, so one

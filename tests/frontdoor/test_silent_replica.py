@@ -326,7 +326,9 @@ def test_a_sigstopped_replica_process_loses_its_request_to_another_within_the_bo
         registry = LocalRegistry()
         registry.register(stopped.instance(), 60)
         registry.register(other.instance(), 60)
-        fd = FrontDoor(FrontDoorConfig(models={"m": 20_000.0}, warm_slo_ms=500.0),
+        # a client deadline of 3x the SLO: room to move the request once the bound is hit
+        fd = FrontDoor(FrontDoorConfig(models={"m": 20_000.0}, warm_slo_ms=500.0,
+                                       deadline_factor=3.0),
                        registry=registry, telemetry=Telemetry())
         host, fport = await fd.start()
         c = await AsyncClient.connect(host, fport)
