@@ -117,3 +117,28 @@ def test_records_are_strict_json_when_a_decision_never_saw_a_request(bench, tmp_
     assert rows == [{"kind": "decision", "t_s": 0.0, "action": "hold", "target": 0,
                      "desired": 0, "reason": "idle", "forecast_rps": None, "idle_s": None,
                      "keepalive_s": 30.0, "cold_miss": None}]
+
+
+def test_the_0_8_gpu_target_applies_only_where_the_window_has_idle_minutes(bench):
+    busy = run(0.3, gpu_seconds=95.0, idle_minutes=0)      # no idle minute: <= 1.0x only
+    v = bench.verdict(busy)
+    assert "gpu_under_0_8" not in v and v["gpu_never_above_always_on"]
+    assert not bench.verdict(run(0.3, gpu_seconds=95.0, idle_minutes=2))["gpu_under_0_8"]
+
+
+def test_idle_minutes_and_fluid_bounds(bench):
+    import numpy as np
+
+    from agent.sim.replay_scale import ReplayRequest
+    from agent.speed import SpeedProfile
+    from agent.throughput import BacklogCapacity
+
+    assert bench.idle_minutes(np.array([0.0, 30.0, 200.0, 201.0])) == 2   # one 170 s gap
+    assert bench.idle_minutes(np.array([0.0, 59.0])) == 0
+    plan = [ReplayRequest(0.0, 10, 1) for _ in range(6)] + [ReplayRequest(5.0, 10, 1)]
+    speed = SpeedProfile(1000.0, 0.0, 0.01, 0.0, 0.0)
+    sustained = BacklogCapacity(rps=2.0, seconds=10.0, batch=1.0, prompt_tokens=10.0,
+                                gen_tokens=1.0)
+    bounds = bench.fluid_bounds(plan, speed, sustained, 1, 2)
+    # 0.5 s each: one replica starts 5 of the 6 within 2 s, then the late one; two, all
+    assert bounds == {1: pytest.approx(6 / 7), 2: 1.0}

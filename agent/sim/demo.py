@@ -228,12 +228,15 @@ def gpu_line(s: dict[str, Any]) -> str:
 
 class Sampler:
     """Replica-seconds: every ``SAMPLE_S``, replicas of the agent not dead (cold-booting,
-    restoring, warm, suspended, draining) times the interval; also each restored replica's
-    load phases (``phases_s`` from its ``stats``)."""
+    restoring, warm, suspended, draining) times the interval (``replica_s``; those beyond
+    the first, ``beyond_one_s``, and the wall seconds with two or more, ``crowded_s``); also
+    each restored replica's load phases (``phases_s`` from its ``stats``)."""
 
     def __init__(self, agent) -> None:
         self.agent = agent
         self.replica_s = 0.0
+        self.beyond_one_s = 0.0
+        self.crowded_s = 0.0
         self.peak = 0
         self.phases: dict[str, dict] = {}
         self._stop = threading.Event()
@@ -249,6 +252,9 @@ class Sampler:
                 recs = list(self.agent.replicas.values())
             alive = [r for r in recs if r.lifecycle.state.value != "dead"]
             self.replica_s += len(alive) * (now - last)
+            if len(alive) > 1:
+                self.beyond_one_s += (len(alive) - 1) * (now - last)
+                self.crowded_s += now - last
             self.peak = max(self.peak, len(alive))
             last = now
             for r in alive:
