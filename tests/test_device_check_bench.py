@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -72,3 +76,164 @@ def test_a_step_over_its_limit_is_reported_not_hung(tmp_path, monkeypatch):
     results = device_check.drive(GPU_INFO, time.time())
     assert results["stack"]["status"] == "failed"
     assert results["stack"]["reason"] == f"over its {device_check.STEPS['stack'][0]} s limit"
+
+
+# --- the carry (bench/device_prep.sh) holds every import of the serving path ----------------------
+
+TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "os_name": "posix",
+              "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+              "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+"""The GPU node's interpreter, for requirement markers (bench/device_prep.sh downloads for it)."""
+
+NOT_CARRIED = {
+    "rewarm": "this repository itself (the check runs from the working tree)",
+    "torch": "the image's own, built for its CUDA; what torch requires is the image's too",
+    "matplotlib": "imported only by agent/sim/plots.py (`rewarm simulate --plot`)",
+    "cupy-cuda13x": "kvikio-cu13 declares it; `import kvikio` and CuFile never import cupy",
+    "huggingface-hub": "tokenizers declares it; Tokenizer.from_file, which agent uses, never "
+                       "imports it",
+    "cuda-toolkit": "libkvikio's cuda-toolkit[cufile] is a metapackage: its cufile part, "
+                    "nvidia-cufile, is carried by name",
+}
+"""Distributions the closure reaches that the carry leaves out, each checked below."""
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return names
+
+
+def serving_sources() -> list[Path]:
+    """agent/, bench/device_check.py with the bench modules it imports, and the files its
+    ``pytest -m gpu`` step collects (gpu-marked test files, their conftests, the tests.*
+    modules they import), followed through local imports."""
+    todo = sorted((REPO / "agent").rglob("*.py")) + [REPO / "bench" / "device_check.py"]
+    gpu_tests = [f for f in (REPO / "tests").rglob("test_*.py") if "mark.gpu" in f.read_text()]
+    for f in gpu_tests:
+        todo += [f] + [d / "conftest.py" for d in f.parents if d.is_relative_to(REPO / "tests")
+                       and (d / "conftest.py").is_file()]
+    seen: list[Path] = []
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.append(f)
+        for name in _imports(f):
+            parts = name.split(".")
+            if parts[0] == "tests":
+                local = REPO.joinpath(*parts).with_suffix(".py")
+            elif f.parent == REPO / "bench":
+                local = REPO / "bench" / f"{parts[0]}.py"
+            else:
+                continue
+            if local.is_file():
+                todo.append(local)
+    return seen
+
+
+def needed_distributions() -> tuple[dict[str, str], set[str]]:
+    """{distribution: why} for the serving path's third-party imports and the transitive
+    closure of their requirements (markers for TARGET_ENV, extras as requested), and the
+    distributions torch's own closure holds (the image's)."""
+    from packaging.requirements import Requirement
+
+    dists = importlib.metadata.packages_distributions()
+    need: dict[str, str] = {}
+    todo: list[tuple[str, frozenset[str], str]] = []
+    for f in serving_sources():
+        for name in _imports(f):
+            top = name.split(".")[0]
+            if top in sys.stdlib_module_names or top in ("agent", "tests"):
+                continue
+            for dist in dists.get(top, []):
+                todo.append((_norm(dist), frozenset(), f"{f.relative_to(REPO)} imports {top}"))
+
+    ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    if "timeout" in ini:                     # the gpu_tests step's pytest reads it
+        todo.append(("pytest-timeout", frozenset(), "pyproject.toml's pytest option `timeout`"))
+
+    def closure(start: list[tuple[str, frozenset[str], str]], out: dict[str, str]) -> None:
+        while start:
+            dist, extras, why = start.pop()
+            if dist in out:
+                continue
+            out[dist] = why
+            if dist in NOT_CARRIED and out is need:
+                continue                     # left out, and so is what only it requires
+            try:
+                requires = importlib.metadata.requires(dist) or []
+            except importlib.metadata.PackageNotFoundError:
+                continue                     # not installed here: NOT_CARRIED says why
+            for text in requires:
+                req = Requirement(text)
+                if req.marker is None or any(req.marker.evaluate({**TARGET_ENV, "extra": e})
+                                             for e in (extras or {""})):
+                    start.append((_norm(req.name), frozenset(req.extras), f"{dist} requires {text}"))
+
+    closure(todo, need)
+    image: dict[str, str] = {}
+    closure([("torch", frozenset(), "the image")], image)
+    return need, set(image)
+
+
+def carried_names(script: Path = REPO / "bench" / "device_prep.sh") -> set[str]:
+    """The distributions bench/device_prep.sh's WHEELS array names (literal requirements and
+    ``$(pin NAME ...)``)."""
+    block = re.search(r"^WHEELS=\((.*?)^\)", script.read_text(), re.S | re.M)
+    assert block, f"{script}: no WHEELS=( ... ) array"
+    body = re.sub(r"#[^\n]*", "", block.group(1))
+    names = set(re.findall(r"\$\(pin\s+([A-Za-z0-9][A-Za-z0-9._-]*)", body))
+    names |= set(re.findall(r'"([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^]]*\])?(?:[=<>!~][^"]*)?"', body))
+    return {_norm(n) for n in names}
+
+
+def test_the_carry_names_every_distribution_the_serving_path_imports():
+    need, image = needed_distributions()
+    carried = carried_names()
+    missing = {d: why for d, why in need.items()
+               if d not in carried and d not in image and d not in NOT_CARRIED}
+    assert missing == {}
+    # what the walk reaches (a walk that found nothing would pass): the HTTP entrance's stack,
+    # kvikio and what libkvikio loads, the gpu tests' runner
+    assert {"aiohttp", "aiohttp-cors", "multidict", "yarl", "uvloop", "kvikio-cu13",
+            "libkvikio-cu13", "rapids-logger", "cuda-pathfinder", "pytest", "pytest-timeout"} <= set(need)
+    assert {"jinja2", "markupsafe", "typing-extensions"} <= image
+    assert "nvidia-cufile" in carried
+
+
+def test_what_the_carry_leaves_out_is_never_imported_on_the_serving_path():
+    need, _ = needed_distributions()
+    assert set(NOT_CARRIED) - {"rewarm", "torch"} <= set(need)     # each is reached, and excused
+    importers = {str(f.relative_to(REPO)) for f in serving_sources() if any(
+        n.split(".")[0] == "matplotlib" for n in _imports(f))}
+    assert importers == {"agent/sim/plots.py"}
+    code = ("import sys, tokenizers, kvikio, kvikio.defaults\n"
+            "from agent.replica.tokenizer import Tokenizer\n"
+            "print(sorted(m for m in ('cupy', 'huggingface_hub') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]"
+
+
+def test_the_carry_parser_reads_both_spellings(tmp_path):
+    script = tmp_path / "prep.sh"
+    script.write_text('X=1\nWHEELS=(\n  # a comment "not-a-wheel==1"\n  "kvikio-cu13==26.10.*" '
+                      '"$(pin Aiohttp_Cors \'>=0.8\')"\n  "pkg[extra]>=1"\n)\nWHEELS+=("late==1")\n')
+    assert carried_names(script) == {"kvikio-cu13", "aiohttp-cors", "pkg"}
+
+
+def test_the_carrys_kvikio_is_the_version_the_suite_checks():
+    text = (REPO / "bench" / "device_prep.sh").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    for pin in ("kvikio-cu13==26.10.*", "libkvikio-cu13==26.10.*"):
+        assert f'"{pin}"' in text and f"'{pin}'" in makefile, pin
+    assert importlib.metadata.version("kvikio-cu13").startswith("26.10.")
