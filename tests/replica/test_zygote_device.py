@@ -116,8 +116,11 @@ def test_prepare_zygote_on_a_gpu_makes_a_device_buffer(monkeypatch, caplog):
         return gpu.DeviceBuffer(torch.empty(nbytes, dtype=torch.uint8), device, [], None,
                                 "libcuda.so.1 not found")
     monkeypatch.setattr(gpu.DeviceBuffer, "allocate", staticmethod(allocate))
+    warmed = []
+    monkeypatch.setattr(zygote, "warm_device", warmed.append)
     buf = zygote.prepare_zygote(1, 4096, device="cuda:0")
     assert made == {"nbytes": 4096, "device": "cuda:0"} and buf.device == "cuda:0"
+    assert warmed == ["cuda:0"]        # no snapshot to warm for: the device is warmed
     assert "read into host memory" in caplog.text
     assert not isinstance(zygote.prepare_zygote(1, 4096, prefault=False), gpu.DeviceBuffer)
 
