@@ -237,3 +237,96 @@ def test_the_carrys_kvikio_is_the_version_the_suite_checks():
     for pin in ("kvikio-cu13==26.10.*", "libkvikio-cu13==26.10.*"):
         assert f'"{pin}"' in text and f"'{pin}'" in makefile, pin
     assert importlib.metadata.version("kvikio-cu13").startswith("26.10.")
+
+
+# --- bench/device_check.sh's setup: only what the image lacks, every failure in setup.txt ------------
+
+def _wheel(folder: Path, dist: str, version: str, module: str | None = None) -> Path:
+    """A minimal valid wheel (PEP 427: METADATA, WHEEL, RECORD) holding ``module``."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    info = f"{dist}-{version}.dist-info"
+    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    if module:
+        files[f"{module}/__init__.py"] = "ANSWER = 42\n"
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+def _script(tmp_path: Path, carry: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"),
+           "CARRY": str(carry), "PYTHON": sys.executable}
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(["bash", str(REPO / "bench" / "device_check.sh"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_selection_installs_only_distributions_the_python_lacks(tmp_path):
+    numpy = importlib.metadata.version("numpy")
+    wheels = tmp_path / "carry" / "wheels"
+    _wheel(wheels, "numpy", "0.0.1")                       # the image's, at another version
+    _wheel(wheels, "Typing_Extensions", importlib.metadata.version("typing-extensions"))
+    absent = _wheel(wheels, "rewarm_absent_probe", "1.0")
+    p = _script(tmp_path, tmp_path / "carry", "--select")
+    assert p.returncode == 0, p.stderr
+    lines = [line for line in p.stdout.splitlines() if not line.startswith("setup:")]
+    assert sorted(lines) == sorted([f"have numpy {numpy} (carried 0.0.1)",
+                                    f"have typing-extensions {importlib.metadata.version('typing-extensions')}",
+                                    f"install {absent}"])
+    assert not (tmp_path / "work" / "site").exists()      # --select installs nothing
+
+
+@pytest.mark.skipif(device_check.probe()["why_not"] is None, reason="a GPU is here")
+def test_setup_installs_the_missing_wheels_into_work_site_and_reports_each_failure(tmp_path):
+    wheels = tmp_path / "carry" / "wheels"
+    _wheel(wheels, "rewarm_probe_a", "1.0", module="rewarm_probe_a")
+    _wheel(wheels, "numpy", "0.0.1", module="numpy_shadow")   # would shadow the image's numpy
+    (wheels / "rewarm_broken-1.0-py3-none-any.whl").write_bytes(b"not a zip file")
+    p = _script(tmp_path, tmp_path / "carry")
+    assert p.returncode == 0, p.stderr
+    site = tmp_path / "work" / "site"
+    setup = (tmp_path / "work" / "setup.txt").read_text()
+    assert (site / "rewarm_probe_a" / "__init__.py").is_file()
+    assert not (site / "numpy_shadow").exists() and not list(site.glob("numpy-*"))
+    assert f"setup: python {sys.executable} (PYTHON)" in setup
+    assert "failed" in setup and "rewarm_broken-1.0-py3-none-any.whl failed:" in setup
+    # pip's own words about the broken wheel are quoted, not only that it failed
+    broken = setup.split("rewarm_broken-1.0-py3-none-any.whl failed:", 1)[1]
+    assert "zip" in broken.lower() or "wheel" in broken.lower(), broken
+    assert "setup: installed 1 of 2 wheels" in setup
+    assert f"PYTHONPATH={site}:{REPO}" in setup
+    imports = next(line for line in setup.splitlines() if line.startswith("setup: imports ok: "))
+    assert f"numpy {importlib.metadata.version('numpy')} (image)" in imports
+    assert "aiohttp_cors" in imports and "kvikio.defaults" in imports and "import " not in setup
+    doc = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    assert doc["setup"] == setup.splitlines()
+
+
+@pytest.mark.skipif(device_check.probe()["why_not"] is None, reason="a GPU is here")
+def test_on_a_bare_python_every_failure_reaches_setup_txt_with_its_message(tmp_path):
+    """A python with nothing installed, not even pip, and a carry without a pip wheel: pip,
+    the imports and the ext/ build each fail, and setup.txt quotes why."""
+    bare = tmp_path / "bare"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip",
+                    str(bare)], check=True, timeout=120)
+    _wheel(tmp_path / "carry" / "wheels", "rewarm_probe_b", "1.0", module="rewarm_probe_b")
+    env = {**os.environ, "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"),
+           "CARRY": str(tmp_path / "carry"), "PYTHON": str(bare / "bin" / "python")}
+    env.pop("PYTHONPATH", None)
+    p = subprocess.run(["bash", str(REPO / "bench" / "device_check.sh")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    setup = (tmp_path / "work" / "setup.txt").read_text()
+    assert "torch not importable" in setup.splitlines()[0]
+    assert "failed with no pip (the python has no pip module, the carry no pip wheel)" in setup
+    assert "rewarm_probe_b-1.0-py3-none-any.whl failed:" in setup and "setup: imports ok: none" in setup
+    assert "setup: import aiohttp_cors FAILED: ModuleNotFoundError: No module named 'aiohttp_cors'" in setup
+    assert "setup: import kvikio FAILED: ModuleNotFoundError: No module named 'kvikio'" in setup
+    assert "setuptools MISSING (ModuleNotFoundError: No module named 'setuptools')" in setup
+    assert "setup: ext/ build FAILED" in setup and "ModuleNotFoundError" in setup.split("ext/ build FAILED", 1)[1]
