@@ -232,11 +232,14 @@ def test_the_carry_parser_reads_both_spellings(tmp_path):
 
 
 def test_the_carrys_kvikio_is_the_version_the_suite_checks():
+    """One kvikio version everywhere: the carry, the development venv, the gpu extras."""
     text = (REPO / "bench" / "device_prep.sh").read_text()
     makefile = (REPO / "Makefile").read_text()
     for pin in ("kvikio-cu13==26.10.*", "libkvikio-cu13==26.10.*"):
         assert f'"{pin}"' in text and f"'{pin}'" in makefile, pin
     assert importlib.metadata.version("kvikio-cu13").startswith("26.10.")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["gpu"] == ["kvikio-cu13==26.10.*"] and extras["gpu-cu12"] == ["kvikio-cu12==26.10.*"]
 
 
 # --- bench/device_check.sh's setup: only what the image lacks, every failure in setup.txt ------------
