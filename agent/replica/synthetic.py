@@ -128,7 +128,7 @@ def write_safetensors(path: Path, config: LlamaConfig, seed: int = 0, *,
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for _, tensor in iter_synthetic(config, seed, device):
-            f.write(memoryview(tensor.contiguous().view(torch.uint8).cpu().numpy()))
+            f.write(tensor.contiguous().view(torch.uint8).cpu().numpy().data)
         size = f.tell()
     return size
 
