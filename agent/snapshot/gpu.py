@@ -29,8 +29,8 @@ host memory bandwidth):
 - staged, warm: a thread fills a slot at ``1 / (1/r + 1/h)`` (read, then hash from L2), ``T``
   threads at once, bounded by ``min(T / (1/r + 1/h), L, M / 3)``: each byte crosses host memory
   three times (page cache read, slot write-back, DMA read).  Unverified drops the ``1/h``.
-- staged, cold: ``min(D, ...)``: ``max(T, 8)`` threads keep as many slot-sized O_DIRECT reads
-  queued; hashing a slot (``S/h``) is a small share of waiting for it (``S x T / D``).
+- staged, cold: ``min(D, ...)``: ``max(T, 16)`` threads keep as many slot-sized O_DIRECT
+  reads queued; hashing a slot (``S/h``) is a small share of waiting for it (``S x T / D``).
 - kvikio compat: a pool thread reads a task then copies it, in turn, so ``min(T / (1/r +
   1/L_thread), L)`` unverified; verified, every byte also goes device-to-host and is hashed
   (two more host-memory crossings, ``M / 5``), and the hashing threads share the cores.

@@ -14,8 +14,7 @@ from agent import _restore
 from agent.errors import ConfigError, SnapshotCorrupt
 from agent.snapshot import gpu, staged
 from agent.snapshot.format import ALIGN
-from agent.snapshot.reader import DIRECT_IO_DEPTH
-from agent.snapshot.staging import Slot, Staging, aligned_host
+from agent.snapshot.staging import COLD_READS, Slot, Staging, aligned_host
 
 SLOT = 4096     # tiny slots: an 8 KiB chunk takes two fills, a snapshot outgrows the slots
 
@@ -35,7 +34,7 @@ def _buffer(nbytes: int, **kw) -> gpu.DeviceBuffer:
 
 @pytest.fixture
 def big(make_snapshot):
-    """A snapshot of 40 chunks (320 KiB), more than the 8 x 2 slots of 4 KiB hold."""
+    """A snapshot of 40 chunks (320 KiB), more than the 16 x 2 slots of 4 KiB hold."""
     g = torch.Generator().manual_seed(3)
     data = {f"w{i}": torch.randn(64, 160, generator=g).to(torch.bfloat16) for i in range(16)}
     path, manifest = make_snapshot("big", data)
@@ -129,7 +128,7 @@ def test_o_direct_refused_for_a_range_is_read_buffered_and_hashed_once(tmp_path)
 
 def test_staging_slots_are_aligned_disjoint_and_enough_for_a_cold_read():
     s = Staging.allocate("cpu", threads=2, slot_bytes=2 * ALIGN)
-    assert s.threads == DIRECT_IO_DEPTH and s.streams == [] and s.nbytes == DIRECT_IO_DEPTH * 2 * 2 * ALIGN
+    assert s.threads == COLD_READS and s.streams == [] and s.nbytes == COLD_READS * 2 * 2 * ALIGN
     ptrs = sorted(slot.tensor.data_ptr() for slots in s.sets for slot in slots)
     assert all(p % ALIGN == 0 for p in ptrs)
     assert all(b - a == 2 * ALIGN for a, b in zip(ptrs, ptrs[1:], strict=False))
@@ -163,7 +162,7 @@ def test_a_cold_file_is_read_with_o_direct(big, monkeypatch):
     path, manifest, data = big
     monkeypatch.setattr(staged, "page_cache_share", lambda *a, **k: 0.0)
     r = gpu.restore_to_device(path, device="cpu", buffer=_buffer(manifest.total_bytes))
-    assert r.stats.figures["cold"] is True and r.stats.threads == DIRECT_IO_DEPTH
+    assert r.stats.figures["cold"] is True and r.stats.threads == COLD_READS
     try:
         os.close(os.open(path / "data-00000.bin", os.O_RDONLY | os.O_DIRECT))
         direct = len(manifest.chunks)
