@@ -72,7 +72,7 @@ class Loaded:
     phases_s: dict[str, float] = field(default_factory=dict)
     keepalive: Any = None  # the restore buffer the weights are views of
     device: str = "cpu"    # where the weights and the KV cache live ("cpu", "cuda[:N]")
-    restore_io: str | None = None   # how a restore read the bytes: gds | compat | host
+    restore_io: str | None = None   # how a restore read the bytes: staged | gds | compat | host
     fallback: str | None = None     # why a device restore took the host path instead
     warm: dict[str, Any] | None = None   # a restore's warm-up record (warmup.take_warmed)
 
@@ -88,9 +88,9 @@ def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFE
     that snapshot shares; an anonymous buffer where it cannot be mapped), and without ``warm``
     there is no buffer at all (returns None: the restore maps the snapshot it is given, so a
     zygote without a model costs the runtime only).  On ``device`` "cuda[:N]" a
-    :class:`~agent.snapshot.gpu.DeviceBuffer` (which makes the CUDA context, pins two bounce
-    buffers and loads kvikio, or records why it could not: its restores then take the host
-    path).  Then the warm-up (agent/replica/warmup.py): with ``warm`` (a snapshot the zygote
+    :class:`~agent.snapshot.gpu.DeviceBuffer` (which makes the CUDA context, pins its restore
+    strategy's staging memory and loads kvikio, or records why it could not: the kvikio
+    strategy's restores then take the host path).  Then the warm-up (agent/replica/warmup.py): with ``warm`` (a snapshot the zygote
     will likely restore) :func:`~agent.replica.warmup.warm_zygote`, and where there is none
     or it could not be warmed for, :func:`~agent.replica.warmup.warm_device` (the device's
     context, this thread's BLAS handles and the model family's kernels).  Call it on the
@@ -106,7 +106,7 @@ def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFE
         from agent.snapshot.gpu import DeviceBuffer
 
         buffer = DeviceBuffer.allocate(buffer_bytes, device, kvikio=kvikio)
-        if buffer.kvikio is None:
+        if buffer.kvikio is None and buffer.strategy != "staged":   # staged needs no kvikio
             log.warning("zygote on %s: %s; its restores read into host memory and copy",
                         device, buffer.unavailable)
     elif shared and warm is not None:     # an anonymous buffer where the file cannot be mapped
