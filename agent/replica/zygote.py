@@ -90,8 +90,8 @@ def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFE
     zygote without a model costs the runtime only).  On ``device`` "cuda[:N]" a
     :class:`~agent.snapshot.gpu.DeviceBuffer` (which makes the CUDA context, pins its restore
     strategy's staging memory and loads kvikio, or records why it could not: the kvikio
-    strategy's restores then take the host path).  Then the warm-up (agent/replica/warmup.py): with ``warm`` (a snapshot the zygote
-    will likely restore) :func:`~agent.replica.warmup.warm_zygote`, and where there is none
+    strategy's restores then take the host path).  Then the warm-up
+    (agent/replica/warmup.py): with ``warm`` (a snapshot the zygote will likely restore) :func:`~agent.replica.warmup.warm_zygote`, and where there is none
     or it could not be warmed for, :func:`~agent.replica.warmup.warm_device` (the device's
     context, this thread's BLAS handles and the model family's kernels).  Call it on the
     thread that will run the restore and the engine (agent/replica/worker.py

@@ -215,9 +215,10 @@ def restore_staged(path: Path, manifest: Manifest, base: torch.Tensor, staging: 
     RESIDENT_FOR_BUFFERED of the data is in the page cache).  A warm read uses
     ``staging.workers`` threads (staged_threads() when 0), a cold one every slot set (at least
     staging.COLD_READS: its threads mostly wait on the device).  Every descriptor is closed
-    before this returns or raises.  Raises SnapshotCorrupt (a data file missing or short; a chunk that could not be read, ended
-    early or did not verify: naming the chunk, file, tensors, expected and actual, as the host
-    path does), and what torch raises for a failed copy."""
+    before this returns or raises.  Raises SnapshotCorrupt (a data file missing or short; a
+    chunk that could not be read, ended early or did not verify: naming the chunk, file,
+    tensors, expected and actual, as the host path does), and what torch raises for a failed
+    copy."""
     fds = _open_files(path, manifest, direct=False)
     try:
         cold = bool(manifest.chunks) and page_cache_share(path, manifest, fds) < RESIDENT_FOR_BUFFERED
