@@ -319,3 +319,35 @@ def test_a_staged_read_that_fails_takes_the_host_path(big, monkeypatch, caplog):
     monkeypatch.undo()
     restored, io, fallback = gpu.restore_for_device(path, buf, "cpu")
     assert (io, fallback) == ("staged", None)
+
+
+# --- on a real GPU (pytest -m gpu) ----------------------------------------------------------------
+
+HAVE_GPU = gpu.cuda_driver_present() and torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs an NVIDIA GPU and its driver")
+def test_on_a_gpu_slots_are_pinned_and_a_failed_run_leaves_them_reusable(big, monkeypatch):
+    from agent.snapshot.pins import machine_pins
+
+    path, manifest, data = big
+    machine = machine_pins("cpu")       # the pins ``big`` was written with
+    buf = gpu.DeviceBuffer.allocate(manifest.total_bytes, "cuda", strategy="staged", slot_bytes=SLOT)
+    assert buf.staging.memory.is_pinned() and len(buf.staging.streams) == buf.staging.threads
+    calls = []
+    real = _restore.read_into
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 9:
+            raise MemoryError("slot")
+        return real(*args)
+    monkeypatch.setattr(staged._restore, "read_into", flaky)
+    with pytest.raises(MemoryError):
+        gpu.restore_to_device(path, device="cuda", buffer=buf, machine=machine)
+    assert _staged_threads() == []
+    monkeypatch.undo()
+    r = gpu.restore_to_device(path, device="cuda", buffer=buf, machine=machine)
+    assert r.stats.mode == "staged"
+    assert all(torch.equal(r.tensors[n].cpu(), t) for n, t in data.items())
