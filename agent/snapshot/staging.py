@@ -179,8 +179,11 @@ class Staging:
         return self.threads * len(self.sets[0]) * self.slot_bytes if self.sets else 0
 
     def quiesce(self) -> None:
-        """Wait until no copy reads any slot (each slot's last event): after this the slots can
-        be refilled by any thread, e.g. by the next restore after a failed one."""
+        """Wait until no copy reads any slot (every stream's work, so also a copy whose event a
+        failure kept from being recorded): after this the slots can be refilled by any thread,
+        e.g. by the next restore after a failed one."""
+        for stream in self.streams:
+            stream.synchronize()
         for slots in self.sets:
             for slot in slots:
                 slot.wait()
