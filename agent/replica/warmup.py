@@ -115,7 +115,9 @@ def warm_serving(engine: Engine, device: str) -> int:
     """Run the serving path's first shapes (:data:`SERVING_SHAPES` for ``device``'s kind)
     through ``engine`` greedily, outside its speed meter (the meter is swapped for a scratch
     one and put back, so a restored replica reports only what it served).  Writes only into
-    free KV slots, which no later sequence reads before writing.  Returns the forward calls."""
+    free KV slots, which no later sequence reads before writing.  Returns the forward calls
+    (prefills and decode steps).  Raises RuntimeError when the engine is left busy (a call
+    that failed and did not free its sequences: the engine is not fit to serve)."""
     from agent.replica.speedmeter import SpeedMeter, boot_profile
 
     shapes = SERVING_SHAPES["cpu" if torch.device(device).type == "cpu" else "cuda"]
@@ -123,8 +125,14 @@ def warm_serving(engine: Engine, device: str) -> int:
     try:
         taken = boot_profile(engine, prompt_tokens=shapes["prompt_tokens"],
                              batch=shapes["batch"], new_tokens=2)
+    except Exception as exc:   # noqa: BLE001 - the golden calls ran; these are a bonus
+        log.warning("zygote: the serving shapes' warm-up failed (%s: %s); its first request "
+                    "pays them", type(exc).__name__, exc)
+        taken = {"prefill": 0, "decode": 0}
     finally:
         engine.meter = saved
+    if engine.busy:
+        raise RuntimeError("the serving warm-up left sequences in the engine")
     return taken["prefill"] + taken["decode"]
 
 

@@ -131,3 +131,16 @@ def test_a_device_warm_up_that_fails_is_recorded_not_raised(monkeypatch):
     t.join()
     assert out["error"] == "RuntimeError: CUDA error: out of memory"
     assert out["thread"] == "fresh" and out["calls"] == 0
+
+
+def test_a_failing_serving_warm_up_keeps_the_golden_warm_up(snapshots, monkeypatch, caplog):
+    from agent.replica import speedmeter
+
+    def broken(engine, **kwargs):
+        raise TypeError("generate() got an unexpected keyword argument")
+    monkeypatch.setattr(speedmeter, "boot_profile", broken)
+    snap, booted = snapshots[1]
+    buffer = zygote.prepare_zygote(1, 1 << 20, prefault=False, warm=snap)
+    assert buffer in zygote._WARMED and "serving shapes' warm-up failed (TypeError" in caplog.text
+    restored = zygote.restore(snap, buffer=buffer)
+    assert restored.warm["engine"] == "reused" and restored.golden == booted.golden
