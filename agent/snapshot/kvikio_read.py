@@ -48,8 +48,8 @@ import torch
 from agent import _restore
 from agent.errors import SnapshotCorrupt
 from agent.snapshot.format import Manifest
-from agent.snapshot.reader import RESIDENT_FOR_BUFFERED, page_cache_share
-from agent.snapshot.staging import DeviceRestoreStats, aligned_host, staged_threads
+from agent.snapshot.reader import RESIDENT_FOR_BUFFERED, _close, _open_files
+from agent.snapshot.staging import DeviceRestoreStats, aligned_host, cached_share, staged_threads
 
 MAX_HASH_THREADS = 8
 """XXH3-64 ran at 6.7 GB/s on one core of the 2-core development VM (1 GiB, best of 3, load
@@ -154,7 +154,11 @@ def restore_kvikio(path: Path, manifest: Manifest, base: torch.Tensor, kvikio: A
     CuFile is closed, every read waited for and kvikio's settings restored before this returns
     or raises.  Raises SnapshotCorrupt (a short read or a checksum mismatch, naming the chunk,
     file and tensors), and what kvikio raises (RuntimeError for an I/O error, e.g. EOF)."""
-    cold = bool(manifest.chunks) and page_cache_share(path, manifest) < RESIDENT_FOR_BUFFERED
+    fds = _open_files(path, manifest, direct=False)
+    try:
+        cold = bool(manifest.chunks) and cached_share(path, manifest, fds) < RESIDENT_FOR_BUFFERED
+    finally:
+        _close(fds)
     settings = kvikio_settings(kvikio, cold=cold, threads=threads)
     if base.device.type == "cuda":
         torch.cuda.current_stream(base.device).synchronize()  # queued work may read the buffer

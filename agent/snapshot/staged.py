@@ -43,10 +43,9 @@ import torch
 
 from agent import _restore
 from agent.snapshot.format import Manifest
-from agent.snapshot.reader import (BUFFERED_PIECE_BYTES, RESIDENT_FOR_BUFFERED,
-                                   _add_direct, _check_results, _close, _open_files,
-                                   page_cache_share)
-from agent.snapshot.staging import DeviceRestoreStats, Staging, staged_threads
+from agent.snapshot.reader import (BUFFERED_PIECE_BYTES, RESIDENT_FOR_BUFFERED, _add_direct,
+                                   _check_results, _close, _open_files)
+from agent.snapshot.staging import DeviceRestoreStats, Staging, cached_share, staged_threads
 
 Job = tuple[int, int, int, int, int, int]
 """(fd_direct, fd_buffered, file_offset, length, dest_offset, expected XXH3-64): read_chunks's."""
@@ -211,8 +210,8 @@ def restore_staged(path: Path, manifest: Manifest, base: torch.Tensor, staging: 
     """Read every chunk of the snapshot at ``path`` into ``base`` (uint8 [total_bytes] on the
     device) through ``staging``; the checks before (manifest, pins, buffer) are the caller's.
 
-    Cold or warm is judged as the host path does (reader.page_cache_share: O_DIRECT when under
-    RESIDENT_FOR_BUFFERED of the data is in the page cache).  A warm read uses
+    Cold or warm is judged by staging.cached_share with the host path's threshold (O_DIRECT
+    when under RESIDENT_FOR_BUFFERED of the data is in the page cache).  A warm read uses
     ``staging.workers`` threads (staged_threads() when 0), a cold one every slot set (at least
     staging.COLD_READS: its threads mostly wait on the device).  Every descriptor is closed
     before this returns or raises.  Raises SnapshotCorrupt (a data file missing or short; a
@@ -221,7 +220,7 @@ def restore_staged(path: Path, manifest: Manifest, base: torch.Tensor, staging: 
     copy."""
     fds = _open_files(path, manifest, direct=False)
     try:
-        cold = bool(manifest.chunks) and page_cache_share(path, manifest, fds) < RESIDENT_FOR_BUFFERED
+        cold = bool(manifest.chunks) and cached_share(path, manifest, fds) < RESIDENT_FOR_BUFFERED
         if cold:
             _add_direct(path, fds)
         workers = staging.threads if cold else (staging.workers or staged_threads())

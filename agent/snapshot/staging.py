@@ -24,13 +24,14 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from agent.errors import ConfigError
-from agent.snapshot.format import ALIGN
-from agent.snapshot.reader import RestoreStats
+from agent.snapshot.format import ALIGN, Manifest
+from agent.snapshot.reader import RestoreStats, page_cache_share
 
 SLOT_BYTES = 8 << 20
 """One slot: one pread (O_DIRECT) or 32 buffered pieces of 256 KiB, and one host-to-device
@@ -47,6 +48,37 @@ same run): 8 threads 0.85 x, 12 threads 0.92 x, 16 threads 0.94 x the raw read."
 MAX_STAGED_THREADS = 16
 """A cap on the staged workers: past it a PCIe 5 x16 link (~55 GB/s pinned) is already fed by
 threads each doing 4+ GB/s."""
+
+
+CACHE_PROBES = 64
+"""4 KiB reads that judge whether a snapshot is in the page cache (:func:`cached_share`)."""
+
+
+def cached_share(path: Path, manifest: Manifest, fds: dict[str, tuple[int, int]]) -> float:
+    """Share (0..1) of CACHE_PROBES 4 KiB reads, spread evenly over the chunks, that the page
+    cache answers without I/O: ``preadv`` with RWF_NOWAIT (Linux 4.14) fails with EAGAIN
+    when the bytes are not cached.  ``fds``: reader._open_files's descriptors.  The restore
+    asks this on its clock, and reader.page_cache_share (mincore over every page) cost 9 ms a
+    GiB on the development VM, 0.15 s for an 8B model's 16 GB against the ~0.3 s its warm
+    restore takes; 64 probes cost under a millisecond.  A probe that misses starts the
+    kernel's read-ahead there (harmless: those pages are read next anyway).  Where RWF_NOWAIT
+    is not supported the mincore measure answers."""
+    chunks = manifest.chunks
+    n = min(CACHE_PROBES, len(chunks))
+    if n == 0:
+        return 0.0
+    probe, hits = bytearray(ALIGN), 0
+    for k in range(n):
+        c = chunks[k * len(chunks) // n]
+        offset = c.offset + (c.length // 2) // ALIGN * ALIGN
+        try:
+            os.preadv(fds[c.file][1], [probe], offset, os.RWF_NOWAIT)
+            hits += 1
+        except BlockingIOError:
+            pass
+        except (AttributeError, OSError):     # no RWF_NOWAIT here (EOPNOTSUPP, EINVAL)
+            return page_cache_share(path, manifest, fds)
+    return hits / n
 
 
 def staged_threads() -> int:

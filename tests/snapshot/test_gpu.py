@@ -212,7 +212,7 @@ def test_kvikio_reads_with_its_pool_sized_for_the_node_and_puts_the_old_settings
         seen.append((fake.defaults.get("num_threads"), fake.defaults.get("task_size")))
         return real_pread(self, *args, **kw)
     monkeypatch.setattr(fake.CuFile, "pread", pread)
-    monkeypatch.setattr(kvikio_read, "page_cache_share", lambda *a, **k: 0.0)   # cold
+    monkeypatch.setattr(kvikio_read, "cached_share", lambda *a, **k: 0.0)   # cold
     r = gpu.restore_to_device(path, device="cpu", kvikio=fake)
     want = {"num_threads": staged_threads(), "task_size": kvikio_read.KVIKIO_TASK_BYTES,
             "bounce_buffer_size": 16 << 20, "auto_direct_io_read": True}

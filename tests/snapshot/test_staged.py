@@ -14,6 +14,7 @@ from agent import _restore
 from agent.errors import ConfigError, SnapshotCorrupt
 from agent.snapshot import gpu, staged
 from agent.snapshot.format import ALIGN
+from agent.snapshot.reader import RESIDENT_FOR_BUFFERED
 from agent.snapshot.staging import COLD_READS, Slot, Staging, aligned_host
 
 SLOT = 4096     # tiny slots: an 8 KiB chunk takes two fills, a snapshot outgrows the slots
@@ -138,11 +139,41 @@ def test_staging_slots_are_aligned_disjoint_and_enough_for_a_cold_read():
         assert err.value.value == bad and err.value.limit == ALIGN
 
 
+def test_cached_share_probes_the_page_cache_without_reading_the_disk(big, monkeypatch):
+    from agent.snapshot import staging
+    from agent.snapshot.reader import _close, _open_files
+
+    path, manifest, _ = big
+    data = path / "data-00000.bin"
+    fds = _open_files(path, manifest, direct=False)
+    try:
+        data.read_bytes()                                   # in the page cache
+        assert staging.cached_share(path, manifest, fds) == 1.0
+        fd = os.open(data, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        if _restore.resident_fraction(str(data)) == 0.0:    # the drop took (it may not, in a container)
+            # judged cold (a missed probe starts read-ahead, which a later probe may find done)
+            assert staging.cached_share(path, manifest, fds) < RESIDENT_FOR_BUFFERED
+        probes = []
+
+        def unsupported(fd, buffers, offset, flags):
+            probes.append(offset)
+            raise OSError(errno.EOPNOTSUPP, "RWF_NOWAIT")
+        monkeypatch.setattr(staging.os, "preadv", unsupported)
+        monkeypatch.setattr(staging, "page_cache_share", lambda p, m, f: 0.25 if f is fds else -1)
+        assert staging.cached_share(path, manifest, fds) == 0.25 and len(probes) == 1
+    finally:
+        _close(fds)
+    empty = type(manifest)(**{**manifest.__dict__, "chunks": []})
+    assert staging.cached_share(path, empty, {}) == 0.0
+
+
 # --- restore_to_device(strategy="staged") -------------------------------------------------------
 
 def test_a_snapshot_larger_than_the_slots_lands_in_place(big, monkeypatch):
     path, manifest, data = big
-    monkeypatch.setattr(staged, "page_cache_share", lambda *a, **k: 1.0)   # warm
+    monkeypatch.setattr(staged, "cached_share", lambda *a, **k: 1.0)   # warm
     buf = _buffer(manifest.total_bytes + ALIGN)
     assert buf.staging.nbytes < manifest.total_bytes
     before, fds = _staged_threads(), _fds()
@@ -160,7 +191,7 @@ def test_a_snapshot_larger_than_the_slots_lands_in_place(big, monkeypatch):
 
 def test_a_cold_file_is_read_with_o_direct(big, monkeypatch):
     path, manifest, data = big
-    monkeypatch.setattr(staged, "page_cache_share", lambda *a, **k: 0.0)
+    monkeypatch.setattr(staged, "cached_share", lambda *a, **k: 0.0)
     r = gpu.restore_to_device(path, device="cpu", buffer=_buffer(manifest.total_bytes))
     assert r.stats.figures["cold"] is True and r.stats.threads == COLD_READS
     try:
