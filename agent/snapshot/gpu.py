@@ -76,8 +76,8 @@ from agent.snapshot.staged import restore_staged
 from agent.snapshot.staging import SLOT_BYTES, Staging
 
 __all__ = ["DeviceBuffer", "DriverUnavailable", "STRATEGIES", "STRATEGY_ENV", "choose_strategy",
-           "cuda_driver_present", "hash_threads", "io_path", "load_kvikio", "restore_for_device",
-           "restore_to_device"]
+           "cuda_driver_present", "device_pins", "hash_threads", "io_path", "load_kvikio",
+           "restore_for_device", "restore_to_device"]
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,21 @@ def io_path(kvikio: Any, nvidia_fs: Path = NVIDIA_FS) -> str:
     else:
         compat = bool(defaults.compat_mode())
     return "gds" if not compat and nvidia_fs.exists() else "compat"
+
+
+_PINS: dict[str, Pins] = {}
+
+
+def device_pins(device: str) -> Pins:
+    """machine_pins(device), read once per process and device string: none of the pins can
+    change while the process runs (torch, Python and rewarm are loaded; the driver cannot be
+    replaced under a live CUDA context), and on a GPU reading them starts and stops NVML
+    (agent/snapshot/pins.py), work that does not belong on every restore's clock.  A zygote's
+    :meth:`DeviceBuffer.allocate` reads them ahead of need."""
+    pins = _PINS.get(device)
+    if pins is None:
+        pins = _PINS[device] = machine_pins(device)
+    return pins
 
 
 def choose_strategy(requested: str | None = None, device: str = "cuda", kvikio: Any = None, *,
@@ -210,6 +225,11 @@ class DeviceBuffer:
         chosen = choose_strategy(strategy, device, kvikio)
         buf = cls(tensor, device, [], kvikio, unavailable, chosen)
         buf.prepare(chosen, bounce_bytes=bounce_bytes, slot_bytes=slot_bytes, threads=threads)
+        if dev.type == "cuda":
+            try:
+                device_pins(device)          # read now, off the restore's clock
+            except Exception as exc:  # noqa: BLE001 - the restore reads them again and raises
+                log.warning("%s: machine pins not read ahead (%s: %s)", device, type(exc).__name__, exc)
         return buf
 
     def prepare(self, strategy: str, *, bounce_bytes: int = BOUNCE_BYTES,
@@ -239,7 +259,7 @@ def restore_to_device(path: Path | str, *, device: str = "cuda", buffer: DeviceB
     tensor [total_bytes] on ``device`` (``buffer``'s when given, else a fresh allocation).
 
     Bytes as stored: each tensor keeps the dtype and shape the manifest records (whatever the
-    weight scheme).  ``machine``: the pins to compare (machine_pins(device) when None);
+    weight scheme).  ``machine``: the pins to compare (:func:`device_pins` when None);
     ``accept(manifest)``: the caller's check, run after the pins and before any file is opened
     or memory allocated.  ``strategy``: "staged" | "kvikio" | "auto" (default: the buffer's,
     else :func:`choose_strategy`).  ``kvikio``: the module for the kvikio strategy (default:
@@ -271,7 +291,7 @@ def restore_to_device(path: Path | str, *, device: str = "cuda", buffer: DeviceB
                                 "is allocated and copied into with torch", call="torch.cuda.is_available",
                                 result=None, name="torch", missing=["torch with CUDA"])
     manifest = read_manifest(path, key)
-    check_pins(manifest.pins, machine or machine_pins(device), path)
+    check_pins(manifest.pins, machine or device_pins(device), path)
     if accept is not None:
         accept(manifest)
     total = manifest.total_bytes

@@ -250,3 +250,17 @@ def test_the_real_kvikio_accepts_the_settings():
     with kvikio.defaults.set(settings):
         assert {k: kvikio.defaults.get(k) for k in settings} == settings
     assert {k: kvikio.defaults.get(k) for k in settings} == before
+
+
+def test_the_machines_pins_are_read_once_per_device(make_snapshot, monkeypatch):
+    calls = []
+
+    def pins(device):
+        calls.append(device)
+        return machine_pins("cpu")
+    monkeypatch.setattr(gpu, "_PINS", {})
+    monkeypatch.setattr(gpu, "machine_pins", pins)
+    path, _ = make_snapshot()
+    for _ in range(2):
+        gpu.restore_to_device(path, device="cpu", kvikio=FakeKvikio())
+    assert calls == ["cpu"] and gpu.device_pins("cpu") is gpu.device_pins("cpu")
