@@ -23,7 +23,8 @@ lm_head, the last tensor cut to size), then, every figure on the same bytes (GB/
   host buffer, then a copy to the device), run last and only while the budget allows.
 
 Restore rates are wall time around ``restore_to_device`` (manifest, checks, reads, verification,
-copies, tensor views; the pins are read once before).  Each restore's own per-stage times
+copies, tensor views; the machine's pins were read when the buffer was allocated, as a
+zygote's are).  Each restore's own per-stage times
 (agent/snapshot/staging.py ``DeviceRestoreStats.figures``) are noted beside its figure.
 
 Time (the 16 GB 8B shape on a node reading 2.1 GB/s cold, ~80 s in all): writing ~20 s (the
@@ -172,7 +173,6 @@ def run_throughput(figs: Any, size_bytes: int, root: Path, *, device: str = "cud
     from safetensors.torch import load_file
 
     from agent.snapshot import gpu
-    from agent.snapshot.pins import machine_pins
     from agent.snapshot.reader import HostBuffer, restore_snapshot
 
     t0 = time.perf_counter()
@@ -183,7 +183,6 @@ def run_throughput(figs: Any, size_bytes: int, root: Path, *, device: str = "cud
     files = _Files(snap, st_path)
     figs.fig("bytes", total, "B")
     figs.fig("write_s", round(time.perf_counter() - t0, 1), "s")
-    machine = machine_pins(device)
     link_path = "host" if cuda else "cpu"
 
     h2d = round(_link(min(total, H2D_BYTES), device, 1), 3)
@@ -212,7 +211,7 @@ def run_throughput(figs: Any, size_bytes: int, root: Path, *, device: str = "cud
 
     def restore(strategy: str, verify: bool, name: str, limit: dict | None, factor: float | None):
         t = time.perf_counter()
-        r = gpu.restore_to_device(snap, device=device, buffer=buffers[0], verify=verify, machine=machine,
+        r = gpu.restore_to_device(snap, device=device, buffer=buffers[0], verify=verify,
                                   kvikio=kvikio, strategy=strategy)
         _sync(device)
         wall = time.perf_counter() - t
@@ -284,7 +283,7 @@ def run_throughput(figs: Any, size_bytes: int, root: Path, *, device: str = "cud
     if not cuda:     # the CPU's own figures: the host-side work alone, and the host path warm
         meta = gpu.DeviceBuffer.allocate(total, "meta", strategy="staged")
         t = time.perf_counter()
-        r = gpu.restore_to_device(snap, device="meta", buffer=meta, machine=machine)
+        r = gpu.restore_to_device(snap, device="meta", buffer=meta, machine=gpu.device_pins("cpu"))
         figs.fig("staged_host_side_warm_verified", _gbps(total, time.perf_counter() - t), "GB/s",
                  path="staged")
         figs.note(f"staged_host_side_warm_verified: read + hash into slots, no copy: {r.stats.figures}")
