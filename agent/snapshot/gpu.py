@@ -29,6 +29,9 @@ host memory bandwidth):
 - staged, warm: a thread fills a slot at ``1 / (1/r + 1/h)`` (read, then hash from L2), ``T``
   threads at once, bounded by ``min(T / (1/r + 1/h), L, M / 3)``: each byte crosses host memory
   three times (page cache read, slot write-back, DMA read).  Unverified drops the ``1/h``.
+  Each slot fill also runs some Python under the GIL (the read call, the copy's dispatch, the
+  event), one thread at a time: ``S / o`` for ``o`` seconds of it per fill must stay above
+  ``L`` (``o`` = 11 us for the slice and copy dispatch on the development VM: 760 GB/s at 8 MiB).
 - staged, cold: ``min(D, ...)``: ``max(T, 16)`` threads keep as many slot-sized O_DIRECT
   reads queued; hashing a slot (``S/h``) is a small share of waiting for it (``S x T / D``).
 - kvikio compat: a pool thread reads a task then copies it, in turn, so ``min(T / (1/r +
@@ -40,12 +43,15 @@ host memory bandwidth):
 Figures: on one H200 node (16 cores, driver 580, no nvidia-fs) kvikio with one thread read
 warm at 7.14 GB/s unverified against a pinned copy's ``L`` = 55.2 GB/s, so ``r`` is about
 ``1 / (1/7.14 - 1/55.2)`` = 8.2 GB/s; ``D`` = 2.11 GB/s (raw O_DIRECT, same bytes).  ``h``:
-6.7 GB/s on one core of the 2-core development VM (1 GiB from memory, under load); xxHash's own
-benchmark gives XXH3 over 30 GB/s on one desktop core in cache (its README).  With ``T`` = 14,
-``r`` = 8.2 and ``h`` = 20 the staged model gives ``14 x 5.8`` = 81 GB/s of threads, so
-``L`` bounds it: the target is 0.7 x ``L``.  bench/throughput_check.py measures every term on
-the node (bench/device_check.sh), both strategies side by side, and reports the per-stage
-times each restore records (:class:`~agent.snapshot.staging.DeviceRestoreStats`).
+XXH3-64 (AVX-512 kernel) over 256 KiB pieces just read, still in L2, ran at 47 GB/s per core
+on the development VM (a warm staged restore of 1 GiB spent 0.023 core-seconds hashing:
+``DeviceRestoreStats.figures``); from memory under load it was 6.7 GB/s.  ``M``: eight channels
+of DDR5-4800 give 8 x 38.4 = 307 GB/s by the transfer rate, so ``M / 3`` stays above ``L``.
+With ``T`` = 14, ``r`` = 8.2 and a cautious ``h`` = 20 the staged model gives 14 x 5.8 = 81
+GB/s of threads, so ``L`` bounds it: the target is 0.7 x ``L``.  bench/throughput_check.py
+measures every term on the node (bench/device_check.sh), both strategies side by side, and
+notes the per-stage times each restore records
+(:class:`~agent.snapshot.staging.DeviceRestoreStats`).
 
 kvikio loads libcuda.so.1 even for host buffers, so it is imported only after
 :func:`cuda_driver_present` has found the driver; the ``kvikio`` argument of every function
