@@ -1,5 +1,7 @@
-"""The kvikio device path: with the fake kvikio here (host tensors stand in for device memory),
-with the real one where a GPU and its driver are present (``pytest -m gpu``)."""
+"""agent/snapshot/gpu.py: the kvikio strategy and its settings, the choice of strategy, the
+machine's pins and DeviceBuffer; with the fake kvikio here (host tensors stand in for device
+memory), with the real one where a GPU and its driver are present (``pytest -m gpu``).  The
+staged strategy's own tests are in test_staged.py."""
 
 from __future__ import annotations
 
