@@ -203,6 +203,18 @@ def test_a_cold_file_is_read_with_o_direct(big, monkeypatch):
     assert all(torch.equal(r.tensors[n], t) for n, t in data.items())
 
 
+def test_a_cold_file_whose_o_direct_open_is_refused_is_read_buffered(big, monkeypatch):
+    from agent.snapshot import reader
+
+    path, manifest, data = big
+    monkeypatch.setattr(staged, "cached_share", lambda *a, **k: 0.0)
+    monkeypatch.setattr(reader, "_open_direct", lambda fpath, fd_b: -1)   # as on a tmpfs
+    fds = _fds()
+    r = gpu.restore_to_device(path, device="cpu", buffer=_buffer(manifest.total_bytes))
+    assert r.stats.figures["cold"] is True and (r.stats.direct_chunks, r.stats.odirect) == (0, False)
+    assert all(torch.equal(r.tensors[n], t) for n, t in data.items()) and _fds() == fds
+
+
 def test_a_flipped_byte_is_named_and_the_slots_stay_usable(big):
     path, manifest, data = big
     buf = _buffer(manifest.total_bytes)
