@@ -282,6 +282,13 @@ def run_stack(figs, model_dir: Path, release: Path | None, state: Path,
             figs.note(f"park/resume skipped: {left():.0f} s left of the step, it needs "
                       f"{PARK_NEEDS_S:.0f} s")
         else:
+            # the pool's next zygote (started after the restore) warms on the same GPU: let it
+            # finish first, so its kernels do not run inside the resume's first token
+            try:
+                figs.fig("pool_refilled_s", _wait("the pool's next zygote", warmed,
+                                                  warm_timeout_s), "s", path=device)
+            except RuntimeError as exc:
+                figs.note(f"{exc}: parking with it still warming")
             _park_and_resume(figs, agent, scaler, url, model, prompt, max_tokens, text0, targets)
 
         if targets.cold_base_s is None:
