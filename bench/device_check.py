@@ -141,9 +141,9 @@ def probe() -> dict:
     info["kvikio"] = "not installed"
     if info["libcuda"] and importlib.util.find_spec("kvikio") is not None:
         try:
-            import kvikio
-
-            from agent.snapshot.gpu import io_path
+            # load_kvikio imports kvikio.defaults by name, which `import kvikio` does not
+            from agent.snapshot.gpu import io_path, load_kvikio
+            kvikio = load_kvikio()
             info["kvikio"] = f"{kvikio.__version__} ({io_path(kvikio)})"
         except Exception as exc:   # noqa: BLE001 - libkvikio failing to load is the finding
             info["kvikio"] = f"unusable: {type(exc).__name__}: {str(exc)[:120]}"

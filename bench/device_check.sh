@@ -21,19 +21,20 @@
 # $WORK/setup.txt says what was done, and every failure with its own message.
 #
 # Then bench/device_check.py probes the machine (driver, torch and its CUDA, kvikio and whether
-# it reads with GDS or its compat mode, cuCheckpointProcess* in libcuda) and runs, each in its
-# own process under its own limit and only while the 480 s have room for it:
-#   aot_build        rewarm build --device cuda (the stack serves eager if it fails)
-#   stack            the embedded stack on CUDA: cold boot -> capture -> scale to zero ->
-#                    restore through the agent into a CUDA zygote with kvikio -> first token
-#                    through the HTTP entrance -> park (CUDA checkpoint) -> resume -> first token
-#   throughput_8gib  restore into device memory, 8 GiB and an 8B-parameter bf16 shape, cold and
-#   throughput_8b    warm, verified and not, beside safetensors.torch.load_file(device="cuda"),
-#                    the raw O_DIRECT read and the pinned host-to-device copy of the same bytes
-#   gpu_tests        pytest -m gpu
-# Every figure carries its path (gds | compat | host) and the limit it is compared with.  The
-# table is printed whatever fails; what is skipped says why.  Without a GPU every step is
-# skipped and the script exits 0.
+# it reads with GDS or its compat mode, cuCheckpointProcess* in libcuda) and runs its steps in
+# phases, each step in its own process under its own limit and only while the 480 s have room
+# for it (the driver's docstring has each step, its budget and what it measures):
+#   phase 1, side by side (nothing timed): aot_build (rewarm build --device cuda), prep_8b (the
+#            Llama-3-8B-shaped checkpoint written from the GPU), gpu_tests (pytest -m gpu)
+#   then, each alone: stack (SmolLM2's shape through the serving path: cold boot, capture,
+#            restore into a warmed CUDA zygote, first token over HTTP, park, resume), stack_8b
+#            (the same on the 8B shape, with a cold restore), throughput_8b and throughput_8gib
+#            (restore rates into device memory against the raw read, the pinned copy and
+#            safetensors of the same bytes)
+# Every figure carries its path (staged | gds | compat | host) and the limit it is compared
+# with; a failed step's JSON holds its exception and traceback's tail.  The table is printed
+# whatever fails; what is skipped says why.  Without a GPU every step is skipped and the
+# script exits 0.
 export CHECK_START="$(date +%s)"
 set -u
 cd "$(dirname "$0")/.."
