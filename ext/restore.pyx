@@ -18,6 +18,11 @@ madvise just before hashing it: the fresh-process restore maps the data file, lo
 ``lock_memory(onfault=True)`` (mlock2 MLOCK_ONFAULT) and verifies it this way, so the kernel
 reads a cold file straight into the pages the tensors then use.
 
+``read_into`` is the staged device restore's read (agent/snapshot/staged.py): one call reads
+one range of a file into one staging slot on the calling thread (no thread is started), with
+the GIL released, O_DIRECT first and buffered where that is refused, feeding each piece to a
+streaming :class:`Xxh3` as it lands; its caller's own threads run many such calls at once.
+
 Other helpers: ``xxh3_64(buffer)`` (the writer's and stager's hash), ``resident_fraction(path)``
 (mincore: the share of a file's pages in the page cache, so the benchmark can say whether
 dropping the cache took effect), ``populate(buffer)`` (fault a buffer in, GIL released).
@@ -31,6 +36,7 @@ from posix.unistd cimport pread, close, sysconf
 from posix.fcntl cimport open as c_open, O_RDONLY, O_NONBLOCK, O_CLOEXEC
 from posix.mman cimport mmap, munmap, PROT_READ, MAP_SHARED, MAP_FAILED
 from posix.stat cimport struct_stat, fstat, S_ISREG
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 import os
 
@@ -69,6 +75,7 @@ cdef extern from "xxh3_dispatch.h" nogil:
     int XXH3_64bits_reset(XXH3_state_t *state)
     int XXH3_64bits_update(XXH3_state_t *state, const void *data, size_t length)
     XXH64_hash_t XXH3_64bits_digest(const XXH3_state_t *state)
+    void XXH3_copyState(XXH3_state_t *dst_state, const XXH3_state_t *src_state)
     int rw_update(XXH3_state_t *state, const void *data, size_t length)
     const char *rw_update_name
     void rw_pick_update()
@@ -551,3 +558,135 @@ def resident_fraction(object path):
     finally:
         if own:
             close(fd)
+
+
+# --- the staged device restore's read: one range into one slot, on the caller's thread ------
+
+cdef inline int64_t now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef int read_timed(int fd, uint8_t *dst, int64_t length, int64_t offset, int64_t piece,
+                    XXH3_state_t *state, int *short_read, int64_t *read_ns,
+                    int64_t *hash_ns) noexcept nogil:
+    """``read_full`` with the time spent in pread and in hashing added to ``read_ns`` and
+    ``hash_ns``: pread ``length`` bytes in pieces of ``piece``, each piece fed to ``state``
+    (when not NULL) right after it lands.  Returns 0 or errno; EOF sets short_read."""
+    cdef int64_t done = 0, step, part, t0, t1
+    cdef ssize_t got
+    while done < length:
+        step = piece if length - done > piece else length - done
+        part = 0
+        t0 = now_ns()
+        while part < step:
+            got = pread(fd, dst + done + part, <size_t>(step - part), offset + done + part)
+            if got < 0:
+                if errno == EINTR:
+                    continue
+                read_ns[0] += now_ns() - t0
+                return errno
+            if got == 0:
+                short_read[0] = 1
+                read_ns[0] += now_ns() - t0
+                return 0
+            part += got
+        t1 = now_ns()
+        read_ns[0] += t1 - t0
+        if state != NULL:
+            rw_update(state, dst + done, <size_t>step)
+            hash_ns[0] += now_ns() - t1
+        done += step
+    return 0
+
+
+cdef class Xxh3:
+    """A streaming XXH3-64 state (xxhash.h ``XXH3_state_t``) fed by :func:`read_into`, so one
+    chunk's hash can run across several slot fills: ``reset()``, ``update(buffer)`` (GIL
+    released), ``digest()``.  The digest of all the bytes fed since the last reset equals
+    ``xxh3_64`` of them laid end to end.  Not thread-safe: one per thread."""
+
+    cdef XXH3_state_t *state
+    cdef XXH3_state_t *saved      # read_into's copy, to undo a refused O_DIRECT attempt
+
+    def __cinit__(self):
+        self.state = XXH3_createState()
+        self.saved = XXH3_createState()
+        if self.state == NULL or self.saved == NULL:
+            raise MemoryError("XXH3 state")
+        XXH3_64bits_reset(self.state)
+
+    def __dealloc__(self):
+        if self.state != NULL:
+            XXH3_freeState(self.state)
+        if self.saved != NULL:
+            XXH3_freeState(self.saved)
+
+    def reset(self):
+        XXH3_64bits_reset(self.state)
+
+    def update(self, object data):
+        cdef Py_buffer view
+        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        try:
+            with nogil:
+                rw_update(self.state, view.buf, <size_t>view.len)
+        finally:
+            PyBuffer_Release(&view)
+
+    def digest(self):
+        return XXH3_64bits_digest(self.state)
+
+
+def read_into(object buffer, long long buf_offset, long long length, int fd_direct,
+              int fd_buffered, long long file_offset, long long piece_bytes=256 << 10,
+              long long direct_piece_bytes=8 << 20, Xxh3 hasher=None):
+    """pread ``length`` bytes at ``file_offset`` into ``buffer[buf_offset:buf_offset + length]``
+    on the calling thread, the GIL released; with ``hasher``, feed each piece to it as it lands.
+
+    ``fd_direct`` (O_DIRECT, or -1) is tried first, in pieces of ``direct_piece_bytes``; when
+    the kernel refuses it (EINVAL: a filesystem without direct I/O, or a destination, offset or
+    length not aligned to the device's logical block) the range is read again through
+    ``fd_buffered`` in pieces of ``piece_bytes`` (small enough to be hashed while still in L2),
+    the hasher put back to where it was before the attempt.  Returns ``(err, short_read,
+    used_direct, read_ns, hash_ns)``: errno of a failed read (0: none), 1 when the file ended
+    first, 1 when O_DIRECT served the range, and the nanoseconds spent in pread and in hashing.
+    Raises ValueError for a range outside the buffer or a piece size that is not a positive
+    multiple of 4096; read errors are returned, not raised, so the caller can name the chunk."""
+    cdef Py_buffer view
+    cdef int rc = EINVAL, short_read = 0, used_direct = 0
+    cdef int64_t read_ns = 0, hash_ns = 0
+    cdef XXH3_state_t *state = NULL
+    cdef XXH3_state_t *saved = NULL
+    cdef uint8_t *dst
+    for name, value in (("piece_bytes", piece_bytes), ("direct_piece_bytes", direct_piece_bytes)):
+        if value < 4096 or value % 4096:
+            raise ValueError(f"{name}={value} must be a positive multiple of 4096")
+    if length < 0 or file_offset < 0:
+        raise ValueError(f"length={length}, file_offset={file_offset} must be >= 0")
+    PyObject_GetBuffer(buffer, &view, PyBUF_SIMPLE | PyBUF_WRITABLE)
+    try:
+        if buf_offset < 0 or buf_offset + length > view.len:
+            raise ValueError(f"range [{buf_offset}, {buf_offset + length}) outside buffer of "
+                             f"{view.len} bytes")
+        dst = <uint8_t *>view.buf + buf_offset
+        if hasher is not None:
+            state, saved = hasher.state, hasher.saved
+        with nogil:
+            if fd_direct >= 0:
+                if state != NULL:
+                    XXH3_copyState(saved, state)
+                rc = read_timed(fd_direct, dst, length, file_offset, direct_piece_bytes, state,
+                                &short_read, &read_ns, &hash_ns)
+                if rc == 0:
+                    used_direct = 1
+            if rc == EINVAL:     # no direct I/O for this range: buffered, hashing it anew
+                short_read = 0
+                if state != NULL and fd_direct >= 0:
+                    XXH3_copyState(state, saved)
+                rc = read_timed(fd_buffered, dst, length, file_offset, piece_bytes, state,
+                                &short_read, &read_ns, &hash_ns)
+        return rc, short_read, used_direct, read_ns, hash_ns
+    finally:
+        PyBuffer_Release(&view)

@@ -129,14 +129,16 @@ class ReplicaLoad:
         """Predicted TTFT (s) here for a new request of ``prompt_tokens`` prompt tokens, with
         this replica's speed (``prior`` when it has reported none)."""
         # SpeedProfile.predict_ttft_s, inlined (the request path calls this per replica
-        # per request): the step in progress, the queued prefills, its own prefill.
+        # per request): the step in progress, then the steps that prefill the queued prompts
+        # and its own (SpeedProfile.prefill_wait_s: the step's budget, when it has one).
         s = self.speed or prior
         active = self.active_seqs
         step_s = (s.decode_base_s + s.decode_per_seq_s * (active - 1)
                   + s.decode_per_ctx_token_s * self.active_ctx_tokens) if active > 0 else 0.0
-        return (step_s + (self.waiting_seqs + 1) * s.prefill_overhead_s
-                + (self.queued_prefill_tokens + prompt_tokens) / s.prefill_tokens_per_s
-                ) * self.slowdown + self.penalty_s
+        return (step_s + s.prefill_wait_s(
+            prompt_tokens, waiting_seqs=self.waiting_seqs,
+            queued_prefill_tokens=self.queued_prefill_tokens, active_seqs=active,
+            active_ctx_tokens=self.active_ctx_tokens)) * self.slowdown + self.penalty_s
 
     @classmethod
     def from_meta(cls, replica_id: str, model: str, address: str,

@@ -268,10 +268,16 @@ class RestoreLadder:
         self.state.phase(rec, "restore")
         self.state.record(rec, row.snapshot_id)
         zygote = self.zygotes.take(rec.device, rec.spec.name)
-        # the next restore's zygote warms while this one restores (at background priority),
-        # not after it: back-to-back scale-ups found none ready and each started its own
-        # process inside its restore (5-6 s against about 1 s)
-        self._refill()
+        if rec.device == "cpu":
+            # the next restore's zygote warms while this one restores (at background
+            # priority), not after it: back-to-back scale-ups found none ready and each
+            # started its own process inside its restore (5-6 s against about 1 s).  On a
+            # GPU it starts when this restore is over (_bring_up's refill): a zygote making
+            # its CUDA context, zeroing its device buffer and running its warm-up kernels on
+            # the GPU being restored to would share the device with this restore's reads,
+            # golden check and first token, and a GPU serves one replica
+            # (agent/node/capacity.py), so no second restore onto it waits for that zygote.
+            self._refill()
         try:
             with self.state.store.reading(row.snapshot_id) as snap:
                 try:

@@ -62,8 +62,9 @@ PHASES = {"weights_s": "weights", "package_s": "package", "compile_s": "package"
 
 FAILURE_KINDS = ("checksum", "signature", "pins", "golden", "timeout", "stage", "other")
 
-RESTORE_IO = ("gds", "compat", "host")
-"""agent/snapshot/gpu.py: kvikio with GDS, kvikio's compat mode, the host reader."""
+RESTORE_IO = ("staged", "gds", "compat", "host")
+"""agent/snapshot/gpu.py: the staged restore, kvikio with GDS, kvikio's compat mode, the host
+reader."""
 FALLBACK_KINDS = ("none", "driver", "checksum", "memory", "io", "other")
 """Why a device read fell back: none; no driver or kvikio (DriverUnavailable); a chunk that
 did not verify in device memory (SnapshotCorrupt); no device memory (OutOfMemoryError); a

@@ -8,7 +8,9 @@ Each refill starts zygotes at background CPU priority where the backend has one
 snapshot ``warm_for(device)`` names (agent/replica/zygote.py ``warm_zygote``: the package
 loaded and the golden check's calls run once before it is ready; nothing of it is trusted by
 the restore), and replaces, the new one first, zygotes warmed for another snapshot (started
-before the first capture, or for an older version).
+before the first capture, or for an older version).  A zygote started with no snapshot to warm
+for still warms its device (agent/replica/warmup.py ``warm_device``).  A restore takes a zygote
+warmed for the snapshot it restores before an older one that is not.
 """
 
 from __future__ import annotations
@@ -100,14 +102,22 @@ class ZygotePool:
         return started
 
     def take(self, device: str, model: str) -> Zygote:
-        """A ready zygote of ``device`` for a restore of ``model``; when none is ready, one
-        started now, on the request's path (slower; at normal priority)."""
+        """A ready zygote of ``device`` for a restore of ``model``: the oldest one warmed for
+        ``warm_for(device)`` (now that ``model`` is the device's last: the newest ready local
+        snapshot of it, the one the restore ladder reads first), else the oldest ready (its
+        restore builds the engine its warm-up did not); when none is ready, one started now,
+        on the request's path (slower; at normal priority)."""
         with self._lock:
             self.last_model[device] = model
         self._drop_dead(device)
+        snapshot = self.warm_for(device)
         with self._lock:
-            if self.ready.get(device):
-                return self.ready[device].pop(0)
+            zygotes = self.ready.get(device)
+            if zygotes:
+                warm = next((z for z in zygotes if snapshot is not None and z.warm == snapshot),
+                            zygotes[0])
+                zygotes.remove(warm)
+                return warm
         return self.backend.zygote(device, background=False)
 
     def _drop_dead(self, device: str) -> None:

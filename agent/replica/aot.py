@@ -22,6 +22,16 @@ with input checks on before it is published (agent/replica/aot_check.py).  The r
 recorded in ``package.json`` and inside the package (its AOTInductor metadata, covered by the
 digest); :class:`PackagedForward` checks every call against them (agent/replica/aot_inputs.py).
 
+On a GPU the package runs dense weights in the checkpoint's dtype (bfloat16): an int4
+checkpoint's packing is the CPU kernel's (``_weight_int4pack_mm_for_cpu``), so the build and a
+GPU boot dequantize it first (:func:`weights_for_device`).  Matmuls stay cuBLAS calls and the
+rest is fused into Triton kernels by Inductor's defaults, without ``max_autotune``: autotuning
+every matmul of a 30-layer model makes the build minutes long on the node (it benchmarks Triton
+templates against cuBLAS at each shape), where the GPU device check gives the build about 100
+s, and for the batch sizes a replica serves the matmuls are memory-bound, where cuBLAS is at
+the bandwidth limit already.  A build that fails raises PackageBuildFailed naming its stage
+(export, compile or check) and the error torch raised, chained.
+
 Weights stay outside the package (``aot_inductor.package_constants_in_so=False``) and are bound
 at load with ``load_constants(..., user_managed=True)``: the compiled code reads the caller's
 tensors — the views into a restored snapshot's buffer — without a copy, so one package serves
@@ -46,8 +56,9 @@ from collections.abc import Mapping
 
 import torch
 
-from agent.errors import (ConfigError, InvalidCheckpoint, PackageCheckFailed, TargetMismatch,
-                          WeightSchemeMismatch)
+from agent.errors import (ConfigError, InvalidCheckpoint, PackageBuildFailed, PackageCheckFailed,
+                          TargetMismatch, WeightSchemeMismatch)
+from agent.replica.aot_check import load_runner
 from agent.replica.aot_inputs import DIMS, InputSpec, parse_ranges
 from agent.replica.config import LlamaConfig
 from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS  # noqa: F401 (re-exported)
@@ -143,19 +154,37 @@ def exported_ranges(exported, config: LlamaConfig) -> dict[str, tuple[int, int]]
     return out
 
 
+def weights_for_device(weights: Mapping[str, torch.Tensor], config: LlamaConfig,
+                       device: str) -> dict[str, torch.Tensor]:
+    """Runtime-layout ``weights`` as ``device`` runs them: unchanged on the CPU; on a GPU,
+    dense in ``config.dtype`` (a quantized matrix replaced by its values,
+    agent/replica/quant.py ``dense_runtime``, computed on the host where its kernel runs) and
+    moved there.  The GPU has no kernel for the CPU's int4 packing."""
+    from agent.replica.quant import dense_runtime, scheme_of
+
+    if device == "cpu":
+        return dict(weights)
+    if scheme_of(weights) != "dense":
+        weights = {k: v.to(config.torch_dtype) for k, v in dense_runtime(dict(weights)).items()}
+    return {k: v.to(device) for k, v in weights.items()}
+
+
 def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor], out_dir: Path, *,
                        max_seqs: int = DEFAULT_MAX_SEQS, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
                        device: str = "cpu", target: str | None = None) -> Path:
     """Export and compile ``config``'s forward; write ``out_dir/<target>/``; return that directory.
 
     ``weights`` (runtime layout) give the traced shapes and the build check's weights; they
-    are not stored.  Raises ConfigError when ``max_seq_len`` is outside [2,
-    ``config.max_position_embeddings``] or ``max_seqs`` is below 1, PackageCheckFailed when
-    export narrows a range or the compiled package fails :func:`aot_check.check_package` (no
-    package is left then).  Takes minutes for a 30-layer model on two CPU cores (C++ compile).
+    are not stored (on a GPU, :func:`weights_for_device`).  Raises ConfigError when
+    ``max_seq_len`` is outside [2, ``config.max_position_embeddings``] or ``max_seqs`` is below
+    1, PackageCheckFailed when export narrows a range or the compiled package fails
+    :func:`aot_check.check_package`, PackageBuildFailed when torch.export or AOTInductor raise
+    (no package is left then).  Takes minutes for a 30-layer model on two CPU cores (C++
+    compile).
     """
     from agent.replica import aot_check
     from agent.replica.model import Transformer
+    from agent.replica.quant import scheme_of
 
     if not 2 <= max_seq_len <= config.max_position_embeddings:
         raise ConfigError(f"max_seq_len={max_seq_len} must be in [2, max_position_embeddings="
@@ -168,51 +197,47 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
     dest.mkdir(parents=True, exist_ok=True)
     from agent.progress import bar
 
-    model = Transformer.from_weights(config, {k: v.to(device) for k, v in weights.items()})
+    model = Transformer.from_weights(config, weights_for_device(weights, config, device))
     ranges = size_ranges(max_seqs, max_seq_len)
+    package = dest / PACKAGE_NAME
+    partial = dest / ("partial-" + PACKAGE_NAME)
     started = time.perf_counter()
     # Two steps of very different length (export seconds, AOTInductor compile minutes): the
     # bar names the running step and its elapsed time, there is no finer progress to show.
     shown = bar(2, f"build {target}", unit="step")
     shown.set_postfix_str("torch.export")
     try:
-        with torch.no_grad(), _size_oblivious():
+        with torch.no_grad(), _size_oblivious(), _stage("export", dest, target, partial):
             exported = torch.export.export(
                 model, example_inputs(config, max_seqs, max_seq_len, device),
                 dynamic_shapes=dynamic_shapes(config, max_seqs, max_seq_len))
-            got = exported_ranges(exported, config)
-            if got != ranges:
-                raise PackageCheckFailed(f"{dest}: export narrowed the dynamic sizes to {got}, "
-                                         f"asked for {ranges}", package=dest, sizes=None,
-                                         field="ranges", value=got, limit=ranges)
-            export_s = time.perf_counter() - started
-            shown.update(1)
-            shown.set_postfix_str("AOTInductor compile")
-            package = dest / PACKAGE_NAME
-            partial = dest / ("partial-" + PACKAGE_NAME)
+        got = exported_ranges(exported, config)
+        if got != ranges:
+            raise PackageCheckFailed(f"{dest}: export narrowed the dynamic sizes to {got}, "
+                                     f"asked for {ranges}", package=dest, sizes=None,
+                                     field="ranges", value=got, limit=ranges)
+        export_s = time.perf_counter() - started
+        shown.update(1)
+        shown.set_postfix_str("AOTInductor compile")
+        with torch.no_grad(), _size_oblivious(), _stage("compile", dest, target, partial):
             torch._inductor.aoti_compile_and_package(
                 exported, package_path=str(partial),
                 inductor_configs={"aot_inductor.package_constants_in_so": False,
                                   "aot_inductor.metadata": {"rewarm.target": target,
                                                             RANGES_METADATA: json.dumps(ranges)},
-                                  # GPU kernels are autotuned here, at build time, never at boot.
-                                  "max_autotune": device.startswith("cuda"),
                                   # round every bfloat16/float16 intermediate where eager does,
                                   # so the package gives eager's tokens (not only its accuracy)
                                   "emulate_precision_casts": True})
-            shown.update(1)
+        shown.update(1)
     finally:
         shown.close()
     compile_s = time.perf_counter() - started - export_s
     t = time.perf_counter()
     state = model.state_dict()
-    try:
-        derived = derived_constants(partial, state, config)
+    with _stage("check", dest, target, partial):
+        derived = derived_constants(partial, state, config, device)
         checked = aot_check.check_package(partial, model, {**state, **bind_derived(derived)},
                                           ranges, max_seq_len, device=device)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
     check_s = time.perf_counter() - t
     partial.replace(package)
     constants = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
@@ -228,7 +253,7 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
                "dtype": config.dtype},
         "checked": {"env": f"{aot_check.CHECK_ENV}=1", "runs": checked},
         "config": config.to_dict(), "constants": constants,
-        "weight_scheme": config.weight_scheme, "derived_constants": derived,
+        "weight_scheme": scheme_of(state), "derived_constants": derived,
         "export_s": round(export_s, 3), "compile_s": round(compile_s, 3),
         "check_s": round(check_s, 3),
     }
@@ -238,8 +263,30 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
     return dest
 
 
+@contextlib.contextmanager
+def _stage(stage: str, dest: Path, target: str, partial: Path):
+    """Run one stage of a build: whatever it raises leaves no partial package; a typed error
+    passes as it is, anything else (torch.export's, Inductor's, the C++ compiler's, a CUDA
+    error) becomes PackageBuildFailed naming the stage, the target and the error's first
+    lines, chained to it (``rewarm build`` prints the message; ``--log-level DEBUG`` the
+    traceback)."""
+    from agent.errors import RewarmError
+
+    try:
+        yield
+    except BaseException as exc:
+        partial.unlink(missing_ok=True)
+        if isinstance(exc, (RewarmError, KeyboardInterrupt, SystemExit)):
+            raise
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        error = f"{type(exc).__name__}: {' | '.join(lines[:6])[:1500]}"
+        raise PackageBuildFailed(f"{dest}: building the package for {target} failed at "
+                                 f"{stage}: {error}", package=dest, target=target, stage=stage,
+                                 error=error) from exc
+
+
 def derived_constants(package: Path, state: Mapping[str, torch.Tensor],
-                      config: LlamaConfig) -> dict[str, dict[str, Any]]:
+                      config: LlamaConfig, device: str = "cpu") -> dict[str, dict[str, Any]]:
     """The constants Inductor added to ``package`` beyond the module's own (``state``), with
     the value each must be bound to.  The only ones this model makes: Inductor's CPU lowering
     of ``_weight_int4pack_mm_for_cpu`` (torch/_inductor/quantized_lowerings.py,
@@ -247,11 +294,11 @@ def derived_constants(package: Path, state: Mapping[str, torch.Tensor],
     package built with ``package_constants_in_so=False`` does not carry, so it is recorded in
     ``package.json`` and bound at load.  The build check then runs the package with it.
     Raises PackageCheckFailed for any other unknown constant."""
-    from agent.replica.quant import GROUP_SIZE
+    from agent.replica.quant import GROUP_SIZE, scheme_of
 
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+    loader = load_runner(package, device)
     extra = sorted(set(loader.get_constant_fqns()) - set(state))
-    if extra and config.weight_scheme != "int4":
+    if extra and scheme_of(state) != "int4":
         raise PackageCheckFailed(f"{package}: constants {extra} not in the module", package=package,
                                  sizes=None, field="constants", value=extra, limit=sorted(state)[:3])
     return {name: {"dtype": "int64", "shape": [], "value": GROUP_SIZE} for name in extra}
@@ -429,7 +476,7 @@ def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str
         bound[name] = tensor if tensor.is_contiguous() else tensor.contiguous()
     # The C++ loader directly: torch._inductor.aoti_load_package would first import the whole
     # of Inductor (seconds of Python imports at every boot) only to wrap this same object.
-    model = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+    model = load_runner(package, device)
     compiled = model.get_metadata().get(RANGES_METADATA)
     try:
         same = compiled is not None and parse_ranges(json.loads(compiled), package) == spec.ranges

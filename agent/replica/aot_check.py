@@ -38,6 +38,18 @@ CHECK_ENV = "AOTI_RUNTIME_CHECK_INPUTS"
 SEED = 20240601
 
 
+def load_runner(package: Path, device: str = "cpu") -> Any:
+    """The package's runner: ``AOTIModelPackageLoader(path, model_name, run_single_threaded,
+    num_runners, device_index)`` (torch/csrc/inductor/aoti_package/pybind.cpp) with one
+    runner, not single-threaded (its container takes a lock per run), on ``device``'s index
+    (-1 for the CPU and for an unnumbered "cuda": the current device, which a worker's
+    CUDA_VISIBLE_DEVICES makes its own GPU).  Raises RuntimeError when the package cannot be
+    loaded (a zip it cannot read, a device it was not built for)."""
+    index = torch.device(device).index
+    return torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1,
+                                                 -1 if index is None else index)
+
+
 def corner_sizes(ranges: Mapping[str, tuple[int, int]]) -> list[dict[str, int]]:
     """The three size combinations of the module docstring (B <= C in each)."""
     (b_lo, b_hi), (s_lo, s_hi), (c_lo, c_hi) = (ranges[k] for k in ("batch", "seq", "cache_batch"))
@@ -123,7 +135,7 @@ def check_package(package: Path, eager: torch.nn.Module, weights: Mapping[str, t
     reference = float64_reference(eager)
     records = []
     with input_checks_on():
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+        loader = load_runner(package, device)
         names = set(loader.get_constant_fqns())
         loader.load_constants({n: t.contiguous() for n, t in weights.items() if n in names},
                               False, True, True, False)

@@ -1,11 +1,17 @@
 """The replica's batch scheduler: every connection's ``generate`` requests feed one loop.
 
-Each tick submits what arrived, then runs one engine step on the engine's single worker
-thread: :meth:`Engine.admit` one sequence at a time (the prefill of each admitted sequence,
-whose first token is sent before the next prefill starts), then :meth:`Engine.decode` (one
-batched decode step for all active ones), so the server's event loop keeps answering
-``health`` and ``stats`` while the model runs.  A request's TTFT is then the prefills queued
-ahead of it and its own (agent/speed.py's model), not every prefill of the step.
+Each tick submits what arrived, then runs one engine step (agent/replica/engine.py's module
+docstring) on the engine's single worker thread, one engine call at a time:
+:meth:`Engine.begin_step` (the step's prefill budget from the measured speed and the ITL
+target), :meth:`Engine.prefill` while :attr:`Engine.can_prefill` (one forward call over the
+oldest waiting prompts' chunks; the first tokens of the prompts it completes are sent before
+the next call starts), then :meth:`Engine.decode` (one batched decode step for all running
+sequences).  So the server's event loop keeps answering ``health`` and ``stats`` while the
+model runs, a running stream waits at most one step (about the ITL target) for its next token
+however many prompts arrive, and a request's TTFT is the steps that prefill the prompts
+queued ahead of it and its own (agent/speed.py's model), not every prefill of the step.
+Cancels that arrive meanwhile are applied between calls (a prompt part-way through its
+prefill frees its slot).
 
 The scheduler holds the requests accepted but not yet handed to the engine (``submits``),
 the engine sequences in flight (``by_seq``) and the cancels for the next tick; what it needs
@@ -135,9 +141,10 @@ class BatchScheduler:
         return request.seq_id in self.by_seq or any(r is request for r, _ in self.submits)
 
     def _tick(self, submits: list[tuple[Request, dict]], cancels: list[int]):
-        """On the engine thread: cancel, submit, then the first prefill of the step (if a
-        slot admits one); :meth:`_admit_one` does the rest, one per call, and the decode half
-        follows once their first tokens are sent."""
+        """On the engine thread: cancel, submit, begin the step (its prefill budget at the
+        running batch), then its first prefill call (if one can run); :meth:`_prefill_one`
+        runs the others, one per call, and the decode follows once their first tokens are
+        sent."""
         engine = self.host.loaded.engine
         for seq_id in cancels:
             engine.cancel(seq_id)
@@ -147,14 +154,15 @@ class BatchScheduler:
                 request.seq_id = engine.submit(**args)
             except RewarmError as exc:
                 failed.append((request, exc))
-        return failed, (engine.admit(1) if engine.busy else [])
+        engine.begin_step()
+        return failed, (engine.prefill() if engine.can_prefill else [])
 
-    def _admit_one(self, cancels: list[int]):
-        """On the engine thread: cancel, then prefill the next waiting sequence (if any)."""
+    def _prefill_one(self, cancels: list[int]):
+        """On the engine thread: cancel, then the step's next prefill call (if one can run)."""
         engine = self.host.loaded.engine
         for seq_id in cancels:
             engine.cancel(seq_id)
-        return engine.admit(1)
+        return engine.prefill() if engine.can_prefill else []
 
     async def _fail_held(self, exc: RewarmError, submitting: list[Request]) -> None:
         """An engine step raised a typed error (a forward refusing its inputs, e.g.
@@ -312,14 +320,14 @@ class BatchScheduler:
             self.by_seq.pop(seq_id, None)
         self._deliver(events)
         try:
-            # One prefill per call, its first token sent at once: a request's TTFT is
-            # the prefills queued ahead of it and its own (agent/speed.py's model), not
-            # every prefill of the step (the ones behind it too).
-            while self.host.loaded.engine.can_admit:
+            # One prefill call per engine call, its first tokens sent at once: a request's
+            # TTFT is the calls queued ahead of it and its own (agent/speed.py's model), not
+            # every call of the step (the ones behind it too).
+            while self.host.loaded.engine.can_prefill:
                 cancels, self.cancels = self.cancels, []
                 for seq_id in cancels:
                     self.by_seq.pop(seq_id, None)
-                admitted = await self._engine(self._admit_one, cancels)
+                admitted = await self._engine(self._prefill_one, cancels)
                 self._deliver(admitted)
                 events += admitted
             decoded = await self._engine(self.host.loaded.engine.decode)
@@ -331,7 +339,7 @@ class BatchScheduler:
             return
         self.failures = 0
         self._deliver(decoded)
-        events += decoded  # one tick for the meter: the admitted prefills and the decode step
+        events += decoded  # one tick for the meter: the step's prefill calls and its decode
         self.meter.step(sum(1 for e in events if e.token >= 0),
                         len({e.seq_id for e in events}), time.perf_counter() - started)
 

@@ -1,34 +1,58 @@
-"""The engine: batched decode of many sequences over the slot-allocated KV cache.
+"""The engine: chunked prefill and batched decode of many sequences over the slot-allocated KV cache.
 
-One step (:meth:`Engine.step`) admits waiting sequences while slots are free (each is
-prefilled alone, in chunks of ``prefill_chunk`` tokens, B=1, S<=chunk), then decodes every
-active sequence together (B=active, S=1).  Every call goes through the same
-``forward(tokens, input_pos, cache_batch_idx, k_caches, v_caches)`` (see agent/replica/model.py),
-either the eager :class:`Transformer` or any callable with that signature (a loaded AOT
-package, a ``torch.compile`` of the module).
+One step (:meth:`Engine.step`; the replica's loop runs the same parts one engine call at a
+time, agent/replica/batching.py):
+
+1. :meth:`Engine.begin_step` sets the step's prefill budget in prompt tokens from the measured
+   speed and the inter-token-latency target ``itl_target_s`` (agent/speed.py
+   ``SpeedProfile.prefill_budget_tokens``: what fits beside the decode of the running batch
+   within the target; vLLM's ``max_num_batched_tokens``, sized as Sarathi-Serve sizes it);
+2. :meth:`Engine.prefill`, while :attr:`Engine.can_prefill`: one forward call over the oldest
+   waiting sequence's next chunk, and the whole prompts of the next ones when they may share
+   it (agent/speed.py ``plan_prefill_call``: rows ``[k, L]``, shorter ones padded, within the
+   budget left).  A sequence takes its KV slot when its first chunk runs; when its last chunk
+   runs its first token is sampled and returned at once, and it joins the running batch.  A
+   further call in the step is charged one call's overhead (``SpeedProfile.call_budget_tokens``);
+3. :meth:`Engine.decode`: one decode step over every running sequence (B=running, S=1).
+
+With ``itl_target_s`` 0 there is no budget: each waiting sequence is prefilled whole, alone
+(B=1, in chunks of ``prefill_chunk``), one per :meth:`Engine.prefill` call, before the decode
+(:meth:`Engine.admit`: the schedule without chunked prefill).  Why the chunks of several
+sequences share one call and the decode never does: agent/speed.py's module docstring, with
+the measurements.
+
+Padding is safe because a row's padded positions lie past its written prompt in its own
+slot: attention masks key positions after each query (agent/replica/model.py), and each later
+chunk or decode writes a position before any query reads it.
+
+Every call goes through the same ``forward(tokens, input_pos, cache_batch_idx, k_caches,
+v_caches)`` (see agent/replica/model.py), either the eager :class:`Transformer` or any
+callable with that signature (a loaded AOT package, a ``torch.compile`` of the module).
 
 Sampling is per sequence (agent/replica/sampling.py: greedy, or temperature / top-k / top-p
 with a per-sequence seeded generator); a decode step samples every active sequence from one
 [B, V] logits tensor.  A sequence ends after ``max_tokens`` new tokens or when it samples a
 stop token (the stop token is not returned).
 
-Speed: every prefill (one prompt, its first token sampled) and every decode step (sampling
-included) is timed with the injected ``clock`` and fed to the engine's
-:class:`~agent.replica.speedmeter.SpeedMeter`; :attr:`Engine.load` is the queue as of the last
-change (published on the engine thread, read by the server without a lock), and
-:meth:`Engine.predict_ttft_s` what a new request would meet.
+Speed: every prefill call (its tokens counted over all rows, padding included, its first
+tokens sampled) and every decode step (sampling included) is timed with the injected
+``clock`` and fed to the engine's :class:`~agent.replica.speedmeter.SpeedMeter`;
+:meth:`Engine.profile` is the meter's fit with the engine's ITL target; :attr:`Engine.load`
+is the queue as of the last change (published on the engine thread, read by the server
+without a lock), and :meth:`Engine.predict_ttft_s` what a new request would meet.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from agent.errors import ProtocolError
+from agent.errors import ConfigError, ProtocolError
 from agent.replica.config import LlamaConfig
 from agent.replica.kv import KVPlan, KVSlotAllocator, plan_kv
 from agent.replica.lockstep import Lockstep
@@ -36,7 +60,7 @@ from agent.replica.model import Transformer, new_kv_caches
 from agent.replica.sampling import (GREEDY, MAX_SEED, Sampler, Sampling, make_sampler,  # noqa: F401
                                     sample, sample_rows)
 from agent.replica.speedmeter import SpeedMeter
-from agent.speed import slot_wait_steps
+from agent.speed import DEFAULT_ITL_SLO_S, SpeedProfile, plan_prefill_call, slot_wait_steps
 
 Forward = Callable[..., torch.Tensor]
 
@@ -75,8 +99,8 @@ class _Seq:
     max_tokens: int
     stop: frozenset[int]
     sampler: Sampler
-    slot: int = -1
-    pos: int = 0               # tokens written to the cache so far
+    slot: int = -1             # its KV slot, taken when its first chunk runs
+    pos: int = 0               # tokens written to the cache so far (prefill done at len(prompt))
     last: int = -1             # the token to feed next
     produced: int = 0
 
@@ -84,7 +108,10 @@ class _Seq:
 @dataclasses.dataclass(frozen=True)
 class EngineLoad:
     """The engine's queue as of its last change (agent/speed.py's ``QUEUE_META_KEYS`` and
-    ``active_seqs``).  ``remaining_tokens``: tokens each active sequence may still produce
+    ``active_seqs``).  ``waiting_seqs``: sequences with prompt tokens still to prefill (a
+    partly prefilled one holds its slot), ``queued_prefill_tokens`` those tokens;
+    ``active_seqs`` the running (decoding) sequences, ``active_ctx_tokens`` their cached
+    tokens.  ``remaining_tokens``: tokens each active sequence may still produce
     (``max_tokens - produced``, an upper bound: a stop token ends one sooner), ascending."""
 
     waiting_seqs: int = 0
@@ -111,13 +138,18 @@ class Engine(Lockstep):
     ``forward`` is given and carries its own weights.  ``max_seqs`` slots of ``max_seq_len``
     tokens are allocated at construction: ``max_seqs * max_seq_len * config.kv_bytes_per_token``
     bytes for K and V together (weights already on another device are moved to ``device``).
+    ``prefill_chunk``: the most tokens per row of one prefill call; ``itl_target_s``: the
+    step's inter-token-latency target (s, default agent/speed.py's
+    :data:`~agent.speed.DEFAULT_ITL_SLO_S`; 0: no prefill budget, whole prompts; settable
+    while serving).  Raises ConfigError for a target that is not a finite number >= 0.
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor] | None, *,
                  max_seqs: int, max_seq_len: int, forward: Forward | None = None,
                  device: str = "cpu", prefill_chunk: int = 256, temperature: float = 1.0,
                  top_k: int | None = None, meter: SpeedMeter | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 itl_target_s: float = DEFAULT_ITL_SLO_S) -> None:
         self.config = config
         if weights is not None and any(t.device != torch.device(device) for t in weights.values()):
             weights = {k: t.to(device) for k, t in weights.items()}  # e.g. host restore -> GPU
@@ -139,7 +171,28 @@ class Engine(Lockstep):
         self.plan: KVPlan | None = None  # set by Engine.sized
         self.meter = meter if meter is not None else SpeedMeter()
         self.clock = clock
+        self.itl_target_s = itl_target_s
+        self._budget_left: int | None = None   # this step's prefill budget left (tokens)
+        self._step_calls = 0                   # prefill calls so far in this step
         self.load = EngineLoad()
+
+    @property
+    def itl_target_s(self) -> float:
+        """The step's inter-token-latency target (s); 0: no prefill budget (whole prompts)."""
+        return self._itl_target_s
+
+    @itl_target_s.setter
+    def itl_target_s(self, value: float) -> None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) \
+                or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"itl_target_s={value!r} must be a finite number >= 0 (0: no "
+                              "prefill budget)", name="itl_target_s", value=value, limit=0)
+        self._itl_target_s = float(value)
+
+    def profile(self) -> SpeedProfile:
+        """The measured speed (the meter's fit) with this engine's ITL target: the one model
+        the step's budget, the load report and :meth:`predict_ttft_s` use."""
+        return dataclasses.replace(self.meter.profile(), itl_target_s=self.itl_target_s)
 
     @classmethod
     def sized(cls, config: LlamaConfig, weights, *, budget_bytes: int, max_seq_len: int,
@@ -236,13 +289,22 @@ class Engine(Lockstep):
         return seq_id, token
 
     def cancel(self, seq_id: int) -> None:
-        """Drop a waiting or active sequence (freeing its slot); unknown ids are ignored."""
-        self._waiting = collections.deque(s for s in self._waiting if s.seq_id != seq_id)
+        """Drop a waiting, partly prefilled or active sequence (freeing its slot); unknown
+        ids are ignored."""
+        for seq in [s for s in self._waiting if s.seq_id == seq_id]:
+            self._drop_waiting(seq)
         for slot, seq in list(self._active.items()):
             if seq.seq_id == seq_id:
                 del self._active[slot]
                 self.kv.free(slot)
         self._publish()
+
+    def _drop_waiting(self, seq: _Seq) -> None:
+        """Take ``seq`` off the waiting queue and free the slot it holds (if any)."""
+        self._waiting = collections.deque(s for s in self._waiting if s is not seq)
+        if seq.slot >= 0:
+            self.kv.free(seq.slot)
+            seq.slot = -1
 
     def _publish(self) -> None:
         """Replace :attr:`load` (one reference write: readers on other threads see the old
@@ -250,32 +312,36 @@ class Engine(Lockstep):
         active = list(self._active.values())
         self.load = EngineLoad(
             waiting_seqs=len(self._waiting),
-            queued_prefill_tokens=sum(len(s.prompt) for s in self._waiting),
+            queued_prefill_tokens=sum(len(s.prompt) - s.pos for s in self._waiting),
             active_seqs=len(active), active_ctx_tokens=sum(s.pos for s in active),
             remaining_tokens=tuple(sorted(s.max_tokens - s.produced for s in active)))
 
     def speed_report(self, active_seqs: int | None = None,
                      active_ctx_tokens: int | None = None) -> dict[str, float]:
-        """The measured speed for a load report: agent/speed.py's ``SPEED_META_KEYS`` and
-        ``decode_tokens_per_s_per_seq`` at the current batch (or the one given); {} until the
-        meter has measured (contract: absent, never a guess)."""
+        """The measured speed for a load report: agent/speed.py's ``SPEED_META_KEYS`` (the
+        ITL target among them), ``decode_tokens_per_s_per_seq`` at the current batch (or the
+        one given) and ``prefill_budget_tokens`` a step there may prefill (absent without a
+        budget); {} until the meter has measured (contract: absent, never a guess)."""
         if not self.meter.measured:
             return {}
-        profile, load = self.meter.profile(), self.load
+        profile, load = self.profile(), self.load
+        batch = load.active_seqs if active_seqs is None else active_seqs
+        ctx = load.active_ctx_tokens if active_ctx_tokens is None else active_ctx_tokens
         out = profile.to_dict()
-        out["decode_tokens_per_s_per_seq"] = profile.decode_tokens_per_s(
-            load.active_seqs if active_seqs is None else active_seqs,
-            load.active_ctx_tokens if active_ctx_tokens is None else active_ctx_tokens)
+        out["decode_tokens_per_s_per_seq"] = profile.decode_tokens_per_s(batch, ctx)
+        budget = profile.prefill_budget_tokens(batch, ctx)
+        if budget is not None:
+            out["prefill_budget_tokens"] = budget
         return out
 
     def predict_ttft_s(self, prompt_tokens: int, *, waiting_seqs: int = 0,
                        queued_prefill_tokens: int = 0) -> float:
         """Predicted TTFT (s) of a new request of ``prompt_tokens`` tokens submitted now, behind
         :attr:`load` plus ``waiting_seqs`` sequences of ``queued_prefill_tokens`` tokens the
-        caller has not submitted yet (agent/speed.py's model on the measured profile).  When
+        caller has not submitted yet (agent/speed.py's model on :meth:`profile`).  When
         more sequences wait than slots are free, it also waits for the earliest-ending active
         sequences to finish (their remaining tokens, one decode step each)."""
-        load, profile = self.load, self.meter.profile()
+        load, profile = self.load, self.profile()
         waiting = load.waiting_seqs + waiting_seqs
         slot_wait = slot_wait_steps(load.remaining_tokens, waiting,
                                     self.kv.max_seqs - load.active_seqs)
@@ -289,35 +355,152 @@ class Engine(Lockstep):
         return bool(self._waiting or self._active)
 
     def step(self) -> list[Event]:
-        """Admit waiting sequences into free slots (prefill), then one batched decode step."""
-        return self.admit() + self.decode()
+        """One step (module docstring): the prefill calls its budget allows, then one batched
+        decode step; the events in the order they were produced."""
+        self.begin_step()
+        events: list[Event] = []
+        while self.can_prefill:
+            events += self.prefill()
+        return events + self.decode()
+
+    # --- the step's parts ----------------------------------------------------------------
+    def begin_step(self) -> int | None:
+        """Start a step: its prefill budget in prompt tokens at the running batch (None:
+        no budget, whole prompts), which the step's :meth:`prefill` calls spend."""
+        load = self.load
+        self._budget_left = self.profile().prefill_budget_tokens(load.active_seqs,
+                                                                 load.active_ctx_tokens)
+        self._step_calls = 0
+        return self._budget_left
+
+    def _runnable(self) -> list[_Seq]:
+        """The oldest waiting sequences that hold a slot or can take a free one, in order."""
+        out, free = [], self.kv.free_slots
+        for seq in self._waiting:
+            if seq.slot < 0:
+                if free == 0:
+                    break
+                free -= 1
+            out.append(seq)
+        return out
+
+    def _call_budget(self) -> int:
+        """Prompt tokens the next prefill call of this step may use (0: none)."""
+        assert self._budget_left is not None
+        return self.profile().call_budget_tokens(self._budget_left, self._step_calls)
+
+    @property
+    def can_prefill(self) -> bool:
+        """Whether :meth:`prefill` would run a call now: a waiting sequence holds or can take
+        a slot and the step's budget (if any) allows another call."""
+        if not self._waiting or (self._waiting[0].slot < 0 and self.kv.free_slots == 0):
+            return False
+        return self._budget_left is None or self._call_budget() > 0
+
+    def prefill(self) -> list[Event]:
+        """One prefill call of the step (module docstring): the first tokens of the
+        sequences whose last chunk it ran.  Timed for the meter.  A call that raises frees
+        the slots of its sequences and drops them (what it wrote is unknown), then raises."""
+        if self._budget_left is None:
+            return self.admit(1)
+        budget = self._call_budget()
+        group = self._runnable()
+        profile = self.profile()
+        rows = plan_prefill_call([len(s.prompt) - s.pos for s in group],
+                                 [self.kv.max_seq_len - s.pos for s in group], budget,
+                                 self.prefill_chunk, profile.call_overhead_tokens()) \
+            if budget > 0 else []
+        if not rows:
+            return []
+        group = group[:len(rows)]
+        width = max(rows)
+        self._budget_left = budget - len(rows) * width   # its overhead, if any, is off budget
+        self._step_calls += 1
+        clock, t0 = self.clock, self.clock()
+        try:
+            for seq in group:
+                if seq.slot < 0:
+                    seq.slot = self.kv.allocate(len(seq.prompt) + seq.max_tokens)
+            picks = self._run_chunks(group, rows, width)
+        except BaseException:   # e.g. a forward that refused the call: no slot is leaked
+            for seq in group:
+                self._drop_waiting(seq)
+            self._publish()
+            raise
+        events = []
+        for seq, n in zip(group, rows, strict=True):
+            seq.pos += n
+            if seq.pos == len(seq.prompt):
+                self._waiting = collections.deque(s for s in self._waiting if s is not seq)
+                self._active[seq.slot] = seq
+                events.append(self._emit(seq, picks[seq.seq_id]))
+        self.meter.observe_prefill(len(rows) * width, clock() - t0)
+        self._publish()
+        return events
+
+    def _run_chunks(self, group: list[_Seq], rows: list[int], width: int) -> dict[int, int]:
+        """One forward call ``[len(group), width]`` over the next ``rows[i]`` prompt tokens of
+        each sequence (shorter rows padded with token 0 past their chunk); returns the first
+        token of each sequence whose prompt this call completes, by sequence id."""
+        dev = self.device
+        with torch.inference_mode():   # inputs made as warmup makes them (no recompile)
+            tokens = torch.tensor([s.prompt[s.pos:s.pos + n] + [0] * (width - n)
+                                   for s, n in zip(group, rows, strict=True)],
+                                  dtype=torch.int64, device=dev)
+            pos = torch.stack([torch.arange(s.pos, s.pos + width, device=dev) for s in group])
+            idx = torch.tensor([s.slot for s in group], dtype=torch.int64, device=dev)
+            logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)  # [k, width, V]
+            done = [(i, s) for i, (s, n) in enumerate(zip(group, rows, strict=True))
+                    if s.pos + n == len(s.prompt)]
+            if not done:
+                return {}
+            last = torch.stack([logits[i, rows[i] - 1] for i, _ in done])       # [F, V]
+            picked = sample_rows([s.sampler for _, s in done], last)            # one host sync
+        return {s.seq_id: token for (_, s), token in zip(done, picked, strict=True)}
 
     @property
     def can_admit(self) -> bool:
         """Whether a sequence waits and a slot is free for it (:meth:`admit` would prefill)."""
-        return bool(self._waiting) and self.kv.free_slots > 0
+        return bool(self._waiting) and (self._waiting[0].slot >= 0 or self.kv.free_slots > 0)
 
     def admit(self, limit: int | None = None) -> list[Event]:
-        """The first half of a step: prefill waiting sequences (alone, in chunks, oldest
+        """Prefill waiting sequences whole (alone, in chunks of ``prefill_chunk``, oldest
         first) while slots are free, at most ``limit`` of them (None: all that fit); returns
-        their first tokens.  Each prefill is timed for the meter."""
+        their first tokens.  The step's prefill without a budget; each chunk is timed for the
+        meter.  A sequence whose chunk raises is dropped with its slot freed."""
         events: list[Event] = []
-        clock, meter = self.clock, self.meter
-        with torch.inference_mode():
-            while self._waiting and self.kv.free_slots and (limit is None or len(events) < limit):
-                t0 = clock()
-                seq = self._waiting.popleft()
+        while self.can_admit and (limit is None or len(events) < limit):
+            seq = self._waiting[0]
+            if seq.slot < 0:
                 seq.slot = self.kv.allocate(len(seq.prompt) + seq.max_tokens)
-                logits = self._prefill(seq)
-                self._active[seq.slot] = seq
-                events.append(self._emit(seq, self._sample(seq, logits)))  # syncs the device
-                meter.observe_prefill(len(seq.prompt), clock() - t0)
+            try:
+                token = self._prefill_chunks(seq)
+            except BaseException:   # e.g. a forward that refused the call: no slot is leaked
+                self._drop_waiting(seq)
+                self._publish()
+                raise
+            self._waiting.popleft()
+            self._active[seq.slot] = seq
+            events.append(self._emit(seq, token))
         if events:
             self._publish()
         return events
 
+    def _prefill_chunks(self, seq: _Seq) -> int:
+        """The rest of ``seq``'s prompt, B=1, in chunks of ``prefill_chunk`` (each timed for
+        the meter, the last with its first token's sampling); returns that first token."""
+        with torch.inference_mode():
+            while True:
+                t0 = self.clock()
+                n = min(self.prefill_chunk, len(seq.prompt) - seq.pos)
+                picks = self._run_chunks([seq], [n], n)
+                seq.pos += n
+                self.meter.observe_prefill(n, self.clock() - t0)
+                if seq.pos == len(seq.prompt):
+                    return picks[seq.seq_id]
+
     def decode(self) -> list[Event]:
-        """The second half of a step: one decode step over every active sequence (B=active,
+        """The step's last part: one decode step over every active sequence (B=active,
         S=1), timed for the meter with the context it read (tokens cached before the step)."""
         batch = list(self._active.values())
         if not batch:
@@ -338,25 +521,6 @@ class Engine(Lockstep):
         self.meter.observe_decode(len(batch), ctx, self.clock() - t0)
         self._publish()
         return events
-
-    def _prefill(self, seq: _Seq) -> torch.Tensor:
-        try:
-            return self._prefill_chunks(seq)
-        except BaseException:   # e.g. a forward that refused the call: the slot is not leaked
-            self.kv.free(seq.slot)
-            raise
-
-    def _prefill_chunks(self, seq: _Seq) -> torch.Tensor:
-        idx = torch.tensor([seq.slot], dtype=torch.int64, device=self.device)
-        logits: torch.Tensor | None = None
-        for start in range(0, len(seq.prompt), self.prefill_chunk):
-            chunk = seq.prompt[start:start + self.prefill_chunk]
-            tokens = torch.tensor([chunk], dtype=torch.int64, device=self.device)
-            pos = torch.arange(start, start + len(chunk), device=self.device).unsqueeze(0)
-            logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)[0, -1]
-        seq.pos = len(seq.prompt)
-        assert logits is not None, "submit refuses an empty prompt"
-        return logits
 
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> int:
         """One token for ``seq`` from ``logits`` [V] (agent/replica/sampling.py)."""

@@ -35,6 +35,15 @@ it.  The decode step costs twice a B=1 step (~55 ms): the package's matmuls go t
 small-matrix path at M=3 on this CPU (a B=4 step measured ~85 ms).  With the warm-up on
 another thread than the restore the same check took 372 ms (agent/replica/worker.py,
 ``make_engine_thread``).
+
+On a GPU the draws stay on the host (each sequence's CPU generator draws what generation
+draws), and the probabilities of every position of a replay come over in one transfer
+(agent/replica/sampling.py ``sample_positions``), not one device synchronisation per draw.
+What a GPU pays on a thread's first calls (its cuBLAS handles, lazily loaded kernels, the
+allocator's segments) is paid by the zygote's warm-up on the thread that restores
+(agent/replica/warmup.py).  Each restore records the check's prefill, decode and sampling
+seconds (``golden_prefill_s``, ``golden_decode_s``, ``golden_sample_s`` in its phases;
+agent/replica/lockstep.py ``replay_phases``), which bench/device_check.py reports.
 """
 
 from __future__ import annotations

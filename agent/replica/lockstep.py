@@ -25,22 +25,44 @@ engine and as :meth:`Engine.submit` for a prompt; nothing is left allocated afte
 Prefill and decode kernels may round differently in the last bits, so the two methods can
 disagree where the top tokens nearly tie; a golden record is therefore made with the very
 procedure that checks it (agent/replica/golden.py).
+
+Where the time of a replay goes: :attr:`Lockstep.replay_phases` holds, after each
+:meth:`~Lockstep.teacher_forced`, the seconds of its prefill calls, its decode calls and its
+sampling (all positions of a group drawn with one host transfer,
+agent/replica/sampling.py ``sample_positions``), summed over groups, and the thread that ran
+it.  On a GPU the device is synchronised after each forward call so that its kernels count
+where they ran, not in the next call that waits for them.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import threading
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from agent.errors import ProtocolError
-from agent.replica.sampling import sample_rows
+from agent.replica.sampling import sample_positions, sample_rows
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels (a no-op on the CPU, where calls are synchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class Lockstep:
-    """Mixed into :class:`agent.replica.engine.Engine` (uses its slots, forward and sampler)."""
+    """Mixed into :class:`agent.replica.engine.Engine` (uses its slots, forward and sampler).
+
+    ``replay_phases``: the last :meth:`teacher_forced`'s ``prefill_s``, ``decode_s`` and
+    ``sample_s`` (seconds, summed over its groups), ``groups`` and ``thread`` (the name of the
+    thread that ran it); empty before the first."""
+
+    replay_phases: dict[str, Any] = {}    # replaced, never mutated: one per replay
 
     def _lockstep_seqs(self, prompts: Sequence[Sequence[int]], max_tokens: int,
                        seed: int | None) -> list:
@@ -138,27 +160,40 @@ class Lockstep:
                                 value=bad, limit=vocab)
         seqs = self._lockstep_seqs([[int(t) for t in p] for p in prompts], n, seed)
         out: list[list[int]] = []
+        phases: dict[str, Any] = {"prefill_s": 0.0, "decode_s": 0.0, "sample_s": 0.0,
+                                  "groups": 0, "thread": threading.current_thread().name}
         with torch.inference_mode():
             for start, group in zip(range(0, len(seqs), self.kv.max_seqs), self._groups(seqs), strict=True):
                 inputs = [s.prompt + tokens[start + row][:n - 1] for row, s in enumerate(group)]
                 with self._slots(group) as idx:
-                    out += self._replay_group(group, idx, inputs, n)
+                    out += self._replay_group(group, idx, inputs, n, phases)
+                phases["groups"] += 1
+        self.replay_phases = phases
         return out
 
     def _replay_group(self, group: list, idx: torch.Tensor, inputs: list[list[int]],
-                      n: int) -> list[list[int]]:
+                      n: int, phases: dict) -> list[list[int]]:
         """Prefill every input but the last (logits for positions 0 .. n-2 of each row), then
-        decode the last (position n-1); sample each position in order."""
-        head: list[torch.Tensor | None] = [None] * len(group)   # per row: [n - 1, V]
+        decode the last (position n-1); sample every position of every row with one host
+        transfer (:func:`~agent.replica.sampling.sample_positions`: each row's draws in
+        position order, the tokens :meth:`Engine._sample` would give one by one).  Adds the
+        seconds of each part to ``phases``."""
+        t = time.perf_counter()
+        head = None
         if max(len(r) for r in inputs) > 1:
             logits = self._prefill_rows([r[:-1] for r in inputs], idx)            # [B, W, V]
-            for row, seq in enumerate(group):
-                first = len(seq.prompt) - 1
-                head[row] = logits[row, first:first + n - 1]
+            firsts = [len(seq.prompt) - 1 for seq in group]
+            head = torch.stack([logits[row, first:first + n - 1]
+                                for row, first in enumerate(firsts)])           # [B, n-1, V]
+            _sync(self.device)
+        t2 = time.perf_counter()
         tail = self._decode_rows([r[-1] for r in inputs], [len(r) - 1 for r in inputs], idx)
-        out = []
-        for row, seq in enumerate(group):
-            rows = head[row]     # None only when n == 1: nothing before the last position
-            got = [] if rows is None else [self._sample(seq, rows[k]) for k in range(n - 1)]
-            out.append(got + [self._sample(seq, tail[row])])
+        _sync(self.device)
+        t3 = time.perf_counter()
+        # head is None only when n == 1: nothing before the last position
+        every = tail.unsqueeze(1) if head is None else torch.cat([head, tail.unsqueeze(1)], 1)
+        out = sample_positions([seq.sampler for seq in group], every)           # [B][n]
+        phases["prefill_s"] += t2 - t
+        phases["decode_s"] += t3 - t2
+        phases["sample_s"] += time.perf_counter() - t3
         return out

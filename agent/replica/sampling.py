@@ -10,7 +10,19 @@ when absent), so a sequence's tokens do not depend on what else is in the batch.
 :func:`sample_rows` picks for a whole decode batch at once: the greedy rows of ``logits``
 [B, V] in one ``argmax`` and one ``tolist`` (one pass over B x V values and one host
 transfer per step instead of one per sequence), the sampled rows one by one (each has its
-own generator).
+own generator).  :func:`sample_positions` picks N tokens per sequence from logits [B, N, V]
+(the golden check's teacher-forced replay, agent/replica/lockstep.py) with one host transfer
+for all of them: on a GPU each draw of :func:`sample` waits for the device and copies its
+[V] probabilities to the host, so 24 draws were 24 synchronisations.
+
+The draw itself stays on the host (``torch.multinomial`` with the sequence's CPU generator):
+its tokens must be the ones generation draws.  Batching does not change them: the
+probabilities of a row come from the same kernels whether the row is alone or one of many
+(ATen's softmax over the last dimension computes each row by itself: one CUDA block per row,
+its variant chosen by the row length and the buffer's alignment, aten/src/ATen/native/cuda/
+SoftMax.cu ``host_softmax``; one loop iteration per row on the CPU, native/cpu/
+SoftMaxKernel.cpp ``_vec_softmax_lastdim``), and tests/replica/test_sampling.py holds them
+equal bit for bit.
 """
 
 from __future__ import annotations
@@ -88,11 +100,22 @@ def sample(sampler: Sampler, logits: torch.Tensor) -> int:
     """One token id from ``logits`` [V] (any float dtype; sampling runs in float32)."""
     if sampler.generator is None:
         return int(logits.argmax())
+    return _draw(sampler, _probs(sampler, logits).cpu())
+
+
+def _probs(sampler: Sampler, logits: torch.Tensor) -> torch.Tensor:
+    """The distribution a seeded sampler draws from, on ``logits``' device: float32
+    ``[..., V]`` for logits ``[..., V]`` (temperature, then top-k; every row alone)."""
     scaled = logits.float() / max(sampler.temperature, 1e-5)
     if sampler.top_k is not None:
-        kth = torch.topk(scaled, sampler.top_k).values[-1]
+        kth = torch.topk(scaled, sampler.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1).cpu()
+    return torch.softmax(scaled, dim=-1)
+
+
+def _draw(sampler: Sampler, probs: torch.Tensor) -> int:
+    """One token id drawn with ``sampler``'s generator from ``probs`` [V] float32 on the
+    host (top-p applied here)."""
     if sampler.top_p is not None:
         # keep the most likely tokens until their mass reaches top_p (the token that
         # crosses it included), then renormalise by sampling from what is left
@@ -118,4 +141,25 @@ def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
     for b, s in enumerate(samplers):
         if s.generator is not None:
             out[b] = sample(s, logits[b])
+    return out
+
+
+def sample_positions(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[list[int]]:
+    """``N`` token ids per sequence from ``logits`` [B, N, V]: sequence ``b`` draws position
+    0, 1, ... N-1 of row ``b`` in order with ``samplers[b]`` (as N calls of :func:`sample`
+    would, and with the same tokens).  One host transfer for the greedy rows (their argmax)
+    and one for the sampled rows (their probabilities), whatever B and N."""
+    out: list[list[int]] = [[] for _ in samplers]
+    if not samplers or logits.shape[1] == 0:
+        return out
+    greedy = [b for b, s in enumerate(samplers) if s.generator is None]
+    if greedy:
+        rows = logits.index_select(0, torch.tensor(greedy, device=logits.device))
+        for b, tokens in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+            out[b] = tokens
+    drawn = [b for b, s in enumerate(samplers) if s.generator is not None]
+    if drawn:
+        probs = torch.stack([_probs(samplers[b], logits[b]) for b in drawn]).cpu()  # [D, N, V]
+        for j, b in enumerate(drawn):
+            out[b] = [_draw(samplers[b], probs[j, k]) for k in range(probs.shape[1])]
     return out

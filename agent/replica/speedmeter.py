@@ -1,10 +1,14 @@
 """A replica measuring its own speed while it serves: the online fit of agent/speed.py's model.
 
-The engine times each prefill (one prompt, B=1, all its chunks and the first token's sampling)
-and each decode step (B sequences, S=1, sampling included) and hands the seconds to a
-:class:`SpeedMeter`.  The meter fits the two linear models of :class:`~agent.speed.SpeedProfile`:
+The engine times each prefill call (one chunk ``[k, L]`` of one or several sequences: agent/speed.py
+``plan_prefill_call``; the first tokens it completes sampled) and each decode step (B sequences,
+S=1, sampling included) and hands the seconds to a :class:`SpeedMeter`.  The meter fits the two
+linear models of :class:`~agent.speed.SpeedProfile`:
 
-- prefill: ``y = prefill_overhead_s + P * (1 / prefill_tokens_per_s)``, features ``[1, P]``;
+- prefill: ``y = prefill_overhead_s + N * (1 / prefill_tokens_per_s)`` for a call computing
+  ``N = k * L`` tokens (padding included), features ``[1, N]``: the intercept is a call's fixed
+  cost, which the step's budget charges per call, and chunks of many sizes (a step's budget
+  cuts prompts where it runs out) pin both coefficients;
 - decode: ``y = decode_base_s + (B - 1) * decode_per_seq_s + C * decode_per_ctx_token_s``,
   features ``[1, B - 1, C]``.
 
@@ -150,7 +154,8 @@ class SpeedMeter:
             self._profile = None
 
     def observe_prefill(self, prompt_tokens: int, elapsed_s: float) -> None:
-        """One prompt of ``prompt_tokens`` tokens prefilled in ``elapsed_s`` seconds."""
+        """One prefill call over ``prompt_tokens`` tokens (all its rows) took ``elapsed_s``
+        seconds."""
         if prompt_tokens > 0:
             self._observe(self._prefill, [1.0, float(prompt_tokens)], elapsed_s)
 
@@ -180,11 +185,12 @@ def boot_profile(engine, *, prompt_tokens: Sequence[int] = (16, 128), batch: int
                  new_tokens: int = 4) -> dict[str, int]:
     """A short profile before a replica reports ready, so its first report carries measured
     speed: one prompt of each length in ``prompt_tokens`` alone (B=1: two prefill sizes, two
-    contexts), then ``batch`` short prompts together (B=batch), each generating ``new_tokens``
-    greedily.  Three (B, C) points separate the decode coefficients; two prompt lengths the
-    prefill ones.  On SmolLM2-135M on two CPU cores this is ~20 forward calls (a fraction of a
-    second).  Needs an idle engine (as :meth:`Engine.generate`); lengths are capped to the KV
-    slot.  Returns the samples taken: ``{"prefill": n, "decode": n}``."""
+    contexts), then ``batch`` short prompts together (B=batch; their prefill one call of
+    ``batch`` rows, a third size), each generating ``new_tokens`` greedily.  Three (B, C) points
+    separate the decode coefficients; the three call sizes the prefill ones.  On SmolLM2-135M on
+    two CPU cores this is ~20 forward calls (a fraction of a second).  Needs an idle engine (as
+    :meth:`Engine.generate`); lengths are capped to the KV slot.  Returns the samples taken:
+    ``{"prefill": n, "decode": n}`` (a prompt longer than a step's budget is more than one)."""
     meter = engine.meter
     before = (meter.prefill_samples, meter.decode_samples)
     vocab = engine.config.vocab_size

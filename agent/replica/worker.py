@@ -16,7 +16,10 @@ Speed: ``stats`` carries the engine's measured speed (agent/speed.py ``SPEED_MET
 once measured), its queue (``QUEUE_META_KEYS``, counting requests accepted but not yet handed
 to the engine) and ``decode_tokens_per_s_per_seq`` at the current batch.  A ``generate`` that
 carries ``deadline_ms`` (ms left for its first token) is refused with 429 when the predicted
-TTFT here exceeds it (:meth:`Worker.predict_ttft_s`), so the queue is bounded in time.  No process is left behind: the worker exits when its parent dies
+TTFT here exceeds it (:meth:`Worker.predict_ttft_s`), so the queue is bounded in time.
+After a restore, ``stats`` also carries the load's ``phases_s`` (the golden check's prefill,
+decode and sampling among them) and ``warm``: whether the zygote's warmed engine served it,
+why not, and on which threads the warm-up and the check ran (agent/replica/warmup.py).  No process is left behind: the worker exits when its parent dies
 (PR_SET_PDEATHSIG on Linux, and a parent-pid watchdog everywhere), on ``shutdown`` and on
 SIGTERM.
 """
@@ -295,7 +298,8 @@ class Worker:
             result.update(model=self.loaded.identity.name, version=self.loaded.identity.version,
                           path=self.loaded.path, package_digest=self.loaded.package_digest,
                           phases_s=self.loaded.phases_s, device=self.loaded.device,
-                          restore_io=self.loaded.restore_io, fallback=self.loaded.fallback)
+                          restore_io=self.loaded.restore_io, fallback=self.loaded.fallback,
+                          warm=self.loaded.warm)
             pending = [args["prompt"] for _, args in self._submits]
             result["waiting_seqs"] += len(pending)
             result["queued_prefill_tokens"] += sum(len(p) for p in pending)

@@ -2,8 +2,10 @@
 
 A **zygote** is a worker started ahead of need (architecture, "Tiers of warmth"): Python and
 torch imported, intra-op threads set, a page-aligned restore buffer allocated
-(:class:`~agent.snapshot.reader.HostBuffer`; pinned on GPU), no model.  Restoring a snapshot
-into it (:func:`restore`) turns it into a replica, the fast path.
+(:class:`~agent.snapshot.reader.HostBuffer`; a :class:`~agent.snapshot.gpu.DeviceBuffer` on a
+GPU), its first-call costs paid (agent/replica/warmup.py: for the snapshot it will likely
+restore, else for its device), no model.  Restoring a snapshot into it (:func:`restore`) turns
+it into a replica, the fast path.
 
 ``boot`` reads HF-layout safetensors (agent/replica/weights.py), binds an AOT package when a
 release is given (else eager, or ``torch.compile`` just in time), and records the golden check
@@ -23,9 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,14 +40,15 @@ from agent.speed import SpeedProfile
 from agent.replica.golden import DEFAULT_MAX_TOKENS as GOLDEN_MAX_TOKENS
 from agent.replica.golden import DEFAULT_SEED as GOLDEN_SEED
 from agent.replica.golden import GOLDEN_TEXTS
+from agent.replica.restore_checks import (MAX_SEQS_LIMIT, REPLICA_EXTRA_KEYS,  # noqa: F401
+                                          check_engine_config, check_package_fits,
+                                          check_replica_manifest)
+from agent.replica.warmup import _WARMED, Warmed, take_warmed, warm_device, warm_zygote  # noqa: F401
 from agent.snapshot.format import GoldenCheck, Manifest, ModelIdentity
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUFFER_BYTES = 1 << 30
-MAX_SEQS_LIMIT = 4096
-"""Most KV slots a snapshot may ask for (a 13B model holds ~80 sequences per A100:
-docs/architecture.md, "Sizing")."""
 
 
 @dataclass
@@ -71,33 +72,9 @@ class Loaded:
     phases_s: dict[str, float] = field(default_factory=dict)
     keepalive: Any = None  # the restore buffer the weights are views of
     device: str = "cpu"    # where the weights and the KV cache live ("cpu", "cuda[:N]")
-    restore_io: str | None = None   # how a restore read the bytes: gds | compat | host
+    restore_io: str | None = None   # how a restore read the bytes: staged | gds | compat | host
     fallback: str | None = None     # why a device restore took the host path instead
-
-
-@dataclass
-class Warmed:
-    """A zygote's engine made ahead of need for one snapshot (:func:`warm_zygote`)."""
-
-    snapshot: str
-    layout: tuple         # :func:`_layout` of the manifest it was warmed for
-    engine: Engine
-    forward: Any          # the PackagedForward, or None (eager)
-    seconds: float
-    thread_id: int = 0    # threading.get_ident() of the thread that warmed it
-
-
-_WARMED: weakref.WeakKeyDictionary[Any, Warmed] = weakref.WeakKeyDictionary()
-
-
-def _layout(manifest: Manifest) -> tuple:
-    """What must agree for a warmed engine to serve a restore: every tensor's place in the
-    buffer, the package digest, the engine sizes and the model configuration."""
-    extra = manifest.extra if isinstance(manifest.extra, dict) else {}
-    ref = extra.get("aot_package") or {}
-    return (manifest.total_bytes,
-            tuple((t.name, t.offset, t.nbytes, t.dtype, tuple(t.shape)) for t in manifest.tensors),
-            ref.get("digest"), repr(extra.get("engine")), repr(extra.get("model_config")))
+    warm: dict[str, Any] | None = None   # a restore's warm-up record (warmup.take_warmed)
 
 
 def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
@@ -111,86 +88,36 @@ def prepare_zygote(threads: int | None = None, buffer_bytes: int = DEFAULT_BUFFE
     that snapshot shares; an anonymous buffer where it cannot be mapped), and without ``warm``
     there is no buffer at all (returns None: the restore maps the snapshot it is given, so a
     zygote without a model costs the runtime only).  On ``device`` "cuda[:N]" a
-    :class:`~agent.snapshot.gpu.DeviceBuffer` (which makes the CUDA context, pins two bounce
-    buffers and loads kvikio, or records why it could not: its restores then take the host
-    path).  With ``warm`` (a snapshot the zygote will likely restore), also
-    :func:`warm_zygote`.  Call it on the thread that will run the restore and the engine
-    (agent/replica/worker.py ``make_engine_thread``: one OpenMP team per process).  Returns the
-    buffer.  Raises torch's OutOfMemoryError when the device lacks ``buffer_bytes``."""
+    :class:`~agent.snapshot.gpu.DeviceBuffer` (which makes the CUDA context, pins its restore
+    strategy's staging memory and loads kvikio, or records why it could not: the kvikio
+    strategy's restores then take the host path).  Then the warm-up
+    (agent/replica/warmup.py): with ``warm`` (a snapshot the zygote will likely restore) :func:`~agent.replica.warmup.warm_zygote`, and where there is none
+    or it could not be warmed for, :func:`~agent.replica.warmup.warm_device` (the device's
+    context, this thread's BLAS handles and the model family's kernels).  Call it on the
+    thread that will run the restore and the engine (agent/replica/worker.py
+    ``make_engine_thread``: one OpenMP team per process, and a GPU thread's own cuBLAS
+    handles).  Returns the buffer.  Raises torch's OutOfMemoryError when the device lacks
+    ``buffer_bytes``."""
     from agent.snapshot.reader import HostBuffer
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    buffer: Any
+    buffer: Any = None
     if device != "cpu":
         from agent.snapshot.gpu import DeviceBuffer
 
         buffer = DeviceBuffer.allocate(buffer_bytes, device, kvikio=kvikio)
-        if buffer.kvikio is None:
+        if buffer.kvikio is None and buffer.strategy != "staged":   # staged needs no kvikio
             log.warning("zygote on %s: %s; its restores read into host memory and copy",
                         device, buffer.unavailable)
-    elif shared and warm is None:
-        return None
     elif shared and warm is not None:     # an anonymous buffer where the file cannot be mapped
         buffer = HostBuffer.map_snapshot(warm) or HostBuffer.allocate(buffer_bytes,
                                                                       prefault=prefault)
-    else:
+    elif not shared:
         buffer = HostBuffer.allocate(buffer_bytes, prefault=prefault)
-    if warm is not None:
-        warm_zygote(buffer, Path(warm))
+    warmed = warm_zygote(buffer, Path(warm)) if warm is not None and buffer is not None else None
+    if warmed is None:
+        warm_device(device)
     return buffer
-
-
-def warm_zygote(buffer, snapshot: Path) -> Warmed | None:
-    """Pay, before the clock, the first-call costs a restore of ``snapshot`` into ``buffer``
-    would otherwise pay inside its golden check: the AOT package loaded and bound to views of
-    ``buffer`` at the snapshot's tensor offsets (the very memory the restore fills), the
-    engine and KV cache built, and the golden check's exact calls run once (its teacher-forced
-    prefill and decode step at the recorded shapes, and its sampling) on whatever the buffer
-    holds (zeros in a fresh zygote).
-    Nothing is verified here and nothing from it is trusted: :func:`restore` still reads and
-    checksums every byte into the buffer and replays the golden check on the real weights, and
-    reuses this engine only for the same manifest (digest) in the same buffer.  Reads the
-    manifest only.  Returns None (logged) when the snapshot cannot be warmed for (unreadable
-    manifest, too large for the buffer, package unusable here, a golden record it cannot
-    check): the restore then does it all."""
-    from agent.errors import RewarmError
-    from agent.snapshot.reader import read_manifest, tensor_views
-
-    t = time.perf_counter()
-    device = getattr(buffer, "device", "cpu")
-    try:
-        manifest = read_manifest(snapshot)
-        extra = check_replica_manifest(manifest, snapshot)
-        config = LlamaConfig.from_dict(extra["model_config"], path=snapshot)
-        engine_cfg = check_engine_config(extra["engine"], config, snapshot)
-        if manifest.total_bytes > buffer.capacity_bytes:
-            raise ValueError(f"{manifest.total_bytes} bytes do not fit the {buffer.capacity_bytes}-byte buffer")
-        views = tensor_views(manifest, buffer.as_tensor(manifest.total_bytes))
-        forward = None
-        ref = extra.get("aot_package")
-        if ref:
-            forward = aot.load_package(Path(ref["dir"]), views, expect_digest=ref["digest"],
-                                       device=device)
-            check_package_fits(forward, engine_cfg, ref.get("ranges"), snapshot)
-        engine = Engine(config, None if forward is not None else views,
-                        max_seqs=engine_cfg["max_seqs"], max_seq_len=engine_cfg["max_seq_len"],
-                        forward=forward, device=device)
-        golden = manifest.golden
-        assert golden is not None, "check_replica_manifest refuses a snapshot without one"
-        engine.teacher_forced([list(p) for p in golden.prompts],
-                              [list(r) for r in golden.expected], seed=golden.seed)
-        if isinstance(extra.get("tokenizer_dir"), str):   # the first request's text, too
-            from agent.replica.model_text import preload_tokenizer
-
-            preload_tokenizer(extra["tokenizer_dir"])
-    except (RewarmError, OSError, ValueError, RuntimeError) as exc:
-        log.warning("zygote: cannot warm for %s (%s); the restore will do it all", snapshot, exc)
-        return None
-    warmed = Warmed(str(snapshot), _layout(manifest), engine, forward, time.perf_counter() - t,
-                    threading.get_ident())
-    _WARMED[buffer] = warmed
-    log.info("zygote warmed for %s in %.2f s", snapshot, warmed.seconds)
-    return warmed
 
 
 def source_identity(model_dir: Path) -> ModelIdentity:
@@ -232,15 +159,15 @@ def boot(model_dir: Path, *, release: Path | None = None, compile: bool = False,
     are copied there and the engine, its KV cache and the golden check run there).
     ``release``: bind the AOT package for this device's target (sizes come from the package);
     ``compile``: torch.compile just in time (dynamic shapes).  Records the golden check.
-    Raises InvalidCheckpoint, TargetMismatch."""
+    A quantized checkpoint boots dense on a GPU (:func:`agent.replica.aot.weights_for_device`:
+    its int4 packing is the CPU kernel's).  Raises InvalidCheckpoint, TargetMismatch,
+    WeightSchemeMismatch."""
     from agent.replica.weights import load_hf_weights
 
     phases: dict[str, float] = {}
     t = time.perf_counter()
     config = LlamaConfig.from_dir(model_dir)
-    weights = load_hf_weights(model_dir, config)
-    if device != "cpu":
-        weights = {k: v.to(device) for k, v in weights.items()}
+    weights = aot.weights_for_device(load_hf_weights(model_dir, config), config, device)
     phases["weights_s"] = time.perf_counter() - t
     t = time.perf_counter()
     forward, digest, package_dir, path, ranges = None, None, None, "eager", None
@@ -283,7 +210,12 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     check on ``device``.  Raises SnapshotIncompatible before reading any data when the snapshot
     is not a captured replica snapshot (:func:`check_replica_manifest`: e.g. a weights-only
     ``rewarm import``, or one whose golden check was recorded by another method), what restore_snapshot raises (SnapshotIncompatible,
-    SnapshotCorrupt, ...), InvalidCheckpoint (package digest differs) and GoldenMismatch."""
+    SnapshotCorrupt, ...), InvalidCheckpoint (package digest differs) and GoldenMismatch.
+
+    ``Loaded.phases_s`` holds ``weights_s``, ``package_s``, ``golden_s`` and the check's parts
+    (``golden_prefill_s``, ``golden_decode_s``, ``golden_sample_s``); ``Loaded.warm`` whether
+    the zygote's warmed engine served it and why not (agent/replica/warmup.py ``take_warmed``),
+    and ``golden_thread``, the thread the check ran on."""
     from agent.errors import TargetMismatch
     from agent.replica.golden import verify_golden
 
@@ -307,16 +239,10 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     t = time.perf_counter()
     forward, digest, package_dir, ranges = None, None, None, None
     ref = extra.get("aot_package")
-    warmed = _WARMED.pop(buffer, None) if buffer is not None else None
-    if warmed is not None and (warmed.layout != _layout(restored.manifest)
-                               or restored.buffer is not buffer
-                               or (release is not None and warmed.forward is not None)):
-        warmed = None     # warmed for another snapshot or buffer (or told to look elsewhere)
+    # the engine a warm-up built on views of this buffer (warmed for another snapshot or
+    # buffer, or told to look elsewhere for the package: built anew), and what happened
+    warmed, warm = take_warmed(buffer, restored.manifest, restored.buffer, release, snapshot)
     if warmed is not None:
-        if warmed.thread_id != threading.get_ident():
-            log.warning("%s: restored on another thread than the zygote's warm-up: two OpenMP "
-                        "teams in one process slow every forward call (run both on the engine "
-                        "thread, agent/replica/worker.py make_engine_thread)", snapshot)
         forward = warmed.forward
         if forward is not None:
             assert ref is not None, "a warmed package came from the manifest's aot_package"
@@ -351,6 +277,10 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
     assert golden is not None, "check_replica_manifest refuses a snapshot without one"
     verify_golden(engine, golden, snapshot)
     phases["golden_s"] = time.perf_counter() - t
+    replay = engine.replay_phases      # where the check's time went (agent/replica/lockstep.py)
+    for part in ("prefill_s", "decode_s", "sample_s"):
+        phases[f"golden_{part}"] = replay.get(part, 0.0)
+    warm["golden_thread"] = replay.get("thread")
     if recorded is None:
         t = time.perf_counter()
         boot_profile(engine)
@@ -360,106 +290,7 @@ def restore(snapshot: Path, *, buffer=None, release: Path | None = None, verify:
         buffer.release()      # the map of the snapshot it was warmed for: unpinned, unmapped
     return Loaded(config, tensors, engine, restored.manifest.model, golden, path, digest,
                   package_dir, extra.get("tokenizer_dir"), ranges, phases, keepalive=restored.buffer,
-                  device=device, restore_io=io, fallback=fallback)
-
-
-def check_package_fits(forward: aot.PackagedForward, engine: dict[str, int],
-                       recorded: Any, where: Any) -> None:
-    """The engine a snapshot describes must be one the package was compiled for: ``max_seqs``
-    slots within the batch and cache-batch ranges, slots of exactly the package's T positions,
-    and the snapshot's recorded ranges (when it has them) those of the package.  Raises
-    TargetMismatch (the restore then serves eager, still golden-checked) naming both."""
-    from agent.errors import TargetMismatch
-
-    ranges, spec = forward.ranges, forward.spec
-    fits = (ranges["batch"][0] <= 1 and engine["max_seqs"] <= ranges["batch"][1]
-            and ranges["cache_batch"][0] <= engine["max_seqs"] <= ranges["cache_batch"][1]
-            and engine["max_seq_len"] == spec.max_seq_len)
-    if recorded is not None and {k: tuple(v) for k, v in dict(recorded).items()} != ranges:
-        fits = False
-    if not fits:
-        raise TargetMismatch(f"{where}: engine {engine} (ranges {recorded}) does not fit package "
-                             f"{forward.path} (ranges {ranges}, T={spec.max_seq_len})",
-                             built=ranges, here=engine)
-
-
-REPLICA_EXTRA_KEYS = ("model_config", "engine")
-"""Manifest ``extra`` keys every captured replica snapshot carries (see :func:`capture`)."""
-
-
-def check_replica_manifest(manifest: Manifest, where: Any) -> dict[str, Any]:
-    """Check that ``manifest`` is a captured replica snapshot and return its ``extra``.
-
-    A captured snapshot carries ``model_config``, ``engine`` and a golden check; its
-    ``aot_package`` is absent/None or ``{"digest": str, "dir": str, "ranges": ...}`` (the
-    package's compiled ranges, :func:`agent.replica.aot_inputs.parse_ranges`); its ``tokenizer_dir`` is
-    absent/None or a string.  A weights-only snapshot (``rewarm import``: HF-layout tensors,
-    ``extra`` = ``config`` + ``source_files``, no golden check) is not one: nothing proves its
-    tokens right, so it must not serve.  Raises SnapshotIncompatible naming the snapshot, the
-    missing or malformed keys (``missing``; ``mismatches``: ``{key: (found, expected)}``),
-    and when its golden check was recorded by a method this rewarm does not verify
-    (agent/replica/golden.py, ``check_method``: a snapshot of an earlier release is recaptured).
-    """
-    from agent.errors import SnapshotIncompatible
-
-    extra = manifest.extra if isinstance(manifest.extra, dict) else {}
-    missing = [k for k in REPLICA_EXTRA_KEYS if extra.get(k) is None]
-    if manifest.golden is None:
-        missing.append("golden")
-    if not missing and manifest.golden is not None:
-        from agent.replica.golden import check_method
-
-        check_method(manifest.golden, where)   # a record this rewarm cannot check: recapture
-    if missing:
-        kind = ("a weights-only snapshot made by `rewarm import`, "
-                if "source_files" in extra and "model_config" not in extra else "")
-        raise SnapshotIncompatible(
-            f"{where}: {kind}not a captured replica snapshot: the manifest lacks "
-            f"{', '.join(missing)} (its extra keys: {', '.join(sorted(map(str, extra))) or 'none'}). "
-            f"A replica restores only snapshots captured from a warmed replica (the node agent's, "
-            f"or the capture op of `rewarm replica --model-dir MODEL_DIR`); to serve these "
-            f"weights, boot their checkpoint with `rewarm replica --model-dir MODEL_DIR`",
-            path=where, missing=missing, mismatches={k: (None, "present") for k in missing})
-    bad: dict[str, tuple[Any, str]] = {}
-    if not isinstance(extra["model_config"], dict):
-        bad["model_config"] = (type(extra["model_config"]).__name__, "map")
-    ref = extra.get("aot_package")
-    if ref is not None and not (isinstance(ref, dict) and isinstance(ref.get("digest"), str)
-                                and isinstance(ref.get("dir"), str)):
-        bad["aot_package"] = (ref, "None or {digest: str, dir: str, ranges: {...}}")
-    elif isinstance(ref, dict) and ref.get("ranges") is not None:
-        from agent.replica.aot_inputs import parse_ranges
-
-        try:
-            parse_ranges(ref["ranges"], where)
-        except ValueError:
-            bad["aot_package.ranges"] = (ref["ranges"], "{batch|seq|cache_batch: [lo, hi]}")
-    tok = extra.get("tokenizer_dir")
-    if tok is not None and not isinstance(tok, str):
-        bad["tokenizer_dir"] = (tok, "None or str")
-    if bad:
-        detail = "; ".join(f"{k}={v!r:.80} (expected {want})" for k, (v, want) in bad.items())
-        raise SnapshotIncompatible(f"{where}: malformed replica manifest: {detail}",
-                                   path=where, missing=[], mismatches=bad)
-    return extra
-
-
-def check_engine_config(engine: Any, config: LlamaConfig, where: Any = None) -> dict[str, int]:
-    """Validate a snapshot's engine sizes before they size the KV cache: ``max_seqs`` in
-    [1, MAX_SEQS_LIMIT], ``max_seq_len`` in [1, config.max_position_embeddings].
-    Raises ConfigError naming the field, the value and the limit."""
-    from agent.errors import ConfigError
-
-    if not isinstance(engine, dict):
-        raise ConfigError(f"{where}: engine configuration missing", name="engine",
-                          value=type(engine).__name__, limit="map")
-    limits = {"max_seqs": MAX_SEQS_LIMIT, "max_seq_len": config.max_position_embeddings}
-    for name, limit in limits.items():
-        value = engine.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-            raise ConfigError(f"{where}: engine {name}={value!r} must be an integer in [1, {limit}]",
-                              name=name, value=value, limit=limit)
-    return {name: engine[name] for name in limits}
+                  device=device, restore_io=io, fallback=fallback, warm=warm)
 
 
 def capture(loaded: Loaded, dest: Path) -> Manifest:

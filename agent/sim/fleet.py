@@ -283,7 +283,7 @@ class Fleet:
         load = ReplicaLoad(self.ids[i], c.model, f"sim://{self.ids[i]}",
                            c.seqs_per_replica, 0, c.kv_capacity_tokens, 0)
         if c.replica is not None:   # a replica reports its measured speed at once
-            load.speed = c.replica.speed
+            load.speed = self.engines[i].reported   # with the ITL target its steps plan by
         self.router.upsert(load)
         self._start_pending()
         return True

@@ -1,37 +1,61 @@
 """A simulated replica that batches and serves at a measured speed, step by step like the engine.
 
-The live replica's loop (agent/replica/worker.py) runs steps back to back while it has work:
-each step first prefills the waiting sequences that free slots admit, one after another (B=1),
-each first token sent as its own prefill ends; then one decode step over every active sequence (B=active, S=1).
-A request that arrives during a step waits for the next one.  :class:`SimReplica` is that loop
-on a virtual clock, with every duration from agent/speed.py's :class:`SpeedProfile` (measured
-by bench/engine_profile.py): ``prefill_s(P)`` per admitted prompt, ``decode_step_s(B, C)`` per
-decode step.  It holds no clock and schedules nothing itself: the simulation calls
-:meth:`start_step` when the replica is idle and has work, and :meth:`end_step` at the time it
-returned.  A sequence whose one token came from its prefill ends at the end of that step.
+The live replica's loop (agent/replica/batching.py) runs steps back to back while it has work,
+each the engine's step (agent/replica/engine.py; agent/speed.py's module docstring): prefill
+calls over chunks of the oldest waiting prompts within the step's token budget (the budget
+from the replica's reported speed and its ITL target; a further call charged one call's
+overhead), each prompt's first token sent when its last chunk's call ends; then one decode step
+over every running sequence (B=running, S=1).  Without a budget (``itl_target_s`` 0) each
+waiting prompt is prefilled whole, alone, in calls of ``prefill_chunk`` tokens.  A request that
+arrives during a step waits for the next one.  :class:`SimReplica` is that loop on a virtual
+clock: it plans each call with agent/speed.py's own ``plan_prefill_call`` and
+``SpeedProfile.call_budget_tokens`` on the ``reported`` profile (what the live replica's meter
+says), and times it with ``speed`` (what the machine does): ``prefill_s(k * L)`` per call,
+``decode_step_s(B, C)`` per decode step.  It holds no clock and schedules nothing itself: the
+simulation calls :meth:`start_step` when the replica is idle and has work, and :meth:`end_step`
+at the time it returned.  A sequence whose one token came from its prefill frees its slot at
+once and ends at the end of that step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import numpy as np
 
 from agent.errors import ConfigError
-from agent.speed import SpeedProfile, slot_wait_steps
+from agent.speed import DEFAULT_ITL_SLO_S, SpeedProfile, plan_prefill_call, slot_wait_steps
+
+
+@dataclasses.dataclass
+class _Waiting:
+    request: int
+    prompt: int
+    output: int
+    pos: int = 0              # prompt tokens prefilled so far
+    slot: bool = False        # holds a sequence slot (taken when its first chunk runs)
 
 
 class SimReplica:
-    """One replica's engine: ``max_seqs`` slots; requests are opaque ids with token counts.
-    It steps at ``speed``; it reports and predicts with ``reported`` (its speed meter's
-    profile; default ``speed``), which a live replica's meter may get wrong."""
+    """One replica's engine: ``max_seqs`` slots of ``max_seq_len`` tokens (None: a padded row
+    is never short of room); requests are opaque ids with token counts.  It steps at
+    ``speed``; it plans its steps, reports and predicts with ``reported`` (its speed meter's
+    profile; default ``speed``, which a live replica's meter may get wrong) at the ITL target
+    ``itl_target_s`` (the engine's default; 0: whole prompts).  ``prefill_chunk``: the most
+    tokens per row of one call, as the engine's."""
 
     def __init__(self, speed: SpeedProfile, max_seqs: int,
-                 reported: SpeedProfile | None = None) -> None:
+                 reported: SpeedProfile | None = None, *,
+                 itl_target_s: float = DEFAULT_ITL_SLO_S, max_seq_len: int | None = None,
+                 prefill_chunk: int = 256) -> None:
         self.speed = speed
-        self.reported = reported or speed   # what its speed meter says (reports, predictions)
+        # what its speed meter says (reports, predictions), at the engine's ITL target
+        self.reported = dataclasses.replace(reported or speed, itl_target_s=itl_target_s)
         self.max_seqs = max_seqs
-        self._waiting: deque[tuple[int, int, int]] = deque()   # (request, prompt, output)
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self._waiting: deque[_Waiting] = deque()
         self._active: list[list[int]] = []                     # [request, remaining, ctx]
         self._queued_tokens = 0
         self._ctx = 0
@@ -39,38 +63,36 @@ class SimReplica:
         self.stepping = False
         self.generation = 0
         self.steps = 0
+        self.calls = 0            # prefill calls so far
 
     @property
     def busy(self) -> bool:
         return bool(self._waiting or self._active)
 
+    @property
+    def slots_held(self) -> int:
+        """Sequence slots taken: the running sequences and the prompts part-way through."""
+        return len(self._active) + sum(1 for w in self._waiting if w.slot)
+
     def reset(self) -> None:
         """Empty it (the replica stopped); a step in flight is ignored when it ends."""
         generation = self.generation + 1
-        self.__init__(self.speed, self.max_seqs, self.reported)  # type: ignore[misc]  # a fresh replica of the same class
+        self.__init__(self.speed, self.max_seqs, self.reported,  # type: ignore[misc]  # a fresh replica of the same class
+                      itl_target_s=self.reported.itl_target_s, max_seq_len=self.max_seq_len,
+                      prefill_chunk=self.prefill_chunk)
         self.generation = generation
 
     def submit(self, request: int, prompt_tokens: int, output_tokens: int) -> None:
         """Queue one request (``output_tokens`` >= 1 tokens to generate)."""
-        self._waiting.append((request, int(prompt_tokens), max(1, int(output_tokens))))
+        self._waiting.append(_Waiting(request, int(prompt_tokens), max(1, int(output_tokens))))
         self._queued_tokens += int(prompt_tokens)
 
     def start_step(self, now_s: float) -> tuple[list[tuple[int, float]], float]:
         """Run one step from ``now_s``: returns ``([(request, first_token_s)], end_s)``."""
-        sp, t = self.speed, now_s
-        firsts = []
-        while self._waiting and len(self._active) < self.max_seqs:
-            req, p, o = self._waiting.popleft()
-            self._queued_tokens -= p
-            t += sp.prefill_s(p)
-            firsts.append((req, t))     # sent when its own prefill ends (agent/replica/worker.py)
-            if o <= 1:
-                self._ending.append(req)
-            else:
-                self._active.append([req, o - 1, p])
-                self._ctx += p
+        firsts: list[tuple[int, float]] = []
+        t = self._prefill_calls(now_s, firsts)
         if self._active:
-            t += sp.decode_step_s(len(self._active), self._ctx)
+            t += self.speed.decode_step_s(len(self._active), self._ctx)
             still = []
             for seq in self._active:
                 seq[1] -= 1
@@ -86,6 +108,56 @@ class SimReplica:
         self.steps += 1
         return firsts, t
 
+    def _runnable(self) -> list[_Waiting]:
+        """The oldest waiting prompts that hold a slot or can take a free one, in order."""
+        out, free = [], self.max_seqs - self.slots_held
+        for w in self._waiting:
+            if not w.slot:
+                if free == 0:
+                    break
+                free -= 1
+            out.append(w)
+        return out
+
+    def _prefill_calls(self, t: float, firsts: list[tuple[int, float]]) -> float:
+        """The step's prefill calls from time ``t`` (the engine's rule, module docstring);
+        appends each completed prompt's ``(request, first_token_s)``; returns the time after."""
+        budget = self.reported.prefill_budget_tokens(len(self._active), self._ctx)
+        calls, room = 0, self.max_seq_len or (1 << 62)
+        while True:
+            group = self._runnable()
+            if not group:
+                return t
+            if budget is None:     # whole prompts: the head alone, in calls of prefill_chunk
+                rows = [min(self.prefill_chunk, group[0].prompt - group[0].pos)]
+            else:
+                call_budget = self.reported.call_budget_tokens(budget, calls)
+                if call_budget <= 0:
+                    return t
+                rows = plan_prefill_call(
+                    [w.prompt - w.pos for w in group], [room - w.pos for w in group],
+                    call_budget, self.prefill_chunk, self.reported.call_overhead_tokens())
+                budget = call_budget - len(rows) * max(rows)
+            calls += 1
+            self.calls += 1
+            t += self.speed.prefill_s(len(rows) * max(rows))
+            for w, n in zip(group[:len(rows)], rows, strict=True):
+                w.slot = True
+                w.pos += n
+                self._queued_tokens -= n
+                if w.pos == w.prompt:
+                    self._start(w, t, firsts)
+
+    def _start(self, w: _Waiting, t: float, firsts: list[tuple[int, float]]) -> None:
+        """``w``'s prompt is prefilled at ``t``: its first token; it runs, or ends (one token)."""
+        self._waiting.remove(w)
+        firsts.append((w.request, t))     # sent when its call ends (agent/replica/batching.py)
+        if w.output <= 1:
+            self._ending.append(w.request)
+        else:
+            self._active.append([w.request, w.output - 1, w.prompt])
+            self._ctx += w.prompt
+
     def end_step(self) -> list[int]:
         """The step ended: the requests it finished."""
         self.stepping = False
@@ -94,8 +166,9 @@ class SimReplica:
 
     # --- what the live replica reports and predicts --------------------------------------
     def report(self) -> dict[str, float]:
-        """The load report a live replica gives (agent/speed.py's keys), KV left out."""
-        return {"max_seqs": self.max_seqs, "active_seqs": len(self._active),
+        """The load report a live replica gives (agent/speed.py's keys), KV left out:
+        ``active_seqs`` the slots held, as the engine's capacity counts them."""
+        return {"max_seqs": self.max_seqs, "active_seqs": self.slots_held,
                 "waiting_seqs": len(self._waiting), "queued_prefill_tokens": self._queued_tokens,
                 "active_ctx_tokens": self._ctx, **self.reported.to_dict()}
 

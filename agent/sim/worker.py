@@ -12,8 +12,9 @@ it, on a virtual-time loop (agent/sim/vloop.py):
   :meth:`SimReplica.predict_ttft_s`, agent/speed.py's model on the replica's queue, as
   ``Engine.predict_ttft_s``), refused with 429 (``predicted_ttft_ms``, ``retry_after_ms``),
   else queued at the :class:`~agent.sim.replica.SimReplica` engine: steps back to back while
-  it has work (prefill the admitted prompts, then one decode step over the batch), the
-  first ``tokens`` message when its prefill ends, one ``tokens`` message per decode step
+  it has work (the engine's step: prefill calls within the step's token budget, then one
+  decode step over the batch), the first ``tokens`` message when the call that ends its
+  prefill ends, one ``tokens`` message per decode step
   for every sequence still running (as the worker streams them: the front door's stream
   watch judges a replica by them) and ``done`` when its last token is decoded;
 - ``cancel`` forgets a request (its answers are dropped; the engine finishes the sequence);
@@ -32,7 +33,7 @@ from agent.errors import Overloaded, ProtocolError, RewarmError
 from agent.protocol import Decoder, error_message, pack
 from agent.replica.worker import Worker
 from agent.sim.replica import SimReplica
-from agent.speed import SpeedProfile
+from agent.speed import DEFAULT_ITL_SLO_S, SpeedProfile
 
 
 class SimTransport(asyncio.Transport):
@@ -83,14 +84,17 @@ class _Loaded:
 
 
 class SimWorker:
-    """One simulated replica (module docstring): it serves at ``speed`` and reports and
-    predicts with ``reported`` (default ``speed``).  ``on_idle`` is called when a drained
+    """One simulated replica (module docstring): it serves at ``speed`` and plans, reports
+    and predicts with ``reported`` (default ``speed``) at the ITL target ``itl_target_s``
+    (the live engine's default; 0: whole prompts).  ``on_idle`` is called when a drained
     replica has nothing left in flight."""
 
     def __init__(self, replica_id: str, model: str, speed: SpeedProfile, *, max_seqs: int,
-                 max_seq_len: int, reported: SpeedProfile | None = None) -> None:
+                 max_seq_len: int, reported: SpeedProfile | None = None,
+                 itl_target_s: float = DEFAULT_ITL_SLO_S) -> None:
         self.replica_id, self.model = replica_id, model
-        self.engine = SimReplica(speed, max_seqs, reported)
+        self.engine = SimReplica(speed, max_seqs, reported, itl_target_s=itl_target_s,
+                                 max_seq_len=max_seq_len)
         self.max_seq_len = max_seq_len
         self.loaded = _Loaded(model)
         self._submits: list = []          # Worker._check_deadline reads its length
@@ -207,7 +211,8 @@ class SimWorker:
         (tokens), the queue, and the speed (agent/speed.py's keys)."""
         eng = self.engine
         report = eng.report()
-        used = sum(p + o for _, p, o in eng._waiting) + sum(s[2] + s[1] for s in eng._active)
+        used = sum(w.prompt + w.output for w in eng._waiting) \
+            + sum(s[2] + s[1] for s in eng._active)
         report.update(kv_capacity_tokens=eng.max_seqs * self.max_seq_len, kv_used_tokens=used,
                       max_seq_len=self.max_seq_len)
         return report

@@ -1,11 +1,13 @@
 """agent/speed.py: the replica speed model shared by replica, front door, predictor, simulator."""
 
+import dataclasses
 import math
 
 import pytest
 
 from agent.errors import ConfigError
-from agent.speed import SPEED_META_KEYS, SpeedProfile
+from agent.speed import (DEFAULT_ITL_SLO_S, MIN_PREFILL_BUDGET_TOKENS, SPEED_META_KEYS,
+                         SpeedProfile, plan_prefill_call)
 
 P = SpeedProfile(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.01, decode_base_s=0.02,
                  decode_per_seq_s=0.001, decode_per_ctx_token_s=1e-6)
@@ -90,3 +92,115 @@ def test_profile_file_round_trip_and_typed_refusals(tmp_path):
         SpeedProfile.from_file(path)
     with pytest.raises(ConfigError, match="cannot read"):
         SpeedProfile.from_file(tmp_path / "absent.json")
+
+
+# --- the step: the prefill budget, its calls, and the TTFT on that schedule ----------------
+
+C = dataclasses.replace(P, itl_target_s=0.2)     # P with the default ITL target
+
+
+def test_budget_fills_the_itl_target_beside_the_decode_and_keeps_its_floor():
+    assert P.prefill_budget_tokens(4, 2000) is None          # no target: whole prompts
+    # (0.2 - decode(4, 2000) - 0.01) * 1000 = (0.2 - 0.025 - 0.01) * 1000
+    assert C.prefill_budget_tokens(4, 2000) == 165
+    assert C.prefill_budget_tokens(0) == 190
+    # a decode that fills the target leaves the floor: 16 tokens, or one call's overhead
+    assert C.prefill_budget_tokens(500) == MIN_PREFILL_BUDGET_TOKENS == C.budget_floor_tokens()
+    costly = dataclasses.replace(C, prefill_overhead_s=0.05)   # 50 tokens of overhead
+    assert costly.budget_floor_tokens() == 50 == costly.prefill_budget_tokens(500)
+
+
+def test_a_further_call_in_a_step_pays_its_overhead_and_needs_the_floor():
+    assert C.call_overhead_tokens() == 10                  # 0.01 s at 1000 tokens/s
+    assert C.call_budget_tokens(156, 0) == 156             # the step's first call: all of it
+    assert C.call_budget_tokens(56, 1) == 46
+    assert C.call_budget_tokens(26, 1) == 16               # exactly the floor
+    assert C.call_budget_tokens(25, 2) == 0                # under it: the step's prefill ends
+    assert C.call_budget_tokens(-3, 0) == 0
+
+
+def test_plan_keeps_the_oldest_first_and_shares_a_call_only_when_cheaper():
+    room = [512] * 4
+    # the oldest cut by the budget (or the longest row the forward takes): alone
+    assert plan_prefill_call([300, 5], room[:2], 100, 256, 10) == [100]
+    assert plan_prefill_call([300], room[:1], 400, 256, 10) == [256]
+    # the oldest ends: equal short prompts share its call while [k, L] fits the budget
+    assert plan_prefill_call([12, 12, 12, 12], room, 40, 256, 10) == [12, 12, 12]
+    # a longer one joins (the shorter rows padded) while the padding stays under the
+    # overhead of the calls it saves: 8 + 3 <= 2 * 10, then 8 + 3 + 9 + 1 > 3 * 10
+    assert plan_prefill_call([12, 20, 17, 29], room, 200, 256, 10) == [12, 20, 17]
+    # never past a younger one: the first that cannot join ends the call
+    assert plan_prefill_call([10, 40, 10], room[:3], 200, 256, 10) == [10]
+    # a padded row may not run past its slot
+    assert plan_prefill_call([10, 8], [512, 9], 200, 256, 10) == [10]
+    assert plan_prefill_call([], [], 100, 256, 10) == []
+    assert plan_prefill_call([7], [7], 1, 256, 10) == [1]  # a budget of one: one token
+
+
+def test_one_step_of_chunked_prefill_predicts_as_no_budget():
+    kw = dict(active_seqs=0, waiting_seqs=2, queued_prefill_tokens=60)
+    assert C.predict_ttft_s(20, **kw) == pytest.approx(P.predict_ttft_s(20, **kw))
+    assert C.predict_ttft_s(20, **kw) == pytest.approx(3 * 0.01 + 0.08)
+
+
+def test_chunked_prediction_counts_the_steps_and_the_decodes_between_them():
+    # 4 waiting with 800 tokens, 2 running over 600 cached: the batch averages 2 + 4/2 = 4
+    # over 600 + 400 cached, so each step holds (0.2 - 0.024 - 0.01) * 1000 = 166 tokens:
+    # 800 + 200 + 4 * 10 overheads take ceil(1040 / 166) = 7 steps, 7 + 4 calls, 6 decodes
+    kw = dict(active_seqs=2, active_ctx_tokens=600, waiting_seqs=4, queued_prefill_tokens=800)
+    dec = C.decode_step_s(4, 1000)
+    assert C.prefill_budget_tokens(4, 1000) == 166
+    want = C.decode_step_s(2, 600) + 11 * 0.01 + 1.0 + 6 * dec
+    assert C.predict_ttft_s(200, **kw) == pytest.approx(want)
+    assert C.predict_ttft_s(200, **kw) > P.predict_ttft_s(200, **kw)
+    # the same through prefill_wait_s (the router's inlined call)
+    assert C.prefill_wait_s(200, waiting_seqs=4, queued_prefill_tokens=800, active_seqs=2,
+                            active_ctx_tokens=600) == pytest.approx(want - C.decode_step_s(2, 600))
+
+
+def test_the_itl_target_travels_and_defaults_to_none():
+    assert C.to_meta()["itl_target_s"] == "0.2" and set(C.to_meta()) == set(SPEED_META_KEYS)
+    assert SpeedProfile.from_meta(C.to_meta()) == C
+    old = {k: v for k, v in C.to_meta().items() if k != "itl_target_s"}
+    assert SpeedProfile.from_meta(old) == P                 # a report without it: no budget
+    assert SpeedProfile.from_meta({**C.to_meta(), "itl_target_s": "-1"}) is None
+    with pytest.raises(ConfigError, match="itl_target_s"):
+        dataclasses.replace(C, itl_target_s=math.nan)
+    assert DEFAULT_ITL_SLO_S == 0.2
+
+
+@pytest.mark.parametrize("running", [0, 2])
+@pytest.mark.parametrize("prompt", [16, 128, 400])
+def test_prediction_against_the_engines_schedule(running, prompt):
+    """Bursts replayed on the engine's schedule (agent/sim/replica.py, held equal to the
+    engine's by tests/sim/test_replica.py): each request predicted as it is submitted, behind
+    the ones before it.  Every prediction is within one ITL target of its first token (rows
+    that arrive after it may join its last call; a shared call saves the overheads counted
+    for it); the newest of a burst of prompts longer than a step's budget (nothing joins them)
+    within 4 % and never under."""
+    from agent.sim.replica import SimReplica
+
+    profile = SpeedProfile(prefill_tokens_per_s=550.0, prefill_overhead_s=0.02,
+                           decode_base_s=0.0066, decode_per_seq_s=0.0024,
+                           decode_per_ctx_token_s=7e-6)
+    for burst in (1, 4, 6):
+        rep = SimReplica(profile, max_seqs=8, max_seq_len=512)
+        t = 0.0
+        for r in range(running):
+            rep.submit(100 + r, 32, 300)
+        while len(rep._active) < running:
+            t = rep.start_step(t)[1]
+            rep.end_step()
+        predicted, start, first = {}, t, {}
+        for i in range(burst):
+            predicted[i] = rep.predict_ttft_s(prompt)
+            rep.submit(i, prompt, 40)
+        while len(first) < burst:
+            firsts, t = rep.start_step(t)
+            rep.end_step()
+            first.update({r: s - start for r, s in firsts if r < 100})
+        for i in range(burst):
+            assert abs(predicted[i] - first[i]) <= 0.2, (burst, i, predicted[i], first[i])
+        if prompt > rep.reported.prefill_budget_tokens(0):
+            last = burst - 1
+            assert predicted[last] == pytest.approx(first[last], rel=0.04)

@@ -12,7 +12,7 @@ def test_replica_meta_carries_speed_and_queue_and_follows_the_replica(make_agent
     for key in QUEUE_META_KEYS:
         assert inst.meta[key] == "0"
     handle = agent.replicas[info["replica"]].handle
-    assert SpeedProfile.from_meta(inst.meta) == handle.loaded.engine.meter.profile()
+    assert SpeedProfile.from_meta(inst.meta) == handle.loaded.engine.profile()  # with its ITL target
     handle.loaded.engine.submit([1, 2, 3], 4)         # one request waits at the replica
     agent.tick()
     agent.registrar.sync(force=True)

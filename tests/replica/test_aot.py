@@ -65,6 +65,7 @@ def test_weights_are_bound_without_copy_and_package_holds_none(release):
     assert manifest["target"] == current_target()
     assert manifest["digest"] == aot.file_digest(package_dir / aot.PACKAGE_NAME)
     assert set(manifest["constants"]) == set(tiny_weights())
+    assert manifest["weight_scheme"] == "dense"       # the scheme of the weights it binds
     weights = tiny_weights()
     packaged = aot.load_package(release, weights)
     before, _, _ = run(packaged, None, 2, 3, 2)
@@ -277,3 +278,67 @@ def test_corner_sizes_cover_each_range_edge():
     for name, (lo, hi) in ranges.items():
         assert {c[name] for c in corners} == {lo, hi}
     assert all(c["batch"] <= c["cache_batch"] for c in corners)
+
+
+@pytest.mark.parametrize("stage", ["export", "compile"])
+def test_a_build_that_torch_cannot_finish_names_its_stage_and_error(tmp_path, monkeypatch, stage):
+    from agent.errors import PackageBuildFailed
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("Triton compilation failed: kernel triton_poi_0\nptxas fatal")
+    if stage == "export":
+        monkeypatch.setattr(torch.export, "export", fail)
+    else:
+        monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fail)
+    with pytest.raises(PackageBuildFailed) as err:
+        aot.build_from_weights(tiny_config(), tiny_weights(), tmp_path, max_seqs=2,
+                               max_seq_len=8)
+    exc = err.value
+    assert exc.stage == stage and exc.target == current_target()
+    assert exc.error == ("RuntimeError: Triton compilation failed: kernel triton_poi_0 | "
+                         "ptxas fatal")
+    assert f"failed at {stage}: RuntimeError" in str(exc)
+    assert isinstance(exc.__cause__, RuntimeError)
+    assert not list(tmp_path.rglob("*.pt2"))        # nothing left to be mistaken for a package
+
+
+def test_a_gpu_runs_an_int4_checkpoint_dense_in_its_dtype(monkeypatch):
+    import dataclasses
+
+    from agent.replica import quant
+
+    config = dataclasses.replace(tiny_config(), dtype="bfloat16")
+    gen = torch.Generator().manual_seed(2)
+    n, k = 64, 128
+    parts = {".qweight": quant.pack_nibbles(torch.randint(0, 16, (n, k), generator=gen,
+                                                          dtype=torch.int32)),
+             ".scales_and_zeros": torch.stack([torch.rand(k // 32, n, generator=gen) * 0.1,
+                                               torch.randn(k // 32, n, generator=gen) * 0.1], -1)}
+    packed = {"layers.0.feed_forward.w2" + s: t
+              for s, t in quant.to_runtime(parts, torch.bfloat16).items()}
+    packed["norm.weight"] = torch.ones(32, dtype=torch.bfloat16)
+    assert quant.scheme_of(packed) == "int4"
+    assert aot.weights_for_device(packed, config, "cpu") == packed          # the CPU runs it
+    moved, real_to = [], torch.Tensor.to
+
+    def to(self, *args, **kwargs):      # no GPU here: note what would move, keep it on the host
+        if args == ("cuda:1",):
+            moved.append(self.dtype)
+            return self
+        return real_to(self, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    out = aot.weights_for_device(packed, config, "cuda:1")
+    assert set(out) == {"layers.0.feed_forward.w2.weight", "norm.weight"}
+    assert moved == [torch.bfloat16, torch.bfloat16]
+    want = quant.dequantize_hf(parts)
+    assert torch.allclose(out["layers.0.feed_forward.w2.weight"].float(), want, atol=2e-2)
+
+
+def test_the_runner_is_opened_on_the_devices_own_index(monkeypatch):
+    opened = []
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader",
+                        lambda *args: opened.append(args))
+    for device in ("cpu", "cuda", "cuda:2"):
+        aot_check.load_runner("p.pt2", device)
+    assert [a[-1] for a in opened] == [-1, -1, 2]
+    assert {a[:4] for a in opened} == {("p.pt2", "model", False, 1)}

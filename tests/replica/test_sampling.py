@@ -25,3 +25,26 @@ def test_mixed_rows_equal_one_row_at_a_time_with_the_same_seeds():
     alone = [sample(s, row) for s, row in zip(_samplers(specs), logits, strict=True)]
     assert batched == alone
     assert batched[0] == int(logits[0].argmax()) and batched[2] == int(logits[2].argmax())
+
+
+def test_sampled_positions_draw_what_one_call_per_position_draws():
+    from agent.replica.sampling import sample_positions
+
+    logits = torch.randn(3, 8, 50, generator=torch.Generator().manual_seed(2)) * 2
+    specs = [(11, Sampling()), (None, GREEDY), (13, Sampling(temperature=0.7, top_k=9, top_p=0.8))]
+    batched = sample_positions(_samplers(specs), logits)
+    samplers = _samplers(specs)
+    alone = [[sample(s, logits[b, k]) for k in range(8)] for b, s in enumerate(samplers)]
+    assert batched == alone
+    assert batched[1] == logits[1].argmax(dim=-1).tolist()
+    assert sample_positions([], logits[:0]) == []
+
+
+def test_a_rows_probabilities_are_the_same_bits_alone_or_batched():
+    from agent.replica.sampling import _probs
+
+    sampler = _samplers([(5, Sampling())])[0]
+    logits = torch.randn(24, 49152, generator=torch.Generator().manual_seed(3)) * 4
+    batched = _probs(sampler, logits)
+    for k in range(24):
+        assert torch.equal(batched[k], _probs(sampler, logits[k])), k

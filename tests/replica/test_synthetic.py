@@ -3,6 +3,7 @@
 import hashlib
 
 import pytest
+import torch
 
 from agent.cli import main
 from agent.errors import ConfigError
@@ -42,3 +43,29 @@ def test_cli_make_synthetic(tmp_path, capsys):
     config = LlamaConfig.from_dir(tmp_path / "s")
     assert config == preset_config("small") and not config.tie_word_embeddings
     assert str(tmp_path / "s") in capsys.readouterr().out
+
+
+def test_the_llama3_8b_shape_is_its_parameter_count():
+    config = preset_config("llama3-8b-shaped")
+    assert config.param_count() == 8_030_261_248
+    assert (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) == (32, 8, 128)
+    assert config.dtype == "bfloat16" and not config.tie_word_embeddings
+
+
+def test_a_streamed_file_holds_the_same_tensors_and_reads_as_a_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    from agent.replica.synthetic import synthetic_tensors, write_safetensors
+    from agent.replica.weights import load_hf_weights, read_header
+
+    config = preset_config("small", dtype="bfloat16")
+    size = write_safetensors(tmp_path / "model.safetensors", config, seed=5)
+    assert size == (tmp_path / "model.safetensors").stat().st_size
+    start, header = read_header(tmp_path / "model.safetensors")
+    assert start % 8 == 0 and size == start + sum(
+        e["data_offsets"][1] - e["data_offsets"][0] for e in header.values())
+    got, want = load_file(str(tmp_path / "model.safetensors")), synthetic_tensors(config, seed=5)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    made = make_synthetic(tmp_path / "m", "small", seed=5, dtype="bfloat16", device="cpu")
+    assert digest(made) == hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
+    assert set(load_hf_weights(made)) >= {"tok_embeddings.weight", "layers.0.attention.wqkv.weight"}

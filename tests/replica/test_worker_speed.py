@@ -57,7 +57,7 @@ def test_boot_measures_and_stats_carry_speed_and_queue(booted):
     assert (stats["waiting_seqs"], stats["queued_prefill_tokens"], stats["active_ctx_tokens"]) \
         == (0, 0, 0)
     profile = SpeedProfile.from_meta({k: str(stats[k]) for k in SPEED_META_KEYS})
-    assert profile == booted.engine.meter.profile()
+    assert profile == booted.engine.profile()      # the meter's fit with the ITL target
     assert stats["decode_tokens_per_s_per_seq"] == pytest.approx(1 / profile.decode_base_s)
 
 
@@ -80,7 +80,17 @@ def test_pending_requests_count_in_the_queue_and_the_prediction(booted):
         10, active_seqs=stats["active_seqs"], active_ctx_tokens=stats["active_ctx_tokens"],
         waiting_seqs=stats["waiting_seqs"], queued_prefill_tokens=stats["queued_prefill_tokens"])
     assert worker.predict_ttft_s(10) == pytest.approx(from_report)
-    assert from_report == pytest.approx(SLOW.prefill_s(20) + SLOW.prefill_s(10))
+    # SLOW's 0.2 s decode fills the 0.2 s ITL target: each step holds the budget's floor (16
+    # tokens), so the 30, with the 5 tokens of the call where the queued prompt ends, take
+    # three steps: four calls, and two decodes of the half-joined batch between (agent/speed.py)
+    chunked = dataclasses.replace(SLOW, itl_target_s=0.2)
+    assert chunked.prefill_budget_tokens(0.5, 10) == 16
+    assert from_report == pytest.approx(4 * 0.05 + 30 / 100 + 2 * chunked.decode_step_s(0.5, 10))
+    loaded = with_meter(booted, SpeedMeter(SLOW, measured_prior=True))
+    loaded.engine.itl_target_s = 0.0                        # no budget: each prompt whole
+    worker = Worker(loaded)
+    worker._submits.append((None, {"prompt": [1] * 20}))
+    assert worker.predict_ttft_s(10) == pytest.approx(SLOW.prefill_s(20) + SLOW.prefill_s(10))
 
 
 def test_late_request_is_refused_with_the_prediction_and_on_time_one_served(booted):
@@ -123,11 +133,16 @@ def test_snapshot_without_a_recorded_speed_restores_with_a_short_profile(booted,
     assert not restored.engine.meter.measured_prior
 
 
-def test_each_first_token_is_sent_once_its_own_prefill_is_done(booted):
-    """Three prompts arrive in one tick: each one's first token leaves before the next
-    prompt's prefill starts (its TTFT is the prefills ahead of it and its own, as
-    agent/speed.py predicts), not after every prefill of the step."""
+@pytest.mark.parametrize("itl_target_s, want", [
+    (0.0, ["prefill", ("first", "a"), "prefill", ("first", "b"), "prefill", ("first", "c")]),
+    (0.2, ["prefill", ("first", "a"), ("first", "b"), ("first", "c")])])
+def test_each_first_token_is_sent_once_its_own_prefill_is_done(booted, itl_target_s, want):
+    """Three prompts arrive in one tick: each one's first token leaves as soon as the call
+    that ends its prefill returns (its TTFT is the calls ahead of it and its own, as
+    agent/speed.py predicts), not after every call of the step.  Without a budget each
+    prompt is its own call; with one, the three 5-token prompts share a [3, 5] call."""
     loaded = with_meter(booted, SpeedMeter(SLOW, measured_prior=True))
+    loaded.engine.itl_target_s = itl_target_s
     engine, log = loaded.engine, []
     forward = engine.forward
 
@@ -149,5 +164,4 @@ def test_each_first_token_is_sent_once_its_own_prefill_is_done(booted):
         for i in ("a", "b", "c")]))
     assert all(answers[i][-1]["type"] == "done" for i in ("a", "b", "c"))
     kinds = [entry[0] if entry[0] == "prefill" else entry for entry in log]
-    assert kinds == ["prefill", ("first", "a"), "prefill", ("first", "b"),
-                     "prefill", ("first", "c")]
+    assert kinds == want

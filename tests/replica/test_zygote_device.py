@@ -116,8 +116,11 @@ def test_prepare_zygote_on_a_gpu_makes_a_device_buffer(monkeypatch, caplog):
         return gpu.DeviceBuffer(torch.empty(nbytes, dtype=torch.uint8), device, [], None,
                                 "libcuda.so.1 not found")
     monkeypatch.setattr(gpu.DeviceBuffer, "allocate", staticmethod(allocate))
+    warmed = []
+    monkeypatch.setattr(zygote, "warm_device", warmed.append)
     buf = zygote.prepare_zygote(1, 4096, device="cuda:0")
     assert made == {"nbytes": 4096, "device": "cuda:0"} and buf.device == "cuda:0"
+    assert warmed == ["cuda:0"]        # no snapshot to warm for: the device is warmed
     assert "read into host memory" in caplog.text
     assert not isinstance(zygote.prepare_zygote(1, 4096, prefault=False), gpu.DeviceBuffer)
 
@@ -132,7 +135,7 @@ def test_cuda_zygote_restores_and_checks_on_the_gpu(tmp_path):
     zygote.capture(booted, tmp_path / "snap")
     buf = zygote.prepare_zygote(1, 64 << 20, device="cuda", warm=tmp_path / "snap")
     loaded = zygote.restore(tmp_path / "snap", buffer=buf)
-    assert loaded.restore_io in ("gds", "compat") and loaded.fallback is None
+    assert loaded.restore_io in ("staged", "gds", "compat") and loaded.fallback is None
     assert all(t.is_cuda for t in loaded.weights.values())
     assert loaded.engine.generate([PROMPT], 6, seed=9) == booted.engine.generate([PROMPT], 6, seed=9)
 

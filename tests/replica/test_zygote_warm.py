@@ -62,3 +62,85 @@ def test_the_golden_check_still_guards_a_warmed_restore(snapshots, tmp_path):
     assert buffer in zygote._WARMED
     with pytest.raises(GoldenMismatch):
         zygote.restore(bad, buffer=buffer)
+
+
+def test_a_warmed_restore_says_so_and_where_the_checks_time_went(snapshots):
+    import threading
+
+    snap, _ = snapshots[1]
+    buffer = zygote.prepare_zygote(1, 1 << 20, prefault=False, warm=snap)
+    restored = zygote.restore(snap, buffer=buffer, path="zygote_restore")
+    warm = restored.warm
+    me = threading.current_thread().name
+    assert warm["engine"] == "reused" and "why" not in warm
+    assert warm["thread"] == warm["warm_thread"] == warm["golden_thread"] == me
+    assert warm["warm_s"] > 0
+    parts = [restored.phases_s[f"golden_{p}"] for p in ("prefill_s", "decode_s", "sample_s")]
+    assert all(p > 0 for p in parts)
+    assert sum(parts) <= restored.phases_s["golden_s"]
+
+
+def test_a_zygote_without_a_snapshot_warms_its_device_and_the_restore_says_why_it_built(
+        snapshots):
+    from agent.replica import warmup
+
+    snap, booted = snapshots[1]
+    buffer = zygote.prepare_zygote(1, 1 << 20, prefault=False)         # nothing to warm for
+    record = warmup.warm_device("cpu")          # done once per thread: the zygote's record
+    assert record["calls"] >= 4 and "error" not in record
+    assert warmup.warm_device("cpu") is record
+    restored = zygote.restore(snap, buffer=buffer, path="zygote_restore")
+    assert restored.warm["engine"] == "built"
+    assert restored.warm["why"] == "the zygote was not told a snapshot to warm for"
+    assert restored.warm["device"]["calls"] == record["calls"]
+    assert restored.golden == booted.golden
+
+
+@pytest.mark.parametrize("why", ["failed", "another"])
+def test_a_restore_built_anew_names_the_reason(snapshots, tmp_path, why):
+    snap1, snap2 = snapshots[1][0], snapshots[2][0]
+    warm = tmp_path / "missing" if why == "failed" else snap1
+    buffer = zygote.prepare_zygote(1, 1 << 20, prefault=False, warm=warm)
+    restored = zygote.restore(snap2, buffer=buffer)
+    assert restored.warm["engine"] == "built"
+    expected = (f"warm-up for {warm} failed: SnapshotNotFound" if why == "failed"
+                else f"warmed for {snap1}, whose layout differs")
+    assert restored.warm["why"].startswith(expected)
+
+
+def test_warming_runs_the_serving_shapes_outside_the_speed_meter(snapshots):
+    snap, _ = snapshots[1]
+    buffer = zygote.prepare_zygote(1, 1 << 20, prefault=False, warm=snap)
+    engine = zygote._WARMED[buffer].engine
+    assert engine._next_id > 3               # the golden prompts and the serving prompts ran
+    assert engine.meter.prefill_samples == engine.meter.decode_samples == 0
+    assert not engine.busy and engine.kv.active == 0
+
+
+def test_a_device_warm_up_that_fails_is_recorded_not_raised(monkeypatch):
+    import threading
+
+    from agent.replica import warmup
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+    monkeypatch.setattr(warmup, "Engine", broken)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(warmup.warm_device("cpu")), name="fresh")
+    t.start()
+    t.join()
+    assert out["error"] == "RuntimeError: CUDA error: out of memory"
+    assert out["thread"] == "fresh" and out["calls"] == 0
+
+
+def test_a_failing_serving_warm_up_keeps_the_golden_warm_up(snapshots, monkeypatch, caplog):
+    from agent.replica import speedmeter
+
+    def broken(engine, **kwargs):
+        raise TypeError("generate() got an unexpected keyword argument")
+    monkeypatch.setattr(speedmeter, "boot_profile", broken)
+    snap, booted = snapshots[1]
+    buffer = zygote.prepare_zygote(1, 1 << 20, prefault=False, warm=snap)
+    assert buffer in zygote._WARMED and "serving shapes' warm-up failed (TypeError" in caplog.text
+    restored = zygote.restore(snap, buffer=buffer)
+    assert restored.warm["engine"] == "reused" and restored.golden == booted.golden

@@ -1,6 +1,7 @@
 """Simulated replicas at a measured speed: the same step semantics as the real engine, the
 fleet and simulation around them, profile loading, and the CLI."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from agent.sim.policies import FixedPool
 from agent.sim.profile import ReplicaProfile
 from agent.sim.replica import SimReplica, fit_tokens
 from agent.sim.trace import Workload
-from agent.speed import PROFILE_SCHEMA, SpeedProfile
+from agent.speed import DEFAULT_ITL_SLO_S, PROFILE_SCHEMA, SpeedProfile
 
 SP = SpeedProfile(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.01, decode_base_s=0.02,
                   decode_per_seq_s=0.005, decode_per_ctx_token_s=1e-5)
@@ -46,7 +47,8 @@ def test_one_request_prefills_then_decodes_step_by_step():
 
 
 def test_slots_bound_the_batch_and_a_waiting_request_gets_the_freed_slot():
-    rep = SimReplica(SP, max_seqs=2)
+    """Without a budget (itl_target_s 0): each prompt whole, alone, one after another."""
+    rep = SimReplica(SP, max_seqs=2, itl_target_s=0.0)
     first, done = run_replica(rep, [(0, 50, 2), (1, 50, 6), (2, 10, 2)])
     # step 1: both prefilled (each first token as its own prefill ends), one decode at B=2
     # ends request 0; step 2 admits request 2
@@ -58,6 +60,25 @@ def test_slots_bound_the_batch_and_a_waiting_request_gets_the_freed_slot():
     assert done[2] == pytest.approx(first[2] + SP.decode_step_s(2, 51 + 10))
 
 
+def test_chunked_steps_share_calls_and_cut_a_long_prompt_at_the_budget():
+    """With the default ITL target (0.2 s): equal prompts share one call; a prompt longer
+    than the step's budget is cut where it runs out and finishes in the next step, while
+    the running sequence decodes once per step."""
+    rep = SimReplica(SP, max_seqs=3)
+    first, done = run_replica(rep, [(0, 50, 2), (1, 50, 6)])
+    assert first[0] == first[1] == pytest.approx(SP.prefill_s(100))     # one [2, 50] call
+    assert rep.calls == 1
+    rep = SimReplica(SP, max_seqs=3)
+    budget = SP.__class__(**{**SP.to_dict(), "itl_target_s": 0.2}).prefill_budget_tokens(0)
+    assert budget == 190                      # (0.2 - 0.01) * 1000
+    first, done = run_replica(rep, [(0, 300, 3)])
+    step_1 = SP.prefill_s(190)                # nothing runs yet: no decode
+    b2 = int((0.2 - 0.01) * 1000)             # still no running sequence: 190 again
+    assert b2 >= 110 and first[0] == pytest.approx(step_1 + SP.prefill_s(110))
+    assert done[0] == pytest.approx(first[0] + SP.decode_step_s(1, 300)
+                                    + SP.decode_step_s(1, 301))
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from agent.replica.synthetic import make_synthetic
@@ -65,34 +86,44 @@ def tiny_dir(tmp_path_factory):
     return make_synthetic(tmp_path_factory.mktemp("m") / "tiny", "tiny", seed=0)
 
 
-def test_sim_replica_matches_the_real_engine_step_for_step(tiny_dir):
-    """The same burst through the real Engine (fake forward moving a fake clock by SP's cost)
-    and through SimReplica gives the same first-token and completion times."""
+@pytest.mark.parametrize("itl_target_s", [0.0, 0.2, 0.05])
+def test_sim_replica_matches_the_real_engine_step_for_step(tiny_dir, itl_target_s):
+    """The same burst through the real Engine (fake forward moving a fake clock by SP's cost,
+    its meter holding SP) and through SimReplica gives the same first-token and completion
+    times: whole prompts, a budget that cuts the long ones, and one at its floor."""
     from agent.replica.config import LlamaConfig
     from agent.replica.engine import Engine
+    from agent.replica.speedmeter import SpeedMeter
     from tests.replica.test_speedmeter import FakeForward
 
     config = LlamaConfig.from_dir(tiny_dir)
     fwd = FakeForward(SP, config.vocab_size)
-    engine = Engine(config, None, max_seqs=3, max_seq_len=128, forward=fwd, clock=fwd.clock)
+    engine = fwd.attach(Engine(config, None, max_seqs=3, max_seq_len=128, forward=fwd,
+                               clock=fwd.clock, meter=SpeedMeter(SP, measured_prior=True),
+                               itl_target_s=itl_target_s))
+    engine.meter.observe_prefill = lambda *a: None   # plan with SP, as the sim's ``reported``
+    engine.meter.observe_decode = lambda *a: None
     reqs = [(i, 5 + 17 * i, 2 + (5 * i) % 7) for i in range(7)]
     ids = {engine.submit([1] * p, o): i for i, p, o in reqs}
     first, done = {}, {}
-    while engine.busy:                 # the worker's tick: admit one, send, ..., decode, send
-        while engine.can_admit:
-            for ev in engine.admit(limit=1):
+    while engine.busy:                 # the worker's tick: each call, send, ..., decode, send
+        engine.begin_step()
+        while engine.can_prefill:
+            for ev in engine.prefill():
                 first.setdefault(ids[ev.seq_id], fwd.now_s)
                 if ev.done:
                     done[ids[ev.seq_id]] = fwd.now_s
         for ev in engine.decode():
             if ev.done:
                 done[ids[ev.seq_id]] = fwd.now_s
-    sim_first, sim_done = run_replica(SimReplica(SP, max_seqs=3), reqs)
+    sim = SimReplica(SP, max_seqs=3, itl_target_s=itl_target_s, max_seq_len=128)
+    sim_first, sim_done = run_replica(sim, reqs)
     assert sim_first == pytest.approx(first) and sim_done == pytest.approx(done)
+    assert sim.calls == fwd.calls["prefill"]
 
 
 def test_prediction_is_exact_when_idle_and_an_upper_bound_when_busy():
-    rep = SimReplica(SP, max_seqs=2)
+    rep = SimReplica(SP, max_seqs=2, itl_target_s=0.0)
     assert rep.predict_ttft_s(80) == pytest.approx(SP.prefill_s(80))
     rep.submit(0, 50, 5)
     rep.submit(1, 60, 9)
@@ -213,5 +244,6 @@ def test_router_sees_speed_and_queue_and_routes_by_predicted_ttft():
     assert rec.ttft_s[2] == pytest.approx(step_a + SP.prefill_s(5) - 0.002)
     assert rec.ttft_s[1] == pytest.approx(SP.prefill_s(150))
     load = fleet.router.get("r0")
-    assert load.speed == SP and load.active_seqs == 0
+    assert load.speed == dataclasses.replace(SP, itl_target_s=DEFAULT_ITL_SLO_S)
+    assert load.active_seqs == 0
     assert (load.waiting_seqs, load.queued_prefill_tokens) == (0, 0)

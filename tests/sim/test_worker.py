@@ -72,11 +72,27 @@ def test_answers_first_token_after_its_prefill_and_done_after_its_decode_steps()
 
 
 def test_each_first_token_is_sent_when_its_own_prefill_ends():
-    worker = SimWorker("r1", "m", SPEED, max_seqs=4, max_seq_len=512)
+    worker = SimWorker("r1", "m", SPEED, max_seqs=4, max_seq_len=512, itl_target_s=0.0)
     owner = session(worker, [generate(40, 1), generate(300, 1)])
     first_a, first_b = owner.answers[0][0], owner.answers[1][0]
     assert first_a[0] == pytest.approx(SPEED.prefill_s(40))
-    assert first_b[0] == pytest.approx(SPEED.prefill_s(40) + SPEED.prefill_s(300))
+    # whole, alone: in the engine's calls of prefill_chunk (256) tokens, each its overhead
+    assert first_b[0] == pytest.approx(SPEED.prefill_s(40) + SPEED.prefill_s(256)
+                                       + SPEED.prefill_s(44))
+
+
+def test_a_prompt_longer_than_the_step_budget_is_prefilled_over_steps():
+    """At the default ITL target (0.2 s) a step prefills at most (0.2 - 0.02) * 1000 = 180
+    tokens here: the 300-token prompt (arriving during the first step) takes two steps,
+    and its first token comes when the second one's call ends."""
+    worker = SimWorker("r1", "m", SPEED, max_seqs=4, max_seq_len=512)
+    assert worker.stats()["itl_target_s"] == 0.2
+    owner = session(worker, [generate(40, 1), generate(300, 1)])
+    first_a, first_b = owner.answers[0][0], owner.answers[1][0]
+    assert first_a[0] == pytest.approx(SPEED.prefill_s(40))
+    assert first_b[0] == pytest.approx(SPEED.prefill_s(40) + SPEED.prefill_s(180)
+                                       + SPEED.prefill_s(120))
+    assert worker.engine.calls == 3
 
 
 def test_refuses_a_deadline_it_predicts_it_misses_with_the_workers_rule():
