@@ -382,7 +382,7 @@ def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, re
                    mean_gen_tokens=scale.mean_output_tokens, span_s=scale.wall_s,
                    always_on_replicas=pool, actual=calibrated,
                    replay_restores_s=replay_restores_s, deadline_factor=factor,
-                   shared_speed=contention["speed"])
+                   shared_speed=contention["speed"], sustained=sustained, lengths=lengths)
     codes = {}
     for o in outcomes:
         codes[o.code] = codes.get(o.code, 0) + 1
@@ -414,7 +414,8 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
              mean_prompt_tokens: float, mean_gen_tokens: float, span_s: float,
              always_on_replicas: int, actual=None,
              replay_restores_s: list[float] | None = None,
-             deadline_factor: float | None = None, shared_speed: float = 1.0) -> dict:
+             deadline_factor: float | None = None, shared_speed: float = 1.0,
+             sustained=None, lengths: list[tuple[int, int]] | None = None) -> dict:
     """The simulator's side (step 5): the same requests through the production request path
     and predictor, with simulated replicas, node agent and clock
     (:func:`agent.sim.pathsim.simulate_path`), configured as this replay's stack.  The
@@ -426,9 +427,14 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
     timed during the live window; default ``restore_s``), plus the time to start a zygote
     when none is ready, estimated from the slow ones (:func:`zygote_estimate_s`).
     ``deadline_factor``: the live run's (default: the front door's default).
-    ``shared_speed``: the fraction of ``actual`` the replicas serve at on cores the stack's
-    process shares with them (:func:`agent.sim.contention.shared_core_speed`, from the CPU
-    the live stack spent per request; 1: none)."""
+    ``sustained``: what the live replica sustained backlogged at the request mix ``lengths``
+    (:func:`agent.sim.replay.saturate`); ``actual`` is first scaled so a simulated replica
+    sustains the same (:func:`agent.sim.calibrate.matched_speed`: the live stack's work around
+    the engine, which no profile holds), the factor in the result's ``speed_factor``.
+    ``shared_speed``: the fraction of that the replicas serve at when all ``cap`` of them
+    share the cores with the stack's process (:func:`agent.sim.contention.shared_core_speed`,
+    from the CPU the live stack spent per request; 1: none)."""
+    from agent.sim.calibrate import matched_speed
     from agent.sim.contention import slowed
 
     from agent.sim.pathsim import PathSimConfig, simulate_path
@@ -439,13 +445,19 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
                            registry_poll_s=0.2, agent_tick_s=0.5,
                            restores_per_model=cap, max_replicas=cap, warm_slo_ms=WARM_SLO_MS,
                            restore_slo_ms=RESTORE_SLO_MS, zygote_s=zygote_estimate_s(restores))
-    return simulate_path(plan, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
-                         restore_s=_median(restores) or restore_s, measured_restore_s=restore_s,
-                         policy=predictor_policy(restore_s, cap),
-                         mean_prompt_tokens=mean_prompt_tokens, mean_gen_tokens=mean_gen_tokens,
-                         config=config, initial_replicas=1, span_s=span_s,
-                         always_on_replicas=always_on_replicas,
-                         actual=slowed(actual or profile, shared_speed))
+    speed, speed_factor = actual or profile, 1.0
+    if sustained is not None and lengths:
+        speed, speed_factor = matched_speed(speed, sustained, lengths, max_seqs=max_seqs,
+                                            max_seq_len=max_seq_len, reported=profile)
+    out = simulate_path(plan, profile, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                        restore_s=_median(restores) or restore_s, measured_restore_s=restore_s,
+                        policy=predictor_policy(restore_s, cap),
+                        mean_prompt_tokens=mean_prompt_tokens, mean_gen_tokens=mean_gen_tokens,
+                        config=config, initial_replicas=1, span_s=span_s,
+                        always_on_replicas=always_on_replicas,
+                        actual=slowed(speed, shared_speed))
+    out["speed_factor"] = round(speed_factor, 4)
+    return out
 
 
 def _own_cpu_s() -> float:
@@ -533,6 +545,7 @@ def resimulate(live_json: Path, records: Path, sustained: bool = False) -> list[
     from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS
     from agent.sim.replay_scale import ReplayRequest
     from agent.speed import SpeedProfile
+    from agent.throughput import BacklogCapacity
 
     try:
         doc = json.loads(live_json.read_text())
@@ -576,7 +589,9 @@ def resimulate(live_json: Path, records: Path, sustained: bool = False) -> list[
                               actual=SpeedProfile.from_meta(run.get("calibrated_profile") or {}),
                               replay_restores_s=run.get("replay_restores_s"),
                               deadline_factor=run.get("deadline_factor"),
-                              shared_speed=speed)
+                              shared_speed=speed,
+                              sustained=BacklogCapacity.from_meta(run.get("sustained") or {}),
+                              lengths=[(r.prompt_tokens, r.output_tokens) for r in plan])
         run["verdict"] = verdict(run)
         out.append(run)
     return out

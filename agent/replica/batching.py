@@ -118,6 +118,8 @@ class BatchScheduler:
         self.broken: str | None = None   # why the engine is taken as broken, once it is
         self.on_broken = on_broken
         self.call_started_s: float | None = None   # perf_counter when the engine call began
+        # (prompt, generated tokens) of the requests finished in this step, for the meter
+        self.departed: list[tuple[int, int]] = []
 
     def accept(self, request: Request, args: dict) -> None:
         """Queue ``request`` for the next tick (``args``: :meth:`Engine.submit`'s)."""
@@ -286,6 +288,7 @@ class BatchScheduler:
             self._refuse_broken()
         if not (self.submits or self.cancels or (loaded and loaded.engine.busy)) \
                 or self.broken is not None:
+            self.meter.backlog.idle()   # the wait for work is never backlogged time
             self.wake.clear()
             await self.wake.wait()
             return
@@ -340,8 +343,13 @@ class BatchScheduler:
         self.failures = 0
         self._deliver(decoded)
         events += decoded  # one tick for the meter: the step's prefill calls and its decode
+        departed, self.departed = self.departed, []
+        # backlogged: work is left for the next step (prompt tokens still to prefill, or
+        # requests accepted meanwhile), so this replica ran flat out (agent/throughput.py)
+        backlog = bool(self.submits) or self.host.loaded.engine.load.waiting_seqs > 0
         self.meter.step(sum(1 for e in events if e.token >= 0),
-                        len({e.seq_id for e in events}), time.perf_counter() - started)
+                        len({e.seq_id for e in events}), time.perf_counter() - started,
+                        departed=departed, backlog=backlog)
 
     def _deliver(self, events) -> None:
         """Send each event's token (and the ``done`` answer) to its request's connection."""
@@ -388,6 +396,7 @@ class BatchScheduler:
                 "finish_reason": finish}
         if request.text:
             done["text"] = request.sent
+        self.departed.append((request.prompt_tokens, len(request.tokens)))
         self.send(request.writer, done)
 
     def _let_out(self, request: Request, piece: str, last: bool) -> str:

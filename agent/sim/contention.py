@@ -56,14 +56,21 @@ def shared_core_speed(cores: int, replicas: int, threads: int, service_rps: floa
 
 
 def slowed(profile: SpeedProfile, speed: float) -> SpeedProfile:
-    """``profile`` served at ``speed`` (0, 1] of itself: every duration over ``speed``, the
-    prefill rate times it.  ConfigError for a speed outside (0, 1]."""
+    """``profile`` served at ``speed`` (0, 1] of itself (:func:`at_speed`).  ConfigError for a
+    speed outside (0, 1]."""
     s = _check("speed", speed, 0.0, strict=True)
     if s > 1.0:
         raise ConfigError(f"speed={speed!r}; limit is <= 1", name="speed", value=speed,
                           limit="<= 1")
-    return replace(profile, prefill_tokens_per_s=profile.prefill_tokens_per_s * s,
-                   prefill_overhead_s=profile.prefill_overhead_s / s,
-                   decode_base_s=profile.decode_base_s / s,
-                   decode_per_seq_s=profile.decode_per_seq_s / s,
-                   decode_per_ctx_token_s=profile.decode_per_ctx_token_s / s)
+    return at_speed(profile, s)
+
+
+def at_speed(profile: SpeedProfile, factor: float) -> SpeedProfile:
+    """``profile`` running ``factor`` times as fast (> 0): every duration over it, the
+    prefill rate times it.  ConfigError for a factor that is not a finite number > 0."""
+    f = _check("factor", factor, 0.0, strict=True)
+    return replace(profile, prefill_tokens_per_s=profile.prefill_tokens_per_s * f,
+                   prefill_overhead_s=profile.prefill_overhead_s / f,
+                   decode_base_s=profile.decode_base_s / f,
+                   decode_per_seq_s=profile.decode_per_seq_s / f,
+                   decode_per_ctx_token_s=profile.decode_per_ctx_token_s / f)

@@ -34,6 +34,7 @@ from agent.protocol import Decoder, error_message, pack
 from agent.replica.worker import Worker
 from agent.sim.replica import SimReplica
 from agent.speed import DEFAULT_ITL_SLO_S, SpeedProfile
+from agent.throughput import BacklogMeter
 
 
 class SimTransport(asyncio.Transport):
@@ -106,6 +107,8 @@ class SimWorker:
         self.stopped = False
         self.on_idle: Callable[[], None] | None = None
         self.served = self.refused = 0
+        # what it sustains while backlogged, measured as the live replica's batch loop does
+        self.backlog = BacklogMeter(clock=lambda: asyncio.get_running_loop().time())
 
     # --- the connection -------------------------------------------------------------------
     async def connect(self, link) -> None:
@@ -183,11 +186,14 @@ class SimWorker:
     def _step_end(self, generation: int) -> None:
         if generation != self.engine.generation or not self.engine.stepping:
             return
+        batch = self.engine.slots_held + len(self.engine._ending)
+        departed = []
         for key in self.engine.end_step():
             entry = self._requests.pop(key, None)
             if entry is None:
                 continue
             transport, rid, prompt, max_tokens = entry
+            departed.append((prompt, max_tokens))
             self._by_rid.pop((id(transport), rid), None)
             self.served += 1
             self._send(transport, {"id": rid, "type": "done", "n_tokens": max_tokens,
@@ -196,10 +202,13 @@ class SimWorker:
             entry = self._requests.get(seq[0])
             if entry is not None:
                 self._send(entry[0], {"id": entry[1], "type": "tokens", "tokens": [1]})
+        self.backlog.tick(departed, backlog=bool(self.engine._waiting), batch=batch)
         if self.engine.busy:
             self._step()
-        elif self.draining and self.on_idle is not None:
-            self.on_idle()
+        else:
+            self.backlog.idle()
+            if self.draining and self.on_idle is not None:
+                self.on_idle()
 
     # --- what the node agent reads -----------------------------------------------------------
     def in_flight(self) -> int:
@@ -208,13 +217,17 @@ class SimWorker:
 
     def stats(self) -> dict[str, Any]:
         """The ``stats`` keys the node agent puts in the registry meta: slots and KV
-        (tokens), the queue, and the speed (agent/speed.py's keys)."""
+        (tokens), the queue, the speed (agent/speed.py's keys) and, once measured, what it
+        sustained while backlogged (agent/throughput.py's keys)."""
         eng = self.engine
         report = eng.report()
         used = sum(w.prompt + w.output for w in eng._waiting) \
             + sum(s[2] + s[1] for s in eng._active)
         report.update(kv_capacity_tokens=eng.max_seqs * self.max_seq_len, kv_used_tokens=used,
                       max_seq_len=self.max_seq_len)
+        sustained = self.backlog.capacity()
+        if sustained is not None:
+            report.update(sustained.to_meta())
         return report
 
     def stop(self) -> None:

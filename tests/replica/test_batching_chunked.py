@@ -143,3 +143,30 @@ async def _ask(reader, writer, message):
         for answer in decoder.feed(data):
             if answer.get("id") == message["id"]:
                 return answer
+
+
+def test_the_capacity_sustained_while_backlogged_is_reported_in_stats(booted):
+    from agent.throughput import BACKLOG_META_KEYS, BacklogMeter
+
+    worker, engine, _ = fixed_worker(booted)
+    worker.batch.meter.backlog = BacklogMeter(min_s=1e-6, min_departures=4)
+
+    async def main():
+        serving, reader, writer = await serve(worker)
+        writer.write(pack(gen("a", 6, 1)))                   # one request, nothing waiting
+        await read_until_done(reader, ["a"], Decoder())
+        stats = (await _ask(reader, writer, {"op": "stats", "id": "s0"}))["result"]
+        assert not set(BACKLOG_META_KEYS) & set(stats)      # never saturated: nothing to say
+        ids = [f"b{i}" for i in range(16)]                  # 16 at once on 4 slots
+        writer.write(b"".join(pack(gen(i, 6, 2)) for i in ids))
+        await read_until_done(reader, ids, Decoder())
+        stats = (await _ask(reader, writer, {"op": "stats", "id": "s1"}))["result"]
+        writer.write(pack({"op": "shutdown", "id": "bye"}))
+        await asyncio.wait_for(serving, 30)
+        writer.close()
+        return stats
+
+    stats = asyncio.run(main())
+    assert stats["backlog_rps"] > 0 and stats["backlog_s"] > 0
+    assert stats["backlog_prompt_tokens"] == 6.0 and stats["backlog_gen_tokens"] == 2.0
+    assert 1.0 <= stats["backlog_batch"] <= 4.0
