@@ -290,7 +290,7 @@ class QueuePlanner:
                         seen > flight.arrival_s or now + ttft_s + spare <= flight.warm_deadline_s):
                     found, new = ttft_s, seen > flight.arrival_s
                     if rid:
-                        busy[rid] = now + ttft_s
+                        busy[rid] = begin + self._prefill_gap_s(rid, own)
                     heapq.heappush(heap, (now + ttft_s + (flight.req.max_tokens + 1) * step_s,
                                           seen, step_s, rid))
                     break
@@ -300,6 +300,17 @@ class QueuePlanner:
             out.append(found)
             fresh.append(new)
         return out, fresh, first
+
+    def _prefill_gap_s(self, replica_id: str, own_s: float) -> float:
+        """How much later the next queued prompt can start at ``replica_id`` once one that
+        takes ``own_s`` to prefill alone has started: ``own_s`` (one call after another: an
+        upper bound), or sooner where the replica measured what it sustains backlogged
+        (agent/throughput.py): prompts start as fast as requests leave it, ``1 / rps``
+        (shared calls, batching and its overheads in it)."""
+        load = self.router.get(replica_id)
+        if load is None or load.backlog is None:
+            return own_s
+        return min(own_s, 1.0 / load.backlog.rps)
 
     def choose_in_time(self, flight: Flight, now: float) -> tuple[ReplicaLoad, float] | None:
         """The replica with the lowest predicted TTFT that starts ``flight`` within its

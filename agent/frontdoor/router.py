@@ -127,18 +127,27 @@ class ReplicaLoad:
 
     def predict_ttft_s(self, prompt_tokens: int, prior: SpeedProfile) -> float:
         """Predicted TTFT (s) here for a new request of ``prompt_tokens`` prompt tokens, with
-        this replica's speed (``prior`` when it has reported none)."""
+        this replica's speed (``prior`` when it has reported none): the decode step in
+        progress (charged whole, at every sequence it holds: an upper bound), then the
+        prompts queued ahead and its own: the steps of agent/speed.py's model that prefill
+        them (``SpeedProfile.prefill_wait_s``: the step's budget, when it has one), an upper
+        bound that charges every queued prompt its own call.  Where prompts wait here and the
+        replica has measured what it sustains backlogged (agent/throughput.py), the queue
+        drains no slower than that rate (backlogged, prompts start as fast as requests
+        leave: ``waiting / rps``, with batching, shared prefill calls and every overhead of
+        its own in it), then its own prefill call follows: the sooner of the two."""
         # SpeedProfile.predict_ttft_s, inlined (the request path calls this per replica
-        # per request): the step in progress, then the steps that prefill the queued prompts
-        # and its own (SpeedProfile.prefill_wait_s: the step's budget, when it has one).
+        # per request)
         s = self.speed or prior
-        active = self.active_seqs
+        waiting, active = self.waiting_seqs, self.active_seqs
         step_s = (s.decode_base_s + s.decode_per_seq_s * (active - 1)
                   + s.decode_per_ctx_token_s * self.active_ctx_tokens) if active > 0 else 0.0
-        return (step_s + s.prefill_wait_s(
-            prompt_tokens, waiting_seqs=self.waiting_seqs,
-            queued_prefill_tokens=self.queued_prefill_tokens, active_seqs=active,
-            active_ctx_tokens=self.active_ctx_tokens)) * self.slowdown + self.penalty_s
+        wait_s = s.prefill_wait_s(prompt_tokens, waiting_seqs=waiting,
+                                  queued_prefill_tokens=self.queued_prefill_tokens,
+                                  active_seqs=active, active_ctx_tokens=self.active_ctx_tokens)
+        if self.backlog is not None and waiting > 0:
+            wait_s = min(wait_s, waiting / self.backlog.rps + s.prefill_s(prompt_tokens))
+        return (step_s + wait_s) * self.slowdown + self.penalty_s
 
     @classmethod
     def from_meta(cls, replica_id: str, model: str, address: str,

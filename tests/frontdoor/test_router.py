@@ -171,3 +171,30 @@ def test_load_reports_carry_the_sustained_capacity():
     assert got is not None and got.rps == 7.5 and got.batch == 6.0
     bad = ReplicaLoad.from_meta("r", "m", "a:1", {**meta, **measured, "backlog_s": "-1"})
     assert bad.backlog is None      # a malformed measurement is none, not a guess
+
+
+def test_a_queue_drains_no_slower_than_the_rate_the_replica_sustained_backlogged():
+    from agent.speed import SpeedProfile
+    from agent.throughput import BacklogCapacity
+
+    speed = SpeedProfile(prefill_tokens_per_s=250.0, prefill_overhead_s=0.013,
+                         decode_base_s=0.012, decode_per_seq_s=0.003, decode_per_ctx_token_s=0.0,
+                         itl_target_s=0.2)
+    busy = ReplicaLoad("r", "m", "a:1", 8, 8, 10_000, 100, speed=speed, waiting_seqs=8,
+                       queued_prefill_tokens=72)
+    model_s = busy.predict_ttft_s(9, speed)        # each queued prompt its own call: a bound
+    step_s = speed.decode_step_s(8, 0)
+    assert model_s == pytest.approx(step_s + speed.prefill_wait_s(
+        9, waiting_seqs=8, queued_prefill_tokens=72, active_seqs=8))
+    # measured: 25 requests/s backlogged (prompts sharing calls), so 8 ahead start in 0.32 s
+    busy.backlog = BacklogCapacity(rps=25.0, seconds=20.0, batch=8.0, prompt_tokens=9.0,
+                                   gen_tokens=1.0)
+    measured_s = busy.predict_ttft_s(9, speed)
+    assert measured_s == pytest.approx(step_s + 8 / 25.0 + speed.prefill_s(9))
+    assert measured_s < model_s
+    # a measurement slower than the model's bound never makes the prediction later
+    busy.backlog = BacklogCapacity(rps=1.0, seconds=20.0, batch=8.0, prompt_tokens=9.0,
+                                   gen_tokens=1.0)
+    assert busy.predict_ttft_s(9, speed) == pytest.approx(model_s)
+    busy.waiting_seqs = busy.queued_prefill_tokens = 0   # nothing queued: the model alone
+    assert busy.predict_ttft_s(9, speed) == pytest.approx(step_s + speed.prefill_s(9))
