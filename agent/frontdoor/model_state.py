@@ -51,8 +51,9 @@ class ModelState:
     one, else raised from the measured restore p99: agent/frontdoor/budgets.py).
     ``queue``: the admission queue, made when the first request is held.  ``shape``: EWMA of
     [prompt tokens, max_tokens] of its requests.  ``max_seqs`` / ``max_kv_tokens``: the
-    largest replica's batch slots and KV cache (tokens) seen.  ``capped_warm``: warm
-    replicas in view when a node answered a restore at its replica cap (None: not capped);
+    largest replica's batch slots and KV cache (tokens) seen.  ``replica_cap``: the most
+    replicas of it in view when a node answered a restore at its replica cap, kept while
+    replicas come and go (None: no cap seen, or one a later restore went past);
     ``capped_until_s``: clock time before which no restore is asked (the cap's backoff).
     ``arrivals``, ``cold_arrivals``, ``cold_misses``: generate requests, those that found
     no warm replica, and those of them not served within their SLO (predictor inputs).
@@ -69,7 +70,7 @@ class ModelState:
     slot_plan: SlotPlan | None = None
     rechecked_s: float = float("-inf")                # when the queue was last re-checked
     capped_until_s: float = 0.0
-    capped_warm: int | None = None
+    replica_cap: int | None = None
     last_restore: RestoreRecord | None = None
     arrivals: int = 0
     cold_arrivals: int = 0

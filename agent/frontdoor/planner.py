@@ -34,8 +34,9 @@ class CapacityInSight(Protocol):
         """Whether a capacity requester is configured (restores can be asked for)."""
         ...
 
-    def at_cap(self, model: str) -> bool:
-        """Whether ``model``'s node answered its last restore at its replica cap."""
+    def replica_room(self, model: str) -> int | None:
+        """How many more replicas of ``model`` can come up before its nodes' replica cap
+        (None: no cap seen)."""
         ...
 
 
@@ -78,19 +79,24 @@ class QueuePlanner:
     def etas_s(self, model: str, now: float) -> list[float]:
         """When new replicas of ``model`` are expected, soonest first
         (:func:`capacity_etas_s`): the restores in flight, and those the restores side
-        would start for the queue with one more request in it; none while the model's node
-        is at its replica cap (:meth:`CapacityInSight.at_cap`: an ask in flight then is a
-        probe, most likely answered by a replica already counted)."""
-        if self.capacity.at_cap(model):
+        would start for the queue with one more request in it; no more than the room left
+        under its nodes' replica cap once one was seen (:meth:`CapacityInSight.replica_room`:
+        an ask beyond it is a probe, most likely answered by a replica already counted, and
+        a request admitted on it would be refused later, when the answer comes)."""
+        room = self.capacity.replica_room(model)
+        if room is not None and room <= 0:
             return []
         p99, p50 = self.restore_times.p99_ms(model), self.restore_times.p50_ms(model)
         startable = 0
+        started = self.gate.started_s.get(model, [])
         if self.capacity.can_restore:
             queue = self.models.queue(model)
             startable = self.gate.wanted(model, (len(queue) if queue else 0) + 1,
                                          self.sizing.per_replica(model))
-        return capacity_etas_s(now, self.gate.started_s.get(model, []),
-                               None if p50 is None else p50 / 1000.0,
+        if room is not None:
+            started = started[:room]
+            startable = min(startable, room - len(started))
+        return capacity_etas_s(now, started, None if p50 is None else p50 / 1000.0,
                                None if p99 is None else p99 / 1000.0, startable)
 
     def slots(self, model: str, now: float) -> SlotPlan:

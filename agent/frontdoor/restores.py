@@ -169,18 +169,20 @@ class Restores:
             now = self.clock.now()
             record = state.last_restore = RestoreRecord(now, result.path, result.restore_ms)
             if result.path != "warm_hit":  # an existing replica's answer measures nothing
-                state.capped_warm = None       # and a new replica ends the cap
                 self.sizing.restore_measured(model, result.restore_ms or (now - started) * 1000.0,
                                              result.path)
             if result.replica is not None:
                 self.replicas.restored(model, result.replica, record)
             warm = len(self.router.warm(model))
             if result.path == "warm_hit" and warm:
-                # The node is at its replica cap: until one of the ``warm`` replicas (the
-                # answer's included) leaves, admission counts no capacity that could be
-                # restored (:meth:`at_cap`).  None in view (a scale-in raced the answer):
-                # no cap, or it could never be seen to lift.
-                state.capped_warm = warm
+                # The node is at its replica cap with ``warm`` replicas (the answer's
+                # included): admission counts no restorable capacity beyond that many, now
+                # and after replicas leave and come back (:meth:`replica_room`).  None in
+                # view (a scale-in raced the answer): no cap, or a wrong one of 0.
+                state.replica_cap = max(warm, state.replica_cap or 0)
+            elif result.path != "warm_hit" and state.replica_cap is not None \
+                    and warm > state.replica_cap:
+                state.replica_cap = None       # a restore went past it: capacity grew
         except Exception as exc:  # the requester's failure, whatever it is, ends this restore
             log.warning("restore of %s failed: %s", model, exc)
             reason = exc.message if isinstance(exc, RewarmError) else str(exc)
@@ -207,24 +209,25 @@ class Restores:
             self.owner.refuse_queued(model, f"model {model!r}: no capacity can be restored: "
                                      f"{reason}", refusals.NO_CAPACITY)
 
-    def at_cap(self, model: str) -> bool:
-        """Whether ``model``'s last restore was answered by an existing replica (its node at
-        the replica cap) and no warm replica of it has left since (of the most seen while
-        capped).  Then a request that the warm replicas cannot start in time is refused at
-        arrival: admitted on a restore the node cannot make, it would be refused at the
-        next re-check (most late 429s of the live replay at 3x load were such requests).
-        Asking again (at most every ``at_capacity_backoff_s``, while demand is seen) still
-        finds capacity that returns; a restore that makes a replica ends it."""
+    def replica_room(self, model: str) -> int | None:
+        """How many more replicas of ``model`` can come up before its nodes' replica cap:
+        the cap (the most replicas in view when a node answered a restore with one it had,
+        ``warm_hit``) less the replicas in view; None before any such answer, or after a
+        restore went past it (then its nodes had room again: a node joined).  The cap is
+        kept while replicas leave and come back, so a model scaled to zero between bursts
+        does not count, at its next burst, on capacity its nodes cannot give (requests
+        admitted on it were refused at the next re-check, once the node's answer came).
+        An ask beyond the cap still goes out, at most every ``at_capacity_backoff_s`` while
+        demand is seen, so a node that joins is found."""
         state = self.models.get(model)
-        most = None if state is None else state.capped_warm
-        if state is None or most is None:
-            return False
-        warm = len(self.router.warm(model))
-        if warm < most:          # one left (drained, died): its slot may be free now
-            state.capped_warm = None
-            return False
-        state.capped_warm = warm   # the most seen while capped (one restoring came up)
-        return True
+        if state is None or state.replica_cap is None:
+            return None
+        return state.replica_cap - len(self.router.warm(model))
+
+    def at_cap(self, model: str) -> bool:
+        """Whether ``model``'s replicas are at its nodes' replica cap (:meth:`replica_room`)."""
+        room = self.replica_room(model)
+        return room is not None and room <= 0
 
     def _came_up(self, model: str, before: set[str], path: str) -> str:
         """The path of the replica of ``model`` that appeared since ``before`` (its node

@@ -199,9 +199,35 @@ def test_capacity_is_found_again_when_a_node_joins_while_capped():
         warm = {r.replica_id for r in f.path.router.warm("m")}
         assert len(warm) == 3 and any(r.startswith("restored-") for r in warm)
         # capped again only at the new total (the joined node filled too), not at the old 2
-        assert f.path.models.of("m").capped_warm in (None, 3)
+        assert f.path.models.of("m").replica_cap in (None, 3)
         codes, served, refused = outcome(f)
         assert None not in codes and set(codes) <= {200, 429}
         assert any(s.final["replica"].startswith("restored-") for s in served)
         assert sum(len(q) for q in f.path.queues.values()) == 0
+    asyncio.run(main())
+
+
+def test_the_cap_is_remembered_across_a_scale_to_zero():
+    """A model scaled to zero between bursts keeps its nodes' cap: once as many replicas as
+    the node gave are back, admission counts no more (a request admitted on a restore the
+    node cannot make is refused at the next re-check, late); a restore that goes past the
+    cap forgets it."""
+    async def main():
+        f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=2, restore_s=1.0, max_replicas=2,
+                  measured_restores_s=(1.0,))
+        f.path.restores.restore_for("m", 1)
+        await f.timeline.run_until(f.clock.now() + 0.5)
+        assert f.path.restores.replica_room("m") == 0
+        for rid in ("r0", "r1"):                     # scaled to zero
+            f.path.router.remove(rid)
+        assert f.path.restores.replica_room("m") == 2
+        assert len(f.path.planner.etas_s("m", f.clock.now())) >= 1
+        for r in f.replicas[:2]:                     # the next burst: both back
+            f.path.upsert(r.load)
+        assert f.path.restores.at_cap("m") and f.path.planner.etas_s("m", f.clock.now()) == []
+        f.capacity.max_replicas = 3                  # a node joins: an ask gets a new replica
+        f.path.models.of("m").capped_until_s = 0.0
+        f.path.restores.restore_for("m", 1)
+        await f.timeline.run_until(f.clock.now() + 2.0)
+        assert len(f.path.router.warm("m")) == 3 and f.path.restores.replica_room("m") is None
     asyncio.run(main())
