@@ -339,6 +339,9 @@ class BatchScheduler:
             return
         self.failures = 0
         self._deliver(decoded)
+        # the step's wall time as the streams saw it: its overrun of the plan shrinks the
+        # next budgets (agent/replica/speedmeter.py)
+        self.host.loaded.engine.end_step(time.perf_counter() - started)
         events += decoded  # one tick for the meter: the step's prefill calls and its decode
         self.meter.step(sum(1 for e in events if e.token >= 0),
                         len({e.seq_id for e in events}), time.perf_counter() - started)

@@ -174,6 +174,8 @@ class Engine(Lockstep):
         self.itl_target_s = itl_target_s
         self._budget_left: int | None = None   # this step's prefill budget left (tokens)
         self._step_calls = 0                   # prefill calls so far in this step
+        self._step_plan_s = 0.0                # the fit's seconds for this step's calls so far
+        self._step_t0 = 0.0
         self.load = EngineLoad()
 
     @property
@@ -190,9 +192,14 @@ class Engine(Lockstep):
         self._itl_target_s = float(value)
 
     def profile(self) -> SpeedProfile:
-        """The measured speed (the meter's fit) with this engine's ITL target: the one model
-        the step's budget, the load report and :meth:`predict_ttft_s` use."""
-        return dataclasses.replace(self.meter.profile(), itl_target_s=self.itl_target_s)
+        """The measured speed (the meter's fit) with the step target this engine plans by:
+        its ITL target less the p99 of its steps' overruns (the meter's
+        ``step_overrun_s``), at least half the target; 0 without one.  The one model the
+        step's budget, the load report and :meth:`predict_ttft_s` use."""
+        target = self.itl_target_s
+        if target > 0:
+            target = max(target / 2, target - self.meter.step_overrun_s())
+        return dataclasses.replace(self.meter.profile(), itl_target_s=target)
 
     @classmethod
     def sized(cls, config: LlamaConfig, weights, *, budget_bytes: int, max_seq_len: int,
@@ -361,7 +368,9 @@ class Engine(Lockstep):
         events: list[Event] = []
         while self.can_prefill:
             events += self.prefill()
-        return events + self.decode()
+        events += self.decode()
+        self.end_step()
+        return events
 
     # --- the step's parts ----------------------------------------------------------------
     def begin_step(self) -> int | None:
@@ -370,8 +379,17 @@ class Engine(Lockstep):
         load = self.load
         self._budget_left = self.profile().prefill_budget_tokens(load.active_seqs,
                                                                  load.active_ctx_tokens)
-        self._step_calls = 0
+        self._step_calls, self._step_plan_s, self._step_t0 = 0, 0.0, self.clock()
         return self._budget_left
+
+    def end_step(self, elapsed_s: float | None = None) -> None:
+        """End a step begun by :meth:`begin_step`: one that ran a prefill call tells the
+        meter its plan and ``elapsed_s``, its wall time as the caller's loop saw it (default:
+        since :meth:`begin_step` on :attr:`clock`), whose overrun the next budgets allow for
+        (:meth:`profile`)."""
+        if self._step_calls:
+            self.meter.observe_step(self._step_plan_s, self.clock() - self._step_t0
+                                    if elapsed_s is None else elapsed_s)
 
     def _runnable(self) -> list[_Seq]:
         """The oldest waiting sequences that hold a slot or can take a free one, in order."""
@@ -416,6 +434,7 @@ class Engine(Lockstep):
         width = max(rows)
         self._budget_left = budget - len(rows) * width   # its overhead, if any, is off budget
         self._step_calls += 1
+        self._step_plan_s += profile.prefill_s(len(rows) * width)
         clock, t0 = self.clock, self.clock()
         try:
             for seq in group:
@@ -508,6 +527,7 @@ class Engine(Lockstep):
         events: list[Event] = []
         t0 = self.clock()
         ctx = sum(s.pos for s in batch)
+        self._step_plan_s += self.meter.profile().decode_step_s(len(batch), ctx)
         with torch.inference_mode():
             dev = self.device
             tokens = torch.tensor([[s.last] for s in batch], dtype=torch.int64, device=dev)
