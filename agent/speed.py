@@ -31,13 +31,15 @@ The floor keeps prefill moving when the decode alone fills the target (a long ba
 machine): at least 16 tokens a step, and never a chunk shorter than its own call's fixed cost
 (at that length half a call's time is tokens).  The target is a p99 and the fit holds means,
 so a replica plans by its ITL target less the p99 of how far its recent steps overran their
-plan (agent/replica/speedmeter.py ``step_overrun_s``: its loop's own time, noise), and that is
-the ``itl_target_s`` it reports, so the router and the simulator count the steps it runs.  ``itl_target_s`` 0 means no budget: each
-waiting sequence is prefilled whole, one after another, before the decode (the replica's
-schedule without chunked prefill; also what a load report without the key describes).  Its
-default for a replica, :data:`DEFAULT_ITL_SLO_S` = 200 ms, is MLPerf Inference's
-inter-token (TPOT) p99 constraint for its Llama 2 70B server scenario, the one whose TTFT
-constraint is 2 s, this project's warm TTFT SLO (mlcommons/inference loadgen/mlperf.conf:
+plan (agent/replica/speedmeter.py ``step_overrun_s``: its loop's own time, noise; at most a
+quarter of the target, agent/replica/engine.py ``MAX_OVERRUN_SHARE``), and that is the
+``itl_target_s`` it reports, so the router and the simulator count the steps it runs.
+``itl_target_s`` 0 means no budget: each waiting sequence is prefilled whole, one after
+another, before the decode (the replica's schedule without chunked prefill; also what a load
+report without the key describes).  The ITL target's default for a replica,
+:data:`DEFAULT_ITL_SLO_S` = 200 ms, is MLPerf Inference's inter-token (TPOT) p99 constraint
+for its Llama 2 70B server scenario, the one whose TTFT constraint is 2 s, this project's warm
+TTFT SLO (mlcommons/inference loadgen/mlperf.conf:
 ``llama2-70b.Server.ttft_latency = 2000``, ``tpot_latency = 200``, in ms).
 
 Which sequences share a prefill call (:func:`plan_prefill_call`): the oldest waiting one's

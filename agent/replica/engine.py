@@ -64,6 +64,11 @@ from agent.speed import DEFAULT_ITL_SLO_S, SpeedProfile, plan_prefill_call, slot
 
 Forward = Callable[..., torch.Tensor]
 
+MAX_OVERRUN_SHARE = 0.25
+"""The most of its ITL target a step gives up to its measured overrun: beyond a quarter the
+overrun is a neighbour's stall on the CPU (seconds, measured in bench/prefill_burst.py), which
+smaller steps do not shorten but which they would pay for in TTFT."""
+
 
 def mark_dynamic_inputs(tokens: torch.Tensor, input_pos: torch.Tensor, cache_batch_idx: torch.Tensor,
                         k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
@@ -194,11 +199,12 @@ class Engine(Lockstep):
     def profile(self) -> SpeedProfile:
         """The measured speed (the meter's fit) with the step target this engine plans by:
         its ITL target less the p99 of its steps' overruns (the meter's
-        ``step_overrun_s``), at least half the target; 0 without one.  The one model the
-        step's budget, the load report and :meth:`predict_ttft_s` use."""
+        ``step_overrun_s``), by at most :data:`MAX_OVERRUN_SHARE` of the target; 0 without
+        one.  The one model the step's budget, the load report and :meth:`predict_ttft_s`
+        use."""
         target = self.itl_target_s
         if target > 0:
-            target = max(target / 2, target - self.meter.step_overrun_s())
+            target -= min(MAX_OVERRUN_SHARE * target, self.meter.step_overrun_s())
         return dataclasses.replace(self.meter.profile(), itl_target_s=target)
 
     @classmethod

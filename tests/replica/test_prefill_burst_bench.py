@@ -25,8 +25,8 @@ def test_prefill_burst_runs_both_schedules_and_writes_its_json(tmp_path):
                           "--prompt-tokens", "20", "--max-tokens", "3", "--running", "1",
                           "--rounds", "1", "--threads", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    # the step target it plans by: 0.2 s less its steps' p99 overrun, at least half of it
-    assert 0.1 <= data["replicas"]["chunked"]["itl_target_s"] <= 0.2
+    # the step target it plans by: 0.2 s less its steps' p99 overrun, by at most a quarter
+    assert 0.15 <= data["replicas"]["chunked"]["itl_target_s"] <= 0.2
     assert data["config"]["itl_target_ms"] == 200.0
     assert data["replicas"]["whole"]["itl_target_s"] == 0.0
     for mode in ("chunked", "whole"):
