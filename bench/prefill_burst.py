@@ -13,7 +13,9 @@ thread, agent/replica/worker.py's server), one with the step's ITL target ``--it
 decode: the schedule without a budget).  Clients speak the replica's msgpack protocol, one
 connection per request, and time each ``tokens`` message as it arrives.  Rounds alternate the
 two replicas (the order flips each round) so a shared machine's load falls on both alike; each
-figure is the median over rounds, every round kept in the JSON.  ``--eager`` runs the model
+figure is the median over rounds, every round kept in the JSON with the load average it ran
+at; before each scenario the run waits (up to ``--quiet-wait-s``) for the 1-minute load
+average to fall to ``--quiet-load``: another tenant of the cores stalls a forward for seconds.  ``--eager`` runs the model
 without its package (a quick check of the bench itself on a small model; not the figures).
 
 Scenarios, each round:
@@ -224,6 +226,7 @@ def summarize(streams: list[Stream], running: list[Stream]) -> dict:
     end = max((s.times[0] for s in streams if s.times), default=start)
     gaps = [g for s in [*streams, *running] for g in s.gaps_in(start, end)]
     out = {"served": sum(1 for s in streams if s.end == "done"), "requests": len(streams),
+           "loadavg_1m": round(os.getloadavg()[0], 2),
            "ttft_ms": [ms(t) for t in ttfts], "ttft_max_ms": ms(max(served, default=None)),
            "ttft_mean_ms": ms(statistics.fmean(served)) if served else None,
            "window_ms": ms(end - start), "itl_p50_ms": ms(pct(gaps, 50)),
@@ -308,17 +311,28 @@ async def measure(replicas: dict[str, Replica], args: argparse.Namespace) -> dic
         order = list(replicas) if r % 2 == 0 else list(reversed(replicas))
         for name in order:
             address = replicas[name].address
+            await quiet(args.quiet_load, args.quiet_wait_s)
             modes[name]["burst"].append(await burst(address, args.burst, args.prompt_tokens,
                                                     args.max_tokens, salt=100 * r))
             print(f"round {r + 1} {name:8s} burst   {brief(modes[name]['burst'][-1])}",
                   file=sys.stderr, flush=True)
             if args.running > 0:
+                await quiet(args.quiet_load, args.quiet_wait_s)
                 modes[name]["running"].append(await burst_on_running(
                     address, args.burst - args.running, args.running, args.prompt_tokens,
                     args.max_tokens, salt=100 * r + 10))
                 print(f"round {r + 1} {name:8s} running {brief(modes[name]['running'][-1])}",
                       file=sys.stderr, flush=True)
     return modes
+
+
+async def quiet(load: float, wait_s: float) -> None:
+    """Wait up to ``wait_s`` for the 1-minute load average to fall to ``load`` (other
+    tenants of the shared cores stall the forward for seconds; each round records its
+    load either way)."""
+    deadline = time.monotonic() + wait_s
+    while os.getloadavg()[0] > load and time.monotonic() < deadline:
+        await asyncio.sleep(2.0)
 
 
 def brief(m: dict) -> str:
@@ -351,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--running", type=int, default=2,
                         help="long streams decoding when the second burst arrives (0: skip)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quiet-load", type=float, default=1.5,
+                        help="before each scenario, wait for the 1-minute load average to fall "
+                             "to this (the replicas idle; each round records its load)")
+    parser.add_argument("--quiet-wait-s", type=float, default=60.0,
+                        help="the longest wait for --quiet-load before running anyway")
     parser.add_argument("--itl-target-ms", type=float, default=200.0,
                         help="the chunked replica's ITL target (the other's is 0: no budget)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per replica")

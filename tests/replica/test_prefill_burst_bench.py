@@ -23,7 +23,8 @@ def test_prefill_burst_runs_both_schedules_and_writes_its_json(tmp_path):
     out = tmp_path / "burst.json"
     assert _bench().main(["--model-dir", str(model), "--eager", "--burst", "3",
                           "--prompt-tokens", "20", "--max-tokens", "3", "--running", "1",
-                          "--rounds", "1", "--threads", "1", "--json", str(out)]) == 0
+                          "--rounds", "1", "--threads", "1", "--quiet-wait-s", "0",
+                          "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     # the step target it plans by: 0.2 s less its steps' p99 overrun, by at most a quarter
     assert 0.15 <= data["replicas"]["chunked"]["itl_target_s"] <= 0.2
