@@ -417,8 +417,9 @@ def main(argv: list[str] | None = None) -> int:
                                                            "running", "rounds", "itl_target_ms",
                                                            "threads", "eager")},
                  "replicas": {name: {k: s.get(k) for k in (
-                     "itl_target_s", "prefill_tokens_per_s", "prefill_overhead_s",
-                     "decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "path")}
+                     "itl_target_s", "step_overrun_s", "prefill_tokens_per_s",
+                     "prefill_overhead_s", "decode_base_s", "decode_per_seq_s",
+                     "decode_per_ctx_token_s", "path")}
                      for name, s in speeds.items()},
                  "modes": {name: {scenario: medians(rounds) for scenario, rounds in m.items()
                                   if rounds} for name, m in modes.items()}}

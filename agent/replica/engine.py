@@ -333,7 +333,8 @@ class Engine(Lockstep):
                      active_ctx_tokens: int | None = None) -> dict[str, float]:
         """The measured speed for a load report: agent/speed.py's ``SPEED_META_KEYS`` (the
         ITL target among them), ``decode_tokens_per_s_per_seq`` at the current batch (or the
-        one given) and ``prefill_budget_tokens`` a step there may prefill (absent without a
+        one given), and ``prefill_budget_tokens`` a step there may prefill and
+        ``step_overrun_s`` the p99 of the steps' overrun of their plan (both absent without a
         budget); {} until the meter has measured (contract: absent, never a guess)."""
         if not self.meter.measured:
             return {}
@@ -345,6 +346,7 @@ class Engine(Lockstep):
         budget = profile.prefill_budget_tokens(batch, ctx)
         if budget is not None:
             out["prefill_budget_tokens"] = budget
+            out["step_overrun_s"] = self.meter.step_overrun_s()
         return out
 
     def predict_ttft_s(self, prompt_tokens: int, *, waiting_seqs: int = 0,

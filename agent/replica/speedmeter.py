@@ -180,9 +180,14 @@ class SpeedMeter:
     def observe_step(self, planned_s: float, elapsed_s: float) -> None:
         """One engine step the fit planned at ``planned_s`` took ``elapsed_s`` (s): its
         overrun ``max(0, elapsed - planned)`` joins the window.  A broken reading (not a
-        finite number >= 0, or no plan) is no sample."""
+        finite number >= 0, or no plan) is no sample, nor is a step planned before the fit
+        rests on :attr:`MIN_SAMPLES_TO_CLIP` samples of each kind (or a recorded prior): the
+        boot profile's steps, planned on the generic prior, overran by most of their length."""
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
                    for v in (planned_s, elapsed_s)) or planned_s <= 0:
+            return
+        if not self.measured_prior and min(self._prefill.count, self._decode.count) \
+                < self.MIN_SAMPLES_TO_CLIP:
             return
         with self._lock:
             self._overruns.append(max(0.0, elapsed_s - planned_s))

@@ -230,3 +230,13 @@ def test_step_overrun_is_the_p99_of_the_window_and_ignores_broken_readings():
     for planned, elapsed in ((0.0, 1.0), (0.1, math.nan), (-1.0, 1.0), (0.1, -2.0)):
         meter.observe_step(planned, elapsed)
     assert meter.step_overrun_s() == pytest.approx(0.098)
+    fresh = SpeedMeter()                            # the generic prior, nothing measured yet:
+    for _ in range(3):                              # its plans say nothing of the steps
+        fresh.observe_step(0.1, 0.5)
+    assert fresh.step_overrun_s() == 0.0
+    for _ in range(SpeedMeter.MIN_SAMPLES_TO_CLIP):
+        fresh.observe_prefill(64, 0.1)
+        fresh.observe_decode(1, 64, 0.01)
+    fresh.observe_step(0.1, 0.13)
+    fresh.observe_step(0.1, 0.13)
+    assert fresh.step_overrun_s() == pytest.approx(0.03)
