@@ -29,12 +29,17 @@ replica's ``itl_target_s``; unlike vLLM's constant, the budget comes from the me
 
 The floor keeps prefill moving when the decode alone fills the target (a long batch on a slow
 machine): at least 16 tokens a step, and never a chunk shorter than its own call's fixed cost
-(at that length half a call's time is tokens).  ``itl_target_s`` 0 means no budget: each
-waiting sequence is prefilled whole, one after another, before the decode (the replica's
-schedule without chunked prefill; also what a load report without the key describes).  Its
-default for a replica, :data:`DEFAULT_ITL_SLO_S` = 200 ms, is MLPerf Inference's
-inter-token (TPOT) p99 constraint for its Llama 2 70B server scenario, the one whose TTFT
-constraint is 2 s, this project's warm TTFT SLO (mlcommons/inference loadgen/mlperf.conf:
+(at that length half a call's time is tokens).  The target is a p99 and the fit holds means,
+so a replica plans by its ITL target less the p99 of how far its recent steps overran their
+plan (agent/replica/speedmeter.py ``step_overrun_s``: its loop's own time, noise; at most a
+quarter of the target, agent/replica/engine.py ``MAX_OVERRUN_SHARE``), and that is the
+``itl_target_s`` it reports, so the router and the simulator count the steps it runs.
+``itl_target_s`` 0 means no budget: each waiting sequence is prefilled whole, one after
+another, before the decode (the replica's schedule without chunked prefill; also what a load
+report without the key describes).  The ITL target's default for a replica,
+:data:`DEFAULT_ITL_SLO_S` = 200 ms, is MLPerf Inference's inter-token (TPOT) p99 constraint
+for its Llama 2 70B server scenario, the one whose TTFT constraint is 2 s, this project's warm
+TTFT SLO (mlcommons/inference loadgen/mlperf.conf:
 ``llama2-70b.Server.ttft_latency = 2000``, ``tpot_latency = 200``, in ms).
 
 Which sequences share a prefill call (:func:`plan_prefill_call`): the oldest waiting one's
@@ -95,8 +100,9 @@ MIN_PREFILL_BUDGET_TOKENS = 16
 
 @dataclass(frozen=True)
 class SpeedProfile:
-    """Measured service rates of one replica (seconds; tokens/s) and its step's
-    inter-token-latency target ``itl_target_s`` (s; 0: no prefill budget, whole prompts).
+    """Measured service rates of one replica (seconds; tokens/s) and the step time its prefill
+    budget plans by, ``itl_target_s`` (s; its ITL target less its steps' measured overrun,
+    module docstring; 0: no prefill budget, whole prompts).
     All fields finite, >= 0, ``prefill_tokens_per_s`` > 0 and ``decode_base_s`` > 0; else
     :class:`ConfigError`."""
 

@@ -342,6 +342,9 @@ class BatchScheduler:
             return
         self.failures = 0
         self._deliver(decoded)
+        # the step's wall time as the streams saw it: its overrun of the plan shrinks the
+        # next budgets (agent/replica/speedmeter.py)
+        self.host.loaded.engine.end_step(time.perf_counter() - started)
         events += decoded  # one tick for the meter: the step's prefill calls and its decode
         departed, self.departed = self.departed, []
         # backlogged: work is left for the next step (prompt tokens still to prefill, or

@@ -64,6 +64,11 @@ from agent.speed import DEFAULT_ITL_SLO_S, SpeedProfile, plan_prefill_call, slot
 
 Forward = Callable[..., torch.Tensor]
 
+MAX_OVERRUN_SHARE = 0.25
+"""The most of its ITL target a step gives up to its measured overrun: beyond a quarter the
+overrun is a neighbour's stall on the CPU (seconds, measured in bench/prefill_burst.py), which
+smaller steps do not shorten but which they would pay for in TTFT."""
+
 
 def mark_dynamic_inputs(tokens: torch.Tensor, input_pos: torch.Tensor, cache_batch_idx: torch.Tensor,
                         k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
@@ -174,6 +179,8 @@ class Engine(Lockstep):
         self.itl_target_s = itl_target_s
         self._budget_left: int | None = None   # this step's prefill budget left (tokens)
         self._step_calls = 0                   # prefill calls so far in this step
+        self._step_plan_s = 0.0                # the fit's seconds for this step's calls so far
+        self._step_t0 = 0.0
         self.load = EngineLoad()
 
     @property
@@ -190,9 +197,15 @@ class Engine(Lockstep):
         self._itl_target_s = float(value)
 
     def profile(self) -> SpeedProfile:
-        """The measured speed (the meter's fit) with this engine's ITL target: the one model
-        the step's budget, the load report and :meth:`predict_ttft_s` use."""
-        return dataclasses.replace(self.meter.profile(), itl_target_s=self.itl_target_s)
+        """The measured speed (the meter's fit) with the step target this engine plans by:
+        its ITL target less the p99 of its steps' overruns (the meter's
+        ``step_overrun_s``), by at most :data:`MAX_OVERRUN_SHARE` of the target; 0 without
+        one.  The one model the step's budget, the load report and :meth:`predict_ttft_s`
+        use."""
+        target = self.itl_target_s
+        if target > 0:
+            target -= min(MAX_OVERRUN_SHARE * target, self.meter.step_overrun_s())
+        return dataclasses.replace(self.meter.profile(), itl_target_s=target)
 
     @classmethod
     def sized(cls, config: LlamaConfig, weights, *, budget_bytes: int, max_seq_len: int,
@@ -320,7 +333,8 @@ class Engine(Lockstep):
                      active_ctx_tokens: int | None = None) -> dict[str, float]:
         """The measured speed for a load report: agent/speed.py's ``SPEED_META_KEYS`` (the
         ITL target among them), ``decode_tokens_per_s_per_seq`` at the current batch (or the
-        one given) and ``prefill_budget_tokens`` a step there may prefill (absent without a
+        one given), and ``prefill_budget_tokens`` a step there may prefill and
+        ``step_overrun_s`` the p99 of the steps' overrun of their plan (both absent without a
         budget); {} until the meter has measured (contract: absent, never a guess)."""
         if not self.meter.measured:
             return {}
@@ -332,6 +346,7 @@ class Engine(Lockstep):
         budget = profile.prefill_budget_tokens(batch, ctx)
         if budget is not None:
             out["prefill_budget_tokens"] = budget
+            out["step_overrun_s"] = self.meter.step_overrun_s()
         return out
 
     def predict_ttft_s(self, prompt_tokens: int, *, waiting_seqs: int = 0,
@@ -361,7 +376,9 @@ class Engine(Lockstep):
         events: list[Event] = []
         while self.can_prefill:
             events += self.prefill()
-        return events + self.decode()
+        events += self.decode()
+        self.end_step()
+        return events
 
     # --- the step's parts ----------------------------------------------------------------
     def begin_step(self) -> int | None:
@@ -370,8 +387,17 @@ class Engine(Lockstep):
         load = self.load
         self._budget_left = self.profile().prefill_budget_tokens(load.active_seqs,
                                                                  load.active_ctx_tokens)
-        self._step_calls = 0
+        self._step_calls, self._step_plan_s, self._step_t0 = 0, 0.0, self.clock()
         return self._budget_left
+
+    def end_step(self, elapsed_s: float | None = None) -> None:
+        """End a step begun by :meth:`begin_step`: one that ran a prefill call tells the
+        meter its plan and ``elapsed_s``, its wall time as the caller's loop saw it (default:
+        since :meth:`begin_step` on :attr:`clock`), whose overrun the next budgets allow for
+        (:meth:`profile`)."""
+        if self._step_calls:
+            self.meter.observe_step(self._step_plan_s, self.clock() - self._step_t0
+                                    if elapsed_s is None else elapsed_s)
 
     def _runnable(self) -> list[_Seq]:
         """The oldest waiting sequences that hold a slot or can take a free one, in order."""
@@ -416,6 +442,7 @@ class Engine(Lockstep):
         width = max(rows)
         self._budget_left = budget - len(rows) * width   # its overhead, if any, is off budget
         self._step_calls += 1
+        self._step_plan_s += profile.prefill_s(len(rows) * width)
         clock, t0 = self.clock, self.clock()
         try:
             for seq in group:
@@ -508,6 +535,7 @@ class Engine(Lockstep):
         events: list[Event] = []
         t0 = self.clock()
         ctx = sum(s.pos for s in batch)
+        self._step_plan_s += self.meter.profile().decode_step_s(len(batch), ctx)
         with torch.inference_mode():
             dev = self.device
             tokens = torch.tensor([[s.last] for s in batch], dtype=torch.int64, device=dev)

@@ -33,10 +33,18 @@ per decode step remembers about 200 steps (seconds of serving), 0.98 per prefill
 prompts.  A sample more than ``clip`` times off the
 current prediction is clipped to that factor (a GC pause or a page fault is one sample, not a
 new speed), once the fit rests on at least a few samples.
+
+The meter also keeps how far each engine step that ran a prefill call overran its plan (the
+fit's prediction of its calls and decode, against the step's wall time as the replica's loop
+saw it: the loop's own time between calls, and the noise a fit of means does not hold):
+:meth:`SpeedMeter.step_overrun_s` is the 99th percentile of the last :data:`STEP_WINDOW`
+overruns by nearest rank, which the engine takes off its ITL target before it sizes a step's
+prefill budget, so the steps' p99, not their mean, lands within the target.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 from collections.abc import Sequence
@@ -52,6 +60,8 @@ DEFAULT_PRIOR = SpeedProfile(prefill_tokens_per_s=2000.0, prefill_overhead_s=0.0
 boot profile within a few calls.  Never reported: a replica reports only measured speed."""
 
 MIN_BASE_S = 1e-6          # floors for the two coefficients SpeedProfile needs > 0
+STEP_WINDOW = 100
+"""Steps whose overrun is kept: their p99 by nearest rank is the second largest of 100."""
 MIN_S_PER_TOKEN = 1e-9
 
 
@@ -126,6 +136,8 @@ class SpeedMeter:
             [1.0, batch_scale, ctx_scale_tokens], prior_weight=prior_weight, forget=decode_forget)
         self._lock = threading.Lock()
         self._profile: SpeedProfile | None = prior
+        self._overruns: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        self._overrun_p99_s = 0.0
 
     @property
     def prefill_samples(self) -> int:
@@ -164,6 +176,28 @@ class SpeedMeter:
         in total (before the step) took ``elapsed_s`` seconds."""
         if batch > 0:
             self._observe(self._decode, [1.0, float(batch - 1), float(context_tokens)], elapsed_s)
+
+    def observe_step(self, planned_s: float, elapsed_s: float) -> None:
+        """One engine step the fit planned at ``planned_s`` took ``elapsed_s`` (s): its
+        overrun ``max(0, elapsed - planned)`` joins the window.  A broken reading (not a
+        finite number >= 0, or no plan) is no sample, nor is a step planned before the fit
+        rests on :attr:`MIN_SAMPLES_TO_CLIP` samples of each kind (or a recorded prior): the
+        boot profile's steps, planned on the generic prior, overran by most of their length."""
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+                   for v in (planned_s, elapsed_s)) or planned_s <= 0:
+            return
+        if not self.measured_prior and min(self._prefill.count, self._decode.count) \
+                < self.MIN_SAMPLES_TO_CLIP:
+            return
+        with self._lock:
+            self._overruns.append(max(0.0, elapsed_s - planned_s))
+            if len(self._overruns) >= 2:       # the full window's rank: the second largest
+                self._overrun_p99_s = sorted(self._overruns)[-2]
+
+    def step_overrun_s(self) -> float:
+        """The 99th percentile (nearest rank at a full window's rank) of the last
+        :data:`STEP_WINDOW` steps' overruns (s); 0 until two steps were seen."""
+        return self._overrun_p99_s
 
     def profile(self) -> SpeedProfile:
         """The current fit as a valid SpeedProfile: a negative coefficient (noise around a

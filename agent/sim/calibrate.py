@@ -26,18 +26,21 @@ from agent.throughput import BacklogCapacity
 def sim_sustained_rps(speed: SpeedProfile, lengths: Sequence[tuple[int, int]], *,
                       max_seqs: int, max_seq_len: int | None, concurrency: int,
                       departures: int = 400, warmup: int = 50,
-                      reported: SpeedProfile | None = None) -> float:
+                      reported: SpeedProfile | None = None,
+                      itl_target_s: float | None = None) -> float:
     """Requests per second one :class:`SimReplica` stepping at ``speed`` (planning with
     ``reported``, default ``speed``) completes with ``concurrency`` requests always in it
     (each one that ends replaced by the next of ``lengths``, ``(prompt, output)`` tokens, in
-    turn), over ``departures`` completions after the first ``warmup``.  Raises ConfigError
+    turn), over ``departures`` completions after the first ``warmup``; ``itl_target_s`` its
+    step target as :class:`SimReplica` takes it (None: the profile's, as the simulator's
+    replicas plan).  Raises ConfigError
     for an empty ``lengths`` or counts below 1."""
     if not lengths or concurrency < 1 or departures < 1 or warmup < 0:
         raise ConfigError(f"sim_sustained_rps: {len(lengths)} lengths, concurrency="
                           f"{concurrency}, departures={departures}, warmup={warmup}; limits "
                           "are >= 1 each (warmup >= 0)", name="concurrency", value=concurrency,
                           limit=1)
-    replica = SimReplica(speed, max_seqs, reported, itl_target_s=(reported or speed).itl_target_s,
+    replica = SimReplica(speed, max_seqs, reported, itl_target_s=itl_target_s,
                          max_seq_len=max_seq_len)
     k = 0
 

@@ -41,17 +41,21 @@ class SimReplica:
     """One replica's engine: ``max_seqs`` slots of ``max_seq_len`` tokens (None: a padded row
     is never short of room); requests are opaque ids with token counts.  It steps at
     ``speed``; it plans its steps, reports and predicts with ``reported`` (its speed meter's
-    profile; default ``speed``, which a live replica's meter may get wrong) at the ITL target
-    ``itl_target_s`` (the engine's default; 0: whole prompts).  ``prefill_chunk``: the most
-    tokens per row of one call, as the engine's."""
+    profile; default ``speed``, which a live replica's meter may get wrong) at the step target
+    ``itl_target_s`` (0: whole prompts; None: the profile's own, a live replica's report, else
+    the engine's default).  ``prefill_chunk``: the most tokens per row of one call, as the
+    engine's."""
 
     def __init__(self, speed: SpeedProfile, max_seqs: int,
                  reported: SpeedProfile | None = None, *,
-                 itl_target_s: float = DEFAULT_ITL_SLO_S, max_seq_len: int | None = None,
+                 itl_target_s: float | None = None, max_seq_len: int | None = None,
                  prefill_chunk: int = 256) -> None:
         self.speed = speed
-        # what its speed meter says (reports, predictions), at the engine's ITL target
-        self.reported = dataclasses.replace(reported or speed, itl_target_s=itl_target_s)
+        reported = reported or speed
+        if itl_target_s is None:
+            itl_target_s = reported.itl_target_s or DEFAULT_ITL_SLO_S
+        # what its speed meter says (reports, predictions), at the step target it plans by
+        self.reported = dataclasses.replace(reported, itl_target_s=itl_target_s)
         self.max_seqs = max_seqs
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk

@@ -33,7 +33,7 @@ from agent.errors import Overloaded, ProtocolError, RewarmError
 from agent.protocol import Decoder, error_message, pack
 from agent.replica.worker import Worker
 from agent.sim.replica import SimReplica
-from agent.speed import DEFAULT_ITL_SLO_S, SpeedProfile
+from agent.speed import SpeedProfile
 from agent.throughput import BacklogMeter
 
 
@@ -86,13 +86,13 @@ class _Loaded:
 
 class SimWorker:
     """One simulated replica (module docstring): it serves at ``speed`` and plans, reports
-    and predicts with ``reported`` (default ``speed``) at the ITL target ``itl_target_s``
-    (the live engine's default; 0: whole prompts).  ``on_idle`` is called when a drained
-    replica has nothing left in flight."""
+    and predicts with ``reported`` (default ``speed``) at the step target ``itl_target_s``
+    (:class:`SimReplica`'s: 0 whole prompts, None the profile's own or the live engine's
+    default).  ``on_idle`` is called when a drained replica has nothing left in flight."""
 
     def __init__(self, replica_id: str, model: str, speed: SpeedProfile, *, max_seqs: int,
                  max_seq_len: int, reported: SpeedProfile | None = None,
-                 itl_target_s: float = DEFAULT_ITL_SLO_S) -> None:
+                 itl_target_s: float | None = None) -> None:
         self.replica_id, self.model = replica_id, model
         self.engine = SimReplica(speed, max_seqs, reported, itl_target_s=itl_target_s,
                                  max_seq_len=max_seq_len)

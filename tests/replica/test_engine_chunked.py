@@ -159,3 +159,35 @@ def test_an_itl_target_that_is_not_a_finite_number_ge_0_is_refused(tiny_dir, bad
     with pytest.raises(ConfigError):
         engine.itl_target_s = bad
     assert engine.itl_target_s == TARGET_S
+
+
+def test_steps_that_overran_their_plan_shrink_the_next_budgets(tiny_dir):
+    """The meter keeps each prefill step's overrun of its plan (the loop's own time, noise);
+    the engine plans by its ITL target less their p99, by at most a quarter of the target,
+    and a decode-only step is not counted."""
+    engine = make_engine(tiny_dir)
+
+    def run_step(overrun_s):           # as the replica's loop does, with a wall time
+        engine.begin_step()
+        while engine.can_prefill:
+            engine.prefill()
+        engine.decode()
+        engine.end_step(engine._step_plan_s + overrun_s)
+    assert engine.profile().itl_target_s == TARGET_S and engine.begin_step() == 40
+    engine.submit(prompt(60), 30)
+    run_step(0.018)                    # [1, 40]: planned 42 ms
+    assert engine._step_plan_s == pytest.approx(0.042)
+    run_step(0.004)                    # [1, 20] and a decode: planned 22 + 10 ms
+    assert engine._step_plan_s == pytest.approx(0.032)
+    assert engine.meter.step_overrun_s() == pytest.approx(0.004)    # the second largest
+    engine.begin_step()
+    engine.decode()
+    engine.end_step(5.0)               # no prefill call: no sample
+    assert engine.meter.step_overrun_s() == pytest.approx(0.004)
+    engine.meter.observe_step(0.04, 0.048)
+    engine.meter.observe_step(0.04, 0.048)          # 8 ms over, twice
+    assert engine.profile().itl_target_s == pytest.approx(TARGET_S - 0.008)
+    assert engine.begin_step() == int(((TARGET_S - 0.008) - 0.01 - 0.002) * 1000.0)
+    engine.meter.observe_step(0.04, 1.0)
+    engine.meter.observe_step(0.04, 1.0)
+    assert engine.profile().itl_target_s == pytest.approx(0.75 * TARGET_S)   # the floor

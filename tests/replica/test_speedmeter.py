@@ -214,3 +214,29 @@ def test_chunked_load_counts_a_partly_prefilled_prompt_and_the_report_carries_th
     assert report["itl_target_s"] == 0.2 and SpeedProfile.from_meta(report) == profile
     assert report["prefill_budget_tokens"] == profile.prefill_budget_tokens(
         5, load.active_ctx_tokens)
+
+
+def test_step_overrun_is_the_p99_of_the_window_and_ignores_broken_readings():
+    from agent.replica.speedmeter import STEP_WINDOW
+
+    meter = SpeedMeter(TRUE, measured_prior=True)
+    meter.observe_step(0.2, 0.5)
+    assert meter.step_overrun_s() == 0.0            # one step alone sets nothing
+    meter.observe_step(0.2, 0.19)                   # under its plan: overrun 0
+    assert meter.step_overrun_s() == 0.0            # second largest of (0.3, 0)
+    for i in range(STEP_WINDOW):                    # a full window: 0.000 .. 0.099 s over
+        meter.observe_step(0.1, 0.1 + i / 1000)
+    assert meter.step_overrun_s() == pytest.approx(0.098)   # the second largest: p99
+    for planned, elapsed in ((0.0, 1.0), (0.1, math.nan), (-1.0, 1.0), (0.1, -2.0)):
+        meter.observe_step(planned, elapsed)
+    assert meter.step_overrun_s() == pytest.approx(0.098)
+    fresh = SpeedMeter()                            # the generic prior, nothing measured yet:
+    for _ in range(3):                              # its plans say nothing of the steps
+        fresh.observe_step(0.1, 0.5)
+    assert fresh.step_overrun_s() == 0.0
+    for _ in range(SpeedMeter.MIN_SAMPLES_TO_CLIP):
+        fresh.observe_prefill(64, 0.1)
+        fresh.observe_decode(1, 64, 0.01)
+    fresh.observe_step(0.1, 0.13)
+    fresh.observe_step(0.1, 0.13)
+    assert fresh.step_overrun_s() == pytest.approx(0.03)

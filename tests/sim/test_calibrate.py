@@ -15,7 +15,8 @@ SPEED = SpeedProfile(prefill_tokens_per_s=300.0, prefill_overhead_s=0.02, decode
 
 def test_whole_prompts_one_by_one_sustain_one_prefill_each():
     whole = SpeedProfile(**{**SPEED.to_dict(), "itl_target_s": 0.0})
-    rps = sim_sustained_rps(whole, [(30, 1)], max_seqs=8, max_seq_len=512, concurrency=16)
+    rps = sim_sustained_rps(whole, [(30, 1)], max_seqs=8, max_seq_len=512, concurrency=16,
+                            itl_target_s=0.0)
     # one-token answers end at their prefill: one call of 30 tokens each, nothing decodes
     assert rps == pytest.approx(1.0 / whole.prefill_s(30), rel=1e-6)
 

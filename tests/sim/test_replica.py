@@ -247,3 +247,14 @@ def test_router_sees_speed_and_queue_and_routes_by_predicted_ttft():
     assert load.speed == dataclasses.replace(SP, itl_target_s=DEFAULT_ITL_SLO_S)
     assert load.active_seqs == 0
     assert (load.waiting_seqs, load.queued_prefill_tokens) == (0, 0)
+
+
+def test_the_step_target_comes_from_the_report_else_the_engines_default():
+    """A profile taken from a live replica's report plans by the step target it reported;
+    one measured by bench/engine_profile.py (no target) by the engine's default; 0 given
+    explicitly is whole prompts."""
+    live = dataclasses.replace(SP, itl_target_s=0.17)
+    assert SimReplica(SP, 4, live).reported.itl_target_s == 0.17
+    assert SimReplica(SP, 4).reported.itl_target_s == DEFAULT_ITL_SLO_S
+    assert SimReplica(SP, 4, live, itl_target_s=0.0).reported.prefill_budget_tokens(0) is None
+    assert SimReplica(SP, 4).report()["itl_target_s"] == DEFAULT_ITL_SLO_S
