@@ -9,7 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from agent.argtypes import device_name, host_port, listen_address, positive_float, positive_int
+from agent.argtypes import (device_name, host_port, listen_address, nonneg_float, positive_float,
+                            positive_int)
 
 
 def _import_gguf(args: argparse.Namespace) -> int:
@@ -107,11 +108,14 @@ def _replica(args: argparse.Namespace) -> int:
                        replica_id=args.replica_id, tcp_control=args.tcp_control,
                        data_listen=args.data_listen,
                        drain_grace_s=args.drain_grace_s, metrics_listen=args.metrics_listen, warm=args.warm,
-                       device=args.device, shared=not args.private_buffer)
+                       device=args.device, shared=not args.private_buffer,
+                       itl_target_s=None if args.itl_target_ms is None
+                       else args.itl_target_ms / 1000.0)
 
 
 def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
     from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS
+    from agent.speed import DEFAULT_ITL_SLO_S
 
     p = sub.add_parser("build", help="torch.export + AOTInductor: one package for this machine's target")
     p.add_argument("model_dir", help="HF-layout model directory (config.json, *.safetensors)")
@@ -140,6 +144,11 @@ def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
                         "snapshot's page-cache pages shared by every replica of it on the node "
                         "(and no buffer without --warm)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (all cores)")
+    p.add_argument("--itl-target-ms", type=nonneg_float, default=None, metavar="MS",
+                   help="inter-token latency each engine step plans for: the prompt tokens a "
+                        "step prefills beside the running streams' decode are what fits in it "
+                        f"(default {DEFAULT_ITL_SLO_S * 1000:g}, MLPerf's Llama 2 70B TPOT "
+                        "limit; 0: each waiting prompt whole, no per-step budget)")
     p.add_argument("--device", type=device_name, default="cpu",
                    help="cpu or cuda[:N]: where the model runs (a zygote there holds a CUDA "
                         "context and a device restore buffer; restores read with kvikio)")

@@ -85,13 +85,19 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
 
 class Worker:
     """The replica server.  ``loaded`` (agent/replica/zygote.Loaded) or None for a zygote that
-    restores into ``buffer``.  ``parent_pid``: exit when the parent changes (None: no watchdog)."""
+    restores into ``buffer``.  ``parent_pid``: exit when the parent changes (None: no watchdog).
+    ``itl_target_s``: the inter-token-latency target its engine's steps plan by, set on every
+    model it serves (:meth:`apply_step_target`; None: the engine's default, agent/speed.py
+    ``DEFAULT_ITL_SLO_S``; 0: whole prompts, no per-step budget)."""
 
     def __init__(self, loaded=None, *, buffer=None, replica_id: str = "replica",
                  parent_pid: int | None = None, watchdog_s: float = 1.0,
                  tcp_control: bool = True, drain_grace_s: float = 30.0,
-                 engine_thread: ThreadPoolExecutor | None = None) -> None:
+                 engine_thread: ThreadPoolExecutor | None = None,
+                 itl_target_s: float | None = None) -> None:
         self.loaded, self.buffer, self.replica_id = loaded, buffer, replica_id
+        self.itl_target_s = itl_target_s
+        self.apply_step_target()
         # restore/capture/shutdown read or write files on this host or end the process: on a
         # TCP listener they are refused unless ``tcp_control`` (a unix socket's file mode
         # already says who may connect).
@@ -288,6 +294,12 @@ class Worker:
             self._send(writer, error_message(rid, 500, f"{type(exc).__name__}: {exc}"))
 
     # --- ops -----------------------------------------------------------------------------
+    def apply_step_target(self) -> None:
+        """Set the loaded engine's ITL target to this worker's (when it has one): at start and
+        on every model a restore installs."""
+        if self.loaded is not None and self.itl_target_s is not None:
+            self.loaded.engine.itl_target_s = self.itl_target_s
+
     def stats(self) -> dict[str, Any]:
         result: dict[str, Any] = {"state": self.state.value, "replica": self.replica_id,
                                   "kv_capacity_tokens": 0, "kv_used_tokens": 0, "max_seqs": 0,
@@ -424,7 +436,8 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
                 replica_id: str | None = None, started_unix: float | None = None,
                 tcp_control: bool = False, data_listen: str | None = None,
                 drain_grace_s: float = 30.0, metrics_listen: str | None = None,
-                warm: str | None = None, device: str = "cpu", shared: bool = True) -> int:
+                warm: str | None = None, device: str = "cpu", shared: bool = True,
+                itl_target_s: float | None = None) -> int:
     """The body of ``rewarm replica``: load one way, print the ready line, serve until stopped.
 
     Exactly one of ``model_dir`` (full boot; ``release`` binds its AOT package, ``compile``
@@ -438,6 +451,7 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
     ``metrics_listen`` (HOST:PORT) serves /metrics, /healthz, /readyz (agent/health.py).
     ``device`` ("cpu", "cuda[:N]"): where the model runs; a zygote there holds a CUDA context
     and a device restore buffer (agent/replica/zygote.py ``prepare_zygote``).
+    ``itl_target_s``: the step's inter-token-latency target (:class:`Worker`).
     """
     from agent.errors import ConfigError
 
@@ -473,7 +487,7 @@ def run_replica(listen: str, *, model_dir: str | None = None, snapshot: str | No
     loaded, buffer = engine_thread.submit(load).result()
     worker = Worker(loaded, buffer=buffer, replica_id=replica_id or f"replica-{os.getpid()}",
                     parent_pid=parent, tcp_control=tcp_control, drain_grace_s=drain_grace_s,
-                    engine_thread=engine_thread)
+                    engine_thread=engine_thread, itl_target_s=itl_target_s)
     status = _serve_status(worker, metrics_listen) if metrics_listen else None
 
     def ready(address: str) -> None:

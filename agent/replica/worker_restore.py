@@ -59,6 +59,7 @@ class RestoreOps:
             worker.state = State.ZYGOTE  # fail closed: still a zygote, never serving
             raise
         worker.loaded, worker.state = loaded, State.SERVING
+        worker.apply_step_target()
         worker.text = ModelText(loaded)
         worker.text.preload_in_background()   # at once when the zygote preloaded it (warm)
         return worker.stats()
