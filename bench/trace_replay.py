@@ -337,7 +337,7 @@ def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, re
             f"over {scale.wall_s:.0f} s")
         stack.predictor_overrides = predictor_policy(restore_s, cap)
         stack.start_predicting()
-        stack.predictor.predictor.update_speed(model, profile, max_seqs,
+        stack.predictor.predictor.update_speed(model, profile, max_seqs, sustained=sustained,
                                                mean_prompt_tokens=scale.mean_prompt_tokens,
                                                mean_gen_tokens=scale.mean_output_tokens)
         restores_before = len(stack.agent.catalog.cold_starts(model))
@@ -455,7 +455,7 @@ def simulate(plan, profile, *, max_seqs: int, max_seq_len: int, restore_s: float
                         mean_prompt_tokens=mean_prompt_tokens, mean_gen_tokens=mean_gen_tokens,
                         config=config, initial_replicas=1, span_s=span_s,
                         always_on_replicas=always_on_replicas,
-                        actual=slowed(speed, shared_speed))
+                        actual=slowed(speed, shared_speed), sustained=sustained)
     out["speed_factor"] = round(speed_factor, 4)
     return out
 

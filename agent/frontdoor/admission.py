@@ -207,3 +207,34 @@ def slot_times_s(frees_s: list[float], etas_s: list[float], per_replica: int,
         slots.extend(eta + wait_s for eta in etas_s)
     slots.sort()
     return slots
+
+
+def fluid_starts_s(now_s: float, ahead: float, capacity: list[tuple[float, float]],
+                   count: int) -> list[float]:
+    """When each of ``count`` requests in line (after ``ahead`` already waiting at the
+    replicas) can start, at best, if the replicas start requests as fast as they sustain
+    backlogged (agent/throughput.py): ``capacity`` lists ``(from_s, rps)``, a replica that
+    starts requests at ``rps`` per second from clock time ``from_s`` on (a warm one from now,
+    one being restored from its ETA).  The ``k``-th (0-based) starts once the capacity summed
+    since ``now_s`` has served ``ahead + k + 1`` requests: a fluid bound of a queue whose
+    service is measured as a rate, not as each request's predicted time.  Clock seconds,
+    ``inf`` for a request no capacity in the list ever reaches."""
+    events = sorted((max(now_s, t), r) for t, r in capacity if r > 0)
+    out: list[float] = []
+    need = ahead + 1.0
+    t, rate, done, i = now_s, 0.0, 0.0, 0
+    for _ in range(max(0, count)):
+        while True:
+            next_t = events[i][0] if i < len(events) else math.inf
+            if rate > 0 and t + (need - done) / rate <= next_t:
+                t, done = t + (need - done) / rate, need
+                break
+            if next_t == math.inf:
+                t = math.inf
+                break
+            done += rate * (next_t - t)
+            t, rate = next_t, rate + events[i][1]
+            i += 1
+        out.append(t)
+        need += 1.0
+    return out

@@ -15,7 +15,7 @@ import heapq
 from typing import TYPE_CHECKING, Protocol
 
 from agent.clock import Clock
-from agent.frontdoor.admission import capacity_etas_s, slot_times_s
+from agent.frontdoor.admission import capacity_etas_s, fluid_starts_s, slot_times_s
 from agent.frontdoor.capacity import RestoreGate, RestoreTimes
 from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.model_state import ModelStates, Slot, SlotPlan
@@ -76,26 +76,32 @@ class QueuePlanner:
         self.capacity = capacity
         self._arrivals: dict[str, list[tuple[float, int]]] = {}   # (time, arrivals so far)
 
-    def etas_s(self, model: str, now: float) -> list[float]:
+    def etas_s(self, model: str, now: float, *, started_only: bool = False,
+               startable: int | None = None) -> list[float]:
         """When new replicas of ``model`` are expected, soonest first
         (:func:`capacity_etas_s`): the restores in flight, and those the restores side
         would start for the queue with one more request in it; no more than the room left
         under its nodes' replica cap once one was seen (:meth:`CapacityInSight.replica_room`:
         an ask beyond it is a probe, most likely answered by a replica already counted, and
-        a request admitted on it would be refused later, when the answer comes)."""
+        a request admitted on it would be refused later, when the answer comes).
+        ``started_only``: the restores in flight alone; ``startable``: that many more instead
+        of the restores side's own count (within the room)."""
         room = self.capacity.replica_room(model)
         if room is not None and room <= 0:
             return []
         p99, p50 = self.restore_times.p99_ms(model), self.restore_times.p50_ms(model)
-        startable = 0
+        more = 0
         started = self.gate.started_s.get(model, [])
-        if self.capacity.can_restore:
+        if startable is not None:
+            more = startable
+        elif self.capacity.can_restore and not started_only:
             queue = self.models.queue(model)
-            startable = self.gate.wanted(model, (len(queue) if queue else 0) + 1,
-                                         self.sizing.per_replica(model))
+            more = self.gate.wanted(model, (len(queue) if queue else 0) + 1,
+                                    self.sizing.per_replica(model))
         if room is not None:
             started = started[:room]
-            startable = min(startable, room - len(started))
+            more = min(more, room - len(started))
+        startable = more
         return capacity_etas_s(now, started, None if p50 is None else p50 / 1000.0,
                                None if p99 is None else p99 / 1000.0, startable)
 
@@ -117,7 +123,6 @@ class QueuePlanner:
         if cached is not None and now - cached.at_s < self.config.tick_s:
             return cached
         prior = self.router.prior(model)
-        mean_prompt = state.mean_shape()[0]
         slots: list[Slot] = []
         busy: dict[str, float] = {}
         for load in self.router.warm(model):
@@ -144,15 +149,23 @@ class QueuePlanner:
                 if end <= now:  # overdue: the estimate was wrong; expect the overrun again
                     end = now + (now - end)
                 slots.append((end + step_s, seen, step_s, rid))
+        slots.extend(self._new_replica_slots(model, now, self.etas_s(model, now)))
+        slots.sort()  # sorted: a valid heap as it is
+        plan = state.slot_plan = SlotPlan(now, slots, slots[0][0] if slots else float("inf"),
+                                          busy)
+        return plan
+
+    def _new_replica_slots(self, model: str, now: float, etas: list[float]) -> list[Slot]:
+        """Slots of new replicas due at ``etas`` (:func:`slot_times_s`): first seen never
+        (usable on the restore path) and replica id "" (their prefills one after another are
+        in their times already)."""
         per_replica = self.sizing.per_replica(model)
         held = self.router.held_prior(model)   # new replicas: the model's measured error too
         fresh_step = held.decode_step_s(per_replica)
+        mean_prompt = self.models.of(model).mean_shape()[0]
         inf = float("inf")
-        slots.extend((t, inf, fresh_step, "") for t in slot_times_s(
-            [], self.etas_s(model, now), per_replica, held, mean_prompt))
-        slots.sort()  # sorted: a valid heap as it is
-        plan = state.slot_plan = SlotPlan(now, slots, slots[0][0] if slots else inf, busy)
-        return plan
+        return [(t, inf, fresh_step, "")
+                for t in slot_times_s([], etas, per_replica, held, mean_prompt)]
 
     def admit(self, model: str, before: list[Flight], flight: Flight, now: float,
               margin_s: float = 0.0, ahead: int = 0) -> tuple[float | None, float, str]:
@@ -246,22 +259,69 @@ class QueuePlanner:
         predicted, _fresh, first = self._place(model, flights, now, margin_s, ahead)
         return predicted, first
 
-    def beyond_warm(self, model: str, flights: list[Flight], now: float) -> int:
-        """How many of ``flights`` (earliest deadline first) the replicas already warm
-        cannot start before their deadlines, placed as :meth:`assign` places them but on
-        the warm replicas' slots alone: the requests only new capacity can serve in time
-        (what a restore is asked for; a queue the warm replicas drain in time needs none)."""
-        predicted, _fresh, _first = self._place(model, flights, now, 0.0, 0, warm_only=True)
-        return sum(1 for t in predicted if t is None)
+    def restores_needed(self, model: str, flights: list[Flight], now: float,
+                        room: int) -> int:
+        """The fewest new replicas (at most ``room``) with which the replicas warm and those
+        being restored start the most of ``flights`` (earliest deadline first) before their
+        deadlines: 0 for a queue the capacity coming drains in time, and no replica more for
+        requests no number of them would serve in time (what a restore is asked for, so a
+        replica more is paid for only where the SLO needs it).  Where the model's replicas
+        measured what they sustain backlogged, by that rate (:meth:`_short_by_rate`: a
+        queue's requests start as fast as replicas sustain, whatever each one's predicted
+        TTFT, which counts every error against it); else placed as :meth:`assign` places
+        them."""
+        measured = self.router.model_capacity(model) is not None
+        best_n, best_short = 0, None
+        for n in range(max(0, room) + 1):
+            if measured:
+                short = self._short_by_rate(model, flights, now, n)
+            else:
+                predicted = self._place(model, flights, now, 0.0, 0, new_replicas=n)[0]
+                short = sum(1 for t in predicted if t is None)
+            if best_short is None or short < best_short:
+                best_n, best_short = n, short
+            if short == 0:
+                break
+        return best_n
+
+    def _short_by_rate(self, model: str, flights: list[Flight], now: float,
+                       new_replicas: int) -> int:
+        """How many of ``flights`` (earliest deadline first) would not start in time if every
+        replica started requests as fast as it sustains backlogged
+        (:func:`~agent.frontdoor.admission.fluid_starts_s`): the warm ones from now, behind
+        the prompts already waiting there; those being restored, and ``new_replicas`` more,
+        from their ETAs.  A request starting before the first new replica is due is held
+        to its warm-path deadline, a later one to its restore-path deadline, each after its
+        own prefill."""
+        prompt, gen = self.models.of(model).mean_shape()
+        batch = max(1, self.sizing.per_replica(model))
+        warm = self.router.warm(model)
+        capacity = [(now, self.router.sustained_rps(load, prompt, gen, batch)) for load in warm]
+        etas = self.etas_s(model, now, startable=new_replicas)
+        fresh = self.router.new_replica_rps(model, prompt, gen, batch)
+        capacity += [(eta, fresh) for eta in etas]
+        ahead = sum(load.waiting_seqs for load in warm)
+        speed = self.router.prior(model)   # measured rates: no prediction error to pad
+        first_new = etas[0] if etas else float("inf")
+        short = 0
+        for flight, start in zip(flights, fluid_starts_s(now, ahead, capacity, len(flights)),
+                                 strict=True):
+            deadline = flight.warm_deadline_s if start < first_new else flight.deadline_s
+            if start + speed.prefill_s(flight.prompt_tokens) > deadline:
+                short += 1
+        return short
 
     def _place(self, model: str, flights: list[Flight], now: float, margin_s: float,
-               ahead: int, warm_only: bool = False) -> tuple[list[float | None], list[bool], float]:
+               ahead: int, new_replicas: int | None = None,
+               ) -> tuple[list[float | None], list[bool], float]:
         """:meth:`assign`, and per flight whether its slot is on a replica brought up since
-        it arrived (the restore path's SLO applies there); ``warm_only``: on the warm
-        replicas' slots alone."""
+        it arrived (the restore path's SLO applies there).  ``new_replicas``: on the warm
+        replicas, those being restored and that many more that could start now (None: the
+        capacity the planner counts, :meth:`slots`)."""
         slots, first, busy = self.slots(model, now)[1:]
-        if warm_only:
-            slots = [slot for slot in slots if slot[3]]    # (a sorted list stays a heap)
+        if new_replicas is not None:
+            slots = sorted([slot for slot in slots if slot[3]] + self._new_replica_slots(
+                model, now, self.etas_s(model, now, startable=new_replicas)))
         busy = dict(busy)
         held = self.router.held_prior(model)
         if ahead < len(slots):

@@ -115,7 +115,7 @@ class RequestPath:
         self.planner = QueuePlanner(config, clock, self.router, self.links, self.gate,
                                     self.restore_times, self.models, sizing=self.budgets,
                                     arrivals=self.replicas, capacity=self.restores)
-        self.restores.short = self.planner.beyond_warm
+        self.restores.needed = self.planner.restores_needed
         self.admission = Queues(config, clock, telemetry, self.router, self.models, self.counts,
                                 self.restore_times, self.planner, self.restores, owner=self,
                                 budgets=self.budgets, gate=self.gate)

@@ -63,17 +63,17 @@ class Measuring(Protocol):
         ...
 
 
-class BeyondWarm(Protocol):
-    """The queued requests the warm replicas cannot start in time (the planner's
-    :meth:`~agent.frontdoor.planner.QueuePlanner.beyond_warm`)."""
+class RestoresNeeded(Protocol):
+    """The restores a queue needs (the planner's
+    :meth:`~agent.frontdoor.planner.QueuePlanner.restores_needed`)."""
 
-    def __call__(self, model: str, flights: list, now: float) -> int:
+    def __call__(self, model: str, flights: list, now: float, room: int) -> int:
         ...
 
 
 RECHECK_HELD = 128
-"""Queued requests placed when judging whether the warm replicas serve the queue in time
-(earliest deadline first; a longer queue's tail is judged as it moves up)."""
+"""Queued requests placed when judging the restores a queue needs (earliest deadline first;
+a longer queue's tail is judged as it moves up)."""
 
 
 class Restores:
@@ -83,7 +83,7 @@ class Restores:
                  router: Router, gate: RestoreGate, models: ModelStates,
                  capacity: CapacityRequester | None, sizing: Measuring,
                  replicas: Registering, owner: RestoreOwner,
-                 short: BeyondWarm | None = None) -> None:
+                 needed: RestoresNeeded | None = None) -> None:
         self.config = config
         self.clock = clock
         self.telemetry = telemetry
@@ -94,7 +94,7 @@ class Restores:
         self.sizing = sizing
         self.replicas = replicas
         self.owner = owner
-        self.short = short     # the planner's count of what the warm replicas cannot serve
+        self.needed = needed   # the planner's count of the restores the queue needs
         self._tasks: set[asyncio.Task] = set()  # held: the loop keeps weak references
 
     @property
@@ -103,11 +103,12 @@ class Restores:
         return self.capacity is not None
 
     def maybe_restore(self, model: str) -> None:
-        """Ask for the replicas the queue needs: the queued requests the warm replicas
-        cannot start before their deadlines (``short``; all of them while none is warm), over
-        one replica's measured sustainable concurrency at the SLO, less restores in flight.
-        A queue the warm replicas drain in time asks for nothing: a replica more is paid for
-        only where the SLO needs it."""
+        """Ask for the replicas the queue needs: the fewest more with which the replicas warm
+        and those being restored start its requests in time (``needed``: the planner's
+        :meth:`~agent.frontdoor.planner.QueuePlanner.restores_needed`), within the gate's
+        room; without a planner, its length over one replica's measured sustainable
+        concurrency at the SLO, less restores in flight.  A queue the capacity coming drains
+        in time asks for nothing: a replica more is paid for only where the SLO needs it."""
         if self.capacity is None:
             return
         state = self.models.of(model)
@@ -117,10 +118,14 @@ class Restores:
         queue = state.queue
         if not queue:
             return
-        short = len(queue)
-        if self.router.warm(model) and self.short is not None:
-            short = self.short(model, [p.payload for p in queue.ordered(RECHECK_HELD)], now)
-        self.restore_for(model, self.gate.wanted(model, short, self.sizing.per_replica(model)))
+        if self.needed is None:
+            self.restore_for(model, self.gate.wanted(model, len(queue),
+                                                     self.sizing.per_replica(model)))
+            return
+        room = self.gate.room(model)
+        if room > 0:
+            self.restore_for(model, self.needed(
+                model, [p.payload for p in queue.ordered(RECHECK_HELD)], now, room))
 
     def after_refusal(self, model: str) -> None:
         """A request of ``model`` was refused at arrival (429): demand is seen, so one

@@ -278,6 +278,12 @@ class Router:
             return measured.rps_at(self.prior(model), prompt_tokens, gen_tokens)
         return self.held_prior(model).service_rps(prompt_tokens, gen_tokens, max(1, batch))
 
+    def remember_capacity(self, model: str, measured: BacklogCapacity) -> None:
+        """Take ``measured`` as ``model``'s last capacity measured backlogged (one measured
+        before this view existed: a replay's calibration, a simulation started where a live
+        front door stood)."""
+        self._sustained[model] = measured
+
     def model_capacity(self, model: str) -> BacklogCapacity | None:
         """The last capacity a replica of ``model`` reported measuring while backlogged
         (kept after the replica is gone: a restored replica is the same engine)."""

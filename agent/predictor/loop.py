@@ -417,8 +417,8 @@ class Predictor:
                                  f"release={plan.release_tier}")
             st.low_since_s = None
             return action
-        if low_for < p.scale_down_cooldown_s:
-            return "hold", f"cooldown: low for {low_for:.1f}s of {p.scale_down_cooldown_s:.1f}s"
+        if low_for < p.cooldown_s:
+            return "hold", f"cooldown: low for {low_for:.1f}s of {p.cooldown_s:.1f}s"
         # keep-alive: the last replica waits for idle time since the last request (the gap
         # quantile included); excess replicas wait for the breakeven time of low demand.
         waited = idle_s if desired == 0 else low_for

@@ -53,7 +53,9 @@ class ModelPolicy:
     rate_window_s: float = 600.0
     mean_context_tokens: float = 900.0
     step_s: float = 1.0
-    scale_down_cooldown_s: float = 30.0
+    # how long demand must stay below the pool before any of it is released (hysteresis
+    # against forecast noise); None: one lead time (:attr:`cooldown_s`)
+    scale_down_cooldown_s: float | None = None
     # SLO-aware keep-alive: the last replica stays warm for this quantile of the model's
     # observed idle gaps (over gap_window_s), at least the breakeven keep-alive; 0 = the
     # breakeven alone.  0.99: Shahrad et al., "Serverless in the Wild" (ATC 2020).
@@ -75,7 +77,7 @@ class ModelPolicy:
         if not self.step_s > 0:
             raise ConfigError(f"ModelPolicy {self.model}: step_s={self.step_s}; limit is > 0",
                               name="step_s", value=self.step_s, limit="> 0")
-        if self.scale_down_cooldown_s < 0:
+        if self.scale_down_cooldown_s is not None and self.scale_down_cooldown_s < 0:
             raise ConfigError(
                 f"ModelPolicy {self.model}: scale_down_cooldown_s={self.scale_down_cooldown_s}; "
                 "limit is >= 0", name="scale_down_cooldown_s",
@@ -134,6 +136,18 @@ class ModelPolicy:
                                 react_alpha=self.react_alpha, quantile=self.quantile,
                                 quantile_window=window,
                                 in_flight_window=max(1, round(self.in_flight_s / self.step_s)))
+
+    @property
+    def cooldown_s(self) -> float:
+        """Seconds demand must stay below the pool before a replica is released: the
+        configured ``scale_down_cooldown_s``, else one lead time.  A replica released once
+        the forecast at lead time has not needed it for that long is restored in time if
+        demand returns (that is what the lead time is for), so holding it longer only pays
+        for idle replicas: one a front door asked for to clear a passing queue went on
+        costing 30 s of GPU time a burst, well over the burst itself."""
+        if self.scale_down_cooldown_s is not None:
+            return self.scale_down_cooldown_s
+        return self.lead_time_s
 
     @property
     def in_flight_s(self) -> float:

@@ -58,9 +58,9 @@ COLD_BOOT_DEADLINE_MS = 300_000.0   # the demo's first request waits for the col
 SAMPLE_S = 0.25
 SATURATE_S = 5.0   # seconds the warm replica is kept backlogged to measure what it sustains
 # Keep-alive inputs shortened for the demo (the production defaults are the cost model's
-# $2.80/GPU-hour, a 600 s rate window and a 30 s cooldown, which keep an idle replica minutes).
+# $2.80/GPU-hour and a 600 s rate window, which keep an idle replica minutes).
 DEMO_POLICY_TEXT = ("demo keep-alive: GPU cost 0.05/s, wait cost 0.01/s, restore 2 s, "
-                    "rate window 20 s, cooldown 10 s (production: 2.80/h, 600 s, 30 s); "
+                    "rate window 20 s, cooldown 10 s (production: 2.80/h, 600 s, one lead time); "
                     "at most 1 replica on this machine")
 
 

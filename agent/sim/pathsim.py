@@ -38,6 +38,7 @@ from agent.sim.replay_scale import ReplayRequest
 from agent.sim.vloop import LoopClock, run_virtual
 from agent.slo import DEADLINE_FACTOR
 from agent.speed import SpeedProfile
+from agent.throughput import BacklogCapacity
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
                   max_seqs: int, max_seq_len: int, restore_s: float, policy: dict[str, Any],
                   mean_prompt_tokens: float, mean_gen_tokens: float, initial_replicas: int,
                   until_s: float, always_on_replicas: int, stats: dict,
-                  actual: SpeedProfile | None, measured_restore_s: float) -> dict[str, Any]:
+                  actual: SpeedProfile | None, measured_restore_s: float,
+                  sustained: BacklogCapacity | None) -> dict[str, Any]:
     from agent.cluster import ClusterChoice, choose
     from agent.frontdoor.config import FrontDoorConfig
     from agent.frontdoor.request import GenerateRequest
@@ -151,7 +153,9 @@ async def _replay(plan: Sequence[ReplayRequest], profile: SpeedProfile, cfg: Pat
                                scaler=scaler)
     service.predictor.update_speed(model, profile, max_seqs,
                                    mean_prompt_tokens=mean_prompt_tokens,
-                                   mean_gen_tokens=mean_gen_tokens)
+                                   mean_gen_tokens=mean_gen_tokens, sustained=sustained)
+    if sustained is not None:   # the live front door had it from the calibration's replica
+        path.router.remember_capacity(model, sustained)
     decisions: list = []
 
     async def every(period_s: float, fn) -> None:
@@ -215,7 +219,8 @@ def simulate_path(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, max_s
                   config: PathSimConfig | None = None, initial_replicas: int = 1,
                   span_s: float = 0.0, always_on_replicas: int = 1,
                   records: dict | None = None, actual: SpeedProfile | None = None,
-                  measured_restore_s: float | None = None) -> dict[str, Any]:
+                  measured_restore_s: float | None = None,
+                  sustained: BacklogCapacity | None = None) -> dict[str, Any]:
     """Replay ``plan`` (wall seconds from the window's start) through the production request
     path and predictor with simulated replicas (module docstring); returns
     :func:`agent.sim.replay.summarise`'s keys plus ``peak_replicas``, ``always_on_replicas``,
@@ -224,9 +229,12 @@ def simulate_path(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, max_s
     replicas report and predict with (their speed meter's); ``actual``: how fast they serve
     (default ``profile``); ``max_seqs`` x ``max_seq_len``: their KV slots;
     ``restore_s``: a restore's duration; ``measured_restore_s``: the restore the front door
-    measured before the window (default ``restore_s``); ``policy``: :class:`~agent.predictor.policy.ModelPolicy`
-    fields; the window lasts at least ``span_s``; ``records``, when given, receives the
-    predictor's decisions (``decisions``) and the outcomes (``outcomes``)."""
+    measured before the window (default ``restore_s``); ``sustained``: the capacity the
+    live replica was measured to sustain backlogged before the window (agent/throughput.py),
+    which the live front door and predictor held at its start, so these do too;
+    ``policy``: :class:`~agent.predictor.policy.ModelPolicy` fields; the window lasts at
+    least ``span_s``; ``records``, when given, receives the predictor's decisions
+    (``decisions``) and the outcomes (``outcomes``)."""
     cfg = config or PathSimConfig()
     stats: dict = {} if records is None else records
     wall0 = time.perf_counter()
@@ -238,7 +246,8 @@ def simulate_path(plan: Sequence[ReplayRequest], profile: SpeedProfile, *, max_s
                               always_on_replicas=always_on_replicas, stats=stats,
                               actual=actual,
                               measured_restore_s=(restore_s if measured_restore_s is None
-                                                  else measured_restore_s)),
+                                                  else measured_restore_s),
+                              sustained=sustained),
                       start_s=1000.0)
     out["sim_wall_s"] = round(time.perf_counter() - wall0, 3)
     return out
