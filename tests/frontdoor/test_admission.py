@@ -83,3 +83,20 @@ def test_cancelled_requests_free_their_place_and_are_never_popped():
     q.offer(p("c", 103.0, clock))  # the freed place is usable
     assert [q.pop_earliest().request_id for _ in range(2)] == ["b", "c"]
     assert q.pop_earliest() is None and len(q) == 0
+
+
+def test_fluid_starts_follow_the_rates_in_sight():
+    import math
+
+    from agent.frontdoor.admission import fluid_starts_s
+
+    # one replica at 10/s from now, 2 waiting there: the queue's first starts at 0.3 s
+    assert fluid_starts_s(100.0, 2, [(100.0, 10.0)], 3) == pytest.approx([100.3, 100.4, 100.5])
+    # a second replica at 10/s due at 100.2: 20/s from then on
+    got = fluid_starts_s(100.0, 2, [(100.0, 10.0), (100.2, 10.0)], 4)
+    assert got == pytest.approx([100.25, 100.3, 100.35, 100.4])
+    # nothing warm, one restore due in 1 s
+    assert fluid_starts_s(5.0, 0, [(6.0, 4.0)], 2) == pytest.approx([6.25, 6.5])
+    # no capacity at all: never
+    assert fluid_starts_s(5.0, 0, [], 2) == [math.inf, math.inf]
+    assert fluid_starts_s(5.0, 0, [(5.0, 1.0)], 0) == []
