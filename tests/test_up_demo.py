@@ -269,3 +269,18 @@ def test_the_scale_to_zero_limit_counts_from_the_predictor_not_the_measurement()
     stack = _Stack(ready_after_s=60.0, gone_after_predicting_s=0.0)
     with pytest.raises(TimeoutError, match="no ready snapshot"):
         wait_scaled_to_zero(stack, 0.5, lambda text: None)
+
+
+def test_the_table_puts_rewarm_beside_the_always_on_replica():
+    s = sample_summary()
+    s.update(load=0.21, always_on_bound=0.995, sla_requests=7,
+             always_on={"requests": 6, "served": 5, "shed_429": 1, "expired_504": 0, "lost": 0,
+                        "sla_attainment": 5 / 6, "gpu_seconds": 40.0,
+                        "ttft_ms": {"warm_hit": {"p50": 20.0, "p99": 35.0}}})
+    text = format_table(s)
+    assert "the same requests, load 0.21; one always-on replica can meet the SLO for 99.5 %" in text
+    assert "SLA attainment                            57.1 %              83.3 %" in text
+    assert "requests (429 / 504 / lost)        6 (1 / 1 / 1)       6 (1 / 0 / 0)" in text
+    assert "GPU-seconds                                 12.3                40.0" in text
+    # a document without the always-on replay (an older one) shows no comparison
+    assert "always-on" not in format_table(sample_summary()).split("GPU-seconds")[0]

@@ -195,10 +195,10 @@ def comparison_lines(s: dict[str, Any]) -> list[str]:
              f"{on['requests']} ({on['shed_429']} / {on['expired_504']} / {on['lost']})"),
             ("warm TTFT p99 ms", warm(s), warm(on)),
             ("GPU-seconds", f"{s['gpu_seconds']:.1f}", f"{on['gpu_seconds']:.1f}")]
-    out = ["", f"{'':<28}{'rewarm':>14}{'always-on':>14}   (the same requests, load "
-               f"{s.get('load', 0):.2f}; one always-on replica can meet the SLO for "
-               f"{100 * s.get('always_on_bound', 0):.1f} % of them at best)"]
-    out += [f"{name:<28}{a:>14}{b:>14}" for name, a, b in rows]
+    out = ["", f"the same requests, load {s.get('load', 0):.2f}; one always-on replica can "
+               f"meet the SLO for {100 * s.get('always_on_bound', 0):.1f} % of them at best:",
+           f"{'':<28}{'rewarm':>20}{'always-on':>20}"]
+    out += [f"{name:<28}{a:>20}{b:>20}" for name, a, b in rows]
     return out
 
 
