@@ -47,13 +47,14 @@ chunk comes first; when that chunk ends its prompt, the next ones join the call 
 ``[k, L]`` (each its whole prompt left, shorter rows padded to the longest) while the call fits
 the budget and its padding costs less than the calls it saves, so no sequence is passed by a
 younger one and a shared call is never dearer than separate ones.  Measured on SmolLM2-135M's
-AOT package (2 cores, bench/prefill_burst.py ``--shapes``): a call's cost follows its tokens
-whatever the rows ([1,96] 200 ms, [8,12] 183 ms, [1,128] 258 ms, [2,64] 235 ms) beside a fixed
-~20 ms a call ([1,8] 22 ms), so a burst of short prompts goes as one call instead of one each.
-Where the rows differ in length the padding is paid in full, so long prompts rarely share; a
-step that ends one and starts the next pays two calls' overhead.  The decode does not share the
-prefill's call: its rows would be padded to the chunk's length ([4,96] with three decode rows
-727 ms against 227 ms for a [3,1] decode and a [1,96] chunk apart).
+AOT package (2 cores, bench/results/prefill_burst.json, ``--shapes``): a call's cost follows
+its tokens whatever the rows ([1,96] 171 ms, [8,12] 159 ms, [1,128] 228 ms, [2,64] 205 ms)
+beside a fixed ~20 ms a call ([1,8] 20 ms), so a burst of short prompts goes as one call
+instead of one each.  Where the rows differ in length the padding is paid in full, so long
+prompts rarely share; a step that ends one and starts the next pays two calls' overhead.  The
+decode does not share the prefill's call: its rows would be padded to the chunk's length
+([4,96] with three decode rows 605 ms against 180 ms for a [3,1] decode and a [1,96] chunk
+apart).
 
 So a request that arrives now meets: the decode of the step in progress, charged whole (an
 upper bound; the front door admits on it); when every sequence slot is taken, ``slot_wait_steps``

@@ -16,8 +16,9 @@ that each run OpenMP regions make two OpenMP teams in one process).
 
 Spans are taken by wrapping, in the child process only, the functions the restore calls
 (``restore_snapshot``, ``verify_golden``, ``Engine.teacher_forced``, ``_lockstep_seqs``,
-``_slots``, the forward calls per input shape — ``_prefill_rows``, ``_decode_rows`` and
-``Engine._prefill_chunks``, each with its few input tensors' set-up —, ``Engine._sample`` and
+``_slots``, the forward calls per input shape B,S — ``_prefill_rows`` (the replay's, with the
+logits of every position), ``_decode_rows`` and ``Engine._prefill_chunks`` (the logits of the
+last position only), each with its few input tensors' set-up —, ``Engine._sample`` and
 the replay's ``sample_positions``, and
 Python's cyclic garbage collector); ``golden other``
 is what golden_s holds beyond them (validation, slicing, comparison).  Each figure is the median

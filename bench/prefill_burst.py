@@ -30,9 +30,10 @@ Scenarios, each round:
   and the running streams' gaps over the same window (the stall a burst inflicts on them).
 
 ``--shapes``: forward calls of the shapes the step chooses between, timed in this process on
-the same package (median of ``--shape-repeats``, the shapes interleaved): a chunk alone
-against the same tokens as rows of several prompts, and a decode padded into a chunk's call
-against the two apart (agent/speed.py's module docstring cites them).
+the same package (median of ``--shape-repeats``, the shapes interleaved), each asking for its
+rows' last logits as the engine does (K = 1): a chunk alone against the same tokens as rows of
+several prompts, and a decode padded into a chunk's call against the two apart
+(agent/speed.py's module docstring cites them).
 
 JSON: ``meta`` (bench/run_meta.py), ``config``, ``replicas`` (each one's ITL target and
 measured speed from its ``stats``), ``modes`` ({"chunked", "whole"}: per scenario the median
@@ -257,8 +258,8 @@ async def stats(address: str) -> dict:
 
 
 # --- the forward's shapes ---------------------------------------------------------------------
-SHAPES = [(1, 8), (1, 48), (2, 24), (4, 12), (8, 6), (1, 96), (2, 48), (4, 24), (8, 12),
-          (1, 128), (2, 64), (8, 16)]
+SHAPES = [(1, 8), (8, 9), (1, 48), (2, 24), (4, 12), (8, 6), (1, 64), (1, 96), (2, 48), (4, 24),
+          (8, 12), (1, 128), (2, 64), (8, 16)]
 PADDED = [(3, 96), (7, 64)]        # (decode rows, chunk tokens)
 
 
@@ -269,16 +270,18 @@ def shapes(args: argparse.Namespace) -> list[dict]:
     import torch
 
     from agent.replica import zygote
+    from agent.replica.model import last_positions
 
     torch.set_num_threads(args.threads)
     engine = zygote.boot(Path(args.model_dir),
                          release=Path(args.release) if args.release else None).engine
 
     def call(b: int, s: int, start: int = 64) -> None:
-        with torch.inference_mode():
+        with torch.inference_mode():   # as the engine calls it: each row's last logits only
             tokens = torch.ones((b, s), dtype=torch.int64)
             pos = torch.arange(start, start + s).repeat(b, 1)
-            engine.forward(tokens, pos, torch.arange(b), engine.k_caches, engine.v_caches)
+            engine.forward(tokens, pos, torch.arange(b), engine.k_caches, engine.v_caches,
+                           last_positions([s] * b))
 
     runs = {f"[{b},{s}]": (lambda b=b, s=s: call(b, s)) for b, s in SHAPES}
     for b, s in PADDED:

@@ -1,9 +1,9 @@
 """Compile once, never at boot: torch.export + AOTInductor, one package per target.
 
 ``rewarm build MODEL_DIR --out RELEASE_DIR`` exports the model's forward (the KV cache passed
-in, see agent/replica/model.py) with three independent dynamic sizes — active batch B, cache
-batch C, new tokens S — and compiles it ahead of time with AOTInductor, per CPU or GPU
-target, so that a start loads compiled code instead of compiling it.
+in, see agent/replica/model.py) with four independent dynamic sizes — active batch B, cache
+batch C, new tokens S, logit positions K — and compiles it ahead of time with AOTInductor,
+per CPU or GPU target, so that a start loads compiled code instead of compiling it.
 Layout of a release::
 
     RELEASE_DIR/<target>/model.pt2      the AOTInductor package: generated code, no weights
@@ -12,7 +12,8 @@ Layout of a release::
                                         the compiled ranges and KV layout of its inputs, and
                                         the build's check at their edges
 
-Every dynamic size's range starts at 1: the engine prefills with B=1 and decodes with S=1.
+Every dynamic size's range starts at 1: the engine prefills with B=1, decodes with S=1 and
+samples one position per row (K=1).
 torch.export assumes a backed size is never 0 or 1 unless told otherwise, and Inductor then
 compiles (and, with ``AOTI_RUNTIME_CHECK_INPUTS=1``, enforces) ``>= 2``; so the export runs
 with ``backed_size_oblivious`` and the model avoids the ops whose stride reasoning would guard
@@ -21,6 +22,12 @@ narrower than asked, and the compiled package is run at the edges of its ranges 
 with input checks on before it is published (agent/replica/aot_check.py).  The ranges are
 recorded in ``package.json`` and inside the package (its AOTInductor metadata, covered by the
 digest); :class:`PackagedForward` checks every call against them (agent/replica/aot_inputs.py).
+K is compiled over S's range and recorded with it (``aot_inputs.LOGITS_RANGE``).
+
+A package is bound to the forward's signature: :func:`load_package` refuses one whose compiled
+call takes other inputs than :data:`FORWARD_INPUTS` (read from the package's own call spec),
+and ``package.json``'s ``format`` says which signature its rewarm built (:data:`PACKAGE_FORMAT`),
+so a package of an older forward is rebuilt, never called with inputs it does not take.
 
 On a GPU the package runs dense weights in the checkpoint's dtype (bfloat16): an int4
 checkpoint's packing is the CPU kernel's (``_weight_int4pack_mm_for_cpu``), so the build and a
@@ -59,7 +66,7 @@ import torch
 from agent.errors import (ConfigError, InvalidCheckpoint, PackageBuildFailed, PackageCheckFailed,
                           TargetMismatch, WeightSchemeMismatch)
 from agent.replica.aot_check import load_runner
-from agent.replica.aot_inputs import DIMS, InputSpec, parse_ranges
+from agent.replica.aot_inputs import DIMS, LOGITS_RANGE, InputSpec, parse_ranges
 from agent.replica.config import LlamaConfig
 from agent.replica import DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQS  # noqa: F401 (re-exported)
 from agent.replica.targets import current_target
@@ -71,8 +78,11 @@ MANIFEST_NAME = "package.json"
 FORWARD_SOURCES = ("model.py", "quant.py", "config.py", "shapes.py")
 """The replica modules whose code a package compiles (the forward, its quantized layers, the
 config and the shape checks): :func:`forward_source_digest` covers them."""
-PACKAGE_FORMAT = 2
-"""2: ranges and kv recorded, checked at build (1 lacked them and refused B=1 and S=1)."""
+PACKAGE_FORMAT = 3
+"""3: the forward takes ``logit_pos`` and returns logits at those positions only (2: logits at
+every position, without it; 1 lacked the recorded ranges and refused B=1 and S=1)."""
+FORWARD_INPUTS = ("tokens", "input_pos", "cache_batch_idx", "k_caches", "v_caches", "logit_pos")
+"""The positional inputs of the exported forward (agent/replica/model.py), in order."""
 RANGES_METADATA = "rewarm.ranges"
 MAX_MANIFEST_BYTES = 16 << 20
 
@@ -102,28 +112,31 @@ def size_ranges(max_seqs: int, max_seq_len: int) -> dict[str, tuple[int, int]]:
 def example_inputs(config: LlamaConfig, max_seqs: int, max_seq_len: int,
                    device: str = "cpu") -> tuple[Any, ...]:
     """Tracing inputs: B=2 active sequences of S=2 tokens in a cache of C=max(2, max_seqs)
-    slots of max_seq_len positions (example sizes of 1 would be specialised)."""
-    from agent.replica.model import new_kv_caches
+    slots of max_seq_len positions, logits asked at K=2 positions (example sizes of 1 would be
+    specialised)."""
+    from agent.replica.model import every_position, new_kv_caches
 
     b, s = 2, 2
     tokens = torch.zeros(b, s, dtype=torch.int64, device=device)
     input_pos = torch.arange(s, device=device).repeat(b, 1)
     cache_batch_idx = torch.arange(b, device=device)
     k_caches, v_caches = new_kv_caches(config, max(2, max_seqs), max_seq_len, device)
-    return tokens, input_pos, cache_batch_idx, k_caches, v_caches
+    return tokens, input_pos, cache_batch_idx, k_caches, v_caches, every_position(b, s, device)
 
 
 def dynamic_shapes(config: LlamaConfig, max_seqs: int, max_seq_len: int) -> tuple[Any, ...]:
-    """The three independent dynamic sizes of :func:`size_ranges`: B (dim 0 of tokens,
-    input_pos, cache_batch_idx), S (dim 1 of tokens, input_pos), C (dim 0 of every cache);
-    T, Hkv and D stay fixed."""
+    """The four independent dynamic sizes: B (dim 0 of tokens, input_pos, cache_batch_idx,
+    logit_pos), S (dim 1 of tokens, input_pos), C (dim 0 of every cache) over the ranges of
+    :func:`size_ranges`, and K (dim 1 of logit_pos) over S's; T, Hkv and D stay fixed."""
     from torch.export import Dim
 
     ranges = size_ranges(max_seqs, max_seq_len)
     batch, seq, cache = (Dim(name, min=ranges[name][0], max=ranges[name][1]) for name in DIMS)
+    lo, hi = ranges[LOGITS_RANGE]
+    logits = Dim("logits", min=lo, max=hi)
     layers = config.num_hidden_layers
     return ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch},
-            [{0: cache}] * layers, [{0: cache}] * layers)
+            [{0: cache}] * layers, [{0: cache}] * layers, {0: batch, 1: logits})
 
 
 def _size_oblivious():
@@ -139,19 +152,26 @@ def _size_oblivious():
 
 def exported_ranges(exported, config: LlamaConfig) -> dict[str, tuple[int, int]]:
     """The range export gave each dynamic size, read from the traced inputs' symbols
-    (tokens: B, S; the first cache: C); a size export made static reads as (n, n)."""
+    (tokens: B, S; the first cache: C; logit_pos: K, as ``"logits"``); a size export made
+    static reads as (n, n)."""
     placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
-    user = placeholders[-(3 + 2 * config.num_hidden_layers):]  # after the lifted weights
-    tokens, cache = user[0].meta["val"], user[3].meta["val"]
+    user = placeholders[-(4 + 2 * config.num_hidden_layers):]  # after the lifted weights
+    tokens, cache, picked = user[0].meta["val"], user[3].meta["val"], user[-1].meta["val"]
     out = {}
     for name, size in (("batch", tokens.shape[0]), ("seq", tokens.shape[1]),
-                       ("cache_batch", cache.shape[0])):
+                       ("cache_batch", cache.shape[0]), ("logits", picked.shape[1])):
         if isinstance(size, int):
             out[name] = (size, size)
             continue
         vr = exported.range_constraints[size.node.expr]
         out[name] = (int(vr.lower), int(vr.upper))
     return out
+
+
+def exported_ask(ranges: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """What :func:`exported_ranges` must read for a package of ``ranges``: those, and K
+    (``"logits"``) over S's."""
+    return {**ranges, "logits": ranges[LOGITS_RANGE]}
 
 
 def weights_for_device(weights: Mapping[str, torch.Tensor], config: LlamaConfig,
@@ -211,11 +231,11 @@ def build_from_weights(config: LlamaConfig, weights: Mapping[str, torch.Tensor],
             exported = torch.export.export(
                 model, example_inputs(config, max_seqs, max_seq_len, device),
                 dynamic_shapes=dynamic_shapes(config, max_seqs, max_seq_len))
-        got = exported_ranges(exported, config)
-        if got != ranges:
+        got, asked = exported_ranges(exported, config), exported_ask(ranges)
+        if got != asked:
             raise PackageCheckFailed(f"{dest}: export narrowed the dynamic sizes to {got}, "
-                                     f"asked for {ranges}", package=dest, sizes=None,
-                                     field="ranges", value=got, limit=ranges)
+                                     f"asked for {asked}", package=dest, sizes=None,
+                                     field="ranges", value=got, limit=asked)
         export_s = time.perf_counter() - started
         shown.update(1)
         shown.set_postfix_str("AOTInductor compile")
@@ -398,7 +418,8 @@ class PackagedForward:
     """A loaded package with its weights bound: call it like ``Transformer.forward``.
 
     ``forward(tokens [B,S] int64, input_pos [B,S] int64, cache_batch_idx [B] int64, k_caches,
-    v_caches) -> logits [B,S,V] float32``; the caches are written in place.  Every call is
+    v_caches, logit_pos [B,K] int64) -> logits [B,K,V] float32``; the caches are written in
+    place.  Every call is
     checked first against what the package was compiled for (``spec``: ranks, each dynamic size
     against its recorded range, fixed sizes, dtypes, device, index values); a wrong one raises
     PackageInputError and runs nothing, so the package serves the next call as before.
@@ -423,11 +444,62 @@ class PackagedForward:
     def ranges(self) -> dict[str, tuple[int, int]]:
         return dict(self.spec.ranges)
 
-    def __call__(self, tokens, input_pos, cache_batch_idx, k_caches, v_caches) -> torch.Tensor:
-        self.spec.check(tokens, input_pos, cache_batch_idx, k_caches, v_caches)
-        # The exported signature flattens to [tokens, input_pos, cache_batch_idx, *k, *v] and
-        # returns [logits]; boxed_run takes ownership of the list it is given.
-        return self.model.boxed_run([tokens, input_pos, cache_batch_idx, *k_caches, *v_caches])[0]
+    def __call__(self, tokens, input_pos, cache_batch_idx, k_caches, v_caches,
+                 logit_pos) -> torch.Tensor:
+        self.spec.check(tokens, input_pos, cache_batch_idx, k_caches, v_caches, logit_pos)
+        # The exported signature flattens to [tokens, input_pos, cache_batch_idx, *k, *v,
+        # logit_pos] (checked at load: check_call_spec) and returns [logits]; boxed_run takes
+        # ownership of the list it is given.
+        return self.model.boxed_run([tokens, input_pos, cache_batch_idx, *k_caches, *v_caches,
+                                     logit_pos])[0]
+
+
+def check_call_spec(loader: Any, layers: int, package: Path) -> None:
+    """Raise InvalidCheckpoint unless the compiled call of ``loader`` (an
+    ``AOTIModelPackageLoader``) takes :data:`FORWARD_INPUTS`: positional tensors, the KV caches
+    as two lists of ``layers`` tensors, no keyword inputs.  Read from the package's own input
+    spec (``get_call_spec()[0]``: the pytree spec torch.export flattened the example inputs
+    by, which torch's own ``AOTICompiledModel`` also reads, torch/export/pt2_archive/_package.py),
+    so a package compiled from a forward of another signature is refused before any call,
+    whatever its ``package.json`` says."""
+    from torch.utils import _pytree as pytree
+
+    leaf = 0
+    want = pytree.tree_flatten(((leaf, leaf, leaf, [leaf] * layers, [leaf] * layers, leaf), {}))[1]
+    try:
+        text = loader.get_call_spec()[0]
+        got = pytree.treespec_loads(text)
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as exc:
+        raise InvalidCheckpoint(f"{package}: its call spec cannot be read ({type(exc).__name__}: "
+                                f"{exc})", path=package, field="inputs", value=None,
+                                limit=FORWARD_INPUTS) from None
+    if got != want:
+        have, need = _describe_inputs(text), _describe_inputs(pytree.treespec_dumps(want))
+        raise InvalidCheckpoint(
+            f"{package}: compiled for inputs ({have}) where this rewarm's forward takes "
+            f"{', '.join(FORWARD_INPUTS)} ({need}): built by another rewarm, run `rewarm build` "
+            "again", path=package, field="inputs", value=have, limit=need)
+
+
+def _describe_inputs(spec_json: str) -> str:
+    """The positional inputs of a serialized call spec (``torch.utils._pytree.treespec_dumps``
+    JSON: ``[protocol, {"type", "context", "children_spec"}]``, the arguments first), e.g.
+    ``tensor, tensor, list of 30 tensors``; the raw text's start when it is not that."""
+
+    def node(spec: Any) -> str:
+        kids = spec.get("children_spec") or []
+        if spec.get("type") is None:
+            return "tensor"
+        name = str(spec["type"]).rsplit(".", 1)[-1]
+        if kids and all(k.get("type") is None for k in kids):
+            return f"{name} of {len(kids)} tensors"
+        return f"{name}({', '.join(node(k) for k in kids)})"
+
+    try:
+        args = json.loads(spec_json)[1]["children_spec"][0]
+        return ", ".join(node(k) for k in args["children_spec"])
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return spec_json[:120]
 
 
 def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str = "cpu",
@@ -438,9 +510,10 @@ def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str
     tensors are used in place (no copy) and must stay alive as long as the result.
     Raises TargetMismatch (built for another target; checked before any code is loaded),
     WeightSchemeMismatch (built for weights stored another way, agent/replica/quant.py),
-    InvalidCheckpoint (digest differs from the manifest or ``expect_digest``; a weight missing or
-    of another shape or dtype, naming the tensor and both values; the manifest's ranges differ
-    from those compiled into the package).
+    InvalidCheckpoint (an older format, :data:`PACKAGE_FORMAT`; digest differs from the manifest
+    or ``expect_digest``; a weight missing or of another shape or dtype, naming the tensor and
+    both values; compiled for other inputs than :data:`FORWARD_INPUTS`,
+    :func:`check_call_spec`; the manifest's ranges differ from those compiled into the package).
     """
     package_dir = find_package(Path(path), device)
     manifest = read_package_manifest(package_dir)
@@ -477,6 +550,7 @@ def load_package(path: Path, weights: Mapping[str, torch.Tensor], *, device: str
     # The C++ loader directly: torch._inductor.aoti_load_package would first import the whole
     # of Inductor (seconds of Python imports at every boot) only to wrap this same object.
     model = load_runner(package, device)
+    check_call_spec(model, spec.layers, package)
     compiled = model.get_metadata().get(RANGES_METADATA)
     try:
         same = compiled is not None and parse_ranges(json.loads(compiled), package) == spec.ranges

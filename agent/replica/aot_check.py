@@ -1,17 +1,22 @@
 """The check every AOT build ends with: the package run at the edges of its ranges, against eager.
 
-``rewarm build`` compiles one package for all three dynamic sizes (agent/replica/aot.py).  A
+``rewarm build`` compiles one package for all four dynamic sizes (agent/replica/aot.py).  A
 range that the compiler narrowed (e.g. a guard ``S != 1`` from a stride comparison) or code
 that is wrong at one of its edges would otherwise show only when a replica serves; so before
 the package is published it runs, with AOTInductor's own input checks on
 (``AOTI_RUNTIME_CHECK_INPUTS=1``), at:
 
-    every minimum          B = lo,  S = lo,  C = lo     (a one-token step of a one-slot cache)
-    the longest prefill    B = lo,  S = hi,  C = lo     (a whole slot in one call)
-    the fullest decode     B = hi,  S = lo,  C = hi     (every slot, one token each)
+    every minimum          B = lo,  S = lo,  C = lo,  K = lo   (a one-token step of a one-slot cache)
+    the longest prefill    B = lo,  S = hi,  C = lo,  K = lo   (a whole slot in one call, its
+                                                                last position's logits)
+    the longest replay     B = lo,  S = hi,  C = lo,  K = hi   (the same call, logits at hi
+                                                                positions drawn from [0, S))
+    the fullest decode     B = hi,  S = lo,  C = hi,  K = lo   (every slot, one token each)
 
-which covers the minimum and the maximum of each of batch, sequence length and cache batch.
-Each run starts from the same seeded, non-zero caches (so masking matters).  The package must
+which covers the minimum and the maximum of each of batch, sequence length, cache batch and
+logit positions (K, ``"logits"``, compiled over S's range), with K = 1 at S > 1 as serving's
+prefill calls run it.  Each run starts from the same seeded, non-zero caches (so masking
+matters).  The package must
 be as accurate as eager: its logits' and cache writes' largest error against a float64 run of
 the same eager module may be at most ``MULTIPLIER`` times eager's own error plus a floor of
 ``FLOOR`` (relative to the largest reference logit) -- the rule torch uses to judge compiled
@@ -51,11 +56,16 @@ def load_runner(package: Path, device: str = "cpu") -> Any:
 
 
 def corner_sizes(ranges: Mapping[str, tuple[int, int]]) -> list[dict[str, int]]:
-    """The three size combinations of the module docstring (B <= C in each)."""
+    """The four size combinations of the module docstring (B <= C in each; ``"logits"`` is K,
+    over ``ranges[aot_inputs.LOGITS_RANGE]``)."""
+    from agent.replica.aot_inputs import LOGITS_RANGE
+
     (b_lo, b_hi), (s_lo, s_hi), (c_lo, c_hi) = (ranges[k] for k in ("batch", "seq", "cache_batch"))
-    return [{"batch": b_lo, "seq": s_lo, "cache_batch": max(c_lo, b_lo)},
-            {"batch": b_lo, "seq": s_hi, "cache_batch": max(c_lo, b_lo)},
-            {"batch": min(b_hi, c_hi), "seq": s_lo, "cache_batch": c_hi}]
+    k_lo, k_hi = ranges[LOGITS_RANGE]
+    return [{"batch": b_lo, "seq": s_lo, "cache_batch": max(c_lo, b_lo), "logits": k_lo},
+            {"batch": b_lo, "seq": s_hi, "cache_batch": max(c_lo, b_lo), "logits": k_lo},
+            {"batch": b_lo, "seq": s_hi, "cache_batch": max(c_lo, b_lo), "logits": k_hi},
+            {"batch": min(b_hi, c_hi), "seq": s_lo, "cache_batch": c_hi, "logits": k_lo}]
 
 
 MULTIPLIER = 3.0
@@ -78,9 +88,12 @@ def input_checks_on() -> Iterator[None]:
 
 
 def _inputs(config, sizes: Mapping[str, int], max_seq_len: int, device: str):
+    """Seeded inputs at ``sizes``: ``((tokens, input_pos, idx, logit_pos), k, v)``; K = 1 asks
+    for each row's last position (as serving does), a larger K for positions drawn from
+    [0, S) with repeats (any order the gather must follow)."""
     from agent.replica.model import new_kv_caches
 
-    b, s, c = sizes["batch"], sizes["seq"], sizes["cache_batch"]
+    b, s, c, n = sizes["batch"], sizes["seq"], sizes["cache_batch"], sizes["logits"]
     gen = torch.Generator().manual_seed(SEED + 1000 * b + 10 * s + c)
     tokens = torch.randint(0, config.vocab_size, (b, s), generator=gen)
     start = torch.randint(0, max_seq_len - s + 1, (b, 1), generator=gen)
@@ -89,14 +102,17 @@ def _inputs(config, sizes: Mapping[str, int], max_seq_len: int, device: str):
     k, v = new_kv_caches(config, c, max_seq_len)
     for cache in (*k, *v):
         cache.copy_(torch.randn(cache.shape, generator=gen).to(cache.dtype))
-    return tuple(x.to(device) for x in (tokens, input_pos, idx)), k, v
+    logit_pos = (torch.full((b, 1), s - 1, dtype=torch.int64) if n == 1
+                 else torch.randint(0, s, (b, n), generator=gen))
+    return tuple(x.to(device) for x in (tokens, input_pos, idx, logit_pos)), k, v
 
 
 def _run(forward: Callable, inputs, k, v, device: str, dtype: torch.dtype | None = None):
     k = [c.clone().to(device, dtype) for c in k]
     v = [c.clone().to(device, dtype) for c in v]
+    tokens, input_pos, idx, logit_pos = inputs
     with torch.inference_mode():
-        logits = forward(*inputs, k, v)
+        logits = forward(tokens, input_pos, idx, k, v, logit_pos)
     return logits.double().cpu(), [c.double().cpu() for c in (*k, *v)]
 
 
@@ -140,8 +156,8 @@ def check_package(package: Path, eager: torch.nn.Module, weights: Mapping[str, t
         loader.load_constants({n: t.contiguous() for n, t in weights.items() if n in names},
                               False, True, True, False)
 
-        def packaged(tokens, input_pos, idx, k, v):
-            return loader.boxed_run([tokens, input_pos, idx, *k, *v])[0]
+        def packaged(tokens, input_pos, idx, k, v, logit_pos):
+            return loader.boxed_run([tokens, input_pos, idx, *k, *v, logit_pos])[0]
 
         for sizes in corner_sizes(ranges):
             inputs, k, v = _inputs(eager.config, sizes, max_seq_len, device)

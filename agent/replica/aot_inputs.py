@@ -12,9 +12,13 @@ outside them with :class:`~agent.errors.PackageInputError` before the compiled c
     cache_batch_idx  [B]               int64   every value in [0, C)
     k_caches         layers x [C, T, Hkv, D]   kv dtype, contiguous, C in ranges["cache_batch"]
     v_caches         the same
+    logit_pos        [B, K]            int64   K in ranges["seq"], every value in [0, S)
 
-All on the package's device.  The index checks read two tiny tensors back (on a GPU, a
-synchronisation per call): the price of refusing an out-of-bounds write instead of making it.
+All on the package's device.  K, the logit positions (agent/replica/model.py), is a dynamic size
+of its own, compiled over the range of S (one row's positions at most; :data:`LOGITS_RANGE`).
+The index checks read the extremes of three small tensors back in one transfer (on a GPU, one
+synchronisation per call): the price of refusing an out-of-bounds read or write instead of
+making it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import torch
 from agent.errors import InvalidCheckpoint, PackageInputError
 
 DIMS = ("batch", "seq", "cache_batch")
-"""The three dynamic sizes of the exported forward (agent/replica/model.py): B, S and C."""
+"""The ranges a package records (agent/replica/model.py's B, S and C)."""
+LOGITS_RANGE = "seq"
+"""The recorded range K (``logit_pos``'s positions per row) is compiled over: S's."""
 
 
 def _int(value: Any) -> bool:
@@ -109,7 +115,8 @@ class InputSpec:
             self._refuse(argument, name, value, [lo, hi], "is outside the compiled range")
 
     def check(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache_batch_idx: torch.Tensor,
-              k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
+              k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+              logit_pos: torch.Tensor) -> None:
         """Raise PackageInputError naming the first argument that the package cannot take."""
         self._tensor("tokens", tokens, 2, torch.int64)
         batch, seq = tokens.shape
@@ -135,12 +142,20 @@ class InputSpec:
                 self._tensor(argument, c, 4, self.kv_dtype)
                 if tuple(c.shape) != shape:
                     self._refuse(argument, "shape", tuple(c.shape), shape, "is not")
-        # Values last: they are data (on a GPU, reading them back synchronises).
-        lo, hi = (int(v) for v in torch.aminmax(cache_batch_idx))
-        if lo < 0 or hi >= cache_batch:
-            self._refuse("cache_batch_idx", "value", lo if lo < 0 else hi, [0, cache_batch - 1],
-                         "is outside the cache's slots")
-        lo, hi = (int(v) for v in torch.aminmax(input_pos))
-        if lo < 0 or hi >= self.max_seq_len:
-            self._refuse("input_pos", "value", lo if lo < 0 else hi, [0, self.max_seq_len - 1],
-                         "is outside the cache's positions")
+        self._tensor("logit_pos", logit_pos, 2, torch.int64)
+        if logit_pos.shape[0] != batch:
+            self._refuse("logit_pos", "batch", logit_pos.shape[0], batch, "is not tokens'")
+        lo, hi = self.ranges[LOGITS_RANGE]
+        if not lo <= logit_pos.shape[1] <= hi:
+            self._refuse("logit_pos", "logits", logit_pos.shape[1], [lo, hi],
+                         "is outside the compiled range")
+        # Values last: they are data (on a GPU, reading them back synchronises: once, for all).
+        extremes = torch.stack([*torch.aminmax(cache_batch_idx), *torch.aminmax(input_pos),
+                                *torch.aminmax(logit_pos)]).tolist()
+        for (argument, limit, why), (lo, hi) in zip(
+                (("cache_batch_idx", cache_batch, "is outside the cache's slots"),
+                 ("input_pos", self.max_seq_len, "is outside the cache's positions"),
+                 ("logit_pos", seq, "is outside the call's positions")),
+                (extremes[0:2], extremes[2:4], extremes[4:6]), strict=True):
+            if lo < 0 or hi >= limit:
+                self._refuse(argument, "value", lo if lo < 0 else hi, [0, limit - 1], why)

@@ -26,8 +26,10 @@ slot: attention masks key positions after each query (agent/replica/model.py), a
 chunk or decode writes a position before any query reads it.
 
 Every call goes through the same ``forward(tokens, input_pos, cache_batch_idx, k_caches,
-v_caches)`` (see agent/replica/model.py), either the eager :class:`Transformer` or any
-callable with that signature (a loaded AOT package, a ``torch.compile`` of the module).
+v_caches, logit_pos)`` (see agent/replica/model.py), either the eager :class:`Transformer` or
+any callable with that signature (a loaded AOT package, a ``torch.compile`` of the module).
+Serving asks for one position's logits per row (K = 1): a prefill call's last prompt token
+of each row (its padding and earlier tokens need none), a decode step's one token.
 
 Sampling is per sequence (agent/replica/sampling.py: greedy, or temperature / top-k / top-p
 with a per-sequence seeded generator); a decode step samples every active sequence from one
@@ -56,7 +58,7 @@ from agent.errors import ConfigError, ProtocolError
 from agent.replica.config import LlamaConfig
 from agent.replica.kv import KVPlan, KVSlotAllocator, plan_kv
 from agent.replica.lockstep import Lockstep
-from agent.replica.model import Transformer, new_kv_caches
+from agent.replica.model import Transformer, every_position, last_positions, new_kv_caches
 from agent.replica.sampling import (GREEDY, MAX_SEED, Sampler, Sampling, make_sampler,  # noqa: F401
                                     sample, sample_rows)
 from agent.replica.speedmeter import SpeedMeter
@@ -71,12 +73,14 @@ smaller steps do not shorten but which they would pay for in TTFT."""
 
 
 def mark_dynamic_inputs(tokens: torch.Tensor, input_pos: torch.Tensor, cache_batch_idx: torch.Tensor,
-                        k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-    """Mark the three dynamic sizes for ``torch.compile``: active batch (dim 0 of tokens,
-    input_pos, cache_batch_idx), sequence length (dim 1 of tokens, input_pos) and cache batch
-    (dim 0 of every cache): the ``Dim``s the AOT export declares (agent/replica/aot.py)."""
+                        k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                        logit_pos: torch.Tensor) -> None:
+    """Mark the four dynamic sizes for ``torch.compile``: active batch (dim 0 of tokens,
+    input_pos, cache_batch_idx, logit_pos), sequence length (dim 1 of tokens, input_pos),
+    cache batch (dim 0 of every cache) and logit positions (dim 1 of logit_pos): the ``Dim``s
+    the AOT export declares (agent/replica/aot.py)."""
     mark = torch._dynamo.mark_dynamic
-    for t in (tokens, input_pos):
+    for t in (tokens, input_pos, logit_pos):
         mark(t, 0)
         mark(t, 1)
     mark(cache_batch_idx, 0)
@@ -90,9 +94,9 @@ def jit_forward(model: torch.nn.Module, **compile_kwargs) -> Forward:
     :class:`Engine` as ``forward`` and call :meth:`Engine.warmup` before serving."""
     compiled = torch.compile(model, **compile_kwargs)
 
-    def forward(tokens, input_pos, cache_batch_idx, k_caches, v_caches):
-        mark_dynamic_inputs(tokens, input_pos, cache_batch_idx, k_caches, v_caches)
-        return compiled(tokens, input_pos, cache_batch_idx, k_caches, v_caches)
+    def forward(tokens, input_pos, cache_batch_idx, k_caches, v_caches, logit_pos):
+        mark_dynamic_inputs(tokens, input_pos, cache_batch_idx, k_caches, v_caches, logit_pos)
+        return compiled(tokens, input_pos, cache_batch_idx, k_caches, v_caches, logit_pos)
 
     return forward
 
@@ -237,11 +241,13 @@ class Engine(Lockstep):
 
     def warmup(self) -> int:
         """Run the forward once per shape class the engine will use, before serving: B and S of
-        1 and 2 (compilers specialise size 1, so {1, 2} x {1, 2} covers every graph a
-        ``torch.compile``-d forward needs; after this no (B, S) recompiles, see
-        tests/replica/test_recompiles.py).  Writes only into free slots, whose contents no
-        sequence reads (the causal mask hides positions a sequence has not written).
-        Returns the number of forward calls.  Raises ProtocolError while sequences are active."""
+        1 and 2, each with the logits of its last position (K = 1, serving) and, where S is 2,
+        of every position (K = S, the golden check's replay): compilers specialise size 1, so
+        these cover every graph a ``torch.compile``-d forward needs; after this no (B, S, K)
+        recompiles, see tests/replica/test_recompiles.py.  Writes only into free slots, whose
+        contents no sequence reads (the causal mask hides positions a sequence has not
+        written).  Returns the number of forward calls.  Raises ProtocolError while sequences
+        are active."""
         if self._active:
             raise ProtocolError("warmup with sequences active", field="active_seqs",
                                 value=len(self._active), limit=0)
@@ -252,8 +258,12 @@ class Engine(Lockstep):
                     tokens = torch.zeros((b, s), dtype=torch.int64, device=self.device)
                     pos = torch.arange(s, device=self.device).repeat(b, 1)
                     idx = torch.arange(b, device=self.device)
-                    self.forward(tokens, pos, idx, self.k_caches, self.v_caches)
-                    calls += 1
+                    picks = [last_positions([s] * b, self.device)]
+                    if s > 1:
+                        picks.append(every_position(b, s, self.device))
+                    for logit_pos in picks:
+                        self.forward(tokens, pos, idx, self.k_caches, self.v_caches, logit_pos)
+                        calls += 1
         return calls
 
     # --- the server-loop API ---------------------------------------------------------------
@@ -467,8 +477,9 @@ class Engine(Lockstep):
 
     def _run_chunks(self, group: list[_Seq], rows: list[int], width: int) -> dict[int, int]:
         """One forward call ``[len(group), width]`` over the next ``rows[i]`` prompt tokens of
-        each sequence (shorter rows padded with token 0 past their chunk); returns the first
-        token of each sequence whose prompt this call completes, by sequence id."""
+        each sequence (shorter rows padded with token 0 past their chunk), with the logits of
+        each row's last chunk token only (K = 1); returns the first token of each sequence
+        whose prompt this call completes, by sequence id."""
         dev = self.device
         with torch.inference_mode():   # inputs made as warmup makes them (no recompile)
             tokens = torch.tensor([s.prompt[s.pos:s.pos + n] + [0] * (width - n)
@@ -476,12 +487,13 @@ class Engine(Lockstep):
                                   dtype=torch.int64, device=dev)
             pos = torch.stack([torch.arange(s.pos, s.pos + width, device=dev) for s in group])
             idx = torch.tensor([s.slot for s in group], dtype=torch.int64, device=dev)
-            logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)  # [k, width, V]
+            logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches,
+                                  last_positions(rows, dev))                    # [k, 1, V]
             done = [(i, s) for i, (s, n) in enumerate(zip(group, rows, strict=True))
                     if s.pos + n == len(s.prompt)]
             if not done:
                 return {}
-            last = torch.stack([logits[i, rows[i] - 1] for i, _ in done])       # [F, V]
+            last = logits[[i for i, _ in done], 0]                              # [F, V]
             picked = sample_rows([s.sampler for _, s in done], last)            # one host sync
         return {s.seq_id: token for (_, s), token in zip(done, picked, strict=True)}
 
@@ -541,7 +553,8 @@ class Engine(Lockstep):
             tokens = torch.tensor([[s.last] for s in batch], dtype=torch.int64, device=dev)
             pos = torch.tensor([[s.pos] for s in batch], dtype=torch.int64, device=dev)
             idx = torch.tensor([s.slot for s in batch], dtype=torch.int64, device=dev)
-            logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches)[:, -1]
+            logits = self.forward(tokens, pos, idx, self.k_caches, self.v_caches,
+                                  last_positions([1] * len(batch), dev))[:, 0]   # [B, V]
             picked = sample_rows([s.sampler for s in batch], logits)   # one host sync
             for seq, token in zip(batch, picked, strict=True):
                 seq.pos += 1

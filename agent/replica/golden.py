@@ -193,14 +193,17 @@ def drift_rows(encode, rows: int = 4) -> list[list[int]]:
 
 
 def prefill_logits(forward, rows: list[list[int]], k_caches, v_caches):
-    """logits [P, N, V] float32 of one batched prefill of ``rows`` ([P][N] ids) into cache
-    slots 0..P-1 of ``k_caches``/``v_caches`` (written in place)."""
+    """logits [P, N, V] float32 at every position of one batched prefill of ``rows`` ([P][N]
+    ids) into cache slots 0..P-1 of ``k_caches``/``v_caches`` (written in place)."""
     import torch
+
+    from agent.replica.model import every_position
 
     tokens = torch.tensor(rows, dtype=torch.int64)
     b, n = tokens.shape
     with torch.inference_mode():
-        return forward(tokens, torch.arange(n).repeat(b, 1), torch.arange(b), k_caches, v_caches).float()
+        return forward(tokens, torch.arange(n).repeat(b, 1), torch.arange(b), k_caches, v_caches,
+                       every_position(b, n)).float()
 
 
 def drift(reference, got) -> dict[str, float]:

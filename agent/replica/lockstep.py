@@ -4,12 +4,15 @@ Two ways to run P prompts at once through the engine's ``forward`` (agent/replic
 both on an idle engine, both in groups of at most ``max_seqs`` prompts (one KV slot each):
 
 - :meth:`Lockstep.generate_lockstep` samples ``max_tokens`` new tokens per prompt: one batched
-  prefill (B = prompts, S = the longest prompt), then one batched decode call per further token
-  (B = prompts, S = 1).  ``max_tokens`` forward calls per group.
+  prefill (B = prompts, S = the longest prompt, the logits of each prompt's last token: K = 1),
+  then one batched decode call per further token (B = prompts, S = 1).  ``max_tokens`` forward
+  calls per group.
 - :meth:`Lockstep.teacher_forced` replays tokens already known (a golden record,
   agent/replica/golden.py): for every position ``k`` of ``tokens[i]`` it returns what the model
   samples given ``prompts[i] + tokens[i][:k]``.  The inputs ``prompt + tokens[:-1]`` are fed as
-  one batched prefill of all but the last input (B = prompts, S = the longest), whose logits at
+  one batched prefill of all but the last input (B = prompts, S = the longest, the logits of
+  every position: K = S, the LM head on the same [B, S] rows in every rewarm, so a golden
+  record reproduces bit for bit), whose logits at
   the last prompt position and every later one give positions ``0 .. N-2``, then one batched
   decode step of the last input through the KV cache the prefill wrote (S = 1, the kernels a
   served request's decode uses) gives position ``N-1``.  Two forward calls per group, whatever
@@ -46,6 +49,7 @@ from typing import Any
 import torch
 
 from agent.errors import ProtocolError
+from agent.replica.model import every_position, last_positions
 from agent.replica.sampling import sample_positions, sample_rows
 
 
@@ -97,20 +101,27 @@ class Lockstep:
                     self.kv.free(seq.slot)
                     seq.slot = -1
 
-    def _prefill_rows(self, rows: list[list[int]], idx: torch.Tensor) -> torch.Tensor:
-        """One batched prefill of ``rows`` (padded at the end): logits [B, W, V]."""
+    def _prefill_rows(self, rows: list[list[int]], idx: torch.Tensor,
+                      every: bool) -> torch.Tensor:
+        """One batched prefill of ``rows`` (padded at the end to the longest, W): logits
+        [B, W, V] at every position when ``every``, else [B, V] after each row's last token."""
         dev, width = self.device, max(len(r) for r in rows)
         tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64,
                               device=dev)
         pos = torch.arange(width, device=dev).repeat(len(rows), 1)
-        return self.forward(tokens, pos, idx, self.k_caches, self.v_caches)
+        if every:
+            return self.forward(tokens, pos, idx, self.k_caches, self.v_caches,
+                                every_position(len(rows), width, dev))
+        return self.forward(tokens, pos, idx, self.k_caches, self.v_caches,
+                            last_positions([len(r) for r in rows], dev))[:, 0]
 
     def _decode_rows(self, last: list[int], positions: list[int], idx: torch.Tensor) -> torch.Tensor:
         """One batched decode step (S = 1): logits [B, V]."""
         dev = self.device
         tokens = torch.tensor([[t] for t in last], dtype=torch.int64, device=dev)
         pos = torch.tensor([[p] for p in positions], dtype=torch.int64, device=dev)
-        return self.forward(tokens, pos, idx, self.k_caches, self.v_caches)[:, -1]
+        return self.forward(tokens, pos, idx, self.k_caches, self.v_caches,
+                            last_positions([1] * len(last), dev))[:, 0]
 
     def generate_lockstep(self, prompts: list[list[int]], max_tokens: int,
                           seed: int | None = None) -> list[list[int]]:
@@ -126,10 +137,7 @@ class Lockstep:
         return out
 
     def _generate_group(self, group: list, idx: torch.Tensor, max_tokens: int) -> list[list[int]]:
-        dev = self.device
-        logits = self._prefill_rows([s.prompt for s in group], idx)               # [B, W, V]
-        last = torch.tensor([len(s.prompt) - 1 for s in group], device=dev)
-        logits = logits[torch.arange(len(group), device=dev), last]               # [B, V]
+        logits = self._prefill_rows([s.prompt for s in group], idx, every=False)  # [B, V]
         got: list[list[int]] = [[] for _ in group]
         for step in range(max_tokens):
             if step:
@@ -181,7 +189,7 @@ class Lockstep:
         t = time.perf_counter()
         head = None
         if max(len(r) for r in inputs) > 1:
-            logits = self._prefill_rows([r[:-1] for r in inputs], idx)            # [B, W, V]
+            logits = self._prefill_rows([r[:-1] for r in inputs], idx, every=True)  # [B, W, V]
             firsts = [len(seq.prompt) - 1 for seq in group]
             head = torch.stack([logits[row, first:first + n - 1]
                                 for row, first in enumerate(firsts)])           # [B, n-1, V]

@@ -3,17 +3,34 @@
 The KV cache is an *input*, not module state: a compiled (AOT) model cannot keep state, so
 the conversation's memory has to be passed in.  Signature::
 
-    forward(tokens, input_pos, cache_batch_idx, k_caches, v_caches) -> logits
+    forward(tokens, input_pos, cache_batch_idx, k_caches, v_caches, logit_pos) -> logits
 
     tokens           [B, S]  int64   token ids of B active sequences, S new tokens each
     input_pos        [B, S]  int64   absolute position of each token in its sequence
     cache_batch_idx  [B]     int64   the cache slot (row of every cache tensor) of each sequence
     k_caches         list of num_hidden_layers tensors [C, T, Hkv, D] in ``config.dtype``
     v_caches         same shapes as k_caches
-    logits           [B, S, vocab_size] float32
+    logit_pos        [B, K]  int64   the positions within this call (indices into S, each in
+                                     [0, S)) whose logits are wanted, per row
+    logits           [B, K, vocab_size] float32: ``logits[b, k]`` is the next-token logits after
+                                     ``tokens[b, logit_pos[b, k]]``
 
-Three sizes vary independently: B (active batch), C (cache batch, the number of slots) and S
-(new tokens).  T (``max_seq_len``), Hkv and D are fixed per engine.
+Four sizes vary independently: B (active batch), C (cache batch, the number of slots), S
+(new tokens) and K (logit positions).  T (``max_seq_len``), Hkv and D are fixed per engine.
+
+**Logits only where they are read**: the hidden states of the ``logit_pos`` positions are
+gathered after the last layer, and only they go through the final norm and the LM head
+(:meth:`Transformer.head`).  Serving samples one position per row (K = 1: a prefill call's
+last prompt token of each row, a decode step's only token; :func:`last_positions`); the
+golden check's teacher-forced replay reads every position (K = S: :func:`every_position`).
+The LM head is the largest matmul of a small model (SmolLM2-135M: vocabulary 49,152 x hidden
+576 = 28.3 M weights against 30 layers of 3.5 M, 21 % of the multiply-adds per token; at 64
+rows its int8 kernel took 37 ms beside 45 ms for the 30 layers' int4 matmuls on two cores,
+bench/results/engine_profile.json ``kernels``), and at K = 1 a prefill call of S tokens pays
+it once per row instead of S times.  At K = S (``logit_pos`` every position in order) the
+gathered states are the whole [B, S, hidden], so the norm and the LM head run on the same
+values in the same shape as without the gather (in eager, the same bits:
+tests/replica/test_model.py).
 
 **The cache is written in place**: each layer writes its new K and V rows with
 ``index_put_`` at ``[cache_batch_idx[b], input_pos[b, s]]``, i.e. the forward mutates its
@@ -26,7 +43,7 @@ behind, since a sequence always writes positions 0..p in order).  Reading ``[0, 
 would cost every decode step the whole slot whatever the context (at T=512 and B=8 the gather
 and the two attention matmuls were half of an eager step's kernel time, bench/engine_profile.py).
 ``L`` is a data-dependent size (unbacked under torch.export, bounded by ``[1, T]``); no Python
-branch depends on data, so the control flow is fixed for every (B, C, S).
+branch depends on data, so the control flow is fixed for every (B, C, S, K).
 
 Runtime layout (the tensors a snapshot stores; ``load_hf_weights`` and the load hook produce it):
 Q/K/V fused into ``attention.wqkv`` [n_q + 2 n_kv, hidden] and gate/up fused into
@@ -410,7 +427,7 @@ class Transformer(nn.Module):
         return self.tok_embeddings(tokens)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: h [B, S, hidden] -> logits [B, S, V] float32."""
+        """Final norm and LM head: h [B, K, hidden] -> logits [B, K, V] float32."""
         from agent.replica.quant import Int8Embedding
 
         h = self.norm(h)
@@ -421,14 +438,34 @@ class Transformer(nn.Module):
         return F.linear(h, self.tok_embeddings.weight).float()
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache_batch_idx: torch.Tensor,
-                k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
-        """See the module docstring for shapes.  Mutates ``k_caches``/``v_caches`` in place."""
+                k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                logit_pos: torch.Tensor) -> torch.Tensor:
+        """See the module docstring for shapes: logits [B, K, V] float32 at ``logit_pos``
+        [B, K].  Mutates ``k_caches``/``v_caches`` in place.  Eager raises RuntimeError for a
+        ``logit_pos`` outside [0, S) (``torch.gather``'s bounds check); a compiled package
+        relies on its caller's check (agent/replica/aot_inputs.py)."""
         cos, sin = self.rope_cos_sin(input_pos)
         mask = self.causal_mask(input_pos, live_context(input_pos, k_caches[0].shape[1]))
         h = self.embed(tokens)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             h = layer(h, cos, sin, input_pos, cache_batch_idx, k_cache, v_cache, mask)
-        return self.head(h)
+        # [B, S, hidden] -> [B, K, hidden]: the states whose logits are read
+        picked = h.gather(1, logit_pos.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+        return self.head(picked)
+
+
+def every_position(batch: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``logit_pos`` [batch, seq] int64 (contiguous) asking for the logits of every position
+    of a call: ``[[0, 1, ..., seq - 1]] * batch`` (the teacher-forced replay, the drift
+    measurement)."""
+    return torch.arange(seq, dtype=torch.int64, device=device).repeat(batch, 1)
+
+
+def last_positions(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``logit_pos`` [len(lengths), 1] int64 asking, per row, for the logits after its last
+    real token: position ``lengths[i] - 1`` of row ``i`` (a prefill call's rows are padded past
+    their chunk; a decode step's rows are one token, ``lengths`` all 1)."""
+    return torch.tensor([[n - 1] for n in lengths], dtype=torch.int64, device=device)
 
 
 def new_kv_caches(config: LlamaConfig, max_seqs: int, max_seq_len: int,

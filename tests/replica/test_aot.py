@@ -9,7 +9,7 @@ import torch
 from agent.errors import ConfigError, InvalidCheckpoint, PackageCheckFailed, PackageInputError, TargetMismatch
 from agent.replica import aot, aot_check
 from agent.replica.config import LlamaConfig
-from agent.replica.model import Transformer, new_kv_caches
+from agent.replica.model import Transformer, every_position, last_positions, new_kv_caches
 from agent.replica.targets import current_target
 
 MAX_SEQS, MAX_SEQ_LEN = 4, 32
@@ -35,25 +35,30 @@ def release(tmp_path_factory):
     return out
 
 
-def run(forward, weights_seed_or_none, B, S, C, weights=None):
+def run(forward, weights_seed_or_none, B, S, C, weights=None, K=None):
+    """One call at (B, S, C): logits of every position (``K`` None), of each row's last
+    (``K`` 1), or of ``K`` positions drawn from [0, S)."""
     cfg = tiny_config()
     gen = torch.Generator().manual_seed(B * 100 + S * 10 + C)
     tokens = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
     input_pos = torch.arange(S).repeat(B, 1)
     idx = torch.randperm(C, generator=gen)[:B]
     k, v = new_kv_caches(cfg, C, MAX_SEQ_LEN)
-    return forward(tokens, input_pos, idx, k, v), k, v
+    logit_pos = (every_position(B, S) if K is None else last_positions([S] * B) if K == 1
+                 else torch.randint(0, S, (B, K), generator=gen))
+    return forward(tokens, input_pos, idx, k, v, logit_pos), k, v
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("B,S,C", [(1, 1, 1), (3, 5, 4), (4, 1, 4), (2, 32, 3)])
-def test_package_matches_eager_for_every_dynamic_size(release, B, S, C):
+@pytest.mark.parametrize("B,S,C,K", [(1, 1, 1, None), (3, 5, 4, None), (3, 5, 4, 1), (4, 1, 4, 1),
+                                     (2, 32, 3, None), (2, 32, 3, 1), (2, 7, 3, 32)])
+def test_package_matches_eager_for_every_dynamic_size(release, B, S, C, K):
     weights = tiny_weights()
     packaged = aot.load_package(release, weights)
     eager = Transformer.from_weights(tiny_config(), tiny_weights())
-    got, gk, gv = run(packaged, None, B, S, C)
-    want, wk, wv = run(eager, None, B, S, C)
-    assert got.shape == (B, S, tiny_config().vocab_size)
+    got, gk, gv = run(packaged, None, B, S, C, K=K)
+    want, wk, wv = run(eager, None, B, S, C, K=K)
+    assert got.shape == (B, S if K is None else K, tiny_config().vocab_size)
     assert torch.allclose(got, want, atol=1e-5)
     assert torch.allclose(gk[1], wk[1], atol=1e-6) and gk[1].abs().sum() > 0  # cache written in place
 
@@ -122,14 +127,15 @@ def test_empty_release_and_bad_manifests(tmp_path):
     (tmp_path / aot.MANIFEST_NAME).write_text("{not json")
     with pytest.raises(InvalidCheckpoint, match="JSON"):
         aot.read_package_manifest(tmp_path)
-    (tmp_path / aot.MANIFEST_NAME).write_text(json.dumps({"format": 1}))
-    with pytest.raises(InvalidCheckpoint, match="format 1 is not 2.*rewarm build") as err:
-        aot.read_package_manifest(tmp_path)  # an old build, without ranges: rebuilt, never used
-    assert err.value.value == 1 and err.value.limit == aot.PACKAGE_FORMAT
+    for old in (1, 2):   # without ranges; a forward without logit_pos: rebuilt, never used
+        (tmp_path / aot.MANIFEST_NAME).write_text(json.dumps({"format": old}))
+        with pytest.raises(InvalidCheckpoint, match=f"format {old} is not 3.*rewarm build") as err:
+            aot.read_package_manifest(tmp_path)
+        assert err.value.value == old and err.value.limit == aot.PACKAGE_FORMAT
     (tmp_path / aot.MANIFEST_NAME).write_text(json.dumps({"format": aot.PACKAGE_FORMAT}))
     with pytest.raises(InvalidCheckpoint, match="target"):
         aot.read_package_manifest(tmp_path)
-    good = {"format": 2, "target": "t", "digest": "d", "constants": {}, "max_seqs": 4,
+    good = {"format": aot.PACKAGE_FORMAT, "target": "t", "digest": "d", "constants": {}, "max_seqs": 4,
             "max_seq_len": 32, "config": {}, "kv": {}}
     for ranges in ({"batch": [1, 4], "seq": [1, 32]}, {"batch": [0, 4], "seq": [1, 32], "cache_batch": [1, 4]},
                    {"batch": [1, 4], "seq": [5, 2], "cache_batch": [1, 4]},
@@ -166,8 +172,9 @@ def test_ranges_start_at_one_and_the_build_checked_their_edges(release):
                               "head_dim": cfg.head_dim, "dtype": "float32"}
     runs = manifest["checked"]["runs"]
     assert manifest["checked"]["env"] == "AOTI_RUNTIME_CHECK_INPUTS=1"
-    assert [(r["batch"], r["seq"], r["cache_batch"]) for r in runs] == [
-        (1, 1, 1), (1, MAX_SEQ_LEN, 1), (MAX_SEQS, 1, MAX_SEQS)]
+    assert [(r["batch"], r["seq"], r["cache_batch"], r["logits"]) for r in runs] == [
+        (1, 1, 1, 1), (1, MAX_SEQ_LEN, 1, 1), (1, MAX_SEQ_LEN, 1, MAX_SEQ_LEN),
+        (MAX_SEQS, 1, MAX_SEQS, 1)]
     assert all(0 <= r["error"] <= r["limit"] and r["eager_error"] >= 0 for r in runs)
     # The same ranges are compiled into the package itself (covered by its digest).
     loader = torch._C._aoti.AOTIModelPackageLoader(str(package_dir / aot.PACKAGE_NAME), "model",
@@ -176,21 +183,23 @@ def test_ranges_start_at_one_and_the_build_checked_their_edges(release):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("B,S,C", [(1, 1, 1), (1, MAX_SEQ_LEN, 1), (MAX_SEQS, 1, MAX_SEQS)])
-def test_every_edge_runs_with_aoti_input_checks_on(release, B, S, C):
+@pytest.mark.parametrize("B,S,C,K", [(1, 1, 1, 1), (1, MAX_SEQ_LEN, 1, 1),
+                                     (1, MAX_SEQ_LEN, 1, MAX_SEQ_LEN), (MAX_SEQS, 1, MAX_SEQS, 1)])
+def test_every_edge_runs_with_aoti_input_checks_on(release, B, S, C, K):
     with aot_check.input_checks_on():   # read at a loaded package's first call: load inside
         packaged = aot.load_package(release, tiny_weights())
-        got, _, _ = run(packaged, None, B, S, C)
-    want, _, _ = run(Transformer.from_weights(tiny_config(), tiny_weights()), None, B, S, C)
+        got, _, _ = run(packaged, None, B, S, C, K=K)
+    want, _, _ = run(Transformer.from_weights(tiny_config(), tiny_weights()), None, B, S, C, K=K)
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def _call_args(B=2, S=3, C=MAX_SEQS, dtype=torch.float32):
+def _call_args(B=2, S=3, C=MAX_SEQS, dtype=torch.float32, K=1):
     cfg = tiny_config()
     tokens = torch.randint(0, cfg.vocab_size, (B, S))
     k, v = new_kv_caches(cfg, C, MAX_SEQ_LEN)
     k, v = [c.to(dtype) for c in k], [c.to(dtype) for c in v]
-    return [tokens, torch.arange(S).repeat(B, 1), torch.arange(B), k, v]
+    return [tokens, torch.arange(S).repeat(B, 1), torch.arange(B), k, v,
+            torch.full((B, K), S - 1, dtype=torch.int64)]
 
 
 @pytest.mark.slow
@@ -214,11 +223,11 @@ def test_wrong_calls_are_refused_before_running_and_the_package_stays_usable(rel
     wrong("batch", lambda a: a.__setitem__(slice(0, 3), _call_args(B=5, C=5)[:3]), 5, [1, MAX_SEQS])
     wrong("seq", lambda a: a.__setitem__(slice(0, 3), _call_args(S=MAX_SEQ_LEN + 1)[:3]),
           MAX_SEQ_LEN + 1, [1, MAX_SEQ_LEN])
-    wrong("cache_batch", lambda a: a.__setitem__(slice(3, 5), _call_args(C=MAX_SEQS + 1)[3:]),
+    wrong("cache_batch", lambda a: a.__setitem__(slice(3, 5), _call_args(C=MAX_SEQS + 1)[3:5]),
           MAX_SEQS + 1, [1, MAX_SEQS])
     # Rank, dtype (a float16 KV cache would be read and written as float32), device.
     wrong("rank", lambda a: a.__setitem__(0, a[0].flatten()), 1, 2)
-    wrong("dtype", lambda a: a.__setitem__(slice(3, 5), _call_args(dtype=torch.float16)[3:]),
+    wrong("dtype", lambda a: a.__setitem__(slice(3, 5), _call_args(dtype=torch.float16)[3:5]),
           "torch.float16", "torch.float32")
     wrong("dtype", lambda a: a.__setitem__(1, a[1].to(torch.int32)), "torch.int32", "torch.int64")
     wrong("device", lambda a: a.__setitem__(0, a[0].to("meta")), "meta", "cpu")
@@ -232,6 +241,15 @@ def test_wrong_calls_are_refused_before_running_and_the_package_stays_usable(rel
     wrong("value", lambda a: a.__setitem__(2, torch.tensor([0, MAX_SEQS])), MAX_SEQS, [0, MAX_SEQS - 1])
     wrong("value", lambda a: a.__setitem__(2, torch.tensor([-1, 0])), -1, [0, MAX_SEQS - 1])
     wrong("value", lambda a: a[1].__setitem__((1, 2), MAX_SEQ_LEN), MAX_SEQ_LEN, [0, MAX_SEQ_LEN - 1])
+    # Logit positions: one row too few, more than the compiled K, outside the call's S = 3
+    # (the compiled gather would read another row's or another call's memory).
+    wrong("batch", lambda a: a.__setitem__(5, a[5][:1]), 1, 2)
+    wrong("logits", lambda a: a.__setitem__(5, _call_args(K=MAX_SEQ_LEN + 1)[5]),
+          MAX_SEQ_LEN + 1, [1, MAX_SEQ_LEN])
+    wrong("value", lambda a: a[5].__setitem__((1, 0), 3), 3, [0, 2])
+    wrong("value", lambda a: a[5].__setitem__((0, 0), -1), -1, [0, 2])
+    wrong("dtype", lambda a: a.__setitem__(5, a[5].to(torch.int32)), "torch.int32", "torch.int64")
+    wrong("rank", lambda a: a.__setitem__(5, a[5].flatten()), 1, 2)
 
 
 @pytest.mark.slow
@@ -263,7 +281,8 @@ def test_build_check_fails_when_the_package_disagrees_with_eager(release):
     other = Transformer.from_weights(tiny_config(), tiny_weights(seed=3))
     with pytest.raises(PackageCheckFailed) as err:   # the package bound to other weights than eager's
         aot_check.check_package(package, other, tiny_weights(), ranges, MAX_SEQ_LEN)
-    assert err.value.field == "logits" and err.value.sizes == {"batch": 1, "seq": 1, "cache_batch": 1}
+    assert err.value.field == "logits"
+    assert err.value.sizes == {"batch": 1, "seq": 1, "cache_batch": 1, "logits": 1}
     assert err.value.value > err.value.limit
     wider = {**ranges, "seq": (1, MAX_SEQ_LEN + 8)}
     with pytest.raises(PackageCheckFailed) as err:    # a range the package was not compiled for
@@ -275,9 +294,62 @@ def test_build_check_fails_when_the_package_disagrees_with_eager(release):
 def test_corner_sizes_cover_each_range_edge():
     ranges = {"batch": (1, 8), "seq": (1, 512), "cache_batch": (1, 8)}
     corners = aot_check.corner_sizes(ranges)
-    for name, (lo, hi) in ranges.items():
+    for name, (lo, hi) in {**ranges, "logits": ranges["seq"]}.items():
         assert {c[name] for c in corners} == {lo, hi}
     assert all(c["batch"] <= c["cache_batch"] for c in corners)
+    # serving's prefill shape, the last position of a long call, is one of them
+    assert {"batch": 1, "seq": 512, "cache_batch": 1, "logits": 1} in corners
+
+
+def test_export_declares_k_its_own_size_over_the_seq_range():
+    """``logit_pos`` [B, K] shares B with the other inputs and has its own K, asked over S's
+    range; the examples are 2 each (a size of 1 would be specialised)."""
+    from torch.export import Dim
+
+    shapes = aot.dynamic_shapes(tiny_config(), MAX_SEQS, MAX_SEQ_LEN)
+    assert len(shapes) == len(aot.FORWARD_INPUTS)
+    batch, logits = shapes[-1][0], shapes[-1][1]
+    assert batch is shapes[0][0] and logits is not shapes[0][1]
+    assert isinstance(logits, Dim) and (logits.min, logits.max) == (1, MAX_SEQ_LEN)
+    assert aot.exported_ask(aot.size_ranges(MAX_SEQS, MAX_SEQ_LEN))["logits"] == (1, MAX_SEQ_LEN)
+    example = aot.example_inputs(tiny_config(), MAX_SEQS, MAX_SEQ_LEN)
+    assert example[-1].tolist() == [[0, 1], [0, 1]]
+
+
+class _Loader:
+    """A package runner's call spec only (``AOTIModelPackageLoader.get_call_spec``)."""
+
+    def __init__(self, args):
+        from torch.utils import _pytree as pytree
+
+        self.spec = [pytree.treespec_dumps(pytree.tree_flatten((args, {}))[1]), "out"]
+
+    def get_call_spec(self):
+        return self.spec
+
+
+def test_a_package_compiled_for_other_inputs_is_refused_at_load(tmp_path):
+    """The package's own input spec must be the forward's six inputs with the caches as two
+    lists of ``layers``: a package of the forward without ``logit_pos`` (one input fewer),
+    or of another depth, would be handed inputs it does not take."""
+    layers = 2
+    aot.check_call_spec(_Loader((0, 0, 0, [0] * layers, [0] * layers, 0)), layers, tmp_path)
+    want = "tensor, tensor, tensor, list of 2 tensors, list of 2 tensors, tensor"
+    for args, have in (((0, 0, 0, [0] * layers, [0] * layers),          # the forward before K
+                        "tensor, tensor, tensor, list of 2 tensors, list of 2 tensors"),
+                       ((0, 0, 0, [0] * 3, [0] * 3, 0),                  # another depth
+                        "tensor, tensor, tensor, list of 3 tensors, list of 3 tensors, tensor"),
+                       ((0, 0, 0, [0] * layers, [0] * layers, 0, 0), want + ", tensor")):
+        with pytest.raises(InvalidCheckpoint, match="rewarm build") as err:
+            aot.check_call_spec(_Loader(args), layers, tmp_path)
+        assert err.value.field == "inputs"
+        assert (err.value.value, err.value.limit) == (have, want)
+        assert f"compiled for inputs ({have})" in str(err.value)
+    broken = _Loader(())
+    broken.spec = ["not a spec", "out"]
+    with pytest.raises(InvalidCheckpoint, match="call spec") as err:
+        aot.check_call_spec(broken, layers, tmp_path)
+    assert err.value.field == "inputs"
 
 
 @pytest.mark.parametrize("stage", ["export", "compile"])

@@ -19,8 +19,8 @@ def reference_greedy(engine, prompt, n):
         t = torch.tensor([seq])
         with torch.inference_mode():
             logits = fresh.forward(t, torch.arange(len(seq))[None], torch.tensor([0]),
-                                   fresh.k_caches, fresh.v_caches)
-        out.append(int(logits[0, -1].argmax()))
+                                   fresh.k_caches, fresh.v_caches, torch.tensor([[len(seq) - 1]]))
+        out.append(int(logits[0, 0].argmax()))
         seq.append(out[-1])
     return out
 
@@ -98,7 +98,17 @@ def test_sized_engine_takes_slots_from_the_budget():
 
 
 def test_warmup_runs_each_shape_class_and_refuses_when_busy(tiny_engine):
-    assert tiny_engine.warmup() == 4
+    """B and S of 1 and 2, each with its last position's logits (K = 1) and, at S = 2, every
+    position's (K = S): the (B, S, K) classes a compiled forward specialises."""
+    inner, shapes = tiny_engine.forward, []
+
+    def recording(tokens, input_pos, idx, k, v, logit_pos):
+        shapes.append((*tokens.shape, logit_pos.shape[1], logit_pos.tolist()))
+        return inner(tokens, input_pos, idx, k, v, logit_pos)
+    tiny_engine.forward = recording
+    assert tiny_engine.warmup() == 6
+    assert shapes == [(1, 1, 1, [[0]]), (1, 2, 1, [[1]]), (1, 2, 2, [[0, 1]]),
+                      (2, 1, 1, [[0], [0]]), (2, 2, 1, [[1], [1]]), (2, 2, 2, [[0, 1], [0, 1]])]
     tiny_engine.submit([1], 5)
     tiny_engine.step()
     with pytest.raises(ProtocolError, match="warmup"):

@@ -19,11 +19,13 @@ TARGET_S = 0.042    # a step's budget: 40 tokens alone, 30 beside one running se
 
 
 def make_engine(tiny_dir, itl_target_s=TARGET_S, profile=FIX, **kw):
-    """The tiny model (eager) whose meter holds ``profile`` fixed; ``calls`` logs each
+    """The tiny model (eager) whose meter holds ``profile`` fixed, and no step overrun (the
+    wall time of the steps on a shared machine would shrink the budgets); ``calls`` logs each
     prefill call's real row lengths (agent/speed.py ``plan_prefill_call``'s answer)."""
     config = LlamaConfig.from_dir(tiny_dir)
     meter = SpeedMeter(profile, measured_prior=True)
     meter.observe_prefill = meter.observe_decode = lambda *a: None  # type: ignore[method-assign]
+    meter.observe_step = lambda *a: None  # type: ignore[method-assign]
     kw = {"max_seqs": 3, "max_seq_len": 96, **kw}
     engine = Engine(config, load_hf_weights(tiny_dir, config), meter=meter,
                     itl_target_s=itl_target_s, **kw)
@@ -166,6 +168,7 @@ def test_steps_that_overran_their_plan_shrink_the_next_budgets(tiny_dir):
     the engine plans by its ITL target less their p99, by at most a quarter of the target,
     and a decode-only step is not counted."""
     engine = make_engine(tiny_dir)
+    del engine.meter.observe_step      # the meter's own: these steps give their wall times
 
     def run_step(overrun_s):           # as the replica's loop does, with a wall time
         engine.begin_step()
@@ -191,3 +194,22 @@ def test_steps_that_overran_their_plan_shrink_the_next_budgets(tiny_dir):
     engine.meter.observe_step(0.04, 1.0)
     engine.meter.observe_step(0.04, 1.0)
     assert engine.profile().itl_target_s == pytest.approx(0.75 * TARGET_S)   # the floor
+
+
+def test_each_call_asks_only_for_its_rows_last_chunk_token(tiny_dir):
+    """A shared call padded to its longest row asks for one position per row, the last of
+    the row's own chunk (K = 1: never the padding's); a decode step for its one token."""
+    engine = make_engine(tiny_dir)
+    inner, asked = engine.forward, []
+
+    def recording(tokens, input_pos, idx, k, v, logit_pos):
+        asked.append((tuple(tokens.shape), logit_pos.tolist()))
+        return inner(tokens, input_pos, idx, k, v, logit_pos)
+    engine.forward = recording
+    engine.submit(prompt(60), 2)
+    engine.submit(prompt(8, 1), 2)
+    engine.submit(prompt(7, 2), 2)
+    engine.step()                      # A's first 40 alone
+    engine.step()                      # A's last 20; B and C share [2, 8]; a decode of all
+    assert asked[0] == ((1, 40), [[39]])
+    assert asked[1:] == [((1, 20), [[19]]), ((2, 8), [[7], [6]]), ((3, 1), [[0], [0], [0]])]

@@ -9,12 +9,16 @@ from agent.replica.engine import Engine
 PROMPTS = [[1, 2, 3], [7, 7], [200, 3, 4, 5]]
 
 
-def _recording(engine):
-    """Wrap ``engine.forward`` to record each call's tokens shape [B, S]."""
+def _recording(engine, positions=None):
+    """Wrap ``engine.forward`` to record each call's sizes (B, S, K): tokens [B, S] and
+    logit_pos [B, K] (its values appended to ``positions`` when given)."""
     calls, inner = [], engine.forward
 
     def forward(tokens, *args):
-        calls.append(tuple(tokens.shape))
+        logit_pos = args[-1]
+        calls.append((*tokens.shape, logit_pos.shape[1]))
+        if positions is not None:
+            positions.append(logit_pos.tolist())
         return inner(tokens, *args)
 
     engine.forward = forward
@@ -38,26 +42,30 @@ def test_replay_costs_one_prefill_and_one_decode_per_group(tiny_engine):
     tokens = tiny_engine.generate_lockstep(PROMPTS, 6, seed=3)
     calls = _recording(tiny_engine)
     tiny_engine.teacher_forced(PROMPTS, tokens, seed=3)
-    # the inputs are prompt + the first 5 of 6 tokens: all but the last (longest: 4 + 4), then
-    # the last alone (S = 1)
-    assert calls == [(3, 4 + 4), (3, 1)]
+    # the inputs are prompt + the first 5 of 6 tokens: all but the last (longest: 4 + 4), the
+    # logits of every position (K = S), then the last alone (S = 1)
+    assert calls == [(3, 4 + 4, 4 + 4), (3, 1, 1)]
     two = Engine(tiny_engine.config, tiny_engine.model.state_dict(), max_seqs=2, max_seq_len=32)
     calls = _recording(two)                # two groups: 2 prompts, then 1
     assert two.teacher_forced(PROMPTS, tokens, seed=3) == tokens
-    assert calls == [(2, 3 + 4), (2, 1), (1, 4 + 4), (1, 1)]
+    assert calls == [(2, 3 + 4, 3 + 4), (2, 1, 1), (1, 4 + 4, 4 + 4), (1, 1, 1)]
 
 
 def test_generation_costs_one_call_per_token(tiny_engine):
-    calls = _recording(tiny_engine)
+    """Each call asks for one position's logits per row: the prefill each prompt's last
+    token (rows padded past it), each decode step its one token."""
+    positions: list = []
+    calls = _recording(tiny_engine, positions)
     tiny_engine.generate_lockstep(PROMPTS, 4, seed=0)
-    assert calls == [(3, 4), (3, 1), (3, 1), (3, 1)]
+    assert calls == [(3, 4, 1), (3, 1, 1), (3, 1, 1), (3, 1, 1)]
+    assert positions == [[[2], [1], [3]]] + [[[0], [0], [0]]] * 3
 
 
 def test_a_single_token_after_a_single_token_prompt_is_a_decode_step_only(tiny_engine):
     first = tiny_engine.generate_lockstep([[9], [8]], 1)
     calls = _recording(tiny_engine)
     assert tiny_engine.teacher_forced([[9], [8]], first) == first
-    assert calls == [(2, 1)]
+    assert calls == [(2, 1, 1)]
 
 
 def test_one_different_token_changes_what_follows_not_what_precedes(tiny_engine):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from agent.errors import InvalidCheckpoint
-from agent.replica.model import Transformer, hf_to_runtime, new_kv_caches, runtime_shapes
+from agent.replica.model import (Transformer, every_position, hf_to_runtime, last_positions,
+                                 new_kv_caches, runtime_shapes)
 from agent.replica.synthetic import preset_config, synthetic_tensors
 
 
@@ -20,9 +21,12 @@ def setup():
     return config, hf, Transformer.from_weights(config, hf_to_runtime(hf))
 
 
-def run(model, tokens, pos, idx, caches):
+def run(model, tokens, pos, idx, caches, logit_pos=None):
+    """The forward's logits at ``logit_pos`` (default: every position, [B, S, V])."""
+    if logit_pos is None:
+        logit_pos = every_position(*tokens.shape)
     with torch.inference_mode():
-        return model(tokens, pos, idx, *caches)
+        return model(tokens, pos, idx, *caches, logit_pos)
 
 
 def test_incremental_decode_matches_full_pass(setup):
@@ -156,3 +160,60 @@ def test_compiled_rope_tables_equal_eager_bit_for_bit():
     assert eager[0].dtype == torch.float32 and eager[0].shape == (2, 256, 1, 64)
     for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a, b)
+
+
+def test_position_helpers_ask_for_each_rows_last_token_or_every_position():
+    assert last_positions([3, 1, 5]).tolist() == [[2], [0], [4]]
+    assert last_positions([3]).dtype == torch.int64
+    every = every_position(2, 3)
+    assert every.tolist() == [[0, 1, 2], [0, 1, 2]] and every.is_contiguous()
+
+
+def test_logits_come_only_from_the_positions_asked_for(setup):
+    """``logit_pos`` [B, K] picks the rows of the every-position logits: the last real token
+    of padded rows (K = 1, as a prefill call asks), any positions in any order with repeats
+    (K > S too); the cache is written the same whatever K."""
+    config, _, model = setup
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, config.vocab_size, (3, 6), generator=g)
+    pos, idx = torch.arange(6).repeat(3, 1), torch.tensor([2, 0, 1])
+    caches = new_kv_caches(config, 3, 16)
+    full = run(model, tokens, pos, idx, caches)                                # [3, 6, V]
+    for logit_pos in (last_positions([6, 2, 4]), torch.tensor([[5, 0, 5, 1, 3, 2, 4, 4]] * 3),
+                      torch.tensor([[1, 0], [5, 5], [3, 2]])):
+        others = new_kv_caches(config, 3, 16)
+        got = run(model, tokens, pos, idx, others, logit_pos)
+        assert got.shape == (3, logit_pos.shape[1], config.vocab_size)
+        assert got.dtype == torch.float32
+        want = torch.stack([full[b, logit_pos[b]] for b in range(3)])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for a, b in zip(caches[0] + caches[1], others[0] + others[1], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_every_position_in_order_gives_the_heads_own_bits(setup):
+    """At K = S in order the norm and the LM head see the very rows of the last layer: the
+    logits are bitwise what the head gives on all of them (the golden record's replay asks
+    for this, agent/replica/lockstep.py)."""
+    config, _, model = setup
+    tokens = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(8))
+    pos, idx = torch.arange(9).repeat(2, 1), torch.tensor([0, 1])
+    got = run(model, tokens, pos, idx, new_kv_caches(config, 2, 16))
+    k, v = new_kv_caches(config, 2, 16)
+    with torch.inference_mode():
+        cos, sin = model.rope_cos_sin(pos)
+        mask = model.causal_mask(pos, 16)
+        h = model.embed(tokens)
+        for layer, kc, vc in zip(model.layers, k, v, strict=True):
+            h = layer(h, cos, sin, pos, idx, kc, vc, mask)
+        want = model.head(h)
+    assert torch.equal(got, want)
+
+
+def test_a_logit_position_outside_the_call_is_refused_by_eager(setup):
+    config, _, model = setup
+    tokens = torch.tensor([[1, 2, 3]])
+    for bad in (torch.tensor([[3]]), torch.tensor([[-1]])):
+        with pytest.raises(RuntimeError, match="index"):
+            run(model, tokens, torch.arange(3)[None], torch.tensor([0]),
+                new_kv_caches(config, 1, 16), bad)

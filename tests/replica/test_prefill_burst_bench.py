@@ -24,7 +24,7 @@ def test_prefill_burst_runs_both_schedules_and_writes_its_json(tmp_path):
     assert _bench().main(["--model-dir", str(model), "--eager", "--burst", "3",
                           "--prompt-tokens", "20", "--max-tokens", "3", "--running", "1",
                           "--rounds", "1", "--threads", "1", "--quiet-wait-s", "0",
-                          "--json", str(out)]) == 0
+                          "--shapes", "--shape-repeats", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     # the step target it plans by: 0.2 s less its steps' p99 overrun, by at most a quarter
     assert 0.15 <= data["replicas"]["chunked"]["itl_target_s"] <= 0.2
@@ -38,3 +38,8 @@ def test_prefill_burst_runs_both_schedules_and_writes_its_json(tmp_path):
     assert set(data["ratio"]) == {"burst", "running"}
     assert data["targets"]["served_all"] is True and "loadavg" in data["targets"]
     assert {"command", "machine", "loadavg", "date", "commit"} <= set(data["meta"])
+    # the forward's shapes, called as the engine calls them (each row's last logits)
+    shapes = {row["call"]: row for row in data["shapes"]}
+    assert shapes["[8,9]"]["tokens"] == 72 and shapes["[1,64]"]["tokens"] == 64
+    assert {"padded [4,96]", "apart [3,1]+[1,96]"} <= set(shapes)
+    assert all(row["ms"] > 0 for row in shapes.values())

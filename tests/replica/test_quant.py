@@ -82,7 +82,8 @@ def _quantized_gguf(path, config, hf):
 def _logits(model, config, tokens):
     k, v = new_kv_caches(config, 1, 32)
     with torch.inference_mode():
-        return model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0), torch.zeros(1, dtype=torch.int64), k, v)
+        return model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0), torch.zeros(1, dtype=torch.int64), k, v,
+                     torch.arange(tokens.shape[1]).unsqueeze(0))
 
 
 def test_q4_1_gguf_is_imported_as_codes_and_runs_like_its_float32_import(tmp_path, small):  # noqa: F811

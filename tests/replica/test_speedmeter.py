@@ -44,7 +44,7 @@ class FakeForward:
         engine.decode = decoding  # type: ignore[method-assign]
         return engine
 
-    def __call__(self, tokens, input_pos, cache_batch_idx, k_caches, v_caches):
+    def __call__(self, tokens, input_pos, cache_batch_idx, k_caches, v_caches, logit_pos):
         b, s = tokens.shape
         if self.decoding:
             self.calls["decode"] += 1
@@ -52,7 +52,7 @@ class FakeForward:
         else:
             self.calls["prefill"] += 1
             self.now_s += self.profile.prefill_s(b * s)
-        return torch.zeros((b, s, self.vocab))
+        return torch.zeros((b, logit_pos.shape[1], self.vocab))
 
 
 def fake_engine(tiny_dir, profile=TRUE, **kw):

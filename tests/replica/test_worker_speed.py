@@ -146,10 +146,10 @@ def test_each_first_token_is_sent_once_its_own_prefill_is_done(booted, itl_targe
     engine, log = loaded.engine, []
     forward = engine.forward
 
-    def logged_forward(tokens, input_pos, idx, k, v):
+    def logged_forward(tokens, input_pos, idx, k, v, logit_pos):
         if tokens.shape[1] > 1:                      # S > 1: a prefill (decode has S = 1)
             log.append(("prefill", len(log)))
-        return forward(tokens, input_pos, idx, k, v)
+        return forward(tokens, input_pos, idx, k, v, logit_pos)
     engine.forward = logged_forward
     worker = Worker(loaded)
     send = worker.batch.send
