@@ -143,6 +143,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="replica cap (default: cores // threads)")
     ap.add_argument("--state-dir", type=Path, default=REPO / "var" / "replay")
     ap.add_argument("--no-aot", action="store_true")
+    ap.add_argument("--repeat", type=positive_int, default=1,
+                    help="runs of each load and deadline policy, each on a fresh stack (their "
+                         "SLA attainment's spread is in the JSON's spread table)")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--records", type=Path, default=None,
                     help="also write every request's outcome and every predictor decision "
@@ -777,6 +780,28 @@ def result_tables(results: list[dict]) -> list[dict]:
     return out
 
 
+def spread_table(results: list[dict]) -> dict | None:
+    """The spread of SLA attainment over repeated runs of one load and deadline policy (live
+    and simulated: max - min, percentage points), or None without a repeat."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["load"], r.get("deadline_policy")), []).append(r)
+    rows = []
+    for (load, policy), runs in groups.items():
+        if len(runs) < 2:
+            continue
+        live = [r["sla_attainment"] for r in runs]
+        sim = [r["sim"]["sla_attainment"] for r in runs]
+        rows.append([f"{load:g}", policy, len(runs), " / ".join(f"{x:.4f}" for x in live),
+                     round(100 * (max(live) - min(live)), 2),
+                     round(100 * (max(sim) - min(sim)), 2)])
+    if not rows:
+        return None
+    return {"title": "SLA attainment over repeated runs (each on a fresh stack)",
+            "columns": ["load", "deadline policy", "runs", "SLA live per run",
+                        "spread live (pp)", "spread sim (pp)"], "rows": rows}
+
+
 def late_served(r: dict) -> int:
     """Requests served (200) with a first token past their path's SLO, live."""
     return sum(p.get("count", 0) - p.get("within_slo", p.get("count", 0))
@@ -823,13 +848,14 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for load in args.load:
             for policy in args.deadline_policy:
-                say(f"replay of {args.trace.name}, minutes {args.start_min:g}-"
-                    f"{args.start_min + args.minutes:g} ({len(win)} requests) at load {load:g}, "
-                    f"deadline policy {policy}")
-                results.append(run_one(args, load, policy, win, window_s, model_dir, release,
-                                       note))
-                say(table(results[-1]))
-                write_json(args, results)   # after each run: a later failure keeps this one
+                for repeat in range(args.repeat):
+                    say(f"replay of {args.trace.name}, minutes {args.start_min:g}-"
+                        f"{args.start_min + args.minutes:g} ({len(win)} requests) at load "
+                        f"{load:g}, deadline policy {policy}, run {repeat + 1} of {args.repeat}")
+                    results.append(run_one(args, load, policy, win, window_s, model_dir,
+                                           release, note))
+                    say(table(results[-1]))
+                    write_json(args, results)   # after each run: a later failure keeps it
         say(policy_table(results))
     except (InvalidTrace, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -854,6 +880,9 @@ def write_json(args, results: list[dict]) -> None:
                     f"{args.start_min + args.minutes:g}, beside the simulator, per load and "
                     "deadline policy")
     doc["tables"] = result_tables(results)
+    spread = spread_table(results)
+    if spread is not None:
+        doc["tables"].insert(0, spread)
     doc["headline"] = [
         [f"SLA attainment at load {r['load']:g}, deadline {r.get('deadline_policy', '-')} "
          f"(sim {r['sim']['sla_attainment']:.3f}; load average {r['loadavg'][0]:.1f})",

@@ -142,3 +142,12 @@ def test_idle_minutes_and_fluid_bounds(bench):
     bounds = bench.fluid_bounds(plan, speed, sustained, 1, 2)
     # 0.5 s each: one replica starts 5 of the 6 within 2 s, then the late one; two, all
     assert bounds == {1: pytest.approx(6 / 7), 2: 1.0}
+
+
+def test_the_spread_of_repeated_runs(bench):
+    runs = [run(0.3, sla_attainment=x, deadline_policy="default") for x in (0.991, 0.995, 0.989)]
+    for r, s in zip(runs, (0.99, 0.99, 0.992), strict=True):
+        r["sim"]["sla_attainment"] = s
+    table = bench.spread_table(runs + [run(0.3, deadline_policy="client3x")])
+    assert table["rows"] == [["0.3", "default", 3, "0.9910 / 0.9950 / 0.9890", 0.6, 0.2]]
+    assert bench.spread_table([run(0.3)]) is None          # one run: no spread
