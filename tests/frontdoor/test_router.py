@@ -198,3 +198,22 @@ def test_a_queue_drains_no_slower_than_the_rate_the_replica_sustained_backlogged
     assert busy.predict_ttft_s(9, speed) == pytest.approx(model_s)
     busy.waiting_seqs = busy.queued_prefill_tokens = 0   # nothing queued: the model alone
     assert busy.predict_ttft_s(9, speed) == pytest.approx(step_s + speed.prefill_s(9))
+
+
+def test_a_speed_past_the_report_limits_is_routed_on_the_prior_not_raised():
+    """A replica reporting 1e308 prompt tokens/s with a 10 s call overhead (a forged or
+    broken entry): its budget in tokens is infinite, and predicting a request there raised
+    OverflowError on every request of its model.  Read as not measured, it is predicted with
+    the model's prior, and the router still chooses among its replicas."""
+    meta = {"max_seqs": "4", "active_seqs": "1", "kv_capacity_tokens": "1000",
+            "kv_used_tokens": "10", "waiting_seqs": "2", "queued_prefill_tokens": "200",
+            "prefill_tokens_per_s": "1e308", "prefill_overhead_s": "10", "decode_base_s": "0.01",
+            "decode_per_seq_s": "0", "decode_per_ctx_token_s": "0", "itl_target_s": "0.2"}
+    bad = ReplicaLoad.from_meta("bad", "m", "a:1", meta)
+    assert bad.speed is None
+    r = Router()
+    r.upsert(bad)
+    r.upsert(load("good"))
+    found = r.choose_predicted("m", 10, 100)
+    assert found is not None and 0 < found[1] < float("inf")
+    assert bad.predict_ttft_s(100, r.prior("m")) > 0
