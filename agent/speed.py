@@ -89,6 +89,11 @@ SPEED_META_KEYS = ("prefill_tokens_per_s", "prefill_overhead_s", "decode_base_s"
 RATE_META_KEYS = SPEED_META_KEYS[:5]
 """The measured rates: required wherever a speed is read."""
 QUEUE_META_KEYS = ("waiting_seqs", "queued_prefill_tokens", "active_ctx_tokens")
+QUEUE_META_LIMITS = {"waiting_seqs": 1 << 20, "queued_prefill_tokens": 1 << 40,
+                     "active_ctx_tokens": 1 << 40}
+"""The most a queue key may state (a reader takes a larger value as this much: as busy as a
+report can say): within them, and :meth:`SpeedProfile.check_limits`'s, a prediction's
+arithmetic stays within floats."""
 PROFILE_SCHEMA = "rewarm.engine_profile/1"
 """``schema`` of the file bench/engine_profile.py writes (:meth:`SpeedProfile.from_file`)."""
 

@@ -217,3 +217,40 @@ def test_a_speed_past_the_report_limits_is_routed_on_the_prior_not_raised():
     found = r.choose_predicted("m", 10, 100)
     assert found is not None and 0 < found[1] < float("inf")
     assert bad.predict_ttft_s(100, r.prior("m")) > 0
+
+
+BASE_META = {"max_seqs": "8", "active_seqs": "1", "kv_capacity_tokens": "4096",
+             "kv_used_tokens": "96"}
+
+
+@pytest.mark.parametrize("key", ["max_seqs", "active_seqs", "kv_capacity_tokens",
+                                 "kv_used_tokens"])
+def test_a_load_key_is_read_up_to_its_limit_and_refused_past_it(key):
+    """A replica's slots and KV cache are read up to LOAD_META_LIMITS, at the limit too;
+    just past it the entry is refused naming the key, the value and the limit, as a value
+    that is not an integer is (max_seqs of 10**9 made the admission planner list a billion
+    free slots for every arrival: the front door's memory, then the node's)."""
+    from agent.cluster.base import LOAD_META_LIMITS
+
+    limit = LOAD_META_LIMITS[key]
+    got = ReplicaLoad.from_meta("r", "m", "a:1", {**BASE_META, key: str(limit)})
+    assert getattr(got, key) == limit
+    with pytest.raises(ValueError, match=key) as err:
+        ReplicaLoad.from_meta("r", "m", "a:1", {**BASE_META, key: str(limit + 1)})
+    assert str(limit + 1) in str(err.value) and str(limit) in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["waiting_seqs", "queued_prefill_tokens", "active_ctx_tokens"])
+def test_a_queue_key_past_its_limit_reads_as_the_limit(key):
+    """A queue past QUEUE_META_LIMITS is read at the limit (as busy as a replica can say it
+    is, never an idle one); 10**300 queued sequences made every prediction there raise
+    OverflowError (an integer too large for a float)."""
+    from agent.speed import QUEUE_META_LIMITS
+
+    limit = QUEUE_META_LIMITS[key]
+    assert getattr(ReplicaLoad.from_meta("r", "m", "a:1", {**BASE_META, key: str(limit)}),
+                   key) == limit
+    for over in (str(limit + 1), "1e300", str(10 ** 300)):
+        got = ReplicaLoad.from_meta("r", "m", "a:1", {**BASE_META, key: over})
+        assert getattr(got, key) == limit
+        assert 0 < got.predict_ttft_s(100, Router().prior("m")) < float("inf")
