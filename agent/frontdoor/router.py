@@ -164,7 +164,7 @@ class ReplicaLoad:
                 values[key] = int(meta[key])  # type: ignore[call-overload]
             except (KeyError, ValueError, TypeError):
                 raise ValueError(f"replica {replica_id!r}: load {key!r}="
-                                 f"{meta.get(key)!r} is not an integer") from None
+                                 f"{_shown(meta.get(key))} is not an integer") from None
             if values[key] > META_LIMITS[key]:
                 raise ValueError(f"replica {replica_id!r}: load {key!r}={values[key]} "
                                  f"exceeds its limit {META_LIMITS[key]}")
@@ -200,6 +200,18 @@ class ReplicaLoad:
         load = cls.from_meta(inst.id, model, address, inst.meta)
         load.came_up = str(inst.meta.get("came_up", ""))
         return load
+
+
+SHOWN_CHARS = 64
+"""The most of a bad meta value a refusal quotes (the registry is re-read every poll, and
+the refusal is logged each time)."""
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to :data:`SHOWN_CHARS` with the length it had."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else \
+        f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 def slowest(profiles: Iterable[SpeedProfile]) -> SpeedProfile | None:

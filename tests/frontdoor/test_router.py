@@ -254,3 +254,13 @@ def test_a_queue_key_past_its_limit_reads_as_the_limit(key):
         got = ReplicaLoad.from_meta("r", "m", "a:1", {**BASE_META, key: over})
         assert getattr(got, key) == limit
         assert 0 < got.predict_ttft_s(100, Router().prior("m")) < float("inf")
+
+
+def test_a_refused_load_value_is_quoted_cut_to_a_line():
+    """A registry entry whose max_seqs is a megabyte of digits (int() refuses it, past 4,300
+    digits) is refused naming the key, with the value cut and its length given: the refusal
+    is logged on every registry poll, and it used to quote the whole megabyte each time."""
+    with pytest.raises(ValueError) as err:
+        ReplicaLoad.from_meta("r", "m", "a:1", {**BASE_META, "max_seqs": "9" * 1_000_000})
+    text = str(err.value)
+    assert "'max_seqs'" in text and "(1000002 characters)" in text and len(text) < 200
