@@ -89,6 +89,11 @@ SPEED_META_KEYS = ("prefill_tokens_per_s", "prefill_overhead_s", "decode_base_s"
 RATE_META_KEYS = SPEED_META_KEYS[:5]
 """The measured rates: required wherever a speed is read."""
 QUEUE_META_KEYS = ("waiting_seqs", "queued_prefill_tokens", "active_ctx_tokens")
+QUEUE_META_LIMITS = {"waiting_seqs": 1 << 20, "queued_prefill_tokens": 1 << 40,
+                     "active_ctx_tokens": 1 << 40}
+"""The most a queue key may state (a reader takes a larger value as this much: as busy as a
+report can say): within them, and :meth:`SpeedProfile.check_limits`'s, a prediction's
+arithmetic stays within floats."""
 PROFILE_SCHEMA = "rewarm.engine_profile/1"
 """``schema`` of the file bench/engine_profile.py writes (:meth:`SpeedProfile.from_file`)."""
 
@@ -97,6 +102,18 @@ DEFAULT_ITL_SLO_S = 0.2
 constraint for Llama 2 70B, server scenario (module docstring)."""
 MIN_PREFILL_BUDGET_TOKENS = 16
 """The least prompt tokens a step's budget holds, however long its decode (module docstring)."""
+
+MAX_PREFILL_TOKENS_PER_S = 1e9
+MIN_PREFILL_TOKENS_PER_S = 1e-3
+"""The prefill rates a reported profile may state (tokens/s): at most the speed meter's own
+ceiling (one nanosecond a token, agent/replica/speedmeter.py ``MIN_S_PER_TOKEN``), at least a
+token in a thousand seconds."""
+MAX_PROFILE_S = 3600.0
+"""The most any of a reported profile's seconds may be (a call's overhead, a decode step's
+costs, the ITL target): an hour.  Within these limits the products the step's budget and the
+predictions turn into integers (``prefill_overhead_s * prefill_tokens_per_s``, the budget
+in tokens) stay finite, and so does one request's service time; past them a report is a
+broken meter or a forged entry (:meth:`SpeedProfile.check_limits`)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +142,26 @@ class SpeedProfile:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"SpeedProfile {name}={getattr(self, name)!r} must be > 0",
                                   name=name, value=getattr(self, name), limit=0)
+
+    def check_limits(self) -> SpeedProfile:
+        """This profile, when every field is within the limits a report may state
+        (:data:`MIN_PREFILL_TOKENS_PER_S` <= ``prefill_tokens_per_s`` <=
+        :data:`MAX_PREFILL_TOKENS_PER_S`, every seconds field <= :data:`MAX_PROFILE_S`);
+        else ConfigError naming the field, the value and the limit.  Checked where a profile
+        is read (:meth:`from_meta`, :meth:`from_file`), not where one is computed."""
+        rate = self.prefill_tokens_per_s
+        if not MIN_PREFILL_TOKENS_PER_S <= rate <= MAX_PREFILL_TOKENS_PER_S:
+            limit = MIN_PREFILL_TOKENS_PER_S if rate < MIN_PREFILL_TOKENS_PER_S \
+                else MAX_PREFILL_TOKENS_PER_S
+            raise ConfigError(f"SpeedProfile prefill_tokens_per_s={rate!r} is outside "
+                              f"[{MIN_PREFILL_TOKENS_PER_S:g}, {MAX_PREFILL_TOKENS_PER_S:g}]",
+                              name="prefill_tokens_per_s", value=rate, limit=limit)
+        for f in fields(self)[1:]:
+            value = getattr(self, f.name)
+            if value > MAX_PROFILE_S:
+                raise ConfigError(f"SpeedProfile {f.name}={value!r} exceeds {MAX_PROFILE_S:g} s",
+                                  name=f.name, value=value, limit=MAX_PROFILE_S)
+        return self
 
     # --- the engine's two kinds of work ------------------------------------------------
     def prefill_s(self, prompt_tokens: int) -> float:
@@ -258,13 +295,15 @@ class SpeedProfile:
     @classmethod
     def from_meta(cls, meta: Mapping[str, object]) -> SpeedProfile | None:
         """The profile in a load report or registry meta, or None when any rate
-        (:data:`RATE_META_KEYS`) is missing, or any key is not a finite number >= 0 (a
-        replica that has not measured itself yet).  A missing ``itl_target_s`` is 0."""
+        (:data:`RATE_META_KEYS`) is missing, or any key is not a finite number >= 0 or is
+        outside the limits a report may state (:meth:`check_limits`: a replica that has not
+        measured itself yet, or whose figures are no measurement).  A missing
+        ``itl_target_s`` is 0."""
         try:
             values = {k: float(meta[k]) for k in RATE_META_KEYS}  # type: ignore[arg-type]
             values["itl_target_s"] = float(meta.get("itl_target_s", 0.0))  # type: ignore[arg-type]
-            return cls(**values)
-        except (KeyError, TypeError, ValueError):
+            return cls(**values).check_limits()
+        except (KeyError, TypeError, ValueError, OverflowError):
             return None
 
     def to_dict(self) -> dict[str, float]:
@@ -276,8 +315,9 @@ class SpeedProfile:
         """The ``speed`` object of an engine profile file (bench/engine_profile.py; schema
         :data:`PROFILE_SCHEMA`, documented there).  Raises :class:`ConfigError` naming the
         file and the key when it is unreadable, of another schema, or a rate
-        (:data:`RATE_META_KEYS`) is missing or a value is not a finite number >= 0.  A
-        missing ``itl_target_s`` is 0 (the profile measures rates, not a schedule)."""
+        (:data:`RATE_META_KEYS`) is missing or a value is not a finite number >= 0 or is
+        outside :meth:`check_limits`'s limits.  A missing ``itl_target_s`` is 0 (the
+        profile measures rates, not a schedule)."""
         data = read_profile_file(path)
         speed = data.get("speed")
         if not isinstance(speed, dict):
@@ -288,7 +328,7 @@ class SpeedProfile:
             raise ConfigError(f"engine profile {path}: speed lacks {', '.join(missing)}",
                               name="speed", value=sorted(speed), limit=RATE_META_KEYS)
         try:
-            return cls(**{k: speed[k] for k in SPEED_META_KEYS if k in speed})
+            return cls(**{k: speed[k] for k in SPEED_META_KEYS if k in speed}).check_limits()
         except ConfigError as exc:
             raise ConfigError(f"engine profile {path}: {exc.message}", name=exc.name,
                               value=exc.value, limit=exc.limit) from None

@@ -45,6 +45,22 @@ BACKLOG_META_KEYS = ("backlog_rps", "backlog_s", "backlog_batch", "backlog_promp
                      "backlog_gen_tokens")
 """A replica's measured capacity in its load report and registry meta (all or none)."""
 
+MIN_BACKLOG_RPS = 1e-6
+MAX_BACKLOG_RPS = 1e6
+"""The rates a capacity may state, and :meth:`BacklogCapacity.rps_at` answer (requests per
+second): under one request in eleven days while backlogged, or over a million a second, is a
+broken meter or a forged report, not a replica.  Within them ``1 / rps`` and every product
+the router, admission and the predictor's sizing form from it stay finite."""
+MAX_BACKLOG_BATCH = 65536.0
+"""The largest mean batch a capacity may state (sequences): a replica's slots are KV-cache
+rows, thousands at most."""
+MAX_MEAN_TOKENS = 1e8
+"""The longest mean prompt or output a capacity may state (tokens): a hundred times the
+longest context window of current models."""
+_LIMITS = {"backlog_rps": MAX_BACKLOG_RPS, "backlog_s": math.inf,
+           "backlog_batch": MAX_BACKLOG_BATCH, "backlog_prompt_tokens": MAX_MEAN_TOKENS,
+           "backlog_gen_tokens": MAX_MEAN_TOKENS}
+
 WINDOW_BACKLOG_S = 30.0
 """Backlogged seconds kept: the capacity follows a replica whose speed changes (a neighbour
 on its cores) within half a minute of saturation, and one burst does not make it."""
@@ -59,8 +75,10 @@ class BacklogCapacity:
     """What a replica sustained while backlogged: ``rps`` requests per second over
     ``seconds`` backlogged seconds, at a mean of ``batch`` sequences in the engine, for
     requests of ``prompt_tokens`` prompt and ``gen_tokens`` generated tokens on average.
-    Raises :class:`ConfigError` for a value that is not a finite number >= 0 (``rps`` and
-    ``seconds`` > 0)."""
+    Raises :class:`ConfigError` naming the key, the value and the limit for a value that is
+    not a finite number >= 0 (``seconds`` > 0), an ``rps`` outside [:data:`MIN_BACKLOG_RPS`,
+    :data:`MAX_BACKLOG_RPS`], a ``batch`` over :data:`MAX_BACKLOG_BATCH` or a length over
+    :data:`MAX_MEAN_TOKENS`."""
 
     rps: float
     seconds: float
@@ -76,25 +94,35 @@ class BacklogCapacity:
                     or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"BacklogCapacity {key}={value!r}; limit is a finite number "
                                   ">= 0", name=key, value=value, limit=0)
-        for key, value in (("backlog_rps", self.rps), ("backlog_s", self.seconds)):
-            if value <= 0:
-                raise ConfigError(f"BacklogCapacity {key}={value!r}; limit is > 0", name=key,
-                                  value=value, limit=0)
+            if value > _LIMITS[key]:
+                raise ConfigError(f"BacklogCapacity {key}={value!r}; limit is <= "
+                                  f"{_LIMITS[key]:g}", name=key, value=value, limit=_LIMITS[key])
+        if self.seconds <= 0:
+            raise ConfigError(f"BacklogCapacity backlog_s={self.seconds!r}; limit is > 0",
+                              name="backlog_s", value=self.seconds, limit=0)
+        if self.rps < MIN_BACKLOG_RPS:
+            raise ConfigError(f"BacklogCapacity backlog_rps={self.rps!r}; limit is >= "
+                              f"{MIN_BACKLOG_RPS:g}", name="backlog_rps", value=self.rps,
+                              limit=MIN_BACKLOG_RPS)
 
     def rps_at(self, profile: SpeedProfile | None, prompt_tokens: float,
                gen_tokens: float) -> float:
         """Requests per second for requests of ``prompt_tokens`` / ``gen_tokens`` (mean
         lengths): :attr:`rps` times the ratio of ``profile``'s engine seconds per request
         (``SpeedProfile.service_s``) for the measured shape to that for the asked one, both
-        at the measured batch; :attr:`rps` itself without a profile."""
-        if profile is None:
+        at the measured batch (a negative length counted as 0); :attr:`rps` itself without a
+        profile, or for an asked length that is not a number within :data:`MAX_MEAN_TOKENS`.
+        Always within [:data:`MIN_BACKLOG_RPS`, :data:`MAX_BACKLOG_RPS`]."""
+        if profile is None or not (prompt_tokens <= MAX_MEAN_TOKENS
+                                   and gen_tokens <= MAX_MEAN_TOKENS):   # NaN too
             return self.rps
+        prompt, gen = max(0.0, prompt_tokens), max(0.0, gen_tokens)
         batch = max(1, round(self.batch))
         then = profile.service_s(self.prompt_tokens, self.gen_tokens, batch)
-        asked = profile.service_s(max(0.0, prompt_tokens), max(0.0, gen_tokens), batch)
-        if not (then > 0 and asked > 0):
+        asked = profile.service_s(prompt, gen, batch)
+        if not (0 < then < math.inf and 0 < asked < math.inf):
             return self.rps
-        return self.rps * then / asked
+        return min(MAX_BACKLOG_RPS, max(MIN_BACKLOG_RPS, self.rps * then / asked))
 
     def to_meta(self) -> dict[str, float]:
         """The load-report form: :data:`BACKLOG_META_KEYS` as floats."""
@@ -104,11 +132,12 @@ class BacklogCapacity:
     @classmethod
     def from_meta(cls, meta: Mapping[str, object]) -> BacklogCapacity | None:
         """From a load report or registry meta (floats or decimal strings); None when a key
-        is missing or a value is not a finite number >= 0 (not measured yet)."""
+        is missing or a value is outside the limits of the class docstring (not measured
+        yet, or not a measurement)."""
         try:
             values = [float(meta[k]) for k in BACKLOG_META_KEYS]  # type: ignore[arg-type]
             return cls(*values)
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return None
 
 
@@ -164,10 +193,14 @@ class BacklogMeter:
 
     def capacity(self) -> BacklogCapacity | None:
         """The capacity measured so far, or None before ``min_s`` backlogged seconds and
-        ``min_departures`` departures (never a guess)."""
+        ``min_departures`` departures (never a guess), or when what it measured is outside
+        :class:`BacklogCapacity`'s limits."""
         seconds, departures, prompt, gen, seq_s = self._sums
         if seconds < self.min_s or departures < self.min_departures:
             return None
-        return BacklogCapacity(rps=departures / seconds, seconds=seconds,
-                               batch=seq_s / seconds, prompt_tokens=prompt / departures,
-                               gen_tokens=gen / departures)
+        try:
+            return BacklogCapacity(rps=departures / seconds, seconds=seconds,
+                                   batch=seq_s / seconds, prompt_tokens=prompt / departures,
+                                   gen_tokens=gen / departures)
+        except ConfigError:
+            return None

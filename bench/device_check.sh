@@ -79,14 +79,19 @@ note "setup: python $PY ($PY_WHY): $("$PY" --version 2>&1), ${TORCH:-torch not i
 
 # --- the carried wheels the image lacks ---------------------------------------------------------------
 # One line per wheel: "install FILE" when the interpreter has no distribution of that name,
-# "have DIST VERSION" when it has one (kept, even at another version: then "(carried V)").
+# "have DIST VERSION" when it has one (kept, even at another version: then "(carried V)"),
+# "skip FILE" when its name is not a wheel's (the others are still chosen).
 select_wheels() {
   env -u PYTHONPATH "$PY" - "$1" <<'EOF'
 import importlib.metadata as md, re, sys
 from pathlib import Path
 for wheel in sorted(Path(sys.argv[1]).glob("*.whl")):
     # wheel file names: {distribution}-{version}(-{build})?-{python}-{abi}-{platform}.whl
-    dist, version = wheel.name.split("-")[:2]
+    parts = wheel.name[:-len(".whl")].split("-")
+    if len(parts) not in (5, 6) or not all(parts):
+        print(f"skip {wheel} (not a wheel file name: distribution-version-python-abi-platform.whl)")
+        continue
+    dist, version = parts[:2]
     name = re.sub(r"[-_.]+", "-", dist).lower()
     try:
         have = md.version(name)
@@ -108,6 +113,7 @@ else
     [ "$verb" = install ] && INSTALL+=("$rest")
   done <<< "$SELECTION"
   kept="$(grep '^have ' <<< "$SELECTION" | cut -d' ' -f2- | paste -sd';' | sed 's/;/; /g')"
+  while read -r skipped; do note "setup: ${skipped}"; done < <(grep '^skip ' <<< "$SELECTION")
   note "setup: carry $CARRY: $(ls "$CARRY"/wheels/*.whl 2>/dev/null | wc -l) wheels, ${#INSTALL[@]} to install; the image's own kept: ${kept:-none}"
 fi
 [ "$SELECT_ONLY" = 1 ] && exit 0

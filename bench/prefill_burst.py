@@ -444,11 +444,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.shapes:
         out["shapes"] = shapes(args)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
+    out["title"], out["headline"] = TITLE, headline(out)
     out["meta"] = run_meta()
     print_table(out)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+TITLE = "A burst of prompts at one replica: chunked prefill against whole prompts"
+
+
+def headline(out: dict) -> list[list]:
+    """The README's figures (bench/render_docs.py ``headline``): the burst's slowest TTFT and
+    the ITL p99 during it, chunked against whole prompts, and the running streams' ITL p99
+    while a burst prefills beside them."""
+    cfg, modes = out["config"], out["modes"]
+
+    def pair(scenario: str, key: str) -> str:
+        a, b = (modes[m].get(scenario, {}).get(key) for m in ("chunked", "whole"))
+        return " / ".join("-" if x is None else f"{x:,.0f}" for x in (a, b))
+
+    rows = [[f"{cfg['burst']} x {cfg['prompt_tokens']}-token burst, slowest TTFT ms, "
+             f"chunked / whole", pair("burst", "ttft_max_ms")],
+            ["ITL p99 ms during the burst, chunked / whole", pair("burst", "itl_p99_ms")]]
+    if "running" in modes["chunked"]:
+        rows.append([f"ITL p99 ms of {cfg['running']} running streams during a burst, "
+                     f"chunked / whole", pair("running", "running_itl_p99_ms")])
+    return rows
 
 
 def print_table(out: dict) -> None:

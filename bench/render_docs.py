@@ -59,6 +59,8 @@ KNOWN: tuple[tuple[str, str, str], ...] = (
      "python bench/replay_shapes.py --json bench/results/replay_shapes.json"),
     ("cluster_e2e", "Cluster mode end to end (Nomad and Consul stand-ins)",
      "python bench/cluster_e2e.py --json bench/results/cluster_e2e.json"),
+    ("prefill_burst", "A burst of prompts at one replica: chunked prefill against whole prompts",
+     "python bench/prefill_burst.py --rounds 5 --shapes --json bench/results/prefill_burst.json"),
     ("device_check", "GPU paths on a GPU node", "bash bench/device_check.sh"),
 )
 """(file stem, heading, the command that makes it), in page order."""
@@ -94,6 +96,12 @@ def cell(value: Any) -> str:
     else:
         text = str(value)
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def default_heading(stem: str) -> str:
+    """The heading of a result without a ``title``: :data:`KNOWN`'s, else the file stem with
+    spaces for underscores (the page's section and the README's link to it share it)."""
+    return next((h for s, h, _c in KNOWN if s == stem), stem.replace("_", " "))
 
 
 def anchor(heading: str) -> str:
@@ -192,7 +200,7 @@ def render(results: Path = RESULTS) -> str:
             continue
         out += _section(stem, heading, path, load(path))
     for stem, path in sorted(files.items()):
-        out += _section(stem, stem.replace("_", " "), path, load(path))
+        out += _section(stem, default_heading(stem), path, load(path))
     if missing:
         out += ["## Not run yet", "",
                 "No result file is committed for these; the command makes one.", ""]
@@ -220,13 +228,12 @@ def readme_table(results: Path = RESULTS) -> str:
     files = {p.stem: p for p in sorted(results.glob("*.json"))} if results.is_dir() else {}
     order = [stem for stem, _h, _c in KNOWN if stem in files]
     order += sorted(set(files) - set(order))
-    heading = {stem: h for stem, h, _c in KNOWN}
     rows = []
     for stem in order:
         data = load(files[stem])
         meta = data["meta"]
         figures = "; ".join(f"{label}: {cell(value)}" for label, value in headline(data))
-        title = data.get("title") or heading.get(stem, stem)
+        title = data.get("title") or default_heading(stem)
         rows.append([f"[{title}](docs/benchmarks.md#{anchor(title)})",
                      figures, f"{meta['machine']}, load {meta['loadavg']}, {meta['date']}"])
     if not rows:

@@ -7,7 +7,8 @@
 are not in the repository: link or copy them into ``var/traces``) is first run whole through
 the fleet simulator, as ``rewarm simulate --trace`` runs it (agent/sim/scenarios.py
 ``trace_scenario``: every policy, each request held to its own SLO, base + prefill), twice:
-with the deadline equal to the SLO and with the default deadline (agent/slo.py, 3x the SLO).
+with the front door's default deadline, the SLO itself (agent/slo.py), and with clients' own
+deadlines of 3x the SLO.
 It prints per trace and policy the SLA attainment, GPU-hours against always-on, 429s
 (and how many were too large for any replica), 504s and late answers.
 
@@ -147,6 +148,22 @@ def tables(traces: list[dict], runs: list[dict]) -> list[dict]:
     return out
 
 
+def headline(traces: list[dict], runs: list[dict]) -> list[list]:
+    """The README's figures (bench/render_docs.py ``headline``): the rewarm policy at the
+    default deadline on the traces where its SLA attainment was lowest, else the synthetic
+    shapes' lowest attainment."""
+    if traces:
+        rewarm = sorted((t for t in traces if t["policy"] == "rewarm"
+                         and t["deadline_factor"] == 1.0),
+                        key=lambda t: (t["sla_compliance"], t["trace"]))
+        return [[f"rewarm on {t['trace']}, deadline = SLO: SLA % / GPU-h x always-on",
+                 f"{100 * t['sla_compliance']:.1f} / {t['gpu_ratio_always_on']:.2f}"]
+                for t in rewarm]
+    return [[f"{r['shape']} at load {r['load']:g}: SLA / GPU x always-on",
+             f"{r['sla_attainment']:.3f} / {r['gpu_ratio']:.2f}"]
+            for r in sorted(runs, key=lambda r: (r["sla_attainment"], r["shape"]))]
+
+
 def main(argv: list[str] | None = None) -> int:
     from agent.sim.replay_scale import always_on_replicas, fit_scale, replay_requests
     from agent.speed import SpeedProfile
@@ -211,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.json.write_text(json.dumps({"meta": run_meta(), "title": TITLE,
                                      "tables": tables(traces, out),
+                                     "headline": headline(traces, out),
                                      "profile": profile.to_meta(),
                                      "profile_source": source, "restore_s": restore_s,
                                      "traces": traces, "runs": out}, indent=1) + "\n")

@@ -387,6 +387,27 @@ def test_the_selection_installs_only_distributions_the_python_lacks(tmp_path):
     assert not (tmp_path / "work" / "site").exists()      # --select installs nothing
 
 
+def test_a_file_in_the_carry_without_a_wheels_name_is_skipped_and_the_rest_chosen(tmp_path):
+    """A corrupt carry (a file named like no wheel: ``junk.whl``, ``x-1.whl``) is skipped with
+    the reason, and the wheels sorted after it are still chosen: its name used to end the
+    selection with a traceback, so every wheel after it went uninstalled."""
+    wheels = tmp_path / "carry" / "wheels"
+    first = _wheel(wheels, "aaa_probe", "1.0")
+    last = _wheel(wheels, "zzz_probe", "1.0")
+    for name in ("junk.whl", "x-1.whl", "y--1-py3-none-any.whl"):
+        (wheels / name).write_bytes(b"not a wheel")
+    p = _script(tmp_path, tmp_path / "carry", "--select")
+    assert p.returncode == 0, p.stderr
+    lines = [line for line in p.stdout.splitlines() if not line.startswith("setup:")]
+    assert [line for line in lines if line.startswith("install ")] == \
+        [f"install {first}", f"install {last}"]
+    skipped = [line for line in lines if line.startswith("skip ")]
+    assert [line.split()[1] for line in skipped] == \
+        [str(wheels / n) for n in ("junk.whl", "x-1.whl", "y--1-py3-none-any.whl")]
+    assert all("not a wheel file name" in line for line in skipped)
+    assert "Traceback" not in p.stdout + p.stderr
+
+
 @pytest.mark.skipif(device_check.probe()["why_not"] is None, reason="a GPU is here")
 def test_setup_installs_the_missing_wheels_into_work_site_and_reports_each_failure(tmp_path):
     wheels = tmp_path / "carry" / "wheels"

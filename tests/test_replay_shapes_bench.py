@@ -41,6 +41,10 @@ def test_every_trace_in_the_folder_under_both_deadline_policies(bench, tmp_path)
     assert len(rewarm) == 4
     assert rewarm[("trickle.csv", 3.0)]["gpu_ratio_always_on"] < 0.5
     assert rewarm[("stream.csv", 3.0)]["sla_compliance"] == 1.0
+    assert [row[0].split(",")[0] for row in bench.headline(rows, [])] == [
+        "rewarm on " + r["trace"] for r in sorted(
+            (r for r in rows if r["policy"] == "rewarm" and r["deadline_factor"] == 1.0),
+            key=lambda r: (r["sla_compliance"], r["trace"]))]
     table = bench.tables(rows, [])[0]
     assert len(table["rows"]) == len(rows) and len(table["columns"]) == len(table["rows"][0])
 

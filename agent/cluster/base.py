@@ -15,6 +15,12 @@ from typing import Protocol
 LOAD_META_KEYS = ("max_seqs", "active_seqs", "kv_capacity_tokens", "kv_used_tokens")
 """A replica's load in its registry meta (decimal strings): written by the node agent, read
 by the front door's router.  Readers ignore keys they do not know (replicas may add more)."""
+LOAD_META_LIMITS = {"max_seqs": 1 << 16, "active_seqs": 1 << 16,
+                    "kv_capacity_tokens": 1 << 40, "kv_used_tokens": 1 << 40}
+"""The most each :data:`LOAD_META_KEYS` value may be: 65,536 sequence slots (KV-cache rows:
+thousands at most on one device) and 2^40 tokens of KV cache (a terabyte at one byte a
+token).  A reader refuses an entry past them, as one whose value is not an integer: the
+admission planner lists a replica's free slots one by one, and the predictor sizes by them."""
 
 
 SUSPENDED_META_KEY = "suspended"

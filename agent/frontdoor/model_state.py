@@ -51,8 +51,8 @@ class ModelState:
     one, else raised from the measured restore p99: agent/frontdoor/budgets.py).
     ``queue``: the admission queue, made when the first request is held.  ``shape``: EWMA of
     [prompt tokens, max_tokens] of its requests.  ``max_seqs`` / ``max_kv_tokens``: the
-    largest replica's batch slots and KV cache (tokens) seen.  ``replica_cap``: the most
-    replicas of it in view when a node answered a restore at its replica cap, kept while
+    largest replica's batch slots and KV cache (tokens) seen.  ``replica_cap``: the
+    replicas of it in view when a node last answered a restore at its replica cap, kept while
     replicas come and go (None: no cap seen, or one a later restore went past);
     ``capped_until_s``: clock time before which no restore is asked (the cap's backoff).
     ``arrivals``, ``cold_arrivals``, ``cold_misses``: generate requests, those that found

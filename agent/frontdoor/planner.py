@@ -269,20 +269,31 @@ class QueuePlanner:
         measured what they sustain backlogged, by that rate (:meth:`_short_by_rate`: a
         queue's requests start as fast as replicas sustain, whatever each one's predicted
         TTFT, which counts every error against it); else placed as :meth:`assign` places
-        them."""
+        them.  A replica more never starts fewer of them in time, so the count is found by
+        bisection: the queue is placed at most ``2 + log2(room)`` times, not ``room + 1``
+        (this runs on every held arrival and every re-check)."""
         measured = self.router.model_capacity(model) is not None
-        best_n, best_short = 0, None
-        for n in range(max(0, room) + 1):
+
+        def short_with(n: int) -> int:
             if measured:
-                short = self._short_by_rate(model, flights, now, n)
+                return self._short_by_rate(model, flights, now, n)
+            predicted = self._place(model, flights, now, 0.0, 0, new_replicas=n)[0]
+            return sum(1 for t in predicted if t is None)
+
+        short = short_with(0)
+        if short == 0 or room <= 0:
+            return 0
+        best = short_with(room)
+        if best >= short:         # no number of replicas starts one more in time
+            return 0
+        lo, hi = 0, room          # short_with(lo) > best, short_with(hi) == best
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if short_with(mid) <= best:
+                hi = mid
             else:
-                predicted = self._place(model, flights, now, 0.0, 0, new_replicas=n)[0]
-                short = sum(1 for t in predicted if t is None)
-            if best_short is None or short < best_short:
-                best_n, best_short = n, short
-            if short == 0:
-                break
-        return best_n
+                lo = mid
+        return hi
 
     def _short_by_rate(self, model: str, flights: list[Flight], now: float,
                        new_replicas: int) -> int:

@@ -182,9 +182,11 @@ class Restores:
             if result.path == "warm_hit" and warm:
                 # The node is at its replica cap with ``warm`` replicas (the answer's
                 # included): admission counts no restorable capacity beyond that many, now
-                # and after replicas leave and come back (:meth:`replica_room`).  None in
-                # view (a scale-in raced the answer): no cap, or a wrong one of 0.
-                state.replica_cap = max(warm, state.replica_cap or 0)
+                # and after replicas leave and come back (:meth:`replica_room`).  The latest
+                # answer is the cap, lower too (a node left with its replicas: a cap kept at
+                # its old height would admit every later burst on restores no node makes).
+                # None in view (a scale-in raced the answer): no cap, or a wrong one of 0.
+                state.replica_cap = warm
             elif result.path != "warm_hit" and state.replica_cap is not None \
                     and warm > state.replica_cap:
                 state.replica_cap = None       # a restore went past it: capacity grew
@@ -216,7 +218,7 @@ class Restores:
 
     def replica_room(self, model: str) -> int | None:
         """How many more replicas of ``model`` can come up before its nodes' replica cap:
-        the cap (the most replicas in view when a node answered a restore with one it had,
+        the cap (the replicas in view when a node last answered a restore with one it had,
         ``warm_hit``) less the replicas in view; None before any such answer, or after a
         restore went past it (then its nodes had room again: a node joined).  The cap is
         kept while replicas leave and come back, so a model scaled to zero between bursts

@@ -45,8 +45,9 @@ from dataclasses import dataclass, field, replace
 from collections.abc import Iterable, Mapping
 
 from agent.cluster.base import LOAD_META_KEYS as META_KEYS  # the registry meta schema
+from agent.cluster.base import LOAD_META_LIMITS as META_LIMITS
 from agent.cluster.base import ServiceInstance
-from agent.speed import QUEUE_META_KEYS, SPEED_META_KEYS, SpeedProfile
+from agent.speed import QUEUE_META_KEYS, QUEUE_META_LIMITS, SPEED_META_KEYS, SpeedProfile
 from agent.throughput import BACKLOG_META_KEYS, BacklogCapacity
 
 DEFAULT_PRIOR = SpeedProfile(prefill_tokens_per_s=500.0, prefill_overhead_s=0.02,
@@ -153,21 +154,32 @@ class ReplicaLoad:
     def from_meta(cls, replica_id: str, model: str, address: str,
                   meta: Mapping[str, object]) -> ReplicaLoad:
         """From a load report (ints or decimal strings): :data:`META_KEYS` required (else
-        ValueError naming the key and value); speed, queue and backlog-capacity keys optional
-        (a missing or bad speed or backlog key means none measured; a missing queue key is
-        0)."""
+        ValueError naming the key and value; past :data:`META_LIMITS` naming the limit too);
+        speed, queue and backlog-capacity keys optional (a missing or bad speed or backlog
+        key means none measured; a missing or bad queue key is 0, one past
+        :data:`~agent.speed.QUEUE_META_LIMITS` its limit)."""
         values = {}
         for key in META_KEYS:
             try:
                 values[key] = int(meta[key])  # type: ignore[call-overload]
             except (KeyError, ValueError, TypeError):
                 raise ValueError(f"replica {replica_id!r}: load {key!r}="
-                                 f"{meta.get(key)!r} is not an integer") from None
+                                 f"{_shown(meta.get(key))} is not an integer") from None
+            if values[key] > META_LIMITS[key]:
+                raise ValueError(f"replica {replica_id!r}: load {key!r}={values[key]} "
+                                 f"exceeds its limit {META_LIMITS[key]}")
         for key in QUEUE_META_KEYS:
             try:
-                values[key] = max(0, int(float(meta.get(key, 0))))  # type: ignore[arg-type]
+                value = float(meta.get(key, 0))  # type: ignore[arg-type]
             except (ValueError, TypeError, OverflowError):
+                value = 0.0
+            limit = QUEUE_META_LIMITS[key]
+            if not value >= 0:           # negative or NaN
                 values[key] = 0
+            elif value > limit:          # inf too
+                values[key] = limit
+            else:
+                values[key] = int(value)
         speed = SpeedProfile.from_meta(meta) if SPEED_META_KEYS[0] in meta else None
         backlog = BacklogCapacity.from_meta(meta) if BACKLOG_META_KEYS[0] in meta else None
         return cls(replica_id, model, address, speed=speed, backlog=backlog, **values)
@@ -188,6 +200,18 @@ class ReplicaLoad:
         load = cls.from_meta(inst.id, model, address, inst.meta)
         load.came_up = str(inst.meta.get("came_up", ""))
         return load
+
+
+SHOWN_CHARS = 64
+"""The most of a bad meta value a refusal quotes (the registry is re-read every poll, and
+the refusal is logged each time)."""
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to :data:`SHOWN_CHARS` with the length it had."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else \
+        f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 def slowest(profiles: Iterable[SpeedProfile]) -> SpeedProfile | None:

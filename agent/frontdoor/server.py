@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import traceback
 import uuid
 
 from agent.clock import Clock, SystemClock
@@ -20,6 +21,7 @@ from agent.frontdoor.auth import TokenAuth
 from agent.frontdoor.capacity import CapacityRequester
 from agent.frontdoor.config import FrontDoorConfig
 from agent.frontdoor.msgpack_entrance import ClientConn, MsgpackEntrance
+from agent.frontdoor.ratelog import RateLimitedLog
 from agent.frontdoor.request_path import RequestPath
 from agent.frontdoor.watch import RegistryWatcher
 from agent.limits import raise_nofile
@@ -53,6 +55,9 @@ class FrontDoor:
         self._tasks: list[asyncio.Task] = []
         self._watcher: RegistryWatcher | None = None
         self._last_beat_s = float("-inf")
+        self._pass_log = RateLimitedLog(log, "front door loop passes that raised",
+                                        clock=self.clock,
+                                        interval_s=config.accept_log_interval_s)
 
     # The request path's state, for tests and tools that look inside.
     @property
@@ -136,19 +141,32 @@ class FrontDoor:
 
     async def _ticker(self) -> None:
         """Answer queued requests past their deadline (504) or wait bound (429), and
-        dispatched ones whose replica gave no first token in time (first_token.py)."""
+        dispatched ones whose replica gave no first token in time (first_token.py).  A pass
+        that raises is logged and the next one runs (every queued request depends on it)."""
         while True:
             await asyncio.sleep(self.config.tick_s)
             if self.path.queued_models or self.path.watching:
-                self.path.expire_queued()
+                self._pass("ticker", self.path.expire_queued)
 
     async def _sweeper(self) -> None:
-        """Close idle connections and cut off frames that take too long to arrive."""
+        """Close idle connections and cut off frames that take too long to arrive (a pass
+        that raises is logged and the next one runs)."""
         while True:
             await asyncio.sleep(self.config.sweep_s)
-            self.msgpack.sweep()
-            self.path.tick_logs()
-            self.telemetry.flush()
+            self._pass("sweeper", self.msgpack.sweep, self.path.tick_logs,
+                       self.telemetry.flush)
+            self._pass_log.tick()
+
+    def _pass(self, loop: str, *steps) -> None:
+        """Run ``steps`` in order, each once: one that raises (a bug) is logged with its
+        traceback (rate-limited) and the rest still run, so a background loop never ends
+        on one bad pass."""
+        for step in steps:
+            try:
+                step()
+            except Exception:   # noqa: BLE001 - logged; the loop's next pass runs
+                self._pass_log.warning("front door %s: a pass raised; the loop goes on:\n%s",
+                                       loop, traceback.format_exc())
 
     def _heartbeat(self) -> None:
         """Keep a TTL announcement passing (called from the watcher thread)."""
@@ -164,3 +182,4 @@ class FrontDoor:
         """Read the registry now (startup, tests) and apply it."""
         self.path.apply_replicas(await asyncio.to_thread(self.registry.healthy,
                                                          REPLICA_SERVICE))
+

@@ -75,7 +75,7 @@ from agent.predictor.keepalive import IdleGaps, KeepAlivePlan, plan_keepalive
 from agent.predictor.policy import ModelPolicy, check_lead_time, release_after_s
 from agent.predictor.sizing import replicas_for_rate, seqs_per_replica, target_replicas
 from agent.speed import SpeedProfile
-from agent.throughput import BacklogCapacity
+from agent.throughput import MAX_MEAN_TOKENS, BacklogCapacity
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,8 @@ class Predictor:
         """Size ``model`` from a replica's measured speed from now on (docs/architecture.md,
         "Capacity from measured rates"):
         ``profile`` (the slowest replica's, agent/speed.py), its ``max_seqs`` KV slots,
-        when given the observed mean prompt and output lengths (tokens), and ``sustained``,
+        when given the observed mean prompt and output lengths (tokens; one that is not a
+        number in [0, agent/throughput.py's ``MAX_MEAN_TOKENS``] is ignored), and ``sustained``,
         the capacity a replica sustained while backlogged (agent/throughput.py; kept until
         a newer one comes: a replica that has not been saturated since still has it), which
         then sizes the pool instead of the profile's estimate.  Returns the sustainable
@@ -262,7 +263,7 @@ class Predictor:
                               name="max_seqs", value=max_seqs, limit=1)
         changes: dict[str, Any] = {k: float(v) for k, v in (("mean_prompt_tokens", mean_prompt_tokens),
                                             ("mean_gen_tokens", mean_gen_tokens))
-                   if v is not None and math.isfinite(v) and v >= 0}
+                   if v is not None and 0 <= v <= MAX_MEAN_TOKENS}
         if changes:
             st.policy = replace(st.policy, **changes)
         st.speed, st.max_seqs = profile, int(max_seqs)

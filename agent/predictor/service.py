@@ -22,7 +22,6 @@ contributes no sample (a missing sample, not a zero).
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from typing import Any, Protocol, TypeGuard
 from collections.abc import Callable, Mapping
@@ -231,8 +230,9 @@ def _parse_stats(address: str, result: dict) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise ValueError(f"front door {address}: {name} is {type(value).__name__}, "
                              "not a map")
+    from agent.cluster.base import LOAD_META_LIMITS
     from agent.speed import SpeedProfile
-    from agent.throughput import BacklogCapacity
+    from agent.throughput import MAX_MEAN_TOKENS, BacklogCapacity
 
     capacity: dict[str, int] = {}
     speed: dict[str, tuple] = {}
@@ -241,12 +241,14 @@ def _parse_stats(address: str, result: dict) -> dict[str, Any]:
         if not (isinstance(rep, dict) and isinstance(rep.get("model"), str)):
             continue
         m = rep["model"]
-        if _count(rep.get("kv_capacity_tokens")):
-            tokens = rep["kv_capacity_tokens"]
+        # within the load report's limits (agent/cluster/base.py): past them, no reading
+        tokens = rep.get("kv_capacity_tokens")
+        if _count(tokens) and tokens <= LOAD_META_LIMITS["kv_capacity_tokens"]:
             capacity[m] = min(tokens, capacity.get(m, tokens))
         profile = SpeedProfile.from_meta(rep)
         max_seqs = rep.get("max_seqs")
-        if profile is not None and _count(max_seqs) and max_seqs >= 1:
+        if profile is not None and _count(max_seqs) \
+                and 1 <= max_seqs <= LOAD_META_LIMITS["max_seqs"]:
             old = speed.get(m)
             if old is None or profile.service_rps(100, 10, 1) < old[0].service_rps(100, 10, 1):
                 speed[m] = (profile, max_seqs)
@@ -261,7 +263,7 @@ def _parse_stats(address: str, result: dict) -> dict[str, Any]:
         if isinstance(value, dict):
             keep = {k: float(value[k]) for k in ("mean_prompt_tokens", "mean_gen_tokens")
                     if isinstance(value.get(k), (int, float)) and not isinstance(value[k], bool)
-                    and math.isfinite(value[k]) and value[k] >= 0}
+                    and 0 <= value[k] <= MAX_MEAN_TOKENS}
             if keep:
                 lengths[str(m)] = keep
     cold: dict[str, tuple[int, int]] = {}

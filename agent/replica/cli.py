@@ -13,6 +13,17 @@ from agent.argtypes import (device_name, host_port, listen_address, nonneg_float
                             positive_int)
 
 
+def itl_target_ms(text: str) -> float:
+    """``--itl-target-ms``: a finite number of milliseconds >= 0, at most what a load report
+    may carry (agent/speed.py ``MAX_PROFILE_S``)."""
+    from agent.speed import MAX_PROFILE_S
+
+    value = nonneg_float(text)
+    if value > MAX_PROFILE_S * 1000.0:
+        raise argparse.ArgumentTypeError(f"{text} is above the limit {MAX_PROFILE_S * 1000.0:g} ms")
+    return value
+
+
 def _import_gguf(args: argparse.Namespace) -> int:
     from agent.replica.gguf_import import import_gguf
 
@@ -144,11 +155,12 @@ def _register_build_and_replica(sub: argparse._SubParsersAction) -> None:
                         "snapshot's page-cache pages shared by every replica of it on the node "
                         "(and no buffer without --warm)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (all cores)")
-    p.add_argument("--itl-target-ms", type=nonneg_float, default=None, metavar="MS",
+    p.add_argument("--itl-target-ms", type=itl_target_ms, default=None, metavar="MS",
                    help="inter-token latency each engine step plans for: the prompt tokens a "
                         "step prefills beside the running streams' decode are what fits in it "
                         f"(default {DEFAULT_ITL_SLO_S * 1000:g}, MLPerf's Llama 2 70B TPOT "
-                        "limit; 0: each waiting prompt whole, no per-step budget)")
+                        "limit; 0: each waiting prompt whole, no per-step budget; at most "
+                        "3600000, an hour)")
     p.add_argument("--device", type=device_name, default="cpu",
                    help="cpu or cuda[:N]: where the model runs (a zygote there holds a CUDA "
                         "context and a device restore buffer; restores read with kvikio)")

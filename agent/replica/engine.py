@@ -62,7 +62,8 @@ from agent.replica.model import Transformer, every_position, last_positions, new
 from agent.replica.sampling import (GREEDY, MAX_SEED, Sampler, Sampling, make_sampler,  # noqa: F401
                                     sample, sample_rows)
 from agent.replica.speedmeter import SpeedMeter
-from agent.speed import DEFAULT_ITL_SLO_S, SpeedProfile, plan_prefill_call, slot_wait_steps
+from agent.speed import (DEFAULT_ITL_SLO_S, MAX_PROFILE_S, SpeedProfile, plan_prefill_call,
+                         slot_wait_steps)
 
 Forward = Callable[..., torch.Tensor]
 
@@ -150,7 +151,8 @@ class Engine(Lockstep):
     ``prefill_chunk``: the most tokens per row of one prefill call; ``itl_target_s``: the
     step's inter-token-latency target (s, default agent/speed.py's
     :data:`~agent.speed.DEFAULT_ITL_SLO_S`; 0: no prefill budget, whole prompts; settable
-    while serving).  Raises ConfigError for a target that is not a finite number >= 0.
+    while serving).  Raises ConfigError for a target that is not a finite number >= 0, or
+    over :data:`~agent.speed.MAX_PROFILE_S` (the most a load report may carry).
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor] | None, *,
@@ -198,6 +200,9 @@ class Engine(Lockstep):
                 or not math.isfinite(value) or value < 0:
             raise ConfigError(f"itl_target_s={value!r} must be a finite number >= 0 (0: no "
                               "prefill budget)", name="itl_target_s", value=value, limit=0)
+        if value > MAX_PROFILE_S:   # what a load report may carry (agent/speed.py)
+            raise ConfigError(f"itl_target_s={value!r} exceeds {MAX_PROFILE_S:g} s",
+                              name="itl_target_s", value=value, limit=MAX_PROFILE_S)
         self._itl_target_s = float(value)
 
     def profile(self) -> SpeedProfile:

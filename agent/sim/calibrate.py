@@ -34,7 +34,10 @@ def sim_sustained_rps(speed: SpeedProfile, lengths: Sequence[tuple[int, int]], *
     turn), over ``departures`` completions after the first ``warmup``; ``itl_target_s`` its
     step target as :class:`SimReplica` takes it (None: the profile's, as the simulator's
     replicas plan).  Raises ConfigError
-    for an empty ``lengths`` or counts below 1."""
+    for an empty ``lengths`` or counts below 1 (a replica of no slots never completes one)."""
+    if max_seqs < 1:
+        raise ConfigError(f"sim_sustained_rps: max_seqs={max_seqs}; limit is >= 1",
+                          name="max_seqs", value=max_seqs, limit=1)
     if not lengths or concurrency < 1 or departures < 1 or warmup < 0:
         raise ConfigError(f"sim_sustained_rps: {len(lengths)} lengths, concurrency="
                           f"{concurrency}, departures={departures}, warmup={warmup}; limits "

@@ -1,12 +1,14 @@
 """agent/speed.py: the replica speed model shared by replica, front door, predictor, simulator."""
 
 import dataclasses
+import json
 import math
 
 import pytest
 
 from agent.errors import ConfigError
-from agent.speed import (DEFAULT_ITL_SLO_S, MIN_PREFILL_BUDGET_TOKENS, SPEED_META_KEYS,
+from agent.speed import (DEFAULT_ITL_SLO_S, MAX_PREFILL_TOKENS_PER_S, MAX_PROFILE_S,
+                         MIN_PREFILL_BUDGET_TOKENS, MIN_PREFILL_TOKENS_PER_S, SPEED_META_KEYS,
                          SpeedProfile, plan_prefill_call)
 
 P = SpeedProfile(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.01, decode_base_s=0.02,
@@ -204,3 +206,44 @@ def test_prediction_against_the_engines_schedule(running, prompt):
         if prompt > rep.reported.prefill_budget_tokens(0):
             last = burst - 1
             assert predicted[last] == pytest.approx(first[last], rel=0.04)
+
+
+@pytest.mark.parametrize("field,at,over", [
+    ("prefill_tokens_per_s", MAX_PREFILL_TOKENS_PER_S, MAX_PREFILL_TOKENS_PER_S * 1.0001),
+    ("prefill_tokens_per_s", MIN_PREFILL_TOKENS_PER_S, MIN_PREFILL_TOKENS_PER_S * 0.9999),
+    ("prefill_overhead_s", MAX_PROFILE_S, MAX_PROFILE_S * 1.0001),
+    ("decode_base_s", MAX_PROFILE_S, MAX_PROFILE_S * 1.0001),
+    ("decode_per_seq_s", MAX_PROFILE_S, MAX_PROFILE_S * 1.0001),
+    ("decode_per_ctx_token_s", MAX_PROFILE_S, MAX_PROFILE_S * 1.0001),
+    ("itl_target_s", MAX_PROFILE_S, MAX_PROFILE_S * 1.0001),
+])
+def test_a_reported_profile_is_read_within_its_limits(field, at, over, tmp_path):
+    """A load report or profile file states each rate within the limits, at them too; just
+    past one, the report reads as not measured (None) and the file is a ConfigError naming
+    the field, the value and the limit."""
+    from agent.speed import PROFILE_SCHEMA
+
+    meta = {**P.to_meta(), field: repr(at)}
+    assert getattr(SpeedProfile.from_meta(meta), field) == at
+    assert SpeedProfile.from_meta({**meta, field: repr(over)}) is None
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "speed": {**P.to_dict(), field: over}}))
+    with pytest.raises(ConfigError) as err:
+        SpeedProfile.from_file(path)
+    assert (err.value.name, err.value.value) == (field, over) and field in str(err.value)
+
+
+def test_a_report_at_the_limits_predicts_without_raising():
+    """The arithmetic the router, admission and the predictor run on a report at every limit
+    at once stays finite where it is turned into integers (a report of 1e308 tokens/s with a
+    10 s call overhead raised OverflowError on every request of its model)."""
+    worst = SpeedProfile(MAX_PREFILL_TOKENS_PER_S, MAX_PROFILE_S, MAX_PROFILE_S, MAX_PROFILE_S,
+                         MAX_PROFILE_S, MAX_PROFILE_S)
+    slowest = SpeedProfile(MIN_PREFILL_TOKENS_PER_S, MAX_PROFILE_S, MAX_PROFILE_S,
+                           MAX_PROFILE_S, MAX_PROFILE_S, MAX_PROFILE_S)
+    for p in (worst, slowest):
+        assert p.predict_ttft_s(4096, active_seqs=64, active_ctx_tokens=1 << 20,
+                                waiting_seqs=1 << 10, queued_prefill_tokens=1 << 22) > 0
+        assert p.prefill_budget_tokens(64, 1 << 20) >= MIN_PREFILL_BUDGET_TOKENS
+        assert 1 <= p.sustainable_concurrency(2.0, 1000, 100, 64) <= 64
+        assert 0 < p.service_rps(1000, 100, 8) < math.inf

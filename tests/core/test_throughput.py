@@ -6,7 +6,8 @@ import pytest
 
 from agent.errors import ConfigError
 from agent.speed import SpeedProfile
-from agent.throughput import BACKLOG_META_KEYS, BacklogCapacity, BacklogMeter
+from agent.throughput import (BACKLOG_META_KEYS, MAX_BACKLOG_BATCH, MAX_BACKLOG_RPS,
+                              MAX_MEAN_TOKENS, MIN_BACKLOG_RPS, BacklogCapacity, BacklogMeter)
 
 PROFILE = SpeedProfile(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.01,
                        decode_base_s=0.02, decode_per_seq_s=0.002, decode_per_ctx_token_s=0.0)
@@ -120,3 +121,51 @@ def test_meta_round_trip_and_refusals():
     with pytest.raises(ConfigError) as err:
         BacklogCapacity(rps=1.0, seconds=1.0, batch=-1.0, prompt_tokens=1.0, gen_tokens=1.0)
     assert err.value.name == "backlog_batch"
+
+
+@pytest.mark.parametrize("key,at,over", [
+    ("backlog_rps", MAX_BACKLOG_RPS, MAX_BACKLOG_RPS * 1.0001),
+    ("backlog_rps", MIN_BACKLOG_RPS, MIN_BACKLOG_RPS * 0.9999),
+    ("backlog_batch", MAX_BACKLOG_BATCH, MAX_BACKLOG_BATCH + 1),
+    ("backlog_prompt_tokens", MAX_MEAN_TOKENS, MAX_MEAN_TOKENS * 1.0001),
+    ("backlog_gen_tokens", MAX_MEAN_TOKENS, MAX_MEAN_TOKENS * 1.0001),
+])
+def test_every_limit_at_and_just_over(key, at, over):
+    """A value at its limit is a capacity; just past it the report is refused (None from
+    meta, a ConfigError naming the key, the value and the limit)."""
+    base = dict(zip(BACKLOG_META_KEYS, (3.0, 10.0, 2.0, 100.0, 10.0), strict=True))
+    assert BacklogCapacity.from_meta({**base, key: at}) is not None
+    assert BacklogCapacity.from_meta({**base, key: repr(over)}) is None
+    with pytest.raises(ConfigError) as err:
+        BacklogCapacity(*{**base, key: over}.values())
+    assert (err.value.name, err.value.value) == (key, over)
+    assert str(over) in str(err.value) or repr(over) in str(err.value)
+
+
+def test_a_converted_rate_stays_within_the_limits():
+    """However far the asked shape is from the measured one, the rate answered is finite and
+    within [MIN_BACKLOG_RPS, MAX_BACKLOG_RPS] (its inverse is an occupancy, its sum a
+    capacity); a length past MAX_MEAN_TOKENS, or not a number, is answered the measured
+    rate."""
+    fast = BacklogCapacity(rps=MAX_BACKLOG_RPS, seconds=5.0, batch=1.0, prompt_tokens=1e6,
+                           gen_tokens=1e6)
+    assert fast.rps_at(PROFILE, 1, 1) == MAX_BACKLOG_RPS
+    slow = BacklogCapacity(rps=MIN_BACKLOG_RPS, seconds=5.0, batch=1.0, prompt_tokens=1.0,
+                           gen_tokens=1.0)
+    assert slow.rps_at(PROFILE, MAX_MEAN_TOKENS, MAX_MEAN_TOKENS) == MIN_BACKLOG_RPS
+    for length in (MAX_MEAN_TOKENS * 2, float("inf"), float("nan")):
+        assert slow.rps_at(PROFILE, length, 1) == MIN_BACKLOG_RPS
+        assert fast.rps_at(PROFILE, 1, length) == MAX_BACKLOG_RPS
+
+
+def test_a_meter_whose_measurement_is_past_the_limits_reports_none():
+    """A backlogged stretch so long that 8 departures make less than MIN_BACKLOG_RPS (a
+    process stopped while work waited) is not reported as a capacity."""
+    m, clock = meter(min_s=1.0, min_departures=1)
+    m.tick([], backlog=True, batch=1)
+    clock.t += 1e7
+    m.tick([(1, 1)] * 8, backlog=True, batch=1)
+    assert m.capacity() is None
+    clock.t += 1.0
+    m.tick([(1, 1)], backlog=True, batch=1)   # within the window: the long span still counts
+    assert m.capacity() is None

@@ -55,6 +55,8 @@ def test_a_file_without_tables_shows_its_scalars_and_unknown_files_follow(tmp_pa
     assert "| served | 1463 |" in page and "| ttft_ms.warm_hit.p99 | 1,175 |" in page
     assert "| records[2 entries] |  |" in page
     assert page.index("## zz new") < page.index("## Not run yet")
+    # the README's link goes to that section's anchor
+    assert "(docs/benchmarks.md#zz-new)" in render_docs.readme_table(tmp_path)
 
 
 @pytest.mark.parametrize("data,key", [

@@ -231,3 +231,35 @@ def test_the_cap_is_remembered_across_a_scale_to_zero():
         await f.timeline.run_until(f.clock.now() + 2.0)
         assert len(f.path.router.warm("m")) == 3 and f.path.restores.replica_room("m") is None
     asyncio.run(main())
+
+
+def test_the_cap_follows_a_node_that_left():
+    """The cap was learnt at 3 replicas; a node leaves, taking one.  The next at-cap answer
+    comes with 2 in view: that is the cap now, so admission counts no restore the nodes
+    cannot make.  (Kept at the larger of the two, the cap stayed 3 for good: every later
+    burst was admitted on a restore no node would make, and refused at a re-check, late.)"""
+    async def main():
+        f = Fleet(speed=PREFILL_BOUND, max_seqs=SEQS, warm=3, restore_s=1.0, max_replicas=3,
+                  measured_restores_s=(1.0,))
+        f.path.restores.restore_for("m", 1)
+        await f.timeline.run_until(f.clock.now() + 0.5)
+        assert f.path.models.of("m").replica_cap == 3 and f.path.restores.at_cap("m")
+        gone = f.replicas.pop()                       # its node leaves
+        f.path.router.remove(gone.replica_id)
+        f.capacity.max_replicas = 2
+        assert f.path.restores.replica_room("m") == 1  # not known yet
+        f.path.models.of("m").capped_until_s = 0.0
+        f.path.restores.restore_for("m", 1)            # answered at the cap, with 2 in view
+        await f.timeline.run_until(f.clock.now() + 0.5)
+        assert f.path.models.of("m").replica_cap == 2
+        assert f.path.restores.at_cap("m") and f.path.planner.etas_s("m", f.clock.now()) == []
+        # a burst past the two replicas: what they cannot serve is refused at arrival
+        f.path.models.of("m").capped_until_s = f.clock.now() + 60.0
+        t0 = f.clock.now()
+        for _ in range(4 * SEQS):
+            f.submit(prompt_tokens=PROMPT[1], max_tokens=GEN[0])
+        await f.timeline.run_until(t0 + 10.0)
+        codes, served, refused = outcome(f)
+        assert None not in codes and refused
+        assert all(s.at_s == s.arrival_s for s in refused)
+    asyncio.run(main())

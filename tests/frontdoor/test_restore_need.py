@@ -79,3 +79,49 @@ def test_the_default_cooldown_is_one_lead_time():
     p = ModelPolicy("m", lead_time_s=7.0, restore_p99_s=2.0)
     assert p.cooldown_s == 7.0
     assert ModelPolicy("m", scale_down_cooldown_s=30.0).cooldown_s == 30.0
+
+
+def test_the_restores_needed_are_found_in_few_placements_however_large_the_room():
+    """restores_needed is asked on every held arrival and every re-check (20 ms); it places
+    the queue once per count it tries, so with a room of 64 (restores_per_model 64) trying
+    each count in turn placed a queue 65 times a call (22 ms for 128 queued requests, past
+    the re-check interval) where no count helps.  The counts are tried by bisection instead
+    (fewer replicas never start more of the queue in time), with the same answers."""
+    async def main():
+        f = Fleet(speed=QUICK, max_seqs=2, restore_s=0.5, measured_restores_s=(0.5,),
+                  restores_per_model=64, restores_overall=64)
+        for _ in range(120):
+            f.submit(prompt_tokens=100, max_tokens=1, deadline_ms=600_000)
+        planner = f.path.planner
+        queued = [p.payload for p in f.path.models.queue("m").ordered(128)]
+        now = f.clock.now()
+        calls = []
+        short = planner._short_by_rate
+        place = planner._place
+
+        def counted_short(*a, **kw):
+            calls.append(a[3])
+            return short(*a, **kw)
+
+        def counted_place(*a, **kw):
+            if kw.get("new_replicas") is not None:
+                calls.append(kw["new_replicas"])
+            return place(*a, **kw)
+        planner._short_by_rate, planner._place = counted_short, counted_place
+
+        def needed(deadline_s):
+            for fl in queued:
+                fl.deadline_s = fl.warm_deadline_s = deadline_s
+            f.path.models.forget_slots("m")
+            calls.clear()
+            return planner.restores_needed("m", queued, now, 64), len(calls)
+
+        for measured_rps in (None, 10.0):
+            if measured_rps is not None:
+                f.replicas[0].load.backlog = measured(measured_rps)
+                f.path.upsert(f.replicas[0].load)
+            assert needed(now + 0.01) == (0, 2)        # none can help: two placements
+            assert needed(now + 3600.0) == (0, 1)      # none needed: one
+            n, placements = needed(now + 3.0)           # some help: by bisection
+            assert 1 <= n <= 64 and placements <= 2 + 6
+    run(main())

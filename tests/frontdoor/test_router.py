@@ -198,3 +198,69 @@ def test_a_queue_drains_no_slower_than_the_rate_the_replica_sustained_backlogged
     assert busy.predict_ttft_s(9, speed) == pytest.approx(model_s)
     busy.waiting_seqs = busy.queued_prefill_tokens = 0   # nothing queued: the model alone
     assert busy.predict_ttft_s(9, speed) == pytest.approx(step_s + speed.prefill_s(9))
+
+
+def test_a_speed_past_the_report_limits_is_routed_on_the_prior_not_raised():
+    """A replica reporting 1e308 prompt tokens/s with a 10 s call overhead (a forged or
+    broken entry): its budget in tokens is infinite, and predicting a request there raised
+    OverflowError on every request of its model.  Read as not measured, it is predicted with
+    the model's prior, and the router still chooses among its replicas."""
+    meta = {"max_seqs": "4", "active_seqs": "1", "kv_capacity_tokens": "1000",
+            "kv_used_tokens": "10", "waiting_seqs": "2", "queued_prefill_tokens": "200",
+            "prefill_tokens_per_s": "1e308", "prefill_overhead_s": "10", "decode_base_s": "0.01",
+            "decode_per_seq_s": "0", "decode_per_ctx_token_s": "0", "itl_target_s": "0.2"}
+    bad = ReplicaLoad.from_meta("bad", "m", "a:1", meta)
+    assert bad.speed is None
+    r = Router()
+    r.upsert(bad)
+    r.upsert(load("good"))
+    found = r.choose_predicted("m", 10, 100)
+    assert found is not None and 0 < found[1] < float("inf")
+    assert bad.predict_ttft_s(100, r.prior("m")) > 0
+
+
+BASE_META = {"max_seqs": "8", "active_seqs": "1", "kv_capacity_tokens": "4096",
+             "kv_used_tokens": "96"}
+
+
+@pytest.mark.parametrize("key", ["max_seqs", "active_seqs", "kv_capacity_tokens",
+                                 "kv_used_tokens"])
+def test_a_load_key_is_read_up_to_its_limit_and_refused_past_it(key):
+    """A replica's slots and KV cache are read up to LOAD_META_LIMITS, at the limit too;
+    just past it the entry is refused naming the key, the value and the limit, as a value
+    that is not an integer is (max_seqs of 10**9 made the admission planner list a billion
+    free slots for every arrival: the front door's memory, then the node's)."""
+    from agent.cluster.base import LOAD_META_LIMITS
+
+    limit = LOAD_META_LIMITS[key]
+    got = ReplicaLoad.from_meta("r", "m", "a:1", {**BASE_META, key: str(limit)})
+    assert getattr(got, key) == limit
+    with pytest.raises(ValueError, match=key) as err:
+        ReplicaLoad.from_meta("r", "m", "a:1", {**BASE_META, key: str(limit + 1)})
+    assert str(limit + 1) in str(err.value) and str(limit) in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["waiting_seqs", "queued_prefill_tokens", "active_ctx_tokens"])
+def test_a_queue_key_past_its_limit_reads_as_the_limit(key):
+    """A queue past QUEUE_META_LIMITS is read at the limit (as busy as a replica can say it
+    is, never an idle one); 10**300 queued sequences made every prediction there raise
+    OverflowError (an integer too large for a float)."""
+    from agent.speed import QUEUE_META_LIMITS
+
+    limit = QUEUE_META_LIMITS[key]
+    assert getattr(ReplicaLoad.from_meta("r", "m", "a:1", {**BASE_META, key: str(limit)}),
+                   key) == limit
+    for over in (str(limit + 1), "1e300", str(10 ** 300)):
+        got = ReplicaLoad.from_meta("r", "m", "a:1", {**BASE_META, key: over})
+        assert getattr(got, key) == limit
+        assert 0 < got.predict_ttft_s(100, Router().prior("m")) < float("inf")
+
+
+def test_a_refused_load_value_is_quoted_cut_to_a_line():
+    """A registry entry whose max_seqs is a megabyte of digits (int() refuses it, past 4,300
+    digits) is refused naming the key, with the value cut and its length given: the refusal
+    is logged on every registry poll, and it used to quote the whole megabyte each time."""
+    with pytest.raises(ValueError) as err:
+        ReplicaLoad.from_meta("r", "m", "a:1", {**BASE_META, "max_seqs": "9" * 1_000_000})
+    text = str(err.value)
+    assert "'max_seqs'" in text and "(1000002 characters)" in text and len(text) < 200

@@ -560,3 +560,42 @@ def test_answered_msgpack_requests_leave_no_cycle_for_the_collector():
     msgs, left = run(main())
     assert sum(m["type"] == "done" for m in msgs) == 20
     assert left == []
+
+
+def test_a_tick_that_raises_does_not_end_the_front_doors_loops(caplog):
+    """The ticker (expiry, re-checks, first-token bounds) and the sweeper keep running after
+    one pass raised (a bug, or a figure the arithmetic cannot take): the exception is logged
+    (rate-limited) and the next pass runs.  An exception used to end the task for good, silently: queued
+    requests were then never expired or re-checked again."""
+    async def main():
+        fd, stubs, host, port = await setup()
+        calls = {"expire": 0, "sweep": 0}
+
+        def expire():
+            calls["expire"] += 1
+            if calls["expire"] == 1:
+                raise OverflowError("cannot convert float infinity to integer")
+
+        def sweep():
+            calls["sweep"] += 1
+            if calls["sweep"] == 1:
+                raise RuntimeError("sweep failed")
+
+        fd.path.expire_queued = expire
+        fd.msgpack.sweep = sweep
+        fd.path.queued_models.add("m")
+        try:
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if calls["expire"] >= 3 and calls["sweep"] >= 3:
+                    break
+            assert calls["expire"] >= 3 and calls["sweep"] >= 3
+            assert all(not t.done() for t in fd._tasks)
+        finally:
+            fd.path.queued_models.discard("m")
+            await fd.stop(grace_s=0)
+            for s in stubs:
+                await s.stop()
+    with caplog.at_level("WARNING"):
+        run(main())
+    assert "OverflowError" in caplog.text and "sweep failed" in caplog.text

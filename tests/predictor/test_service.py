@@ -447,3 +447,66 @@ def test_queued_counts_a_front_door_cannot_have_are_ignored_and_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="agent.predictor.service"):
         got = _parse_stats("door:1", {"arrivals": {"m": 5}, "queued": {"m": 0, "n": 2}})
     assert got["busy"] == {"n"} and caplog.text == ""
+
+
+@pytest.mark.parametrize("backlog", [
+    {"backlog_rps": 5e-324},                        # 1 / rate is inf: no occupancy
+    {"backlog_rps": 1.7e308},                       # converted to the mean shape: inf
+    {"backlog_prompt_tokens": 1e308},               # its shape's context: inf tokens
+    {"backlog_batch": 1e300},
+], ids=["rps-tiny", "rps-huge", "prompt-huge", "batch-huge"])
+def test_a_measured_capacity_past_its_limits_neither_stops_the_ticks_nor_sizes(backlog):
+    """One replica's absurd backlog figures (a broken meter, a forged registry entry) reach
+    the predictor through a front door's stats: they are refused as not measured, and every
+    model's tick goes on, sized from the speed profile."""
+    from agent.predictor.service import _parse_stats
+    from agent.speed import SpeedProfile
+
+    speed = SpeedProfile(500.0, 0.02, 0.04, 0.004, 0.0)
+    rep = {"model": "m", "max_seqs": 8, "active_seqs": 1, **speed.to_dict(),
+           "backlog_rps": 4.0, "backlog_s": 30.0, "backlog_batch": 6.0,
+           "backlog_prompt_tokens": 400.0, "backlog_gen_tokens": 30.0, **backlog}
+    stats = {"d": _parse_stats("d", {"arrivals": {"m": 5, "n": 5}, "replicas": {"r": rep}})}
+    assert stats["d"]["sustained"] == {}
+    svc, clock = make(lambda: stats)
+    svc.step()
+    clock.advance(5.0)
+    decisions = svc.step()
+    assert sorted(d.model for d in decisions) == ["m", "n"]
+    assert svc.predictor._models["m"].sustained is None
+
+
+def test_a_front_doors_figures_past_their_limits_are_ignored_and_the_ticks_go_on():
+    """The stats a front door answers are read within the load report's limits: a replica's
+    max_seqs or KV capacity past agent/cluster/base.py's LOAD_META_LIMITS, and a mean length
+    past agent/throughput.py's MAX_MEAN_TOKENS, are dropped (a length of 1e308 tokens made
+    every tick raise OverflowError sizing the pool; a KV capacity of 10**400 tokens too)."""
+    from agent.cluster.base import LOAD_META_LIMITS
+    from agent.predictor.service import _parse_stats
+    from agent.speed import SpeedProfile
+    from agent.throughput import MAX_MEAN_TOKENS
+
+    speed = SpeedProfile(500.0, 0.02, 0.04, 0.004, 0.0).to_dict()
+    ok = {"model": "m", "max_seqs": LOAD_META_LIMITS["max_seqs"], "active_seqs": 0,
+          "kv_capacity_tokens": LOAD_META_LIMITS["kv_capacity_tokens"], **speed}
+    got = _parse_stats("d", {"arrivals": {"m": 5}, "replicas": {"r": ok},
+                             "lengths": {"m": {"mean_prompt_tokens": MAX_MEAN_TOKENS,
+                                               "mean_gen_tokens": 3.0}}})
+    assert got["speed"]["m"][1] == LOAD_META_LIMITS["max_seqs"]
+    assert got["kv_capacity_tokens"] == {"m": LOAD_META_LIMITS["kv_capacity_tokens"]}
+    assert got["lengths"]["m"]["mean_prompt_tokens"] == MAX_MEAN_TOKENS
+    bad = {**ok, "max_seqs": LOAD_META_LIMITS["max_seqs"] + 1,
+           "kv_capacity_tokens": 10 ** 400}
+    stats = {"d": _parse_stats("d", {
+        "arrivals": {"m": 5, "n": 5}, "replicas": {"r": bad},
+        "lengths": {"m": {"mean_prompt_tokens": 1e308, "mean_gen_tokens": MAX_MEAN_TOKENS * 2},
+                    "n": {"mean_prompt_tokens": 40.0}}})}
+    assert stats["d"]["speed"] == {} and stats["d"]["kv_capacity_tokens"] == {}
+    assert stats["d"]["lengths"] == {"n": {"mean_prompt_tokens": 40.0}}
+    # and a reading that did reach the predictor with such a length still sizes
+    stats["d"]["speed"] = {"m": (SpeedProfile(500.0, 0.02, 0.04, 0.004, 0.0), 8)}
+    stats["d"]["lengths"] = {"m": {"mean_prompt_tokens": 1e308}}
+    svc, clock = make(lambda: stats)
+    svc.step()
+    clock.advance(5.0)
+    assert sorted(d.model for d in svc.step()) == ["m", "n"]

@@ -163,6 +163,28 @@ def test_an_itl_target_that_is_not_a_finite_number_ge_0_is_refused(tiny_dir, bad
     assert engine.itl_target_s == TARGET_S
 
 
+def test_an_itl_target_up_to_the_report_limit_serves_and_past_it_is_refused(tiny_dir):
+    """The target travels in the load report, whose limit is MAX_PROFILE_S: at it the step's
+    budget is every prompt whole (the product with a fast meter's rate stays finite); just
+    past it the engine refuses the target, naming it and the limit (a target of 1e306 s made
+    the budget int(inf): every step raised OverflowError and the replica was taken as
+    broken)."""
+    from agent.speed import MAX_PREFILL_TOKENS_PER_S, MAX_PROFILE_S
+
+    fast = SpeedProfile(prefill_tokens_per_s=MAX_PREFILL_TOKENS_PER_S, prefill_overhead_s=0.0,
+                        decode_base_s=0.01, decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0)
+    engine = make_engine(tiny_dir, itl_target_s=MAX_PROFILE_S, profile=fast)
+    engine.submit(prompt(60), 2)
+    events = engine.step()
+    assert engine.calls == [[60]] and len(events) == 2
+    for over in (MAX_PROFILE_S * 1.0001, 1e306):
+        with pytest.raises(ConfigError) as err:
+            engine.itl_target_s = over
+        assert (err.value.name, err.value.value, err.value.limit) == \
+            ("itl_target_s", over, MAX_PROFILE_S)
+    assert engine.itl_target_s == MAX_PROFILE_S
+
+
 def test_steps_that_overran_their_plan_shrink_the_next_budgets(tiny_dir):
     """The meter keeps each prefill step's overrun of its plan (the loop's own time, noise);
     the engine plans by its ITL target less their p99, by at most a quarter of the target,

@@ -38,6 +38,9 @@ def test_prefill_burst_runs_both_schedules_and_writes_its_json(tmp_path):
     assert set(data["ratio"]) == {"burst", "running"}
     assert data["targets"]["served_all"] is True and "loadavg" in data["targets"]
     assert {"command", "machine", "loadavg", "date", "commit"} <= set(data["meta"])
+    # the README's figures: chunked / whole for the burst's TTFT, its ITL and the running ones'
+    assert data["title"] and len(data["headline"]) == 3
+    assert all(" / " in value and "-" not in value for _label, value in data["headline"])
     # the forward's shapes, called as the engine calls them (each row's last logits)
     shapes = {row["call"]: row for row in data["shapes"]}
     assert shapes["[8,9]"]["tokens"] == 72 and shapes["[1,64]"]["tokens"] == 64

@@ -38,7 +38,7 @@ def test_a_zygote_restore_gets_the_workers_step_target(model_dir, tmp_path):
     assert worker.loaded is not None and worker.loaded.engine.itl_target_s == 0.07
 
 
-def test_the_flag_is_in_milliseconds_and_never_negative():
+def test_the_flag_is_in_milliseconds_never_negative_and_at_most_an_hour():
     from agent.replica.cli import register
 
     parser = argparse.ArgumentParser()
@@ -46,6 +46,10 @@ def test_the_flag_is_in_milliseconds_and_never_negative():
     args = parser.parse_args(["replica", "--listen", "unix:/tmp/x.sock", "--zygote",
                               "--itl-target-ms", "150"])
     assert args.itl_target_ms == 150.0
-    with pytest.raises(SystemExit):
-        parser.parse_args(["replica", "--listen", "unix:/tmp/x.sock", "--zygote",
-                           "--itl-target-ms", "-1"])
+    for bad in ("-1", "nan", "3600000.5", "1e309"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["replica", "--listen", "unix:/tmp/x.sock", "--zygote",
+                               "--itl-target-ms", bad])
+    args = parser.parse_args(["replica", "--listen", "unix:/tmp/x.sock", "--zygote",
+                              "--itl-target-ms", "3600000"])     # an hour: the report's limit
+    assert args.itl_target_ms == 3_600_000.0

@@ -50,3 +50,16 @@ def test_arguments_out_of_range(kw):
         sim_sustained_rps(SPEED, lengths, **args)
     with pytest.raises(ConfigError):
         at_speed(SPEED, 0.0)
+
+
+def test_a_replica_of_no_slots_is_refused_not_run_for_ever():
+    """A replica stats' max_seqs of 0 (or a negative one) never completes a request: the
+    closed loop used to step it for ever; it is a ConfigError naming the slots and the
+    limit, for matched_speed too."""
+    for bad in (0, -1):
+        with pytest.raises(ConfigError) as err:
+            sim_sustained_rps(SPEED, [(8, 1)], max_seqs=bad, max_seq_len=512, concurrency=4)
+        assert (err.value.name, err.value.value, err.value.limit) == ("max_seqs", bad, 1)
+    live = BacklogCapacity(rps=5.0, seconds=10.0, batch=4.0, prompt_tokens=8.0, gen_tokens=1.0)
+    with pytest.raises(ConfigError, match="max_seqs=0"):
+        matched_speed(SPEED, live, [(8, 1)], max_seqs=0, max_seq_len=512)
