@@ -152,7 +152,8 @@ class Engine(Lockstep):
     step's inter-token-latency target (s, default agent/speed.py's
     :data:`~agent.speed.DEFAULT_ITL_SLO_S`; 0: no prefill budget, whole prompts; settable
     while serving).  Raises ConfigError for a target that is not a finite number >= 0, or
-    over :data:`~agent.speed.MAX_PROFILE_S` (the most a load report may carry).
+    over :data:`~agent.speed.MAX_PROFILE_S` (the most a load report may carry), and for a
+    ``prefill_chunk`` that is not an int >= 1.
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor] | None, *,
@@ -174,6 +175,11 @@ class Engine(Lockstep):
         self.device = torch.device(device)
         self.kv = KVSlotAllocator(max_seqs, max_seq_len)
         self.k_caches, self.v_caches = new_kv_caches(config, max_seqs, max_seq_len, self.device)
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) \
+                or prefill_chunk < 1:   # a call of no tokens advances no prompt: for ever
+            raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be an int >= 1 (tokens "
+                              "per row of one prefill call)", name="prefill_chunk",
+                              value=prefill_chunk, limit=1)
         self.prefill_chunk = prefill_chunk
         self.temperature, self.top_k = temperature, top_k
         self._waiting: collections.deque[_Seq] = collections.deque()

@@ -44,7 +44,7 @@ class SimReplica:
     profile; default ``speed``, which a live replica's meter may get wrong) at the step target
     ``itl_target_s`` (0: whole prompts; None: the profile's own, a live replica's report, else
     the engine's default).  ``prefill_chunk``: the most tokens per row of one call, as the
-    engine's."""
+    engine's (ConfigError below 1)."""
 
     def __init__(self, speed: SpeedProfile, max_seqs: int,
                  reported: SpeedProfile | None = None, *,
@@ -58,6 +58,10 @@ class SimReplica:
         self.reported = dataclasses.replace(reported, itl_target_s=itl_target_s)
         self.max_seqs = max_seqs
         self.max_seq_len = max_seq_len
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) \
+                or prefill_chunk < 1:   # as the engine: a call of no tokens never ends
+            raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be an int >= 1",
+                              name="prefill_chunk", value=prefill_chunk, limit=1)
         self.prefill_chunk = prefill_chunk
         self._waiting: deque[_Waiting] = deque()
         self._active: list[list[int]] = []                     # [request, remaining, ctx]

@@ -163,6 +163,13 @@ def test_an_itl_target_that_is_not_a_finite_number_ge_0_is_refused(tiny_dir, bad
     assert engine.itl_target_s == TARGET_S
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
+def test_a_prefill_chunk_below_one_token_is_refused(tiny_dir, bad):
+    # a call of no tokens advances no prompt: whole-prompt prefill would loop for ever
+    with pytest.raises(ConfigError) as err:
+        make_engine(tiny_dir, prefill_chunk=bad)
+    assert err.value.name == "prefill_chunk" and err.value.limit == 1
+
 def test_an_itl_target_up_to_the_report_limit_serves_and_past_it_is_refused(tiny_dir):
     """The target travels in the load report, whose limit is MAX_PROFILE_S: at it the step's
     budget is every prompt whole (the product with a fast meter's rate stays finite); just

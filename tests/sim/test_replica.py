@@ -46,6 +46,12 @@ def test_one_request_prefills_then_decodes_step_by_step():
     assert done[7] == pytest.approx(SP.prefill_s(100) + steps)
 
 
+@pytest.mark.parametrize("bad", [0, -4, 2.0])
+def test_a_prefill_chunk_below_one_token_is_refused(bad):
+    with pytest.raises(ConfigError) as err:
+        SimReplica(SP, max_seqs=4, itl_target_s=0, prefill_chunk=bad)
+    assert err.value.name == "prefill_chunk"
+
 def test_slots_bound_the_batch_and_a_waiting_request_gets_the_freed_slot():
     """Without a budget (itl_target_s 0): each prompt whole, alone, one after another."""
     rep = SimReplica(SP, max_seqs=2, itl_target_s=0.0)
