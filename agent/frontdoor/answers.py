@@ -12,6 +12,7 @@ drained through an :class:`AnswerOwner` (the request path's queue side).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Protocol
 
 from agent.frontdoor.model_state import ModelStates
@@ -19,6 +20,8 @@ from agent.frontdoor.router import Router
 from agent.frontdoor.reroute import _client_error, _retry_ms
 from agent.telemetry import Telemetry
 from agent.wire.refusals import known_refusal
+
+log = logging.getLogger("agent.frontdoor.request_path")
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.frontdoor.links import ReplicaLink
@@ -81,8 +84,16 @@ class Answers:
         if any, already recorded) goes to the sink: ``done`` with the front door's times
         (``ttft_ms``, ``total_ms``, ``queue_wait_ms``, ``predicted_ttft_ms``, ms from
         arrival) and the path and replica that served it; an error with the replica's code
-        (500 when it is not an int), reason, ``retry_after_ms`` and refusal code."""
+        (500 when it is not an int), reason, ``retry_after_ms`` and refusal code.  Nothing
+        for a flight already answered or cancelled (logged: a client gets one final answer,
+        and a cold request counts as at most one miss, so misses never exceed cold arrivals
+        in the counters the predictor reads)."""
         kind = message.get("type")
+        if flight.over:
+            log.warning("replica %s sent a second final answer (%r) for request %r, already "
+                        "answered or cancelled; dropped", link.replica_id, kind,
+                        flight.req.request_id)
+            return
         flight.over = True
         self.dispatcher.settle_path(flight)
         ttft_ms = None if flight.ttft_s is None else (flight.ttft_s - flight.arrival_s) * 1000.0

@@ -379,6 +379,28 @@ def test_a_replicas_client_error_on_a_cold_request_is_no_slo_miss():
     run(main())
 
 
+def test_a_final_answer_for_a_request_already_answered_is_dropped_and_counts_no_miss():
+    """A cold request answered once (here failed 504 at its deadline) then answered again by
+    the replica: the client gets one answer, and the cold counters keep misses <= arrivals
+    (the predictor refuses a reading where they do not, and its keep-alive goes blind)."""
+    async def main():
+        f = Fleet(warm=1)
+        replica = f.replicas[0]
+        sent = f.submit()
+        rid, flight = next(iter(replica.in_flight.items()))
+        flight.cold = True
+        state = f.path.models.of("m")
+        state.cold_arrivals, state.cold_misses = 1, 0
+        f.path.fail(flight, 504, "deadline passed")
+        assert sent.code == 504 and state.cold_misses == 1
+        answers_before = dict(f.path.counts)
+        f.path.on_answer(replica, flight, {"id": rid, "type": "done", "tokens": [1]})
+        assert sent.code == 504                   # still the one answer the client got
+        assert (state.cold_arrivals, state.cold_misses) == (1, 1)
+        assert f.path.counts["done"] == answers_before["done"]
+    run(main())
+
+
 def test_a_cold_models_first_request_is_held_for_its_start_up_to_its_default_deadline():
     async def main():
         # Nothing warm, nothing measured: the first start is a cold boot of unknown length
