@@ -54,7 +54,8 @@ class ModelState:
     largest replica's batch slots and KV cache (tokens) seen.  ``replica_cap``: the
     replicas of it in view when a node last answered a restore at its replica cap, kept while
     replicas come and go (None: no cap seen, or one a later restore went past);
-    ``capped_until_s``: clock time before which no restore is asked (the cap's backoff).
+    ``capped_until_s``: clock time before which no restore is asked (the cap's backoff, or
+    the backoff after failed restores); ``restore_failures``: restores failed in a row.
     ``arrivals``, ``cold_arrivals``, ``cold_misses``: generate requests, those that found
     no warm replica, and those of them not served within their SLO (predictor inputs).
     """
@@ -70,6 +71,7 @@ class ModelState:
     slot_plan: SlotPlan | None = None
     rechecked_s: float = float("-inf")                # when the queue was last re-checked
     capped_until_s: float = 0.0
+    restore_failures: int = 0
     replica_cap: int | None = None
     last_restore: RestoreRecord | None = None
     arrivals: int = 0

@@ -71,6 +71,16 @@ class RestoresNeeded(Protocol):
         ...
 
 
+RETRY_FIRST_S = 0.25
+"""Seconds before asking again after one failed restore while requests wait."""
+RETRY_MAX_S = 10.0
+"""The longest wait between asks after failed restores in a row.  The wait doubles per
+failure from RETRY_FIRST_S up to this (exponential backoff, as Nomad's own reschedule
+policy's ``delay_function = "exponential"`` capped at ``max_delay``,
+developer.hashicorp.com/nomad/docs/job-specification/reschedule): a requester that refuses
+at once (a scaler at its policy's maximum) is otherwise asked again on every re-check,
+tens of times a second, for as long as requests wait."""
+
 RECHECK_HELD = 128
 """Queued requests placed when judging the restores a queue needs (earliest deadline first;
 a longer queue's tail is judged as it moves up)."""
@@ -132,13 +142,15 @@ class Restores:
         restore is asked for the next ones, unless one is in flight or the node's cap
         backoff runs."""
         if not self.gate.in_flight.get(model) and \
-                self.clock.now() >= self.models.of(model).capped_until_s:
+                self.clock.now() >= self.models.of(model).capped_until_s - 1e-3:
             self.restore_for(model, 1)
 
     def _probe_restore(self, model: str) -> None:
-        """After a node answered at its cap: ask once more (one restore, not a queue's worth)
-        if requests still wait and nothing is in flight."""
-        if self.models.queue(model) and not self.gate.in_flight.get(model):
+        """After a node answered at its cap, or a restore failed: ask once more (one restore,
+        not a queue's worth) if requests still wait, nothing is in flight and no later
+        backoff runs."""
+        if self.models.queue(model) and not self.gate.in_flight.get(model) and \
+                self.clock.now() >= self.models.of(model).capped_until_s - 1e-3:
             self.restore_for(model, 1)
 
     def restore_for(self, model: str, n: int) -> None:
@@ -159,8 +171,11 @@ class Restores:
 
     async def restore(self, model: str) -> None:
         """One restore of ``model``: ask the requester, record what it measured and the
-        replica it made, then let the queue use it (or refuse it when nothing can)."""
+        replica it made, then let the queue use it (or refuse it when nothing can).  A
+        failure with requests still queued holds further asks back (RETRY_FIRST_S doubling
+        per failure in a row, at most RETRY_MAX_S), then asks once more for one replica."""
         ok = False
+        retry_s = 0.0
         state = self.models.of(model)
         started = self.clock.now()
         before = {r.replica_id for r in self.router.warm(model)}
@@ -191,14 +206,23 @@ class Restores:
                     and warm > state.replica_cap:
                 state.replica_cap = None       # a restore went past it: capacity grew
         except Exception as exc:  # the requester's failure, whatever it is, ends this restore
-            log.warning("restore of %s failed: %s", model, exc)
+            state.restore_failures += 1
+            retry_s = min(RETRY_FIRST_S * 2.0 ** (state.restore_failures - 1), RETRY_MAX_S)
+            log.warning("restore of %s failed (%d in a row; no restore asked for %.2f s): %s",
+                        model, state.restore_failures, retry_s, exc)
             reason = exc.message if isinstance(exc, RewarmError) else str(exc)
             self.telemetry.restore_outcome(model, False, reason)
+        else:
+            state.restore_failures = 0
         finally:
             self.gate.finished(model)
             state.slot_plan = None
             self.telemetry.restores_in_flight(self.gate.total)
         queue = state.queue
+        if not ok and queue:
+            # held back before the re-check below, which would otherwise ask again at once
+            state.capped_until_s = max(state.capped_until_s, self.clock.now() + retry_s)
+            asyncio.get_running_loop().call_later(retry_s, self._probe_restore, model)
         if not queue:
             return
         self.owner.drain(model)

@@ -458,3 +458,33 @@ def test_a_refusal_with_no_new_capacity_in_sight_names_the_warm_deadline_it_miss
             reason
         assert "60000" not in reason and "TTFT SLO from arrival" not in reason
     run(main())
+
+
+def test_restores_failing_at_once_are_asked_again_with_backoff_not_on_every_recheck():
+    """A capacity requester that refuses at once (Nomad's scale endpoint at the scaling
+    policy's maximum answers in milliseconds) while requests arrive faster than the one warm
+    replica serves: asked again after 0.25 s, then doubling, not on every re-check (786
+    asks in 10 s before; a loaded cluster run asked every ~20 ms); every request is
+    answered, and once restores succeed again the count of failures resets."""
+    async def main():
+        f = Fleet(max_seqs=1, warm=1, restore_s=0.02, measured_restores_s=(1.0,))
+        f.capacity.fail = True
+        t0 = f.clock.now()
+        for i in range(200):                       # 20 rps for 10 s
+            f.arrive(t0 + i * 0.05, max_tokens=64)
+        await f.timeline.run_until(t0 + 10.0)
+        # failures at ~0, 0.27, 0.79, 1.81, 3.83, 7.85 s (+ the requester's 20 ms each)
+        assert 5 <= f.capacity.calls <= 8, f.capacity.calls
+        state = f.path.models.of("m")
+        assert state.restore_failures == f.capacity.calls
+        f.capacity.fail = False
+        await f.timeline.run_until(t0 + 30.0)
+        assert all(s.final is not None for s in f.sinks)      # nothing left unanswered
+        asked = f.capacity.calls
+        for i in range(100):                       # the next burst: restores work again
+            f.arrive(t0 + 30.0 + i * 0.05, max_tokens=64)
+        await f.timeline.run_until(t0 + 60.0)
+        assert f.capacity.calls > asked and len(f.replicas) > 1
+        assert state.restore_failures == 0
+        assert all(s.final is not None for s in f.sinks)
+    run(main())
