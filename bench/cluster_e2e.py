@@ -193,7 +193,25 @@ def scenario(run: Run, cluster: Cluster, fd_address, token: str, *, standin=None
         return [a for a in cluster.running(REPLICA_JOB)
                 if ((a.get("RescheduleTracker") or {}).get("Events") or [{}])[0].get(
                     "PrevAllocID") in on_node]
-    moved = wait_for("allocation rescheduled", replacement, 120, poll_s=0.25)
+    def moved_or_scaled_in():
+        # the node's work rescheduled, or none of it wanted any more: every allocation that
+        # was there is stopped and the job runs its (lower) count elsewhere
+        found = replacement()
+        if found:
+            return found
+        allocs_now = {a["ID"]: a for a in cluster.allocs(REPLICA_JOB)}
+        count = cluster.count(REPLICA_JOB)
+        running = cluster.running(REPLICA_JOB)
+        if all(allocs_now.get(i, {}).get("DesiredStatus") == "stop" for i in on_node) \
+                and count is not None and len(running) == count:
+            return running or [{"NodeName": f"none (scaled in to count {count})"}]
+        return None
+    try:
+        moved = wait_for("allocation rescheduled", moved_or_scaled_in, 120, poll_s=0.25)
+    except StepFailed as exc:   # say what Nomad held: the step is otherwise opaque
+        raise StepFailed(f"{exc}; on the node at the kill: {sorted(on_node)}; count "
+                         f"{cluster.count(REPLICA_JOB)}; allocations: "
+                         f"{_alloc_summary(cluster.allocs(REPLICA_JOB))}") from None
     served_before = traffic.served
     wait_for("traffic served elsewhere", lambda: traffic.served > served_before + 2, 90)
     traffic.stop()
@@ -360,6 +378,17 @@ def decorate(doc: dict) -> dict:
 
 def _le(a, b):
     return None if a is None or b is None else a <= b
+
+
+def _alloc_summary(allocs: list[dict]) -> list[str]:
+    """One short line per allocation: id prefix, node, client/desired status, the id its
+    reschedule chain starts at."""
+    out = []
+    for a in allocs:
+        prev = ((a.get("RescheduleTracker") or {}).get("Events") or [{}])[0].get("PrevAllocID")
+        out.append(f"{a['ID'][:8]} {a.get('NodeName')} {a.get('ClientStatus')}/"
+                   f"{a.get('DesiredStatus')}" + (f" from {prev[:8]}" if prev else ""))
+    return out
 
 
 def main(argv=None) -> int:

@@ -93,6 +93,13 @@ class Cluster:
         except requests.HTTPError:
             return []
 
+    def count(self, job: str) -> int | None:
+        """The job's first task group's count (GET /v1/job/:id), None if it cannot be read."""
+        try:
+            return int(self.nomad("GET", f"/v1/job/{job}")["TaskGroups"][0]["Count"])
+        except (requests.HTTPError, KeyError, IndexError, TypeError, ValueError):
+            return None
+
     def running(self, job: str) -> list[dict]:
         return [a for a in self.allocs(job) if a["ClientStatus"] == "running"
                 and a["DesiredStatus"] == "run"]
