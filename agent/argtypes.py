@@ -46,6 +46,12 @@ def positive_float(text: str) -> float:
     return value
 
 
+def deadline_factor(text: str) -> float:
+    """A finite number >= 1: a default deadline as a multiple of the TTFT SLO (agent/slo.py;
+    one below 1 would refuse requests the SLO counts as met)."""
+    return _number(float, text, 1.0, "a number")
+
+
 def port(text: str) -> int:
     """A TCP port, 0..65535 (0: any free port)."""
     value = _number(int, text, 0, "a port number")

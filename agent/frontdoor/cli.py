@@ -9,7 +9,7 @@ import signal
 import sys
 
 from agent import logs
-from agent.argtypes import host_port, port, positive_float, positive_int
+from agent.argtypes import deadline_factor, host_port, port, positive_float, positive_int
 from agent.cluster import (ClusterChoice, add_flags, catalog_watcher, choice_from_args, choose,
                            consul_client)
 from agent.cluster.base import Registry
@@ -22,9 +22,12 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address both entrances listen on (beyond loopback needs --tokens or "
                         "--allow-open)")
-    p.add_argument("--port", type=port, default=7400, help="msgpack/TCP door port (0: any free)")
+    p.add_argument("--port", type=port, default=7400,
+                   help="msgpack/TCP door port (default %(default)s; 0: any free)")
     p.add_argument("--model", action="append", default=[], metavar="NAME[=DEADLINE_MS]",
-                   help="a model to accept, optionally with its default deadline (ms)")
+                   help="a model to accept, optionally with its default deadline (ms, default "
+                        "30000): the cap on a deadline derived from the SLO, and the longest a "
+                        "request without a deadline of its own waits for a start of the model")
     p.add_argument("--tokens", help="file of tenant:token lines (enables auth)")
     p.add_argument("--allow-open", action="store_true",
                    help="listen beyond loopback without tokens")
@@ -35,11 +38,14 @@ def register(subparsers) -> None:
     p.add_argument("--replica", action="append", default=[], metavar="MODEL@HOST:PORT",
                    help="a static replica (local registry; 64 seqs, 1 Mi KV tokens assumed)")
     p.add_argument("--max-queue-depth", type=positive_int, default=1024,
-                   help="requests queued per model beyond which new ones get 429 queue_full")
+                   help="requests queued per model beyond which new ones get 429 queue_full "
+                        "(default %(default)s)")
     p.add_argument("--max-wait-s", type=positive_float, default=60.0,
-                   help="longest a request may wait for capacity, whatever its deadline (s)")
+                   help="longest a request may wait for capacity, whatever its deadline (s; "
+                        "default %(default)g)")
     p.add_argument("--max-connections", type=positive_int, default=4096,
-                   help="open msgpack connections beyond which new ones get 429")
+                   help="open msgpack connections beyond which new ones get 429 (default "
+                        "%(default)s)")
     p.add_argument("--http-port", type=port, default=None,
                    help="OpenAI-compatible HTTP entrance port (default $REWARM_HTTP_PORT or "
                         "8000; 0: any free port)")
@@ -48,19 +54,24 @@ def register(subparsers) -> None:
                    help="browser origins allowed to call the HTTP entrance (CORS), e.g. "
                         "http://localhost:3000, or '*'; default none (no CORS headers)")
     p.add_argument("--warm-slo-ms", type=positive_float, default=2000.0,
-                   help="TTFT SLO of a warm hit, from arrival (p99, ms; docs/architecture.md)")
+                   help="TTFT SLO of a warm hit, from arrival, beyond the prompt's own prefill "
+                        "(p99, ms; default %(default)g; docs/architecture.md, Admission)")
     p.add_argument("--restore-slo-ms", type=positive_float, default=4000.0,
-                   help="TTFT SLO of a request that waits for a restore (p99: 4000)")
+                   help="TTFT SLO of a request that waits for a restore, beyond the prompt's "
+                        "own prefill (p99, ms; default %(default)g)")
     p.add_argument("--slo", action="append", default=[], metavar="MODEL=WARM_MS,RESTORE_MS",
                    help="one model's SLOs (repeatable)")
-    p.add_argument("--deadline-factor", type=positive_float, default=DEADLINE_FACTOR,
+    p.add_argument("--deadline-factor", type=deadline_factor, default=DEADLINE_FACTOR,
                    metavar="F", help="a request without a deadline of its own must get its "
-                   "first token within F times its path's SLO (>= 1; default %(default)g: "
-                   "answered within the SLO or refused at once)")
+                   "first token within F times its path's SLO, at most the model's default "
+                   "deadline, else it is refused at once (>= 1; default %(default)g: the "
+                   "deadline is the SLO). One that finds nothing of its model warm is held "
+                   "for the start under way and served when it comes up, within the "
+                   "model's default deadline")
     p.add_argument("--drain-grace-s", type=positive_float, default=30.0,
                    help="on SIGTERM, streams in flight finish within this; new requests get "
-                        "503 + retry_after_ms meanwhile (match systemd TimeoutStopSec, Nomad "
-                        "kill_timeout)")
+                        "503 + retry_after_ms meanwhile (s, default %(default)g; match systemd "
+                        "TimeoutStopSec, Nomad kill_timeout)")
     p.set_defaults(func=_serve)
 
     g = subparsers.add_parser("generate", help="send one prompt to a front door")
@@ -69,13 +80,15 @@ def register(subparsers) -> None:
                    help="token ids instead of text (models without a tokenizer)")
     g.add_argument("--model", required=True, help="model name the front door accepts")
     g.add_argument("--address", type=host_port, default="127.0.0.1:7400", metavar="HOST:PORT",
-                   help="the front door's msgpack door")
+                   help="the front door's msgpack door (default %(default)s, rewarm up's)")
     g.add_argument("--consul", type=host_port, metavar="HOST:PORT", help="discover a front door in Consul")
     g.add_argument("--token", help="tenant token (front doors started with --tokens)")
-    g.add_argument("--max-tokens", type=max_tokens, default=32, help="tokens to generate")
+    g.add_argument("--max-tokens", type=max_tokens, default=32,
+                   help="tokens to generate (default %(default)s)")
     g.add_argument("--seed", type=seed, help="sampling seed (default: greedy)")
     g.add_argument("--deadline-ms", type=positive_float,
-                   help="first token within this, else 429 at once (default: the model's)")
+                   help="first token within this (ms), else 429 at once (default: the front "
+                        "door's, the path's TTFT SLO)")
     g.set_defaults(func=_generate)
 
 

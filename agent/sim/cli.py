@@ -6,8 +6,8 @@
 
 A trace's requests are each held to their own TTFT SLO, ``base + prefill`` (2 s warm, 4 s
 when they wait for a restore; agent/slo.py), and refused or expired against a deadline of
-``--deadline-factor`` times it (default 3); ``--sla-s S`` instead holds every request to one
-fixed S, which is also its deadline.
+``--deadline-factor`` times it (default 1, agent/slo.py's: the deadline is the SLO); ``--sla-s S``
+instead holds every request to one fixed S, which is also its deadline.
 
 ``--startup-json PATH`` takes start-up times per tier from a benchmark's JSON (keys
 ``restore_s``/``zygote_restore_s``, ``suspended_s``/``resume_s``, ``naive_s``).
@@ -28,7 +28,7 @@ import logging
 import math
 from pathlib import Path
 
-from agent.argtypes import nonneg_float, positive_float
+from agent.argtypes import deadline_factor, nonneg_float, positive_float
 
 
 def register(subparsers) -> None:
@@ -54,9 +54,9 @@ def register(subparsers) -> None:
     p.add_argument("--sla-s", type=positive_float, default=None,
                    help="trace: one fixed TTFT SLO for every request, which is also its deadline "
                         "(default: per request, base + prefill, agent/slo.py)")
-    p.add_argument("--deadline-factor", type=positive_float, default=None,
-                   help="trace: the default deadline over each request's SLO (agent/slo.py: "
-                        "3; 1 = the deadline is the SLO)")
+    p.add_argument("--deadline-factor", type=deadline_factor, default=None, metavar="F",
+                   help="trace: each request's deadline over its SLO (>= 1; default 1, "
+                        "agent/slo.py's: the deadline is the SLO)")
     p.add_argument("--policy", action="append", help="only these policies (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic arrivals")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

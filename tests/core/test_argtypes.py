@@ -5,13 +5,15 @@ import argparse
 
 import pytest
 
-from agent.argtypes import host_port, listen_address, nonneg_int, port, positive_float, positive_int
+from agent.argtypes import (deadline_factor, host_port, listen_address, nonneg_int, port,
+                            positive_float, positive_int)
 
 
 @pytest.mark.parametrize("fn, good, bad", [
     (positive_int, ["1", "64"], ["0", "-3", "1.5", "x"]),
     (nonneg_int, ["0", "7"], ["-1", "nan"]),
     (positive_float, ["0.001", "3"], ["0", "-1", "nan", "inf", "x"]),
+    (deadline_factor, ["1", "1.0", "3"], ["0.999", "0", "nan", "x"]),
     (port, ["0", "65535"], ["65536", "99999", "-1", "p"]),
     (host_port, ["127.0.0.1:0", "[::1]:7400", "h:65535"], ["127.0.0.1", ":80", "h:65536", "h:x"]),
     (listen_address, ["unix:/tmp/a.sock", "0.0.0.0:1"], ["unix:", "garbage", "h:99999"]),
@@ -38,6 +40,8 @@ def test_a_bad_value_is_a_usage_error_not_a_traceback(capsys):
     (["frontdoor", "--port", "99999"], "99999"),
     (["frontdoor", "--max-connections", "0"], "0 is below the limit 1"),
     (["predictor", "--tick-s", "0"], "must be > 0"),
+    (["frontdoor", "--deadline-factor", "0.5"], "0.5 is below the limit 1"),
+    (["simulate", "--trace", "t.csv", "--deadline-factor", "0.5"], "0.5 is below the limit 1"),
     (["agent", "run", "--state-dir", "s", "--model-dir", "m", "--listen", "h:70000"], "70000"),
     (["snapshot", "verify", "p", "--threads", "0"], "below the limit 1"),
     (["generate", "--model", "m", "--max-tokens", "-1", "hi"], "-1"),
