@@ -138,8 +138,10 @@ def probe() -> dict:
         except (OSError, subprocess.TimeoutExpired):
             info["driver"] = None
     info["gds"] = "nvidia-fs loaded" if Path("/proc/driver/nvidia-fs").exists() else "no nvidia-fs"
-    info["kvikio"] = "not installed"
-    if info["libcuda"] and importlib.util.find_spec("kvikio") is not None:
+    installed = importlib.util.find_spec("kvikio") is not None
+    info["kvikio"] = ("not installed" if not installed else
+                      "installed, not loaded (no libcuda.so.1)" if not info["libcuda"] else "")
+    if info["libcuda"] and installed:
         try:
             # load_kvikio imports kvikio.defaults by name, which `import kvikio` does not
             from agent.snapshot.gpu import io_path, load_kvikio
