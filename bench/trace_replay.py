@@ -345,6 +345,7 @@ def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, re
                                                mean_gen_tokens=scale.mean_output_tokens)
         restores_before = len(stack.agent.catalog.cold_starts(model))
         sampler = Sampler(stack.agent)
+        cpu_samples = CpuSampler()
         cpu0, busy0 = _own_cpu_s(), _machine_busy_s()
         outcomes = asyncio.run(replay.send_plan(address, model, plan, base,
                                                 until_s=scale.wall_s))
@@ -354,7 +355,8 @@ def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, re
                                    machine_busy_s=None if busy0 is None or busy1 is None
                                    else busy1 - busy0, span_s=span_s,
                                    requests=len(plan), cap=cap, threads=args.threads,
-                                   actual=calibrated, scale=scale)
+                                   actual=calibrated, scale=scale,
+                                   cpu_samples=cpu_samples.stop(), outcomes=outcomes)
         # the front door's own counts: replica 429s, requests placed again, late first tokens
         fd_counts = dict(stack.frontdoor.path.counts)
         rows_after = stack.agent.catalog.cold_starts(model)
@@ -483,21 +485,61 @@ def _machine_busy_s() -> float | None:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
+class CpuSampler:
+    """``(seconds since start, this process's CPU seconds)`` every ``every_s``, on a thread,
+    until :meth:`stop` (which returns them, a last one included)."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        import threading
+
+        self.t0 = time.monotonic()
+        self.samples: list[tuple[float, float]] = [(0.0, _own_cpu_s())]
+        self._stop = threading.Event()
+        self._every_s = every_s
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self.samples.append((time.monotonic() - self.t0, _own_cpu_s()))
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.monotonic() - self.t0, _own_cpu_s()))
+        return self.samples
+
+
+QUIET_MARGIN_S = 1.0
+"""Seconds after a request's answer still counted as its work (the release, the router's
+and the predictor's bookkeeping) when telling the background CPU from the requests'."""
+
+
 def contention_of(*, cpu_s: float, machine_busy_s: float | None, span_s: float,
-                  requests: int, cap: int, threads: int, actual, scale) -> dict:
+                  requests: int, cap: int, threads: int, actual, scale,
+                  cpu_samples: list[tuple[float, float]] | None = None,
+                  outcomes: list | None = None) -> dict:
     """What the replay's own process took of the node during the window, and the speed it
     leaves the replicas (:func:`agent.sim.contention.shared_core_speed`): ``cpu_s`` (this
-    process), ``cpu_s_per_request``, ``machine_busy_cores`` (every process, mean over the
-    window; other users' work included), ``service_rps`` (one replica at the
-    replay's batch at the calibrated speed) and ``speed``."""
+    process), ``background_cores`` (its CPU rate while no request was in flight, from
+    ``cpu_samples`` and the ``outcomes``' spans: :func:`agent.sim.contention.background_cores`;
+    0 without them), ``cpu_s_per_request`` (the rest, per request), ``machine_busy_cores``
+    (every process, mean over the window; other users' work included), ``service_rps`` (one
+    replica at the replay's batch at the calibrated speed) and ``speed``."""
     from agent.node.capacity import usable_cores
-    from agent.sim.contention import shared_core_speed
+    from agent.sim.contention import background_cores, shared_core_speed
 
-    per_request = cpu_s / max(1, requests)
+    background = 0.0
+    if cpu_samples and outcomes:
+        spans = [(o.sent_s, o.sent_s + (o.answered_ms or 0.0) / 1000.0 + QUIET_MARGIN_S)
+                 for o in outcomes]
+        background = background_cores(cpu_samples, spans)
+    per_request = max(0.0, cpu_s - background * span_s) / max(1, requests)
     mu = actual.service_rps(scale.mean_prompt_tokens, scale.mean_output_tokens, scale.batch)
-    speed = shared_core_speed(usable_cores(), cap, threads, mu, per_request)
+    speed = shared_core_speed(usable_cores(), cap, threads, mu, per_request, background)
     busy = None if machine_busy_s is None or span_s <= 0 else machine_busy_s / span_s
-    return {"cpu_s": round(cpu_s, 2), "cpu_s_per_request": round(per_request, 5),
+    return {"cpu_s": round(cpu_s, 2), "background_cores": round(background, 4),
+            "cpu_s_per_request": round(per_request, 5),
             "machine_busy_cores": None if busy is None else round(busy, 2),
             "cores": usable_cores(), "service_rps": round(mu, 2), "speed": round(speed, 4)}
 

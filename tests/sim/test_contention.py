@@ -3,7 +3,7 @@
 import pytest
 
 from agent.errors import ConfigError
-from agent.sim.contention import shared_core_speed, slowed
+from agent.sim.contention import background_cores, shared_core_speed, slowed
 from agent.speed import SpeedProfile
 
 P = SpeedProfile(prefill_tokens_per_s=400.0, prefill_overhead_s=0.01, decode_base_s=0.02,
@@ -46,3 +46,29 @@ def test_bad_inputs_are_named(kw):
 def test_a_speed_outside_zero_to_one_is_refused(speed):
     with pytest.raises(ConfigError):
         slowed(P, speed)
+
+
+def test_background_cpu_comes_off_the_cores_not_off_each_request():
+    # 0.2 cores of ticks and polls leave 1.8 of 2 cores: 1.8 / (2 + 2 * 25 * 0.005)
+    assert shared_core_speed(2, 2, 1, 25.0, 0.005, 0.2) == pytest.approx(1.8 / 2.25)
+    assert shared_core_speed(2, 2, 1, 25.0, 0.005, 0.0) == shared_core_speed(2, 2, 1, 25.0, 0.005)
+    with pytest.raises(ConfigError) as err:
+        shared_core_speed(2, 2, 1, 25.0, 0.005, 2.0)
+    assert err.value.name == "background_cores"
+
+
+def test_background_cores_is_the_cpu_rate_while_no_request_is_in_flight():
+    # 0.05 cores in the background, 0.2 core-seconds more in each busy second
+    busy = [(10.0, 12.0), (11.5, 13.0), (40.0, 41.0)]     # overlapping spans merge
+    samples, cpu = [], 0.0
+    for t in range(0, 61):
+        samples.append((float(t), cpu))
+        in_busy = any(a <= t < b for a, b in busy)
+        cpu += 0.05 + (0.2 if in_busy else 0.0)
+    assert background_cores(samples, busy) == pytest.approx(0.05)
+    # a scale event between requests (one second at a full core) does not move the median
+    samples2 = [(t, c + (1.0 if t > 30 else 0.0)) for t, c in samples]
+    assert background_cores(samples2, busy) == pytest.approx(0.05)
+    # a window with no quiet time cannot tell the background apart: 0
+    assert background_cores(samples, [(0.0, 60.0)]) == 0.0
+    assert background_cores([], busy) == 0.0
