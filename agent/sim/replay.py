@@ -172,17 +172,23 @@ async def send_plan(address: str, model: str, plan: Sequence[ReplayRequest],
 
 async def saturate(address: str, model: str, base: Sequence[int],
                    lengths: Sequence[tuple[int, int]], *, concurrency: int, seconds: float,
-                   warmup_s: float = 1.0) -> BacklogCapacity:
+                   warmup_s: float = 1.0, max_s: float | None = None) -> BacklogCapacity:
     """What the replicas behind ``address`` sustain while backlogged, measured by clients:
     ``concurrency`` clients each send requests back to back (closed loop, so the front door
     and the replicas always have more waiting than they serve) for ``warmup_s + seconds``,
-    request ``k`` with ``lengths[k % len(lengths)]`` (prompt, output tokens: the replay's own
-    mix), and the completions after ``warmup_s`` are counted over the time they took
-    (departures per busy second, agent/throughput.py).  Every request carries
-    :data:`CALIBRATION_DEADLINE_MS`, so admission holds rather than refuses.  ``batch`` of the
-    result is ``concurrency`` (what the clients offered; a replica's own meter reports the
-    batch it ran).  Raises RuntimeError when a request fails or none completes, ConfigError
-    for a concurrency, duration or length list out of range."""
+    and on until each client has had two requests answered after ``warmup_s`` (``2 x
+    concurrency`` departures counted) or ``max_s`` (default ``4 x (warmup_s + seconds)``)
+    has passed; request ``k`` with ``lengths[k % len(lengths)]`` (prompt, output tokens:
+    the replay's own mix).  The completions after ``warmup_s`` are counted over the time
+    they took (departures per busy second, agent/throughput.py).  The two requests a client:
+    a window shorter than a batch's cycle counts a fraction of one cycle's departures over
+    the whole window (45-token answers to 100-token prompts, 16 clients on 8 slots: 3
+    departures in 8 s, a quarter of the rate), and the simulator fitted to that ran every
+    request four times slower than the live replica did.  Every request carries
+    :data:`CALIBRATION_DEADLINE_MS`, so admission holds rather than refuses.  ``batch`` of
+    the result is ``concurrency`` (what the clients offered; a replica's own meter reports
+    the batch it ran).  Raises RuntimeError when a request fails or none completes,
+    ConfigError for a concurrency, duration or length list out of range."""
     from agent.client import AsyncClient
     from agent.errors import ConfigError
 
@@ -197,11 +203,23 @@ async def saturate(address: str, model: str, base: Sequence[int],
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     start_s, end_s = t0 + warmup_s, t0 + warmup_s + seconds
+    last_s = t0 + (4.0 * (warmup_s + seconds) if max_s is None else max(max_s, 0.0))
+    wanted = 2 * concurrency
     done: list[tuple[float, int, int]] = []     # (answered at, prompt, generated)
     counter = iter(range(1 << 30))
 
+    stopped: list[float] = []   # when sending stopped: later answers drain a shrinking batch
+
+    def going() -> bool:
+        now = loop.time()
+        if now < end_s or (now < last_s and sum(1 for d in done if d[0] >= start_s) < wanted):
+            return True
+        if not stopped:
+            stopped.append(now)
+        return False
+
     async def worker() -> None:
-        while loop.time() < end_s:
+        while going():
             k = next(counter)
             prompt, gen = lengths[k % len(lengths)]
             out = await one_request(client, model, prompt_tokens(base, 1000 + k, prompt),
@@ -214,10 +232,12 @@ async def saturate(address: str, model: str, base: Sequence[int],
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
         await client.close()
-    counted = [d for d in done if start_s <= d[0] <= end_s]
+    stop_s = stopped[0] if stopped else loop.time()
+    counted = [d for d in done if start_s <= d[0] <= stop_s]
     if not counted:
-        raise RuntimeError(f"saturation: no request completed in {seconds:g} s")
-    span_s = min(end_s, max(d[0] for d in counted)) - start_s
+        raise RuntimeError(f"saturation: no request completed in "
+                           f"{last_s - start_s:g} s after the warm-up")
+    span_s = max(d[0] for d in counted) - start_s
     return BacklogCapacity(rps=len(counted) / max(span_s, 1e-9), seconds=max(span_s, 1e-9),
                            batch=float(concurrency),
                            prompt_tokens=statistics.fmean(p for _, p, _ in counted),

@@ -62,6 +62,22 @@ def test_the_rate_is_what_the_server_sustains_at_the_mix_sent(server):
     assert {d for _, _, d in srv.seen} == {replay.CALIBRATION_DEADLINE_MS}
 
 
+def test_requests_longer_than_the_window_are_measured_over_two_answers_a_client(server):
+    # 8 slots, 1.5 s a request: 5.33 requests/s.  16 clients and a 1 s window: no request
+    # is answered within it (was RuntimeError, or a rate of the few that were, over the
+    # whole window); the run goes on until 32 are answered after the warm-up.
+    srv = server(slots=8, service_s=1.5)
+    got = asyncio.run(replay.saturate("127.0.0.1:1", "m", list(range(50)), [(8, 1)],
+                                      concurrency=16, seconds=1.0, warmup_s=0.2))
+    assert got.rps == pytest.approx(8 / 1.5, rel=0.2)
+    assert len(srv.seen) >= 32
+    # a cap on the time: what was answered within it, never a wait for ever
+    srv = server(slots=8, service_s=1.5)
+    got = asyncio.run(replay.saturate("127.0.0.1:1", "m", list(range(50)), [(8, 1)],
+                                      concurrency=16, seconds=1.0, warmup_s=0.2, max_s=2.0))
+    assert got.rps > 0 and len(srv.seen) <= 32
+
+
 def test_a_refused_request_is_an_error_not_a_lower_rate(server):
     server(slots=2, service_s=0.01, fail_after=3)
     with pytest.raises(RuntimeError, match="429"):
