@@ -4,6 +4,7 @@ CPU tensor standing in for device memory: every path but the DMA runs here."""
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import threading
 
@@ -21,7 +22,20 @@ SLOT = 4096     # tiny slots: an 8 KiB chunk takes two fills, a snapshot outgrow
 
 
 def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+    """This process's open descriptors, less the one the listing itself opens (it takes the
+    lowest free number, so an unrelated descriptor closed meanwhile moved it, and a set
+    compared before and after a restore differed with nothing leaked), after a collection
+    (a file object an earlier test dropped is closed now, not mid-restore)."""
+    gc.collect()
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:          # the listing's own descriptor, closed once listed
+            continue
+        if not target.endswith(f"/{os.getpid()}/fd") and target != "/proc/self/fd":
+            out.add(name)
+    return out
 
 
 def _staged_threads() -> list[threading.Thread]:
