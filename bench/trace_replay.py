@@ -345,7 +345,6 @@ def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, re
                                                mean_gen_tokens=scale.mean_output_tokens)
         restores_before = len(stack.agent.catalog.cold_starts(model))
         sampler = Sampler(stack.agent)
-        cpu_samples = CpuSampler()
         cpu0, busy0 = _own_cpu_s(), _machine_busy_s()
         outcomes = asyncio.run(replay.send_plan(address, model, plan, base,
                                                 until_s=scale.wall_s))
@@ -356,7 +355,7 @@ def run_one(args, load: float, policy: str, rows, window_s: float, model_dir, re
                                    else busy1 - busy0, span_s=span_s,
                                    requests=len(plan), cap=cap, threads=args.threads,
                                    actual=calibrated, scale=scale,
-                                   cpu_samples=cpu_samples.stop(), outcomes=outcomes)
+                                   cpu_samples=sampler.cpu, outcomes=outcomes)
         # the front door's own counts: replica 429s, requests placed again, late first tokens
         fd_counts = dict(stack.frontdoor.path.counts)
         rows_after = stack.agent.catalog.cold_starts(model)
@@ -483,31 +482,6 @@ def _machine_busy_s() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-class CpuSampler:
-    """``(seconds since start, this process's CPU seconds)`` every ``every_s``, on a thread,
-    until :meth:`stop` (which returns them, a last one included)."""
-
-    def __init__(self, every_s: float = 0.5) -> None:
-        import threading
-
-        self.t0 = time.monotonic()
-        self.samples: list[tuple[float, float]] = [(0.0, _own_cpu_s())]
-        self._stop = threading.Event()
-        self._every_s = every_s
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._every_s):
-            self.samples.append((time.monotonic() - self.t0, _own_cpu_s()))
-
-    def stop(self) -> list[tuple[float, float]]:
-        self._stop.set()
-        self._thread.join()
-        self.samples.append((time.monotonic() - self.t0, _own_cpu_s()))
-        return self.samples
 
 
 QUIET_MARGIN_S = 1.0

@@ -230,7 +230,9 @@ class Sampler:
     """Replica-seconds: every ``SAMPLE_S``, replicas of the agent not dead (cold-booting,
     restoring, warm, suspended, draining) times the interval (``replica_s``; those beyond
     the first, ``beyond_one_s``, and the wall seconds with two or more, ``crowded_s``); also
-    each restored replica's load phases (``phases_s`` from its ``stats``)."""
+    each restored replica's load phases (``phases_s`` from its ``stats``); and ``cpu``,
+    ``(seconds since start, this process's CPU seconds)`` at every sample (what the
+    replay's contention model reads its background CPU from)."""
 
     def __init__(self, agent) -> None:
         self.agent = agent
@@ -239,6 +241,7 @@ class Sampler:
         self.crowded_s = 0.0
         self.peak = 0
         self.phases: dict[str, dict] = {}
+        self.cpu: list[tuple[float, float]] = [(0.0, time.process_time())]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="demo-sampler", daemon=True)
         self.started_s = time.monotonic()
@@ -256,6 +259,7 @@ class Sampler:
                 self.beyond_one_s += (len(alive) - 1) * (now - last)
                 self.crowded_s += now - last
             self.peak = max(self.peak, len(alive))
+            self.cpu.append((now - self.started_s, time.process_time()))
             last = now
             for r in alive:
                 rid = r.lifecycle.replica_id
